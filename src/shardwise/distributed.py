@@ -1,0 +1,172 @@
+"""The one place that calls ``torch.distributed``.
+
+Everything else in shardwise talks to a :class:`Comm`: a process group plus the
+handful of collectives the engine needs, each of which counts the bytes this
+rank sends (ring-algorithm accounting), so tests and the benchmark can compare
+traffic with ZeRO theory.  With world size 1 every collective is a no-op, which
+is what lets a one-process run work with no launcher at all.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from datetime import timedelta
+from typing import Any, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm", "Work", "init_distributed"]
+
+
+class Work(Protocol):
+    """What an asynchronous collective returns: something to wait on."""
+
+    def wait(self) -> Any: ...
+
+
+class _Done:
+    """A finished collective (world size 1, or a skipped empty tensor)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+def init_distributed(
+    backend: Optional[str] = None, timeout: float = 1800.0, set_device: bool = True
+) -> None:
+    """Initialise the default process group from torchrun's environment.
+
+    Reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` as torchrun sets
+    them; picks NCCL when CUDA is available and gloo otherwise.  Without those
+    variables (a plain ``python train.py``) it creates a one-rank gloo group that
+    needs no network, so code written for many ranks runs unchanged on one.
+    Calling it when a group already exists does nothing.
+    """
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local_rank = _env_int("LOCAL_RANK") or 0
+    if backend == "nccl" and set_device:
+        torch.cuda.set_device(local_rank)
+    limit = timedelta(seconds=timeout)
+    if rank is None or world is None:
+        # No launcher: a private in-memory store is enough for one rank.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=limit)
+        return
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=limit)
+
+
+def _ring_share(world: int) -> float:
+    return (world - 1) / world if world > 1 else 0.0
+
+
+class Comm:
+    """A process group and the collectives shardwise uses, with byte counters.
+
+    ``bytes_sent`` maps a collective's name to the bytes this rank sent through
+    it, using ring-algorithm accounting: all-reduce ``2(N-1)/N·S``,
+    reduce-scatter and all-gather ``(N-1)/N·S`` of the full-size tensor,
+    broadcast ``S`` from the source.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.group = group
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+        else:
+            self.rank, self.world_size = 0, 1
+        self.bytes_sent: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def _count(self, name: str, nbytes: float) -> None:
+        self.bytes_sent[name] += int(nbytes)
+        self.calls[name] += 1
+
+    def reset_counters(self) -> None:
+        self.bytes_sent.clear()
+        self.calls.clear()
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, op: Any = None) -> Work:
+        """Sum (or ``op``) ``tensor`` across ranks, in place."""
+        if not self.distributed:
+            return _DONE
+        self._count("all_reduce", 2 * _ring_share(self.world_size) * _nbytes(tensor))
+        work = dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return work if async_op else _DONE
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
+        """Sum ``input`` (N equal chunks) across ranks; this rank keeps chunk ``rank`` in ``output``."""
+        if not self.distributed:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _DONE
+        self._count("reduce_scatter", _ring_share(self.world_size) * _nbytes(input))
+        work = _reduce_scatter(output, input, self.group, async_op)
+        return work if async_op else _DONE
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
+        """Concatenate every rank's ``input`` into ``output`` (``N × input`` elements)."""
+        if not self.distributed:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _DONE
+        self._count("all_gather", _ring_share(self.world_size) * _nbytes(output))
+        work = _all_gather(output, input, self.group, async_op)
+        return work if async_op else _DONE
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Work:
+        """Copy ``tensor`` from group rank ``src`` to every rank, in place."""
+        if not self.distributed:
+            return _DONE
+        if self.rank == src:
+            self._count("broadcast", _nbytes(tensor))
+        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
+        return work if async_op else _DONE
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (small Python values only: it pickles)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only
+# have the ``*_tensor`` names.  Pick once, at import.
+_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool) -> Any:
+    return _RS(output, input, group=group, async_op=async_op)
+
+
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool) -> Any:
+    return _AG(output, input, group=group, async_op=async_op)

@@ -1,0 +1,277 @@
+"""The Engine: the user-facing training loop around a model.
+
+It owns the counters, accumulation and the precision policy, and delegates
+everything about *where* tensors live to a ZeRO strategy.  It knows no stage
+internals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import Config
+from .distributed import Comm
+from .optim import resolve_optimizer
+from .precision import Precision
+from .schedulers import build_scheduler
+from .zero import make_strategy
+from .zero.optimizer import ZeroOptimizer
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """A model wrapped for data-parallel training; build it with :func:`shardwise.initialize`.
+
+    ``engine(batch)`` runs the forward, ``engine.backward(loss)`` the scaled,
+    accumulation-aware backward, and ``engine.step()`` the optimizer update at
+    accumulation boundaries.  Any attribute the engine lacks resolves on the
+    wrapped module, so ``engine.generate(...)`` calls the model's own method.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: Config,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        model_parameters: Any = None,
+        process_group: Optional[dist.ProcessGroup] = None,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.comm = Comm(process_group)
+        self.batch_sizes = config.batch_sizes(self.comm.world_size)
+        self.gradient_accumulation_steps = self.batch_sizes.gradient_accumulation_steps
+        self.precision = Precision.from_config(config)
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._in_no_sync = False
+        self._prepare_module()
+        params = list(model_parameters) if model_parameters is not None else list(module.parameters())
+        inner = resolve_optimizer(optimizer, config, params)
+        self.strategy = make_strategy(module, self.comm, self.precision, config.zero_optimization)
+        self.strategy.attach(inner, self._initial_values)
+        del self._initial_values
+        self.optimizer: Optional[ZeroOptimizer] = None
+        if inner is not None:
+            self.optimizer = ZeroOptimizer(inner, self.strategy, self.precision, self.comm, config.gradient_clipping)
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+
+    # ------------------------------------------------------------- set-up
+    def _prepare_module(self) -> None:
+        """Move to the process group's device, cast, and make all ranks start identical."""
+        if _backend(self.comm) == "nccl" and not any(p.is_cuda for p in self.module.parameters()):
+            self.module.to(torch.device("cuda", torch.cuda.current_device()))
+        self._broadcast_state()
+        # Keep the fp32 values so master weights start exact, not rounded to bf16/fp16.
+        self._initial_values = {id(p): p.data for p in self.module.parameters()}
+        if self.precision.low_precision:
+            self.module.to(self.precision.dtype)
+
+    def _broadcast_state(self) -> None:
+        if not self.comm.distributed:
+            return
+        tensors = [p.data for p in _unique(self.module.parameters())] + list(self.module.buffers())
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            self.comm.broadcast(flat, src=0)
+            for tensor, value in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
+                tensor.copy_(value)
+
+    def _make_scheduler(self, lr_scheduler: Any) -> Any:
+        if lr_scheduler is not None and self.config.scheduler is not None:
+            raise ValueError(
+                "an lr_scheduler was passed to `shardwise.initialize` and the config has a `scheduler` "
+                "section; keep one of them"
+            )
+        if self.config.scheduler is not None:
+            self._require_optimizer("a `scheduler` in the config")
+            return build_scheduler(self.config.scheduler, self.optimizer)
+        if lr_scheduler is None or hasattr(lr_scheduler, "step"):
+            return lr_scheduler
+        if callable(lr_scheduler):
+            self._require_optimizer("an lr_scheduler callable")
+            return lr_scheduler(self.optimizer)
+        raise TypeError(
+            f"lr_scheduler of type `{type(lr_scheduler).__name__}` has no `step()` and is not callable; "
+            "pass a scheduler object or a callable `optimizer -> scheduler`"
+        )
+
+    def _require_optimizer(self, what: str) -> ZeroOptimizer:
+        if self.optimizer is None:
+            raise RuntimeError(
+                f"{what} needs an optimizer, but this engine is inference-only: pass `optimizer=` to "
+                "`shardwise.initialize` or add an `optimizer` section to the config"
+            )
+        return self.optimizer
+
+    # ------------------------------------------------------------ training
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module (floating inputs cast to the compute dtype)."""
+        if self.config.auto_refresh_trainable and self.strategy.trainable_changed():
+            self.refresh_trainable()
+        self.strategy.before_forward()
+        args, kwargs = self.precision.cast_inputs((args, kwargs))
+        return self.module(*args, **kwargs)
+
+    __call__ = forward
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next ``step()`` applies the optimizer."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of ``loss`` scaled for fp16 and divided by the accumulation steps.
+
+        Gradients are reduced across ranks only at an accumulation boundary and
+        outside :meth:`no_sync`.
+        """
+        self._require_optimizer("`engine.backward`")
+        sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        scale = self.precision.scaler.current / self.gradient_accumulation_steps
+        self.strategy.start_backward(sync)
+        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        self.strategy.finish_backward()
+        return loss
+
+    def step(self) -> bool:
+        """Apply the optimizer at an accumulation boundary; True if an update was applied."""
+        optimizer = self._require_optimizer("`engine.step`")
+        if self._in_no_sync:
+            raise RuntimeError(
+                "`engine.step()` was called inside `engine.no_sync()`: gradients there are not "
+                "synchronised across ranks; leave the `no_sync` block and run one backward outside it first"
+            )
+        applied = False
+        if self.is_gradient_accumulation_boundary():
+            applied = optimizer.step()
+            if applied:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            else:
+                self.skipped_steps += 1
+            self.global_steps += 1
+            self.strategy.zero_grad()
+        self.micro_steps += 1
+        return applied
+
+    def zero_grad(self) -> None:
+        """Drop all gradients, reduced or not."""
+        self.strategy.zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside, backward accumulates gradients locally with no communication."""
+        previous, self._in_no_sync = self._in_no_sync, True
+        try:
+            yield
+        finally:
+            self._in_no_sync = previous
+
+    def refresh_trainable(self) -> None:
+        """Rebuild buckets and partitions after ``requires_grad`` changed."""
+        if self.strategy.has_pending_grads():
+            raise RuntimeError(
+                f"rank {self.comm.rank}: the set of trainable parameters changed while gradients were "
+                "accumulated but not yet applied (mid-accumulation or under `no_sync`); finish the "
+                "accumulation with `engine.step()` before changing `requires_grad`"
+            )
+        self.strategy.refresh_trainable()
+
+    # ------------------------------------------------------------ lr, scale
+    def get_lr(self) -> list[float]:
+        """The learning rate of each param group."""
+        return [float(g["lr"]) for g in self._require_optimizer("`get_lr`").param_groups]
+
+    def set_lr(self, lr: Union[float, list[float]]) -> None:
+        """Set one lr for all param groups, or one per group."""
+        groups = self._require_optimizer("`set_lr`").param_groups
+        values = lr if isinstance(lr, (list, tuple)) else [lr] * len(groups)
+        if len(values) != len(groups):
+            raise ValueError(f"set_lr got {len(values)} values for {len(groups)} param groups; pass one per group or a single float")
+        for group, value in zip(groups, values):
+            group["lr"] = value
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.scaler.current
+
+    def override_loss_scale(self, scale: Optional[float]) -> None:
+        """Fix the loss scale from the next backward on; None returns to dynamic scaling."""
+        if scale is not None and not scale > 0:
+            raise ValueError(f"override_loss_scale({scale!r}): the scale must be > 0, or None for dynamic scaling")
+        self.precision.scaler.override = None if scale is None else float(scale)
+
+    # --------------------------------------------------------- inspection
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, master weights, gradients and optimizer state."""
+        return self.strategy.memory_breakdown()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full-precision ``state_dict`` of the model on rank 0 (``{}`` elsewhere); collective.
+
+        Tied parameters appear under each of their names but as one tensor.
+        """
+        masters = self.strategy.full_master_weights()
+        if self.comm.rank != 0:
+            return {}
+        result: dict[str, torch.Tensor] = {}
+        copies: dict[int, torch.Tensor] = {}
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            if id(tensor) not in copies:
+                value = masters.get(id(tensor))
+                if value is None:
+                    value = tensor.detach().clone()
+                    value = value.float() if value.is_floating_point() else value
+                copies[id(tensor)] = value.cpu()
+            result[name] = copies[id(tensor)]
+        return result
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def destroy(self) -> None:
+        """Remove every hook shardwise put on the module."""
+        self.strategy.close()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails: pass through to the wrapped module.
+        if name == "module" or "module" not in self.__dict__:
+            raise AttributeError(name)
+        module = self.__dict__["module"]
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(
+                f"neither `{type(self).__name__}` nor the wrapped module `{type(module).__name__}` "
+                f"has an attribute `{name}`"
+            ) from None
+
+    def __repr__(self) -> str:
+        return f"Engine(stage={self.strategy.stage}, dtype={self.precision.dtype}, module={type(self.module).__name__})"
+
+
+def _unique(params: Any) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for p in params:
+        seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _backend(comm: Comm) -> str:
+    return dist.get_backend(comm.group) if comm.distributed or dist.is_initialized() else "gloo"
+

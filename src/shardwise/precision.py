@@ -1,0 +1,144 @@
+"""Precision policy: the compute dtype and the loss scaler that goes with it.
+
+One object owns both, with one ``state_dict``, so a checkpoint restores the
+scale exactly.  fp16 uses DeepSpeed's dynamic scaling rules (``loss_scale`` 0
+= dynamic, ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
+``min_loss_scale``); bf16 and fp32 use a fixed scale of 1 but still skip a step
+whose gradients hold an inf or NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["LossScaler", "Precision"]
+
+
+class LossScaler:
+    """Dynamic (or static) loss scale with hysteresis.
+
+    On overflow the scale is halved, unless hysteresis still has credit, in
+    which case only the credit drops.  After ``window`` clean steps since the
+    last overflow the scale doubles and the credit is restored.
+    """
+
+    def __init__(
+        self,
+        initial_scale: float = 2.0**16,
+        dynamic: bool = True,
+        window: int = 1000,
+        hysteresis: int = 2,
+        min_scale: float = 1.0,
+        consecutive_hysteresis: bool = False,
+        factor: float = 2.0,
+    ) -> None:
+        self.scale = float(initial_scale)
+        self.dynamic = dynamic
+        self.window = window
+        self.hysteresis = hysteresis
+        self.min_scale = min_scale
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.factor = factor
+        self.credit = hysteresis
+        self.iteration = 0
+        self.last_overflow = -1
+        self.override: Optional[float] = None
+
+    @property
+    def current(self) -> float:
+        """The scale the next backward uses."""
+        return self.override if self.override is not None else self.scale
+
+    def update(self, overflow: bool) -> None:
+        """Account one optimizer step (applied, or skipped for ``overflow``)."""
+        if self.dynamic and self.override is None:
+            if overflow:
+                self._on_overflow()
+            else:
+                self._on_clean_step()
+        self.iteration += 1
+
+    def _on_overflow(self) -> None:
+        if self.credit <= 1:
+            self.scale = max(self.scale / self.factor, self.min_scale)
+        else:
+            self.credit -= 1
+        self.last_overflow = self.iteration
+
+    def _on_clean_step(self) -> None:
+        if self.consecutive_hysteresis:
+            self.credit = self.hysteresis
+        if (self.iteration - self.last_overflow) % self.window == 0:
+            self.credit = self.hysteresis
+            self.scale *= self.factor
+
+    def state_dict(self) -> dict[str, Any]:
+        keys = ("scale", "credit", "iteration", "last_overflow", "override", "dynamic")
+        return {k: getattr(self, k) for k in keys}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+class Precision:
+    """The compute dtype of the model and its loss scaler.
+
+    The module computes in ``dtype``; the optimizer always updates fp32 master
+    weights (the strategies keep them), and gradients are reduced in fp32.
+    """
+
+    def __init__(self, dtype: torch.dtype, scaler: LossScaler) -> None:
+        self.dtype = dtype
+        self.scaler = scaler
+
+    @classmethod
+    def from_config(cls, config: Any) -> "Precision":
+        """Build from a :class:`shardwise.Config` (``fp16`` / ``bf16`` sections)."""
+        fp16 = config.fp16
+        if fp16.enabled:
+            dynamic = fp16.loss_scale == 0
+            initial = 2.0**fp16.initial_scale_power if dynamic else fp16.loss_scale
+            scaler = LossScaler(
+                initial_scale=initial,
+                dynamic=dynamic,
+                window=fp16.loss_scale_window,
+                hysteresis=fp16.hysteresis,
+                min_scale=fp16.min_loss_scale,
+                consecutive_hysteresis=fp16.consecutive_hysteresis,
+            )
+            return cls(torch.float16, scaler)
+        dtype = torch.bfloat16 if config.bf16.enabled else torch.float32
+        return cls(dtype, LossScaler(initial_scale=1.0, dynamic=False))
+
+    @property
+    def low_precision(self) -> bool:
+        return self.dtype != torch.float32
+
+    def cast_inputs(self, value: Any) -> Any:
+        """Cast floating-point tensors in a nested structure to the compute dtype."""
+        if not self.low_precision:
+            return value
+        return _map_tensors(value, self._cast)
+
+    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"dtype": str(self.dtype).replace("torch.", ""), "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scaler.load_state_dict(state["scaler"])
+
+
+def _map_tensors(value: Any, fn: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        mapped = [_map_tensors(v, fn) for v in value]
+        return type(value)(*mapped) if hasattr(value, "_fields") else type(value)(mapped)
+    if isinstance(value, dict):
+        return type(value)((k, _map_tensors(v, fn)) for k, v in value.items())
+    return value

@@ -1,0 +1,322 @@
+"""DeepSpeed's warmup learning-rate schedules: WarmupLR, WarmupDecayLR, WarmupCosineLR.
+
+Same parameter names and formulas as DeepSpeed (`deepspeed/runtime/lr_schedules.py`). With `n` the
+iteration (`last_batch_iteration`) and `W` = `warmup_num_steps`, the warmup fraction is
+
+    log:    log(n + 1) / log(W)   for n < W, then 1
+    linear: n / W                 for n < W, then 1
+
+and the schedules are
+
+    WarmupLR:       min_lr + (max_lr - min_lr) * warmup_fraction
+    WarmupDecayLR:  as WarmupLR during warmup, then min_lr + (max_lr - min_lr) * max(0, (T - n) / (T - W))
+    WarmupCosineLR: initial_lr * ratio, ratio rising from warmup_min_ratio to 1 during warmup, then
+                    cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * (n - W + 1) / (T - W))) / 2
+
+where `T` = `total_num_steps`. Stepping follows torch: construction writes the lr of iteration
+`last_batch_iteration + 1` (0 for a fresh schedule) into the param groups, so optimizer step `k`
+runs at the schedule's lr for iteration `k` when `step()` is called after each optimizer step.
+
+Differences from DeepSpeed, on purpose:
+- DeepSpeed's constructor leaves the first optimizer step at lr 0 (first group only) and starts the
+  schedule one step late; here the first optimizer step runs at the iteration-0 lr.
+- DeepSpeed silently raises `warmup_num_steps` below 2 to 2; here 0 means no warmup and 1 means one
+  warmup step at the minimum.
+- Past `total_num_steps` DeepSpeed's cosine rises again; here it stays at `cos_min_ratio`.
+- Bad arguments raise ValueError instead of a logged warning.
+
+The classes subclass `torch.optim.lr_scheduler.LRScheduler` (so `isinstance` checks and torch tooling
+see a scheduler) but do not run its constructor, which insists on a `torch.optim.Optimizer` and
+patches `optimizer.step`: any object with a `param_groups` list of dicts works, e.g. a sharded wrapper.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+if TYPE_CHECKING:
+    from shardwise.config import SchedulerConfig
+
+__all__ = ["SCHEDULERS", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_scheduler", "param_problems"]
+
+WARMUP_TYPES = ("log", "linear")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _lr_ok(value: Any) -> bool:
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return bool(values) and all(_is_number(v) and v >= 0 for v in values)
+
+
+def param_problems(params: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Check schedule arguments (any subset of the known names); return `(name, problem)` pairs.
+
+    Shared by the constructors and by config validation, so both reject the same values.
+    """
+    problems: list[tuple[str, str]] = []
+
+    def bad(name: str, expected: str) -> None:
+        problems.append((name, f"got {params[name]!r}; expected {expected}"))
+
+    warmup = params.get("warmup_num_steps", 0)
+    warmup_ok = _is_int(warmup) and warmup >= 0
+    if not warmup_ok:
+        bad("warmup_num_steps", "an integer >= 0")
+    total = params.get("total_num_steps")
+    if "total_num_steps" in params and not (_is_int(total) and (not warmup_ok or total > warmup)):
+        bad("total_num_steps", f"an integer > warmup_num_steps ({warmup}); raise it or lower warmup_num_steps")
+    if params.get("warmup_type", "log") not in WARMUP_TYPES:
+        bad("warmup_type", "'log' or 'linear'")
+    for name in ("warmup_min_lr", "warmup_max_lr"):
+        if name in params and not _lr_ok(params[name]):
+            bad(name, "a number >= 0, or a list of them with one per param group")
+    for name in ("warmup_min_ratio", "cos_min_ratio"):
+        value = params.get(name, 0.0)
+        if not (_is_number(value) and 0 <= value <= 1):
+            bad(name, "a number in [0, 1]")
+    iteration = params.get("last_batch_iteration", -1)
+    if not (_is_int(iteration) and iteration >= -1):
+        bad("last_batch_iteration", "an integer >= -1")
+    return problems
+
+
+def _raise_on_problems(owner: str, params: Mapping[str, Any]) -> None:
+    problems = param_problems(params)
+    if problems:
+        raise ValueError("\n".join(f"{owner}: `{name}` {problem}" for name, problem in problems))
+
+
+def _param_groups(optimizer: Any) -> list[dict[str, Any]]:
+    groups = getattr(optimizer, "param_groups", None)
+    usable = isinstance(groups, list) and bool(groups)
+    if not (usable and all(isinstance(g, dict) and "lr" in g for g in groups)):
+        raise TypeError(
+            f"{type(optimizer).__name__} has no usable `param_groups`: expected a non-empty list of dicts, "
+            "each with an 'lr'; pass a torch optimizer or a wrapper that exposes its `param_groups`"
+        )
+    return groups
+
+
+def _per_group(value: float | Sequence[float], count: int, name: str) -> list[float]:
+    """One float per param group from a single value or a list of them."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(
+                f"`{name}` has {len(value)} values but the optimizer has {count} param groups; "
+                "give one value per group or a single number"
+            )
+        return [float(v) for v in value]
+    return [float(value)] * count
+
+
+def _warmup_fraction(iteration: int, warmup_num_steps: int, warmup_type: str) -> float:
+    """How far warmup has got at `iteration`: 0 at the start, 1 once warm."""
+    if iteration >= warmup_num_steps:
+        return 1.0
+    if warmup_type == "linear":
+        return iteration / warmup_num_steps
+    # DeepSpeed's log curve reaches 1 on the last warmup step; one step of warmup stays at the start.
+    return math.log(iteration + 1) / math.log(warmup_num_steps) if warmup_num_steps > 1 else 0.0
+
+
+class _WarmupSchedule(LRScheduler):
+    """Shared stepping and state for the closed-form schedules below; subclasses define `_lrs_at`."""
+
+    def __init__(
+        self, optimizer: Any, warmup_num_steps: int, warmup_type: str, last_batch_iteration: int
+    ) -> None:
+        # LRScheduler.__init__ is skipped on purpose (see the module docstring).
+        groups = _param_groups(optimizer)
+        self.optimizer = optimizer
+        self.warmup_num_steps = warmup_num_steps
+        self.warmup_type = warmup_type
+        # torch's convention: `initial_lr` survives optimizer checkpoints, so a resumed schedule
+        # measures against the original lr rather than an already-scheduled one.
+        self.base_lrs = [float(g.setdefault("initial_lr", g["lr"])) for g in groups]
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr: list[float] = []
+        self.step()
+
+    @property  # type: ignore[override]
+    def last_epoch(self) -> int:
+        """torch's name for `last_batch_iteration`."""
+        return self.last_batch_iteration
+
+    @last_epoch.setter
+    def last_epoch(self, value: int) -> None:
+        self.last_batch_iteration = value
+
+    def _lrs_at(self, iteration: int) -> list[float]:
+        raise NotImplementedError
+
+    def get_lr(self) -> list[float]:
+        """The learning rates, one per param group, for the current iteration."""
+        return self._lrs_at(max(self.last_batch_iteration, 0))
+
+    def get_last_lr(self) -> list[float]:
+        """The learning rates this schedule last wrote into the param groups."""
+        return list(self._last_lr)
+
+    def step(self, last_batch_iteration: int | None = None) -> None:  # type: ignore[override]
+        """Advance one iteration (or jump to `last_batch_iteration`) and write the lrs into the groups."""
+        if last_batch_iteration is None:
+            last_batch_iteration = self.last_batch_iteration + 1
+        self.last_batch_iteration = last_batch_iteration
+        self._apply(self.get_lr())
+
+    def _apply(self, lrs: list[float]) -> None:
+        groups = self.optimizer.param_groups
+        if len(groups) != len(lrs):
+            raise RuntimeError(
+                f"{type(self).__name__} was built for {len(lrs)} param groups but the optimizer now has "
+                f"{len(groups)}; build the scheduler after the last `add_param_group`"
+            )
+        for group, lr in zip(groups, lrs):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)  # keep a tensor lr a tensor (capturable / compiled optimizers)
+            else:
+                group["lr"] = lr
+        self._last_lr = list(lrs)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The iteration and base lrs; arguments come from the config, as in DeepSpeed."""
+        return {"last_batch_iteration": self.last_batch_iteration, "base_lrs": list(self.base_lrs)}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` and write its lrs into the groups.
+
+        DeepSpeed's `{'last_batch_iteration': n}` loads too.
+        """
+        if "last_batch_iteration" not in state_dict:
+            raise KeyError(
+                f"{type(self).__name__}.load_state_dict: no 'last_batch_iteration' in keys {sorted(state_dict)}; "
+                "pass a dict from `state_dict()`"
+            )
+        base_lrs = state_dict.get("base_lrs", self.base_lrs)
+        if len(base_lrs) != len(self.base_lrs):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: state has {len(base_lrs)} param groups, the optimizer "
+                f"has {len(self.base_lrs)}; load a checkpoint made with the same param groups"
+            )
+        self.base_lrs = [float(lr) for lr in base_lrs]
+        self.step(int(state_dict["last_batch_iteration"]))
+
+
+class WarmupLR(_WarmupSchedule):
+    """Warm each group's lr up from `warmup_min_lr` to `warmup_max_lr` over `warmup_num_steps`, then hold.
+
+    `warmup_min_lr` / `warmup_max_lr` are a number or a list with one value per param group;
+    `warmup_type` is `"log"` or `"linear"`.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        warmup_min_lr: float | Sequence[float] = 0.0,
+        warmup_max_lr: float | Sequence[float] = 0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = "log",
+        last_batch_iteration: int = -1,
+    ) -> None:
+        _raise_on_problems(type(self).__name__, self._arguments(locals()))
+        count = len(_param_groups(optimizer))
+        self.min_lrs = _per_group(warmup_min_lr, count, "warmup_min_lr")
+        self.max_lrs = _per_group(warmup_max_lr, count, "warmup_max_lr")
+        super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
+
+    @staticmethod
+    def _arguments(scope: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in scope.items() if k not in ("self", "optimizer", "__class__")}
+
+    def _gamma(self, iteration: int) -> float:
+        return _warmup_fraction(iteration, self.warmup_num_steps, self.warmup_type)
+
+    def _lrs_at(self, iteration: int) -> list[float]:
+        gamma = self._gamma(iteration)
+        return [low + (high - low) * gamma for low, high in zip(self.min_lrs, self.max_lrs)]
+
+
+class WarmupDecayLR(WarmupLR):
+    """WarmupLR, then decay linearly from `warmup_max_lr` to `warmup_min_lr` at `total_num_steps`."""
+
+    def __init__(
+        self,
+        optimizer: Any,
+        total_num_steps: int,
+        warmup_min_lr: float | Sequence[float] = 0.0,
+        warmup_max_lr: float | Sequence[float] = 0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = "log",
+        last_batch_iteration: int = -1,
+    ) -> None:
+        _raise_on_problems(type(self).__name__, self._arguments(locals()))
+        self.total_num_steps = total_num_steps
+        super().__init__(
+            optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration
+        )
+
+    def _gamma(self, iteration: int) -> float:
+        if iteration < self.warmup_num_steps:
+            return super()._gamma(iteration)
+        return max(0.0, (self.total_num_steps - iteration) / (self.total_num_steps - self.warmup_num_steps))
+
+
+class WarmupCosineLR(_WarmupSchedule):
+    """Scale each group's initial lr: warm the ratio up from `warmup_min_ratio` to 1, then follow a
+    cosine down to `cos_min_ratio` at `total_num_steps` (and stay there)."""
+
+    def __init__(
+        self,
+        optimizer: Any,
+        total_num_steps: int,
+        warmup_min_ratio: float = 0.0,
+        warmup_num_steps: int = 1000,
+        cos_min_ratio: float = 0.0001,
+        warmup_type: str = "log",
+        last_batch_iteration: int = -1,
+    ) -> None:
+        _raise_on_problems(type(self).__name__, WarmupLR._arguments(locals()))
+        self.total_num_steps = total_num_steps
+        self.warmup_min_ratio = float(warmup_min_ratio)
+        self.cos_min_ratio = float(cos_min_ratio)
+        super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
+
+    def _ratio(self, iteration: int) -> float:
+        if iteration < self.warmup_num_steps:
+            fraction = _warmup_fraction(iteration, self.warmup_num_steps, self.warmup_type)
+            return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * fraction
+        span = self.total_num_steps - self.warmup_num_steps
+        done = min(iteration - self.warmup_num_steps + 1, span)
+        return self.cos_min_ratio + (1.0 - self.cos_min_ratio) * (1.0 + math.cos(math.pi * done / span)) / 2.0
+
+    def _lrs_at(self, iteration: int) -> list[float]:
+        ratio = self._ratio(iteration)
+        return [base * ratio for base in self.base_lrs]
+
+
+SCHEDULERS: dict[str, type[_WarmupSchedule]] = {
+    "WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,
+}
+
+
+def build_scheduler(config: SchedulerConfig | Mapping[str, Any], optimizer: Any) -> _WarmupSchedule:
+    """Build the schedule a `scheduler` config section describes (a SchedulerConfig or its dict)."""
+    from shardwise.config import Config, SchedulerConfig
+
+    if not isinstance(config, SchedulerConfig):
+        # Validate through Config so errors carry `scheduler.` paths like any other config problem.
+        config = Config.load({"scheduler": dict(config)}).scheduler
+        assert config is not None  # internal: the key was just given
+    return SCHEDULERS[config.type](optimizer, **config.params)

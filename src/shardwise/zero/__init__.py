@@ -1,0 +1,32 @@
+"""ZeRO stages: one strategy class per stage over a shared interface."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..distributed import Comm
+from ..precision import Precision
+from .base import Strategy
+from .stage0 import Stage0
+from .stage1 import Stage1
+from .stage2 import Stage2
+
+__all__ = ["Strategy", "make_strategy"]
+
+
+def make_strategy(module: nn.Module, comm: Comm, precision: Precision, zero_config: Any) -> Strategy:
+    """The strategy for ``zero_config.stage``."""
+    stages: dict[int, type[Strategy]] = {0: Stage0, 1: Stage1, 2: Stage2}
+    try:
+        from .stage3 import Stage3  # built separately; optional until it lands
+
+        stages[3] = Stage3
+    except ImportError:
+        pass
+    if zero_config.stage not in stages:
+        raise ValueError(
+            f"zero_optimization.stage {zero_config.stage} is not available; use one of {sorted(stages)}"
+        )
+    return stages[zero_config.stage](module, comm, precision, zero_config)

@@ -1,0 +1,117 @@
+"""The interface every ZeRO stage implements.
+
+The engine and :class:`~shardwise.zero.optimizer.ZeroOptimizer` know only this
+interface; what a stage keeps where (replicated, sharded, gathered on demand) is
+the stage's business.  The step pipeline is the same for all stages:
+
+``start_backward(sync)`` → autograd (the stage's hooks reduce gradients when
+``sync``) → ``finish_backward()`` → ``grad_sq()`` (local) → [all-reduce if
+``shards_grads``] → overflow check, unscale and clip via ``scale_grads`` →
+inner optimizer step over ``master`` pieces → ``after_step()`` (master → model
+parameters) → ``zero_grad()``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..distributed import Comm
+from ..precision import Precision
+
+__all__ = ["Strategy", "tensor_bytes"]
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Storage bytes of the tensors in a (nested) container, each counted once."""
+    seen: set[int] = set()
+    total = 0
+    stack = [tensors]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if id(item) not in seen:
+                seen.add(id(item))
+                total += item.numel() * item.element_size()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
+
+
+class Strategy(ABC):
+    """One ZeRO stage: where parameters, gradients and master weights live."""
+
+    stage: int = -1
+    #: whether ``grad_sq`` is a partial sum that must be all-reduced across ranks
+    shards_grads: bool = False
+
+    def __init__(self, module: nn.Module, comm: Comm, precision: Precision, zero_config: Any) -> None:
+        self.module = module
+        self.comm = comm
+        self.precision = precision
+        self.zero_config = zero_config
+        self.inner: Optional[Any] = None
+        self.sync = False
+
+    def attach(self, inner: Optional[Any], initial: Optional[dict[int, torch.Tensor]] = None) -> None:
+        """Take over the inner optimizer's param groups (None: inference only).
+
+        ``initial`` maps ``id(param)`` to its value before the model was cast to
+        the compute dtype, so fp32 master weights can start from it.
+        """
+        self.inner = inner
+        self.initial = initial or {}
+
+    @abstractmethod
+    def start_backward(self, sync: bool) -> None:
+        """Called before autograd runs; ``sync`` says whether to reduce this time."""
+
+    @abstractmethod
+    def finish_backward(self) -> None:
+        """Called after autograd: flush and wait for gradient reduction."""
+
+    @abstractmethod
+    def grad_sq(self) -> torch.Tensor:
+        """Sum of squares of this rank's reduced (still loss-scaled) fp32 gradients."""
+
+    @abstractmethod
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the reduced gradients by ``factor`` (unscale and clip)."""
+
+    @abstractmethod
+    def after_step(self) -> None:
+        """Copy updated master weights into the model's parameters."""
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Forget all gradients (reduced and not yet reduced)."""
+
+    @abstractmethod
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of tensor storage this rank holds, by kind."""
+
+    @abstractmethod
+    def full_master_weights(self) -> dict[int, torch.Tensor]:
+        """Full fp32 value of every trainable parameter, keyed by ``id(param)`` (collective)."""
+
+    def before_forward(self) -> None:
+        """Hook for stages that prepare parameters ahead of a forward."""
+
+    def refresh_trainable(self) -> None:
+        """Rebuild whatever depends on the set of trainable parameters."""
+
+    def trainable_changed(self) -> bool:
+        """Whether ``requires_grad`` flags differ from those the stage was built for."""
+        return False
+
+    def has_pending_grads(self) -> bool:
+        """Whether gradients were accumulated but not yet reduced and stepped."""
+        return False
+
+    def close(self) -> None:
+        """Remove hooks and restore anything the stage changed on the module."""

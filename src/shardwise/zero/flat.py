@@ -1,0 +1,300 @@
+"""Flat-bucket strategies (stages 0, 1 and 2): full parameters on every rank.
+
+What the three stages share lives here: the :class:`~.layout.FlatLayout`, fp32
+master weights for the slice this rank owns, gradient buckets reduced
+asynchronously from autograd hooks while backward is still running, and the
+re-gather of updated parameters.  The stage classes only choose
+
+* ``num_shards``: 1 (stage 0, every rank owns everything) or the world size;
+* ``persistent_grads``: whether full-size gradients live in a flat buffer that
+  ``param.grad`` views into (stages 0, 1), or are copied into a bucket and
+  released as soon as they are produced (stage 2).
+
+A bucket is launched once all of its parameters' gradients are in *and* every
+earlier bucket has been launched, so all ranks issue the same collectives in
+the same order even when their autograd orders differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .base import Strategy, tensor_bytes
+from .layout import Bucket, FlatLayout
+
+__all__ = ["FlatStrategy"]
+
+
+class FlatStrategy(Strategy):
+    """Base of stages 0-2; see the module docstring."""
+
+    persistent_grads: bool = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_shards = self._num_shards()
+        self.shards_grads = self.num_shards > 1
+        self.layout: Optional[FlatLayout] = None
+        self._hooks: list[Any] = []
+        self._groups: list[list[nn.Parameter]] = []
+        self._mask: tuple[bool, ...] = ()
+        self._works: list[tuple[Any, Bucket, torch.Tensor]] = []
+        self.master: Optional[torch.Tensor] = None
+        self.master_grad: Optional[torch.Tensor] = None
+        self.param_flat: Optional[torch.Tensor] = None
+        self.grad_flat: Optional[torch.Tensor] = None
+        self._dirty = False
+
+    def _num_shards(self) -> int:
+        return self.comm.world_size
+
+    # ------------------------------------------------------------------ build
+    def attach(self, inner: Optional[Any], initial: Optional[dict[int, torch.Tensor]] = None) -> None:
+        super().attach(inner, initial)
+        if inner is None:
+            return
+        self._groups = [list(group["params"]) for group in inner.param_groups]
+        self._order = _module_order(self.module, self._groups)
+        self._build()
+
+    @property
+    def alias(self) -> bool:
+        """Stage 0 in fp32: the model's parameters are the master weights."""
+        return self.num_shards == 1 and self.precision.dtype == torch.float32
+
+    def _build(self) -> None:
+        params = [p for p in self._order if p.requires_grad]
+        self._mask = tuple(p.requires_grad for p in self._order)
+        self.layout = FlatLayout(
+            params,
+            self.zero_config.reduce_bucket_size,
+            self.num_shards,
+            self.comm.rank if self.num_shards > 1 else 0,
+        )
+        device = params[0].device if params else torch.device("cpu")
+        if not self.alias:
+            self._flatten_params(device)
+        self._make_grad_storage(device)
+        self._point_optimizer()
+        self._register_hooks()
+        self._reset_backward()
+
+    def _flatten_params(self, device: torch.device) -> None:
+        layout = self.layout
+        dtype = self.precision.dtype
+        self.param_flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        for index, param in enumerate(layout.params):
+            view = layout.param_slice(self.param_flat, index)
+            view.copy_(param.detach().reshape(-1))
+            param.data = view.view_as(param)
+        self.master = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+        for piece in layout.pieces:
+            param = layout.params[piece.param]
+            source = self.initial.get(id(param), param.data).reshape(-1)
+            self.master.narrow(0, piece.shard_offset, piece.numel).copy_(source[piece.start : piece.end])
+        self.initial = {}  # only needed once: let the fp32 originals go
+
+    def _make_grad_storage(self, device: torch.device) -> None:
+        layout = self.layout
+        if self.persistent_grads:
+            self.grad_flat = torch.zeros(layout.padded_numel, dtype=self.precision.dtype, device=device)
+            self._restore_grad_views()
+        if self.alias:
+            self.master_grad = self.grad_flat
+        else:
+            self.master_grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+
+    def _restore_grad_views(self) -> None:
+        for index, param in enumerate(self.layout.params):
+            param.grad = self.layout.param_slice(self.grad_flat, index).view_as(param)
+
+    def _point_optimizer(self) -> None:
+        """Make the inner optimizer step this rank's fp32 master pieces."""
+        if self.alias:
+            return  # the model's own parameters are stepped, as in plain DDP
+        views = {}
+        for piece in self.layout.pieces:
+            view = self.master.narrow(0, piece.shard_offset, piece.numel)
+            view.grad = self.master_grad.narrow(0, piece.shard_offset, piece.numel)
+            views.setdefault(id(self.layout.params[piece.param]), view)
+        for group, originals in zip(self.inner.param_groups, self._groups):
+            group["params"] = [views[id(p)] for p in originals if id(p) in views]
+        self.piece_views = views
+
+    def _register_hooks(self) -> None:
+        for index, param in enumerate(self.layout.params):
+            hook = param.register_post_accumulate_grad_hook(self._hook_for(index))
+            self._hooks.append(hook)
+
+    def _hook_for(self, index: int) -> Any:
+        def on_grad(param: torch.Tensor) -> None:
+            self._on_grad(index, param)
+
+        return on_grad
+
+    # --------------------------------------------------------------- backward
+    def _reset_backward(self) -> None:
+        self._pending = [len(b.params) for b in self.layout.buckets]
+        self._seen = [False] * len(self.layout.params)
+        self._next = 0
+        self._works = []
+
+    def start_backward(self, sync: bool) -> None:
+        self.sync = sync
+        self._dirty = True
+        if self.layout is not None:
+            self._reset_backward()
+
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        if self.persistent_grads:
+            self._keep_grad_in_buffer(index, param)
+        if not self.sync or self._seen[index]:
+            return
+        self._seen[index] = True
+        self._take_grad(index, param)
+        bucket, _ = self.layout.bucket_of[index]
+        self._pending[bucket.index] -= 1
+        self._launch_ready()
+
+    def _keep_grad_in_buffer(self, index: int, param: torch.Tensor) -> None:
+        # A user's `model.zero_grad()` sets .grad to None, so autograd allocated a
+        # fresh tensor: fold it back into the flat buffer the reduction reads.
+        view = self.layout.param_slice(self.grad_flat, index)
+        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            view.add_(param.grad.reshape(-1))
+            param.grad = view.view_as(param)
+
+    def _take_grad(self, index: int, param: torch.Tensor) -> None:
+        """Stage-specific: capture ``param``'s gradient for its bucket."""
+
+    def _launch_ready(self) -> None:
+        buckets = self.layout.buckets
+        while self._next < len(buckets) and self._pending[self._next] == 0:
+            self._launch(buckets[self._next])
+            self._next += 1
+
+    def _comm_input(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's summed local gradients as a full-size fp32 tensor."""
+        region = self.layout.bucket_slice(self.grad_flat, bucket)
+        return region if region.dtype == torch.float32 else region.float()
+
+    def _launch(self, bucket: Bucket) -> None:
+        output = self.layout.shard_slice(self.master_grad, bucket)
+        source = self._comm_input(bucket)
+        if self.num_shards == 1:
+            if source.data_ptr() != output.data_ptr():
+                output.copy_(source)
+            work = self.comm.all_reduce(output, async_op=True)
+        else:
+            work = self.comm.reduce_scatter(output, source, async_op=True)
+        self._works.append((work, bucket, source))
+
+    def finish_backward(self) -> None:
+        if not self.sync or self.layout is None:
+            return
+        for bucket in self.layout.buckets[self._next :]:
+            self._flush(bucket)
+            self._launch(bucket)
+        self._next = len(self.layout.buckets)
+        for work, _, _ in self._works:
+            work.wait()
+        self._works = []
+        if self.comm.world_size > 1:
+            self.master_grad.mul_(1.0 / self.comm.world_size)
+
+    def _flush(self, bucket: Bucket) -> None:
+        """Stage-specific: capture gradients whose hooks did not fire (unused parameters)."""
+
+    # ------------------------------------------------------------------- step
+    def grad_sq(self) -> torch.Tensor:
+        if self.master_grad is None:
+            return torch.zeros((), dtype=torch.float32)
+        grad = self.master_grad.float() if self.master_grad.dtype != torch.float32 else self.master_grad
+        return torch.dot(grad, grad) if grad.numel() else grad.new_zeros(())
+
+    def scale_grads(self, factor: float) -> None:
+        if factor != 1.0 and self.master_grad is not None:
+            self.master_grad.mul_(factor)
+
+    def after_step(self) -> None:
+        if self.alias or self.layout is None:
+            return
+        layout, dtype = self.layout, self.precision.dtype
+        if self.num_shards == 1:
+            self.param_flat.copy_(self.master)
+            return
+        works = []
+        for bucket in layout.buckets:
+            source = layout.shard_slice(self.master, bucket)
+            source = source if dtype == torch.float32 else source.to(dtype)
+            works.append(self.comm.all_gather(layout.bucket_slice(self.param_flat, bucket), source, async_op=True))
+        for work in works:
+            work.wait()
+
+    def zero_grad(self) -> None:
+        self._dirty = False
+        if self.layout is None:
+            return
+        if self.persistent_grads:
+            self.grad_flat.zero_()
+            self._restore_grad_views()
+        else:
+            for param in self.layout.params:
+                param.grad = None
+
+    def has_pending_grads(self) -> bool:
+        return self._dirty
+
+    # ------------------------------------------------------------ accounting
+    def memory_breakdown(self) -> dict[str, int]:
+        params = {id(p): p for p in self.module.parameters()}
+        grads = [self.grad_flat, None if self.alias else self.master_grad]
+        state = getattr(self.inner, "state", {}) if self.inner is not None else {}
+        return {
+            "parameters": tensor_bytes(list(params.values())),
+            "master_weights": 0 if self.alias else tensor_bytes(self.master),
+            "gradients": tensor_bytes([g for g in grads if g is not None]),
+            "optimizer_state": tensor_bytes(list(state.values())),
+        }
+
+    def full_master_weights(self) -> dict[int, torch.Tensor]:
+        if self.layout is None:
+            return {}
+        layout = self.layout
+        if self.alias:
+            return {id(p): p.detach().float().clone() for p in layout.params}
+        full = self.gather_flat(self.master)
+        return {id(p): layout.param_slice(full, i).view_as(p).clone() for i, p in enumerate(layout.params)}
+
+    def gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+        """The full-size flat tensor whose slices, across ranks, are ``shard`` (collective)."""
+        layout = self.layout
+        if self.num_shards == 1:
+            return shard
+        full = shard.new_empty(layout.padded_numel)
+        for bucket in layout.buckets:
+            self.comm.all_gather(layout.bucket_slice(full, bucket), layout.shard_slice(shard, bucket))
+        return full
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def _module_order(module: nn.Module, groups: list[list[nn.Parameter]]) -> list[nn.Parameter]:
+    """The optimizer's parameters in module registration order (checked to belong to it)."""
+    in_groups = {id(p): p for group in groups for p in group}
+    order = [p for p in module.parameters() if id(p) in in_groups]
+    if len(order) != len(in_groups):
+        known = {id(p) for p in module.parameters()}
+        stray = [tuple(p.shape) for p in in_groups.values() if id(p) not in known]
+        raise ValueError(
+            f"the optimizer holds {len(stray)} tensor(s) that are not parameters of the model "
+            f"(shapes {stray[:5]}); build the optimizer from `model.parameters()` of the model "
+            "passed to `shardwise.initialize`"
+        )
+    return order

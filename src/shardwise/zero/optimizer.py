@@ -1,0 +1,63 @@
+"""The optimizer step shared by every stage: overflow check, unscale, clip, step, re-gather."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..distributed import Comm
+from ..optim import ShardwiseOptimizer
+from ..precision import Precision
+from .base import Strategy
+
+__all__ = ["ZeroOptimizer"]
+
+
+class ZeroOptimizer(ShardwiseOptimizer):
+    """Steps the inner optimizer over the master weights a ZeRO stage keeps.
+
+    One all-reduce of a single scalar (the squared gradient norm, for sharded
+    gradients) serves both clipping and overflow detection: an inf or NaN
+    anywhere makes the global sum non-finite on every rank, so all ranks skip
+    the same step.
+    """
+
+    def __init__(
+        self, inner: Any, strategy: Strategy, precision: Precision, comm: Comm, clip: float
+    ) -> None:
+        super().__init__(inner)
+        self.strategy = strategy
+        self.precision = precision
+        self.comm = comm
+        self.clip = clip
+        #: global L2 norm of the (unscaled) gradients at the last step; inf on overflow
+        self.last_grad_norm: float = 0.0
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> bool:  # type: ignore[override]
+        """Apply the update; returns False when it was skipped for overflow."""
+        if closure is not None:
+            raise ValueError("closures are not supported: run forward/backward through the engine instead")
+        scale = self.precision.scaler.current
+        sq = self.strategy.grad_sq()
+        if self.strategy.shards_grads:
+            self.comm.all_reduce(sq)
+        norm_sq = float(sq.item())
+        if not math.isfinite(norm_sq):
+            self.last_grad_norm = math.inf
+            self.precision.scaler.update(overflow=True)
+            return False
+        self.last_grad_norm = math.sqrt(norm_sq) / scale
+        factor = 1.0 / scale
+        if self.clip > 0:
+            # torch.nn.utils.clip_grad_norm_'s rule, so results match it exactly
+            factor *= min(1.0, self.clip / (self.last_grad_norm + 1e-6))
+        self.strategy.scale_grads(factor)
+        self.inner.step()
+        self.strategy.after_step()
+        self.precision.scaler.update(overflow=False)
+        return True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.strategy.zero_grad()

@@ -1,0 +1,68 @@
+"""Stage 2: as stage 1, and gradients sharded too.
+
+No full-size gradient buffer exists.  At the accumulation boundary each
+parameter's gradient is copied (in fp32) into its bucket's staging tensor the
+moment autograd produces it, and ``param.grad`` is released; the bucket is
+reduce-scattered as soon as it is complete and its staging freed once the
+collective finishes.  Between boundaries (gradient accumulation, ``no_sync``)
+gradients accumulate in ``param.grad`` at full size: accumulation trades that
+memory for communicating once per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .flat import FlatStrategy
+from .layout import Bucket
+
+__all__ = ["Stage2"]
+
+
+class Stage2(FlatStrategy):
+    """Sharded master weights, optimizer state and gradients."""
+
+    stage = 2
+    persistent_grads = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._staging: dict[int, torch.Tensor] = {}
+
+    def _stage(self, bucket: Bucket) -> torch.Tensor:
+        staging = self._staging.get(bucket.index)
+        if staging is None:
+            staging = torch.zeros(bucket.padded, dtype=torch.float32, device=self.master_grad.device)
+            self._staging[bucket.index] = staging
+        return staging
+
+    def _take_grad(self, index: int, param: torch.Tensor) -> None:
+        bucket, offset = self.layout.bucket_of[index]
+        if param.grad is not None:
+            self._stage(bucket).narrow(0, offset, param.numel()).copy_(param.grad.reshape(-1))
+            param.grad = None  # the full-size gradient is no longer needed
+
+    def _flush(self, bucket: Bucket) -> None:
+        for index in bucket.params:
+            if not self._seen[index]:
+                self._seen[index] = True
+                self._take_grad(index, self.layout.params[index])
+
+    def _comm_input(self, bucket: Bucket) -> torch.Tensor:
+        return self._stage(bucket)
+
+    def finish_backward(self) -> None:
+        super().finish_backward()
+        if self.sync:
+            self._staging.clear()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        counts = super().memory_breakdown()
+        counts["gradients"] += sum(p.grad.numel() * p.grad.element_size() for p in self._grads())
+        return counts
+
+    def _grads(self) -> list[torch.Tensor]:
+        params = self.layout.params if self.layout is not None else []
+        return [p for p in params if p.grad is not None]

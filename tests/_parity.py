@@ -1,0 +1,93 @@
+"""Shared pieces of the parity tests: a model, per-rank data, and references.
+
+The model avoids parameters whose true gradient is zero (see DESIGN.md): every
+parameter gets a real gradient from every batch, so Adam cannot turn float
+noise into a full-lr update and hide real disagreement.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class ParityNet(nn.Module):
+    """Embedding + MLP with uneven tensor sizes (one big embedding, small biases)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 16, hidden: int = 24, out: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, out)
+
+    def forward(self, idx: torch.Tensor, target: Optional[torch.Tensor] = None) -> Any:
+        h = self.embed(idx).mean(dim=1)
+        h = torch.tanh(self.fc1(h))
+        h = torch.tanh(self.fc2(h))
+        out = self.head(h)
+        if target is None:
+            return out
+        return F.mse_loss(out.float(), target)
+
+    def generate(self, idx: torch.Tensor, steps: int) -> torch.Tensor:
+        """A loop calling ``self(...)``, like a HuggingFace model's ``generate``."""
+        for _ in range(steps):
+            nxt = self(idx[:, -4:]).argmax(dim=-1, keepdim=True)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+
+def make_model(seed: int = 0, **kwargs: Any) -> ParityNet:
+    torch.manual_seed(seed)
+    return ParityNet(**kwargs)
+
+
+def batch(step: int, rank: int, size: int = 4, vocab: int = 64, out: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic data for (step, rank): different on every rank."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    idx = torch.randint(0, vocab, (size, 6), generator=gen)
+    target = torch.randn(size, out, generator=gen)
+    return idx, target
+
+
+def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().clone() for n, p in module.named_parameters()}
+
+
+def assert_close_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float, rtol: float = 0.0) -> None:
+    assert got.keys() == want.keys(), (got.keys(), want.keys())
+    for name in want:
+        diff = (got[name] - want[name]).abs().max().item()
+        assert torch.allclose(got[name], want[name], atol=atol, rtol=rtol), f"{name}: max abs diff {diff:.3g} > atol {atol}"
+
+
+def ddp_reference(
+    steps: int,
+    make_opt: Callable[[Any], torch.optim.Optimizer],
+    clip: float = 0.0,
+    size: int = 4,
+    seed: int = 0,
+    **model_kwargs: Any,
+) -> dict[str, torch.Tensor]:
+    """Train a ParityNet with torch DDP for ``steps`` and return its parameters."""
+    model = make_model(seed, **model_kwargs)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = make_opt(model.parameters())
+    rank = dist.get_rank()
+    for step in range(steps):
+        idx, target = batch(step, rank, size)
+        ddp(idx, target).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return params_of(model)
+
+
+def adamw(params: Any, lr: float = 1e-2) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
