@@ -212,6 +212,38 @@ class Engine:
             raise ValueError(f"override_loss_scale({scale!r}): the scale must be > 0, or None for dynamic scaling")
         self.precision.scaler.override = None if scale is None else float(scale)
 
+    # --------------------------------------------------------- checkpoints
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict[str, Any]] = None) -> str:
+        """Collectively write a checkpoint (every rank its own shard); returns its path."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: Optional[str] = None,
+        *,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        module_load_fn: Any = None,
+        strict: bool = True,
+    ) -> dict[str, Any]:
+        """Collectively restore a checkpoint (any world size or stage); returns its client_state."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag=tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            module_load_fn=module_load_fn,
+            strict=strict,
+        )
+
     # --------------------------------------------------------- inspection
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, master weights, gradients and optimizer state."""

@@ -14,6 +14,7 @@ parameters) → ``zero_grad()``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -22,7 +23,28 @@ from torch import nn
 from ..distributed import Comm
 from ..precision import Precision
 
-__all__ = ["Strategy", "tensor_bytes"]
+__all__ = ["ParamShard", "Strategy", "tensor_bytes"]
+
+
+@dataclass
+class ParamShard:
+    """The part of one trainable parameter this rank owns, for checkpoints.
+
+    ``master`` is the writable fp32 1-D view of elements ``[start, end)`` of the
+    flattened parameter; ``key`` is the tensor the inner optimizer's ``state``
+    and ``param_groups`` use for it (so ``inner.state[key]`` holds its
+    optimizer state, whose tensors have ``end - start`` elements); ``group``
+    is its param-group index.
+    """
+
+    name: str
+    shape: torch.Size
+    start: int
+    end: int
+    master: torch.Tensor
+    key: torch.Tensor
+    group: int
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def tensor_bytes(tensors: Any) -> int:
@@ -98,6 +120,14 @@ class Strategy(ABC):
     @abstractmethod
     def full_master_weights(self) -> dict[int, torch.Tensor]:
         """Full fp32 value of every trainable parameter, keyed by ``id(param)`` (collective)."""
+
+    @abstractmethod
+    def param_shards(self) -> list[ParamShard]:
+        """This rank's pieces of every trainable parameter (empty for inference)."""
+
+    def sync_params_from_master(self) -> None:
+        """Write master weights into the model's parameters (collective; after loading)."""
+        self.after_step()
 
     def before_forward(self) -> None:
         """Hook for stages that prepare parameters ahead of a forward."""

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .base import Strategy, tensor_bytes
+from .base import ParamShard, Strategy, tensor_bytes
 from .layout import Bucket, FlatLayout
 
 __all__ = ["FlatStrategy"]
@@ -62,8 +62,9 @@ class FlatStrategy(Strategy):
 
     @property
     def alias(self) -> bool:
-        """Stage 0 in fp32: the model's parameters are the master weights."""
-        return self.num_shards == 1 and self.precision.dtype == torch.float32
+        """One shard, fp32, persistent gradients (stage 0, or stage 1 on one rank):
+        the model's parameters are the master weights and their gradients the master gradients."""
+        return self.num_shards == 1 and self.precision.dtype == torch.float32 and self.persistent_grads
 
     def _build(self) -> None:
         params = [p for p in self._order if p.requires_grad]
@@ -268,6 +269,23 @@ class FlatStrategy(Strategy):
             return {id(p): p.detach().float().clone() for p in layout.params}
         full = self.gather_flat(self.master)
         return {id(p): layout.param_slice(full, i).view_as(p).clone() for i, p in enumerate(layout.params)}
+
+    def param_shards(self) -> list[ParamShard]:
+        if self.layout is None:
+            return []
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        group_of = {id(p): g for g, params in enumerate(self._groups) for p in params}
+        shards = []
+        for piece in self.layout.pieces:
+            param = self.layout.params[piece.param]
+            if self.alias:
+                master, key = param.data.view(-1), param
+            else:
+                master = key = self.piece_views[id(param)]
+            shards.append(
+                ParamShard(names[id(param)], param.shape, piece.start, piece.end, master, key, group_of[id(param)])
+            )
+        return shards
 
     def gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
         """The full-size flat tensor whose slices, across ranks, are ``shard`` (collective)."""
