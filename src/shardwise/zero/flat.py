@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .base import ParamShard, Strategy, tensor_bytes
+from .carry import ParamState, export_state, import_state
 from .layout import Bucket, FlatLayout
 
 __all__ = ["FlatStrategy"]
@@ -47,6 +48,7 @@ class FlatStrategy(Strategy):
         self.param_flat: Optional[torch.Tensor] = None
         self.grad_flat: Optional[torch.Tensor] = None
         self._dirty = False
+        self._stash: dict[int, ParamState] = {}
 
     def _num_shards(self) -> int:
         return self.comm.world_size
@@ -249,6 +251,36 @@ class FlatStrategy(Strategy):
     def has_pending_grads(self) -> bool:
         return self._dirty
 
+    # ------------------------------------------------------------ trainability
+    def trainable_changed(self) -> bool:
+        return self.inner is not None and tuple(p.requires_grad for p in self._order) != self._mask
+
+    def refresh_trainable(self) -> None:
+        """Rebuild layout, buffers, hooks and optimizer pieces for the current ``requires_grad`` flags.
+
+        Master weights and optimizer state move with their parameters; a
+        parameter that stops training keeps its state for when it resumes.
+        """
+        if self.inner is None:
+            return
+        carried: dict[int, ParamState] = {}
+        if not self.alias:
+            exported = export_state(
+                self.layout, self.master, self.piece_views, self.inner.state, self.comm, self.gather_flat
+            )
+            carried = {**self._stash, **exported}
+            self.inner.state.clear()
+        self.close()
+        for param in self.layout.params:
+            param.grad = None
+            if not self.alias:
+                param.data = param.data.clone()  # let go of the old flat buffer
+        self._build()
+        if not self.alias:
+            import_state(self.layout, self.master, self.piece_views, self.inner.state, carried)
+            training = {id(p) for p in self.layout.params}
+            self._stash = {k: v for k, v in carried.items() if k not in training}
+
     # ------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, int]:
         params = {id(p): p for p in self.module.parameters()}
@@ -268,7 +300,11 @@ class FlatStrategy(Strategy):
         if self.alias:
             return {id(p): p.detach().float().clone() for p in layout.params}
         full = self.gather_flat(self.master)
-        return {id(p): layout.param_slice(full, i).view_as(p).clone() for i, p in enumerate(layout.params)}
+        result = {id(p): layout.param_slice(full, i).view_as(p).clone() for i, p in enumerate(layout.params)}
+        # frozen parameters keep their fp32 master in the stash until they train again
+        shapes = {id(p): p.shape for p in self._order}
+        result.update({pid: entry["master"].view(shapes[pid]).clone() for pid, entry in self._stash.items()})
+        return result
 
     def param_shards(self) -> list[ParamShard]:
         if self.layout is None:

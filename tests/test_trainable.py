@@ -1,0 +1,176 @@
+"""Freezing and unfreezing parameters on the fly, at every stage, against torch DDP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardwise
+from shardwise.testing import distributed_test, run_subtests
+
+from _parity import assert_close_params, batch, make_model, params_of
+
+STAGES = (0, 1, 2)
+STEPS = 5
+FREEZE_AFTER, UNFREEZE_AFTER = 1, 3  # optimizer steps
+
+
+def _optimizer(params: Any, precision: str) -> torch.optim.Optimizer:
+    if precision == "fp32":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    # bf16: SGD keeps errors proportional to the gradient (Adam would amplify rounding noise)
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9, weight_decay=0.01)
+
+
+def _set_frozen(model: nn.Module, step: int, change: bool) -> None:
+    if change and step in (FREEZE_AFTER, UNFREEZE_AFTER):
+        model.embed.weight.requires_grad_(step != FREEZE_AFTER)
+
+
+class _Reference:
+    """torch DDP, rebuilt whenever the trainable set changes (DDP fixes it at construction)."""
+
+    def __init__(self, precision: str) -> None:
+        self.model = make_model()
+        self.opt = _optimizer(self.model.parameters(), precision)
+        self.ddp = nn.parallel.DistributedDataParallel(self.model)
+
+    def step(self, step: int, micro: int, change: bool) -> None:
+        if change and step in (FREEZE_AFTER, UNFREEZE_AFTER):
+            _set_frozen(self.model, step, change)
+            self.ddp = nn.parallel.DistributedDataParallel(self.model)
+        rank = dist.get_rank()
+        for m in range(micro):
+            idx, target = batch(step * micro + m, rank)
+            context = self.ddp.no_sync() if m < micro - 1 else _null()
+            with context:
+                (self.ddp(idx, target) / micro).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _parity_case(stage: int, precision: str, micro: int, change: bool, auto: bool = True) -> None:
+    ref = _Reference(precision)
+    model = make_model()
+    config: dict[str, Any] = {
+        "gradient_accumulation_steps": micro,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 400},
+        "auto_refresh_trainable": auto,
+    }
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    engine = shardwise.initialize(model, _optimizer(model.parameters(), precision), config)
+    rank = dist.get_rank()
+    # bf16 weights are compared after rounding; fp32 at the stated parity tolerance
+    atol = 3e-2 if precision == "bf16" else (1e-5 if stage == 3 else 1e-6)
+    frozen_value = None
+    for step in range(STEPS):
+        _set_frozen(model, step, change)
+        if not auto and change and step in (FREEZE_AFTER, UNFREEZE_AFTER):
+            engine.refresh_trainable()
+        if change and step == FREEZE_AFTER:
+            frozen_value = _full(engine)["embed.weight"]
+        for m in range(micro):
+            idx, target = batch(step * micro + m, rank)
+            engine.backward(engine(idx, target))
+            engine.step()
+        ref.step(step, micro, change)
+        full = _full(engine)
+        assert_close_params({k: full[k] for k in params_of(ref.model)}, params_of(ref.model), atol=atol)
+        if frozen_value is not None and FREEZE_AFTER <= step < UNFREEZE_AFTER:
+            # frozen means untouched: no momentum, no weight decay (exactly as torch.optim)
+            assert torch.equal(full["embed.weight"], frozen_value), f"step {step}: a frozen parameter moved"
+    engine.destroy()
+
+
+def _full(engine: Any) -> dict[str, torch.Tensor]:
+    """fp32 master values on every rank (full_state_dict gives them to rank 0 only)."""
+    full = engine.full_state_dict()
+    box = [full]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@distributed_test(world_size=2, timeout=300)
+def test_change_train_graph_parity_fp32() -> None:
+    run_subtests(
+        _parity_case,
+        [{"stage": s, "precision": "fp32", "micro": m, "change": c} for s in STAGES for m in (1, 3) for c in (False, True)],
+    )
+
+
+@distributed_test(world_size=2, timeout=300)
+def test_change_train_graph_parity_bf16() -> None:
+    run_subtests(
+        _parity_case,
+        [{"stage": s, "precision": "bf16", "micro": m, "change": c} for s in STAGES for m in (1, 3) for c in (False, True)],
+    )
+
+
+@distributed_test(world_size=2, timeout=240)
+def test_manual_refresh_when_auto_is_off() -> None:
+    run_subtests(
+        _parity_case,
+        [{"stage": s, "precision": "fp32", "micro": m, "change": True, "auto": False} for s in STAGES for m in (1, 3)],
+    )
+
+
+@distributed_test(world_size=2, timeout=120)
+def test_change_mid_accumulation_raises_on_every_rank() -> None:
+    def case(stage: int, use_no_sync: bool) -> None:
+        model = make_model()
+        engine = shardwise.initialize(
+            model, torch.optim.AdamW(model.parameters()),
+            {"gradient_accumulation_steps": 1 if use_no_sync else 2, "zero_optimization": {"stage": stage}},
+        )
+        idx, target = batch(0, dist.get_rank())
+        if use_no_sync:
+            with engine.no_sync():
+                engine.backward(engine(idx, target))
+        else:
+            engine.backward(engine(idx, target))
+            engine.step()  # first of two micro-steps: nothing applied yet
+        model.fc1.weight.requires_grad_(False)
+        with pytest.raises(RuntimeError, match="finish the accumulation"):
+            engine(idx, target)
+        model.fc1.weight.requires_grad_(True)  # back as it was: training continues
+        engine.backward(engine(idx, target))
+        assert engine.step()
+        engine.destroy()
+
+    run_subtests(case, [{"stage": s, "use_no_sync": n} for s in STAGES for n in (False, True)])
+
+
+@distributed_test(world_size=2, timeout=120)
+def test_freezing_half_at_initialize_halves_optimizer_bytes() -> None:
+    def state_bytes(stage: int, freeze: bool) -> tuple[int, int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+        if freeze:
+            model[0].requires_grad_(False)
+        engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_optimization": {"stage": stage}})
+        engine.backward(engine(torch.randn(4, 64)).square().mean())
+        engine.step()
+        counts = engine.memory_breakdown()
+        engine.destroy()
+        return counts["optimizer_state"], counts["gradients"]
+
+    def case(stage: int) -> None:
+        full_state, full_grads = state_bytes(stage, False)
+        half_state, half_grads = state_bytes(stage, True)
+        assert abs(half_state / full_state - 0.5) < 0.02, (half_state, full_state)
+        assert abs(half_grads / full_grads - 0.5) < 0.02, (half_grads, full_grads)
+
+    run_subtests(case, [{"stage": s} for s in STAGES])
