@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 import torch.distributed as dist
 from torch import nn
 
-from . import zero
+from . import testing, zero
 from .config import Config, ConfigError, load_configs
 from .distributed import init_distributed
 from .engine import Engine
@@ -22,6 +22,7 @@ __all__ = [
     "init_distributed",
     "initialize",
     "load_configs",
+    "testing",
     "zero",
 ]
 

@@ -8,6 +8,8 @@ internals.
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -21,8 +23,11 @@ from .precision import Precision
 from .schedulers import build_scheduler
 from .zero import make_strategy
 from .zero.optimizer import ZeroOptimizer
+from .zero.params import is_partitioned
 
 __all__ = ["Engine"]
+
+logger = logging.getLogger("shardwise")
 
 
 class Engine:
@@ -43,9 +48,13 @@ class Engine:
         model_parameters: Any = None,
         process_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
+        _check_supported(config)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
         self.module = module
         self.config = config
         self.comm = Comm(process_group)
+        self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.batch_sizes = config.batch_sizes(self.comm.world_size)
         self.gradient_accumulation_steps = self.batch_sizes.gradient_accumulation_steps
         self.precision = Precision.from_config(config)
@@ -78,7 +87,9 @@ class Engine:
     def _broadcast_state(self) -> None:
         if not self.comm.distributed:
             return
-        tensors = [p.data for p in _unique(self.module.parameters())] + list(self.module.buffers())
+        # Parameters `zero.Init` partitioned were already broadcast from rank 0 when partitioned.
+        params = [p for p in _unique(self.module.parameters()) if not is_partitioned(p)]
+        tensors = [p.data for p in params] + list(self.module.buffers())
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in tensors:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
@@ -122,7 +133,8 @@ class Engine:
             self.refresh_trainable()
         self.strategy.before_forward()
         args, kwargs = self.precision.cast_inputs((args, kwargs))
-        return self.module(*args, **kwargs)
+        with self._timed("forward"):
+            return self.module(*args, **kwargs)
 
     __call__ = forward
 
@@ -139,9 +151,10 @@ class Engine:
         self._require_optimizer("`engine.backward`")
         sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         scale = self.precision.scaler.current / self.gradient_accumulation_steps
-        self.strategy.start_backward(sync)
-        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-        self.strategy.finish_backward()
+        with self._timed("backward"):
+            self.strategy.start_backward(sync)
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+            self.strategy.finish_backward()
         return loss
 
     def step(self) -> bool:
@@ -154,16 +167,42 @@ class Engine:
             )
         applied = False
         if self.is_gradient_accumulation_boundary():
-            applied = optimizer.step()
-            if applied:
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-            else:
-                self.skipped_steps += 1
-            self.global_steps += 1
-            self.strategy.zero_grad()
+            with self._timed("step"):
+                applied = optimizer.step()
+                if applied:
+                    if self.lr_scheduler is not None:
+                        self.lr_scheduler.step()
+                else:
+                    self.skipped_steps += 1
+                self.global_steps += 1
+                self.strategy.zero_grad()
+            self._report()
         self.micro_steps += 1
         return applied
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        if not self.config.wall_clock_breakdown:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._timers[phase] += time.perf_counter() - start
+
+    def _report(self) -> None:
+        """Every ``steps_per_print`` steps, log lr, loss scale and grad norm (and timings)."""
+        if self.global_steps % self.config.steps_per_print or self.comm.rank != 0:
+            return
+        line = (
+            f"step {self.global_steps}: lr={self.get_lr()} loss_scale={self.loss_scale:g} "
+            f"grad_norm={self.optimizer.last_grad_norm:.4g} skipped={self.skipped_steps}"
+        )
+        if self.config.wall_clock_breakdown:
+            line += " " + " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self._timers.items())
+            self._timers = dict.fromkeys(self._timers, 0.0)
+        logger.info(line)
 
     def zero_grad(self) -> None:
         """Drop all gradients, reduced or not."""
@@ -295,6 +334,14 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"Engine(stage={self.strategy.stage}, dtype={self.precision.dtype}, module={type(self.module).__name__})"
+
+
+def _check_supported(config: Config) -> None:
+    if config.communication_data_type not in (None, "fp32"):
+        raise ValueError(
+            f"communication_data_type `{config.communication_data_type}` is not supported: shardwise always "
+            "reduces gradients in fp32 (more accurate, same result as DDP); remove the key or set it to `fp32`"
+        )
 
 
 def _unique(params: Any) -> list[torch.Tensor]:
