@@ -23,7 +23,8 @@ raise `DistributedTestError` naming the rank, with its traceback (or exit code, 
 Python stack it was stuck in), and every other rank is killed.
 
 Ranks are forked from a ``multiprocessing`` forkserver that has already imported torch
-(and shardwise) but never ran a torch op: a launch then costs a fork instead of a fresh
+(with ``torch._dynamo``, which torch otherwise imports lazily on the first optimizer step)
+and shardwise, but never ran a torch op: a launch then costs a fork instead of a fresh
 interpreter importing torch, and no rank inherits a live OpenMP thread pool (forking a
 process that ran parallel torch ops can deadlock the child). Set the environment variable
 ``SHARDWISE_TEST_START_METHOD=spawn`` (or pass ``start_method="spawn"``) to use fresh
@@ -54,7 +55,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
@@ -70,6 +71,9 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 # Only those already imported by the caller are preloaded: a module that fails to import
 # with anything but ImportError would kill the forkserver itself.
 _PRELOAD_CANDIDATES = ("torch", "torch.distributed", "numpy", "pytest", "shardwise")
+# Preloaded whenever torch is: torch imports it lazily on the first optimizer step or DDP
+# construction, which costs every rank of nearly every training test 3+ s on 2 cores.
+_TORCH_LAZY_PRELOADS = ("torch._dynamo",)
 _START_METHOD_ENV = "SHARDWISE_TEST_START_METHOD"
 _BODY_ATTR = "_shardwise_rank_body"
 # The process group's own timeout is longer than the launch timeout so that a stuck
@@ -78,6 +82,7 @@ _PG_TIMEOUT_MARGIN_S = 60.0
 # A rank outliving its launcher (launcher killed) ends itself this long after `timeout`.
 _ORPHAN_GRACE_S = 30.0
 _STACK_DUMP_WAIT_S = 1.0
+_FAILURE_GRACE_S = 0.25
 _TAIL_CHARS = 3000
 _LAUNCH_LOCK = threading.Lock()
 # Files a rank must keep open for its whole life (the SIGUSR1 stack-dump target).
@@ -161,6 +166,7 @@ class _RankSpec:
 
     @property
     def files(self) -> _RankFiles:
+        """This rank's files in the launch directory."""
         return _RankFiles(Path(self.launch_dir), self.rank)
 
 
@@ -208,8 +214,11 @@ def _install_fault_handlers(spec: _RankSpec) -> None:
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
         _KEEP_OPEN.append(stack_file)
     # If the launcher itself dies, nobody kills this rank: end it after a generous delay.
-    faulthandler.dump_traceback_later(spec.timeout + _ORPHAN_GRACE_S, exit=True, file=stderr)
-
+    try:
+        faulthandler.dump_traceback_later(spec.timeout + _ORPHAN_GRACE_S, exit=True,
+                                          file=stderr)
+    except OverflowError:
+        pass  # a timeout too large for the timer is as good as none
 
 
 def _apply_environment(spec: _RankSpec) -> None:
@@ -247,6 +256,9 @@ def _init_process_group(spec: _RankSpec) -> None:
         world_size=spec.world_size,
         timeout=timedelta(seconds=spec.timeout + _PG_TIMEOUT_MARGIN_S),
     )
+    # gloo's init can return on one rank while a peer is still connecting; a rank that then
+    # returns and exits at once breaks that peer's init ("Connection closed by peer").
+    dist.barrier()
 
 
 def _destroy_process_group() -> None:
@@ -305,6 +317,8 @@ def _ensure_warm_forkserver(ctx: BaseContext) -> None:
     from multiprocessing import forkserver
 
     preload = [name for name in _PRELOAD_CANDIDATES if name in sys.modules]
+    if "torch" in preload:
+        preload += _TORCH_LAZY_PRELOADS
     ctx.set_forkserver_preload(preload)  # type: ignore[attr-defined]
     # Python <3.13 ignores the sys.path it hands the server, so without this a preloaded
     # module could come from a different place than the caller's copy (e.g. an installed
@@ -329,7 +343,8 @@ def _pickle_call(fn: Callable[..., Any], args: tuple[Any, ...],
         raise TypeError(
             f"could not send `{getattr(fn, '__qualname__', fn)!r}` or its arguments to the "
             f"ranks: {exc}. The function must be defined at module level (not a lambda or "
-            "a nested function) and its arguments must be picklable."
+            "a nested function) and its arguments (for `distributed_test`: the fixture and "
+            "parametrize values) must be picklable."
         ) from exc
 
 
@@ -356,30 +371,38 @@ def _kill_all(procs: Iterable[BaseProcess]) -> None:
 
 @dataclass
 class _Outcome:
-    """How a launch ended: every rank finished, or which rank broke it and how."""
+    """How a launch ended: ranks that returned, failed on their own, or outlived the deadline."""
 
-    failed_rank: int | None = None
-    timed_out: list[int] | None = None
-    finished: list[int] | None = None
+    finished: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)  # in the order their exits were seen
+    timed_out: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when every rank returned a result in time."""
+        return not self.failed and not self.timed_out
 
 
 def _watch(procs: Sequence[BaseProcess], deadline: float, launch_dir: Path) -> _Outcome:
-    """Wait for ranks to exit; stop at the first failure or at the deadline."""
+    """Wait for ranks to exit, until all did, shortly after the first failure, or the deadline."""
+    outcome = _Outcome()
     pending = dict(enumerate(procs))
-    finished: list[int] = []
-    while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return _Outcome(timed_out=sorted(pending), finished=sorted(finished))
+    stop = deadline
+    while pending and (remaining := stop - time.monotonic()) > 0:
         by_sentinel = {proc.sentinel: rank for rank, proc in pending.items()}
         for sentinel in multiprocessing.connection.wait(list(by_sentinel), timeout=remaining):
             rank = by_sentinel[sentinel]
             proc = pending.pop(rank)
             proc.join()
-            if proc.exitcode != 0 or not _RankFiles(launch_dir, rank).result.exists():
-                return _Outcome(failed_rank=rank, finished=sorted(finished))
-            finished.append(rank)
-    return _Outcome(finished=sorted(finished))
+            succeeded = proc.exitcode == 0 and _RankFiles(launch_dir, rank).result.exists()
+            (outcome.finished if succeeded else outcome.failed).append(rank)
+        if outcome.failed and stop == deadline:
+            # Peers of a failed rank often fail a moment later (gloo sees the closed
+            # connection); let them report, so the first cause can be told from the echoes.
+            stop = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+    if not outcome.failed:
+        outcome.timed_out = sorted(pending)
+    return outcome
 
 
 def _dump_stacks(procs: Sequence[BaseProcess], ranks: Sequence[int], launch_dir: Path) -> None:
@@ -397,6 +420,7 @@ def _dump_stacks(procs: Sequence[BaseProcess], ranks: Sequence[int], launch_dir:
     files = [_RankFiles(launch_dir, rank).stack for rank in ranks]
     while time.monotonic() < stop and not all(_read_text(f).strip() for f in files):
         time.sleep(0.02)
+    time.sleep(0.05)  # a dump that has started may still be writing its other threads
 
 
 def _describe_exit(exitcode: int | None) -> str:
@@ -430,27 +454,48 @@ def _rank_report(procs: Sequence[BaseProcess], rank: int, launch_dir: Path) -> s
 def _failure_message(outcome: _Outcome, procs: Sequence[BaseProcess], launch_dir: Path,
                      timeout: float) -> str:
     """Build the `DistributedTestError` text for a failed launch."""
-    world = len(procs)
-    if outcome.failed_rank is not None:
-        first = outcome.failed_rank
-        parts = [f"rank {first} of {world} failed.", _rank_report(procs, first, launch_dir)]
-        # Other ranks that raised too are worth seeing; those merely killed are listed.
-        others = [r for r in range(world) if r != first and r not in (outcome.finished or [])]
-        for rank in others:
-            if _RankFiles(launch_dir, rank).error.exists():
-                parts.append(_rank_report(procs, rank, launch_dir))
-        killed = [r for r in others if not _RankFiles(launch_dir, r).error.exists()]
-        if killed:
-            parts.append(f"ranks {killed} were killed after rank {first} failed.")
-        return "\n\n".join(parts)
-    stuck = outcome.timed_out or []
+    if outcome.failed:
+        return _crash_message(outcome, procs, launch_dir)
+    return _timeout_message(outcome, len(procs), launch_dir, timeout)
+
+
+def _cause_first(failed: Sequence[int], launch_dir: Path) -> list[int]:
+    """Order failed ranks so the likely cause comes first and its echoes after.
+
+    A rank that died without a traceback (os._exit, a signal, a segfault) comes first: a
+    peer's loss makes gloo raise in the other ranks, it does not kill them. Ranks that
+    raised follow in the order they wrote their tracebacks. Exit order as seen here is
+    only a tie-break: the forkserver may relay two nearly simultaneous exits either way.
+    """
+    def key(rank: int) -> tuple[int, int, int]:
+        error = _RankFiles(launch_dir, rank).error
+        if not error.exists():
+            return (0, 0, failed.index(rank))
+        return (1, error.stat().st_mtime_ns, failed.index(rank))
+
+    return sorted(failed, key=key)
+
+
+def _crash_message(outcome: _Outcome, procs: Sequence[BaseProcess], launch_dir: Path) -> str:
+    """Report the rank that failed first, the ranks that failed after it, and those killed."""
+    first, *others = _cause_first(outcome.failed, launch_dir)
+    parts = [f"rank {first} of {len(procs)} failed.", _rank_report(procs, first, launch_dir)]
+    parts += [f"(then) {_rank_report(procs, rank, launch_dir)}" for rank in others]
+    killed = [r for r in range(len(procs)) if r not in outcome.failed + outcome.finished]
+    if killed:
+        parts.append(f"ranks {killed} were killed after rank {first} failed.")
+    return "\n\n".join(parts)
+
+
+def _timeout_message(outcome: _Outcome, world: int, launch_dir: Path, timeout: float) -> str:
+    """Report the ranks still running at the deadline, with the stacks they were stuck in."""
     parts = [
-        f"ranks {stuck} of {world} did not finish within the {timeout:g} s timeout "
-        f"(finished: {outcome.finished or []}); every rank was killed. A rank is stuck "
+        f"ranks {outcome.timed_out} of {world} did not finish within the {timeout:g} s "
+        f"timeout (finished: {outcome.finished}); every rank was killed. A rank is stuck "
         "(often in a collective that not every rank called) or the work needs a larger "
         "`timeout=`."
     ]
-    for rank in stuck:
+    for rank in outcome.timed_out:
         stack = _read_text(_RankFiles(launch_dir, rank).stack).strip()
         if stack:
             parts.append(f"rank {rank} Python stack at the timeout:\n{_tail(stack)}")
@@ -558,7 +603,7 @@ def _launch(ctx: BaseContext, specs: Sequence[_RankSpec], call: bytes, launch_di
     finally:
         _kill_all(procs)
     _replay_output(len(specs), launch_dir)
-    if outcome.failed_rank is not None or outcome.timed_out:
+    if not outcome.ok:
         raise DistributedTestError(_failure_message(outcome, procs, launch_dir, timeout))
     return _read_results(len(specs), launch_dir)
 
@@ -580,6 +625,7 @@ class _FunctionRef:
 
     @classmethod
     def of(cls, fn: Callable[..., Any]) -> _FunctionRef:
+        """Point at `fn`, refusing nested functions that no rank could import."""
         if "<locals>" in fn.__qualname__:
             raise TypeError(
                 f"`@distributed_test` needs `{fn.__qualname__}` at module or class level so "
@@ -589,6 +635,7 @@ class _FunctionRef:
         return cls(fn.__module__, fn.__qualname__, code.co_filename if code else None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """In the rank: import the module, find the decorated test, run its original body."""
         target: Any = _import_module(self.module, self.path)
         for part in self.qualname.split("."):
             target = getattr(target, part)
