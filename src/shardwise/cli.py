@@ -192,14 +192,18 @@ def _add_config(subparsers: Any) -> None:
         "Exit 0 when valid, 2 with the problems on stderr when not.",
     )
     validate.add_argument("file", metavar="FILE")
-    validate.add_argument("--world-size", type=_positive_int, default=1, help="ranks to resolve batch sizes for (default 1)")
+    validate.add_argument(
+        "--world-size", type=_positive_int, default=1, help="ranks to resolve batch sizes for (default 1)"
+    )
     validate.add_argument("--format", choices=("yaml", "json"), help="output format (default: the file's)")
     validate.set_defaults(handler=_validate)
 
 
-# More commands go here, each one `@command(name)` function. Planned:
-# `shardwise checkpoint inspect|consolidate` (add a "checkpoint" parser with its
-# own sub-actions, as `_add_config` does, and handlers returning exit codes).
+# More commands go here: an `@command(name)` function, or a builder from the
+# module that owns the feature registered with `command(name)(builder)`.
+from .checkpoint.cli import add_checkpoint_commands  # noqa: E402 - registered with the others
+
+command("checkpoint")(add_checkpoint_commands)
 
 
 # ------------------------------------------------------------------------- main

@@ -1,0 +1,56 @@
+"""Sharded, atomic, reshardable checkpoints (see ``docs/checkpoints.md``).
+
+``engine.save_checkpoint`` / ``engine.load_checkpoint`` call
+:func:`save_checkpoint` / :func:`load_checkpoint` here.  Without a cluster,
+:func:`consolidate` turns a checkpoint into one ``.safetensors``/``.pt`` file
+of full weights, :func:`load_consolidated` reads it back as a ``state_dict``,
+and :func:`describe` summarises a checkpoint directory
+(``shardwise checkpoint consolidate|inspect`` on the command line).
+
+Names are imported on first use: ``torch.distributed.checkpoint`` takes
+seconds to import, which the ``shardwise`` command should not pay for
+``shardwise run``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__all__ = [
+    "CheckpointError",
+    "consolidate",
+    "consolidated_state_dict",
+    "describe",
+    "load_checkpoint",
+    "load_consolidated",
+    "save_checkpoint",
+]
+
+_WHERE = {
+    "CheckpointError": ".errors",
+    "consolidate": ".consolidate",
+    "consolidated_state_dict": ".consolidate",
+    "describe": ".consolidate",
+    "load_consolidated": ".consolidate",
+    "load_checkpoint": ".load",
+    "save_checkpoint": ".save",
+}
+
+if TYPE_CHECKING:
+    from .consolidate import consolidate, consolidated_state_dict, describe, load_consolidated
+    from .errors import CheckpointError
+    from .load import load_checkpoint
+    from .save import save_checkpoint
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module `shardwise.checkpoint` has no attribute `{name}`")
+    value = getattr(importlib.import_module(_WHERE[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

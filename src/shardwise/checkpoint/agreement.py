@@ -1,0 +1,195 @@
+"""Making sure every rank takes part in a checkpoint call, without the training group.
+
+``save_checkpoint`` and ``load_checkpoint`` are collective.  Before they issue
+a single collective on the process group, the ranks meet through the c10d
+*store* (the key-value store the process group was built on), never through a
+collective: a collective could silently pair with the gradient all-reduce of a
+rank that skipped the call (``if rank == 0: engine.save_checkpoint(...)``) and
+both would hang or, worse, exchange the wrong data.
+
+Protocol, per process group, with no state kept in the process:
+
+* each rank draws its next call number from a per-rank counter *in the store*
+  (so a fresh store after re-initialisation starts everyone at 1);
+* it publishes its payload (operation, tag, directory) and adds itself to the
+  member list of that call with ``compare_set`` (atomic);
+* it polls until every rank is a member.  At ``checkpoint.timeout`` it *closes*
+  the call by swapping the member list for a closed marker, again with
+  ``compare_set``: from then on the outcome is fixed for everyone.  A member
+  sees the close and raises; a rank arriving after the close knows that call
+  is over and moves to its next number, so ranks realign after a failure.
+
+After joining, :meth:`Session.step` gives timeout-bounded, error-propagating
+checkpoints between phases (a rank that fails while preparing makes every rank
+raise instead of leaving the others inside a collective).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, TypeVar
+
+import torch.distributed as dist
+
+from ..distributed import Comm
+from .errors import CheckpointError
+
+__all__ = ["Session", "join"]
+
+_ROOT = "shardwise/checkpoint"
+_CLOSED = "closed:"
+_T = TypeVar("_T")
+
+
+def _members(value: str) -> set[int]:
+    return {int(r) for r in value.split(",") if r}
+
+
+def _format(members: set[int]) -> str:
+    return ",".join(str(r) for r in sorted(members))
+
+
+def _sleep(attempt: int) -> None:
+    time.sleep(min(0.002 * (attempt + 1), 0.05))
+
+
+@dataclass
+class Session:
+    """One checkpoint call that every rank has joined; ``payloads[r]`` is what rank ``r`` passed."""
+
+    op: str
+    rank: int
+    world_size: int
+    timeout: float
+    payloads: list[dict[str, Any]]
+    store: Any = None
+    prefix: str = ""
+    _steps: int = field(default=0)
+
+    def require_same(self, key: str, what: str, fix: str) -> Any:
+        """The value of ``key`` every rank passed; raises on every rank if they differ."""
+        values = [p.get(key) for p in self.payloads]
+        if any(v != values[0] for v in values):
+            listed = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            raise CheckpointError(
+                f"rank {self.rank}: the ranks called `{self.op}` with different {what} ({listed}); "
+                f"`{self.op}` is collective and every rank must pass the same one: {fix}"
+            )
+        return values[0]
+
+    def step(self, name: str, fn: Callable[[], _T], share: bool = False) -> tuple[_T, list[Any]]:
+        """Run ``fn`` here, then wait for every rank's outcome of the same step.
+
+        Returns ``fn``'s result and, with ``share``, every rank's result (which
+        must then be JSON-able; else a list of None).  If ``fn``
+        raised on any rank, every rank raises: the failing rank its own error,
+        the others a :class:`CheckpointError` naming it.
+        """
+        error: Optional[BaseException] = None
+        data: Any = None
+        try:
+            data = fn()
+        except Exception as exc:  # noqa: BLE001 - reported to the other ranks, then re-raised
+            error = exc
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return data, [data if share else None]
+        results = self._exchange(name, data if share else None, error)
+        if error is not None:
+            raise error
+        failed = [(r, res["error"]) for r, res in enumerate(results) if res["error"] is not None]
+        if failed:
+            detail = "; ".join(f"rank {r}: {message}" for r, message in failed)
+            raise CheckpointError(
+                f"rank {self.rank}: `{self.op}` failed on rank(s) {[r for r, _ in failed]} while {name}: {detail}"
+            )
+        return data, [res["data"] for res in results]
+
+    def _exchange(self, name: str, data: Any, error: Optional[BaseException]) -> list[dict[str, Any]]:
+        self._steps += 1
+        keys = [f"{self.prefix}/step{self._steps}/{r}" for r in range(self.world_size)]
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        self.store.set(keys[self.rank], json.dumps({"error": message, "data": data if error is None else None}))
+        deadline = time.monotonic() + self.timeout
+        attempt = 0
+        while not self.store.check(keys):
+            if time.monotonic() > deadline:
+                missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+                raise CheckpointError(
+                    f"rank {self.rank}: rank(s) {missing} did not finish {name} for `{self.op}` within "
+                    f"`checkpoint.timeout` = {self.timeout:g} s; they crashed or are stuck (their logs say "
+                    "which); raise `checkpoint.timeout` if they are only slow"
+                )
+            _sleep(attempt)
+            attempt += 1
+        return [json.loads(self.store.get(key)) for key in keys]
+
+
+def _group_key(comm: Comm) -> str:
+    group = comm.group if comm.group is not None else dist.group.WORLD
+    name = getattr(group, "group_name", "") or "default"
+    ranks = dist.get_process_group_ranks(group)
+    return f"{name}[{','.join(map(str, ranks))}]"
+
+
+def join(comm: Comm, op: str, payload: dict[str, Any], timeout: float) -> Session:
+    """Wait (at most ``timeout`` seconds) until every rank of ``comm`` calls ``op``; see the module doc."""
+    if not comm.distributed:
+        return Session(op, comm.rank, 1, timeout, [payload])
+    store = dist.distributed_c10d._get_default_store()
+    root = f"{_ROOT}/{_group_key(comm)}"
+    deadline = time.monotonic() + timeout
+    while True:
+        call = store.add(f"{root}/next/{comm.rank}", 1)
+        prefix = f"{root}/{call}"
+        store.set(f"{prefix}/payload/{comm.rank}", json.dumps(payload))
+        if _arrive(store, f"{prefix}/members", comm.rank):
+            break
+        # That call was closed before we got there: our partners moved on to a later one.
+    _await_everyone(store, f"{prefix}/members", comm, op, timeout, deadline)
+    payloads = [json.loads(store.get(f"{prefix}/payload/{r}")) for r in range(comm.world_size)]
+    return Session(op, comm.rank, comm.world_size, timeout, payloads, store, prefix)
+
+
+def _arrive(store: Any, key: str, rank: int) -> bool:
+    """Add ``rank`` to the member list; False when the call is already closed."""
+    current = ""
+    while True:
+        if current.startswith(_CLOSED):
+            return False
+        wanted = _format(_members(current) | {rank})
+        got = store.compare_set(key, current, wanted).decode()
+        if got == wanted:
+            return True
+        current = got
+
+
+def _await_everyone(store: Any, key: str, comm: Comm, op: str, timeout: float, deadline: float) -> None:
+    attempt = 0
+    while True:
+        value = store.get(key).decode()
+        if value.startswith(_CLOSED):
+            raise _not_joined(comm, op, timeout, _members(value[len(_CLOSED) :]))
+        present = _members(value)
+        if len(present) == comm.world_size:
+            return
+        if time.monotonic() > deadline:
+            closed = _CLOSED + value
+            if store.compare_set(key, value, closed).decode() == closed:
+                raise _not_joined(comm, op, timeout, present)
+            continue  # someone joined or closed meanwhile: look again
+        _sleep(attempt)
+        attempt += 1
+
+
+def _not_joined(comm: Comm, op: str, timeout: float, present: set[int]) -> CheckpointError:
+    missing = sorted(set(range(comm.world_size)) - present)
+    return CheckpointError(
+        f"rank {comm.rank}: `engine.{op}` is collective: every rank of the process group must call it, "
+        f"with the same tag, but rank(s) {missing} did not call it within `checkpoint.timeout` = {timeout:g} s "
+        f"(rank(s) {sorted(present)} did). Call `engine.{op}(...)` on every rank, not under "
+        "`if rank == 0:`; if some ranks only arrive late, raise `checkpoint.timeout`."
+    )

@@ -1,0 +1,65 @@
+"""``shardwise checkpoint inspect|consolidate``: work with checkpoints from one CPU process, no cluster."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+__all__ = ["add_checkpoint_commands"]
+
+
+def _inspect(ns: argparse.Namespace) -> int:
+    from .consolidate import describe
+    from .errors import CheckpointError
+
+    try:
+        print(describe(ns.ckpt_dir))
+    except (CheckpointError, OSError) as error:
+        print(f"shardwise checkpoint inspect: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _consolidate(ns: argparse.Namespace) -> int:
+    from .consolidate import consolidate
+    from .errors import CheckpointError
+
+    try:
+        summary = consolidate(ns.ckpt_dir, ns.out, tag=ns.tag)
+    except (CheckpointError, OSError) as error:
+        print(f"shardwise checkpoint consolidate: {error}", file=sys.stderr)
+        return 2
+    tied = ", ".join(f"{alias} -> {name}" for alias, name in summary["aliases"].items()) or "none"
+    print(
+        f"wrote {summary['file']}: {summary['tensors']} tensors, {summary['elements']:,} elements (fp32), "
+        f"{summary['bytes'] / 2**20:.1f} MiB; tied names stored once: {tied}"
+    )
+    return 0
+
+
+def add_checkpoint_commands(subparsers: Any) -> None:
+    """Add ``shardwise checkpoint`` (``inspect``, ``consolidate``) to the ``shardwise`` parser."""
+    parser = subparsers.add_parser("checkpoint", help="inspect or consolidate shardwise checkpoints")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    inspect = actions.add_parser(
+        "inspect",
+        help="list the checkpoints in a directory",
+        description="Print every checkpoint in CKPT_DIR (the `save_dir` of `save_checkpoint`, or one checkpoint "
+        "directory): tag, world size, ZeRO stage, dtype, step, tensor counts and sizes; unfinished saves are "
+        "marked INCOMPLETE. Exit 0, or 2 with the problem on stderr.",
+    )
+    inspect.add_argument("ckpt_dir", metavar="CKPT_DIR")
+    inspect.set_defaults(handler=_inspect)
+    consolidate = actions.add_parser(
+        "consolidate",
+        help="write a checkpoint's full fp32 weights to one file",
+        description="Put the sharded weights of a checkpoint together in this process (no process group) and "
+        "write them as FILE (.safetensors or .pt). Tied weights are stored once; "
+        "`shardwise.checkpoint.load_consolidated(FILE)` returns a state_dict for `model.load_state_dict`. "
+        "Exit 0, or 2 with the problem on stderr.",
+    )
+    consolidate.add_argument("ckpt_dir", metavar="CKPT_DIR")
+    consolidate.add_argument("--tag", help="the checkpoint to export (default: the one `latest` names)")
+    consolidate.add_argument("--out", required=True, metavar="FILE", help="output file, .safetensors or .pt")
+    consolidate.set_defaults(handler=_consolidate)

@@ -1,0 +1,165 @@
+"""Full weights from a sharded checkpoint in one CPU process, with no process group.
+
+``consolidated_state_dict`` reads every parameter's master chunks (DCP puts
+them together) and every non-trainable entry, and returns the model's full
+``state_dict`` in fp32, the same as ``engine.full_state_dict()`` would have
+at save time: tied names share one tensor.
+
+``.pt`` files keep that sharing as is.  safetensors refuses shared tensors,
+so a ``.safetensors`` file stores each tensor once and records the other
+names in its metadata (``shardwise_aliases``); :func:`load_consolidated`
+puts them back, so ``model.load_state_dict(load_consolidated(path))`` works
+for either format (``safetensors.torch.load_model`` works too).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from .commit import write_atomic
+from .errors import CheckpointError
+from .layout import LATEST, check_complete, list_checkpoints, resolve
+from .stateful import TensorState
+from .storage import LoadPlanner, SafeReader
+
+__all__ = ["consolidate", "consolidated_state_dict", "describe", "load_consolidated"]
+
+_ALIASES_KEY = "shardwise_aliases"
+
+
+def _checkpoint(ckpt_dir: Any, tag: Optional[str]) -> tuple[Path, dict[str, Any]]:
+    path = resolve(ckpt_dir, tag)
+    return path, check_complete(path)
+
+
+def consolidated_state_dict(ckpt_dir: Any, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """The full fp32 ``state_dict`` saved in ``ckpt_dir`` (a save directory, or one checkpoint)."""
+    path, manifest = _checkpoint(ckpt_dir, tag)
+    values: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in manifest["params"].items():
+        values[name] = tensors[f"master/{name}"] = torch.empty(math.prod(info["shape"]), dtype=torch.float32)
+    for name, info in manifest["module"].items():
+        values[name] = tensors[f"module/{name}"] = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group exists: that is the point here
+        dcp.load({"model": TensorState(tensors)}, storage_reader=SafeReader(path), planner=LoadPlanner(), no_dist=True)
+    for name, info in manifest["params"].items():
+        values[name] = values[name].view(info["shape"])
+    for name, value in values.items():
+        if value.is_floating_point():
+            values[name] = value.float()  # as engine.full_state_dict(): full precision
+    aliases = manifest["aliases"]
+    return {key: values[aliases.get(key, key)] for key in manifest["state_dict_keys"]}
+
+
+def consolidate(ckpt_dir: Any, out: Any, tag: Optional[str] = None) -> dict[str, Any]:
+    """Write the full weights of a checkpoint to ``out`` (``.safetensors`` or ``.pt``); returns a summary."""
+    out = Path(out)
+    suffix = out.suffix.lower()
+    if suffix not in (".safetensors", ".pt", ".pth", ".bin"):
+        raise CheckpointError(f"output file {out} has suffix `{suffix}`; use `.safetensors` or `.pt`")
+    state = consolidated_state_dict(ckpt_dir, tag)
+    aliases = _aliases(state)
+    if suffix == ".safetensors":
+        from safetensors.torch import save
+
+        unique = {k: v.contiguous() for k, v in state.items() if k not in aliases}
+        metadata = {"format": "pt", _ALIASES_KEY: json.dumps(aliases), "shardwise_keys": json.dumps(list(state))}
+        data = save(unique, metadata=metadata)
+    else:
+        import io
+
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getvalue()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, data)
+    distinct = [v for k, v in state.items() if k not in aliases]
+    return {
+        "file": str(out),
+        "tensors": len(distinct),
+        "elements": sum(v.numel() for v in distinct),
+        "bytes": os.path.getsize(out),
+        "aliases": aliases,
+    }
+
+
+def _aliases(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, tensor in state.items():
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+    return aliases
+
+
+def load_consolidated(path: Any) -> dict[str, torch.Tensor]:
+    """A file written by :func:`consolidate`, as a ``state_dict`` (tied names share one tensor)."""
+    path = Path(path)
+    if path.suffix.lower() != ".safetensors":
+        return torch.load(path, map_location="cpu", weights_only=True)
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    tensors = load_file(str(path))
+    aliases = json.loads(metadata.get(_ALIASES_KEY, "{}"))
+    keys = json.loads(metadata.get("shardwise_keys", "null")) or [*tensors, *aliases]
+    return {key: tensors[aliases.get(key, key)] for key in keys}
+
+
+def describe(save_dir: Any) -> str:
+    """A human-readable summary of every checkpoint in ``save_dir`` (or of one checkpoint directory)."""
+    root = Path(save_dir)
+    if (root / "shardwise.json").is_file():
+        entries = [(root.name, root, True)]
+        latest = root.name
+    else:
+        entries = list_checkpoints(root)
+        latest_file = root / LATEST
+        latest = latest_file.read_text(encoding="utf-8").strip() if latest_file.is_file() else None
+        if not entries:
+            raise CheckpointError(f"no checkpoints in {root}")
+    lines = [f"{root}:"]
+    for name, path, committed in entries:
+        lines.append(_describe_one(name, path, committed, name == latest))
+    return "\n".join(lines)
+
+
+def _describe_one(name: str, path: Path, committed: bool, is_latest: bool) -> str:
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    mark = "  (latest)" if is_latest else ""
+    if not committed:
+        return f"  {name}: INCOMPLETE (a save that did not finish; never loaded), {_mb(size)} on disk"
+    try:
+        manifest = check_complete(path)
+    except CheckpointError as exc:
+        return f"  {name}{mark}: BROKEN: {exc}"
+    params = manifest["params"]
+    elements = sum(math.prod(p["shape"]) for p in params.values())
+    frozen = sum(math.prod(m["shape"]) for m in manifest["module"].values())
+    optimizer = manifest.get("optimizer") or {}
+    keys = sorted({k for entries in optimizer.get("state", {}).values() for k in entries})
+    return (
+        f"  {name}{mark}: world size {manifest['world_size']}, ZeRO stage {manifest['stage']}, "
+        f"dtype {manifest['dtype']}, global step {manifest['counters']['global_steps']}\n"
+        f"    {len(params)} trainable tensors ({elements:,} elements, fp32 masters), "
+        f"{len(manifest['module'])} other entries ({frozen:,} elements), {len(manifest['aliases'])} tied alias(es)\n"
+        f"    optimizer {optimizer.get('class', 'none')} state {keys}; {_mb(size)} on disk"
+    )
+
+
+def _mb(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"

@@ -1,0 +1,236 @@
+"""``save_checkpoint``: every rank writes its own shard; visible only once all are on disk.
+
+Steps (each one timeout-bounded, a failure anywhere raised on every rank):
+
+1. *join* through the c10d store: every rank called, with the same tag and
+   directory (:mod:`.agreement`); no collective on the training group before;
+2. *describe*: ranks exchange (through the store) which parameters and
+   optimizer state they hold, so rank 0 can write a complete manifest;
+3. *prepare*: each rank lays out its tensors as ``Stateful`` objects and
+   captures its RNG state; rank 0 encodes ``client_state``, scheduler and
+   loss-scaler state (refusing what would need pickle, unless allowed);
+4. *write*: ``torch.distributed.checkpoint.save``: each rank writes
+   ``__R_0.distcp`` in parallel, fsyncs it, then writes ``rankR.json`` (its
+   "done" marker, with its RNG state); rank 0 writes the ``.metadata`` index
+   once every rank has finished;
+5. *commit*: rank 0 writes the manifest, checks every file is there, renames
+   the directory to its tag and replaces ``latest`` (:mod:`.commit`).
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from .agreement import Session, join
+from .codec import Encoder
+from .commit import commit, remove_stale_temps, write_json
+from .errors import CheckpointError
+from .layout import FORMAT, VERSION, rank_file, temp_dir, validate_tag
+from .rng import capture_rng
+from .stateful import ModelNames, ModelState, OptimizerState, TensorState, describe_shards, gather_partitioned
+from .storage import SavePlanner
+
+__all__ = ["save_checkpoint"]
+
+
+def save_checkpoint(
+    engine: Any, save_dir: Any, tag: Optional[str] = None, client_state: Optional[dict[str, Any]] = None
+) -> str:
+    """Collectively write a checkpoint of ``engine`` to ``save_dir/tag``; returns that path.
+
+    ``tag`` defaults to ``global_step{engine.global_steps}``.  ``client_state``
+    (plain values and tensors; as passed on rank 0) comes back from
+    :func:`~shardwise.checkpoint.load_checkpoint`.
+    """
+    config = engine.config.checkpoint
+    tag = validate_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    root = Path(save_dir).absolute()
+    payload = {"op": "save_checkpoint", "tag": tag, "dir": str(root), "nonce": secrets.token_hex(6)}
+    session = join(engine.comm, "save_checkpoint", payload, config.timeout)
+    _agree(session)
+    if config.async_save:
+        warnings.warn("`checkpoint.async_save` is not implemented yet: this save is synchronous", stacklevel=3)
+    writer = _Save(engine, session, root, tag, temp_dir(root, tag, session.payloads[0]["nonce"]), client_state)
+    return writer.run()
+
+
+def _agree(session: Session) -> None:
+    session.require_same("op", "checkpoint operations", "call `save_checkpoint` on every rank at the same point")
+    session.require_same("tag", "tags", "pass the same `tag=` on every rank, or none (`global_step{N}`)")
+    session.require_same("dir", "directories", "pass the same `save_dir`, on a file system every rank can see")
+
+
+class _Save:
+    """One save, step by step; see the module docstring."""
+
+    def __init__(self, engine: Any, session: Session, root: Path, tag: str, temp: Path, client_state: Any) -> None:
+        self.engine = engine
+        self.session = session
+        self.root = root
+        self.tag = tag
+        self.temp = temp
+        self.client_state = client_state if client_state is not None else {}
+        self.rank = engine.comm.rank
+        self.shards = engine.strategy.param_shards()
+        self.inner = engine.optimizer.inner if engine.optimizer is not None else None
+        self.optimizer_state = getattr(self.inner, "state", None)
+        if self.inner is not None and self.optimizer_state is None and self.rank == 0:
+            warnings.warn(
+                f"the optimizer `{type(self.inner).__name__}` has no `state`: its per-parameter state is not "
+                "saved (only its param-group hyperparameters are)",
+                stacklevel=4,
+            )
+        self.extra = Encoder("extra", engine.config.checkpoint.allow_pickle)
+        self.encoded: dict[str, Any] = {}
+        self.rank_info: dict[str, Any] = {}
+
+    def run(self) -> str:
+        _, descriptions = self.session.step("describing its parameters", self._describe, share=True)
+        trainable = {name for d in descriptions for name in d["params"]}
+        names = ModelNames.of(self.engine.module)
+        # Collective (stage 3 only), with every rank known to be here: full frozen parameters.
+        gathered = gather_partitioned(names, names.frozen(trainable), self.rank, self.engine.comm.world_size)
+        try:
+            states, _ = self.session.step("preparing the checkpoint", lambda: self._prepare(names, trainable, gathered))
+            self.session.step("writing its shard", lambda: self._write(states))
+            self.session.step("committing", lambda: self._commit(descriptions) if self.rank == 0 else None)
+        except BaseException:
+            if self.rank == 0:  # every rank is past the failed step: nobody writes there any more
+                shutil.rmtree(self.temp, ignore_errors=True)
+            raise
+        return str(self.root / self.tag)
+
+    def _describe(self) -> dict[str, Any]:
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(self.root, self.tag)
+        return describe_shards(self.shards, self.optimizer_state)
+
+    def _prepare(self, names: ModelNames, trainable: set[str], gathered: dict[str, Any]) -> dict[str, TensorState]:
+        self.temp.mkdir(parents=True, exist_ok=True)
+        states: dict[str, TensorState] = {"model": ModelState.saving(names, self.shards, trainable, gathered, self.rank)}
+        if self.optimizer_state is not None:
+            states["optim"] = OptimizerState.saving(self.optimizer_state, self.shards)
+        config = self.engine.config.checkpoint
+        rng = Encoder(f"rng/{self.rank}", config.allow_pickle)
+        info = {"rank": self.rank, "world_size": self.engine.comm.world_size}
+        if config.save_rng_state:
+            info["rng"] = rng.encode(capture_rng(), "RNG state")
+        states["rng"] = TensorState(dict(rng.tensors))
+        self.rank_info = info
+        if self.rank == 0:
+            self._encode_extras()
+        states["extra"] = TensorState(dict(self.extra.tensors))
+        return states
+
+    def _encode_extras(self) -> None:
+        engine, encode = self.engine, self.extra.encode
+        scheduler = engine.lr_scheduler
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups] if self.inner else None
+        self.encoded = {
+            "client_state": encode(self.client_state, "client_state"),
+            "scheduler": encode(scheduler.state_dict(), "lr_scheduler.state_dict()") if scheduler is not None else None,
+            "precision": encode(engine.precision.state_dict(), "precision.state_dict()"),
+            "param_groups": encode(groups, "optimizer param_groups") if groups is not None else None,
+        }
+
+    def _write(self, states: dict[str, TensorState]) -> None:
+        writer = _RankWriter(self.temp, self.temp / rank_file(self.rank), self.rank_info)
+        distributed = dist.is_available() and dist.is_initialized()
+        group = self.engine.comm.group
+        dcp.save(states, storage_writer=writer, planner=SavePlanner(), process_group=group, no_dist=not distributed)
+
+    def _commit(self, descriptions: list[dict[str, Any]]) -> None:
+        write_json(self.temp / "shardwise.json", self._manifest(descriptions))
+        expected = [rank_file(r) for r in range(self.engine.comm.world_size)] + ["shardwise.json", ".metadata"]
+        absent = [name for name in expected if not (self.temp / name).is_file()]
+        absent += [f.name for f in _data_files(self.temp) if not f.is_file()]
+        if absent:
+            raise CheckpointError(
+                f"rank 0 cannot see {absent} in {self.temp} although every rank reported them written: "
+                "`save_dir` must be one directory shared by all ranks (a shared file system), not a local path"
+            )
+        commit(self.temp, self.root / self.tag)
+
+    def _manifest(self, descriptions: list[dict[str, Any]]) -> dict[str, Any]:
+        engine = self.engine
+        params: dict[str, Any] = {}
+        state: dict[str, Any] = {}
+        for described in descriptions:
+            params.update(described["params"])
+            for name, entries in described["state"].items():
+                state.setdefault(name, {}).update(entries)
+        names = ModelNames.of(engine.module)
+        params = {k: params[k] for k in sorted(params, key=_order(names.keys))}
+        module = {
+            n: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+            for n, t in names.tensors.items()
+            if n not in params
+        }
+        optimizer = None
+        if self.inner is not None:
+            optimizer = {"class": type(self.inner).__name__, "param_groups": self.encoded["param_groups"], "state": state}
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "tag": self.tag,
+            "world_size": engine.comm.world_size,
+            "stage": engine.strategy.stage,
+            "dtype": str(engine.precision.dtype).replace("torch.", ""),
+            "counters": {k: getattr(engine, k) for k in ("global_steps", "micro_steps", "skipped_steps")},
+            "state_dict_keys": names.keys,
+            "aliases": names.aliases,
+            "params": params,
+            "module": module,
+            "optimizer": optimizer,
+            "scheduler": self.encoded["scheduler"],
+            "precision": self.encoded["precision"],
+            "client_state": self.encoded["client_state"],
+            "rng": engine.config.checkpoint.save_rng_state,
+            "versions": {"shardwise": _shardwise_version(), "torch": torch.__version__},
+        }
+
+
+class _RankWriter(FileSystemWriter):
+    """DCP's file writer (one fsynced file per rank) that then writes ``rankR.json``.
+
+    That file is this rank's "done" marker: it exists only if the rank's
+    tensor file was completely written and flushed.
+    """
+
+    def __init__(self, path: Path, marker: Path, info: dict[str, Any]) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.marker = marker
+        self.info = info
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        written = super().write_data(plan, planner)
+        written.wait()
+        write_json(self.marker, self.info)
+        return written
+
+
+def _order(keys: list[str]) -> Any:
+    position = {k: i for i, k in enumerate(keys)}
+    return lambda name: (position.get(name, len(position)), name)
+
+
+def _shardwise_version() -> str:
+    import shardwise
+
+    return str(getattr(shardwise, "__version__", "unknown"))
+
+
+def _data_files(path: Path) -> list[Path]:
+    from .storage import read_metadata
+
+    return sorted({path / info.relative_path for info in read_metadata(path).storage_data.values()})

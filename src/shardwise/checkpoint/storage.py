@@ -1,0 +1,207 @@
+"""``torch.distributed.checkpoint`` (DCP) as the storage and resharding layer.
+
+DCP stores each tensor as *chunks* (offsets and sizes inside the global
+tensor) and, on load, reads the overlap of whatever chunks were saved with
+whatever chunks each rank asks for.  That is exactly resharding, provided a
+rank can describe "elements ``[start, end)`` of this flattened parameter".
+DTensor cannot (its uneven shards still follow a fixed chunking rule) and
+ShardedTensor needs a collective to build its global metadata, so this module
+adds :class:`FlatChunks` (any set of 1-D pieces of a 1-D tensor) and two
+planners that understand it.  Replicated pieces (stage 0, or scalars such as
+Adam's ``step``) are written once: DCP drops chunks with the same index.
+
+Safety: the planners never write pickled objects (``BYTE_IO`` items) and refuse
+to read them; tensors are read with ``torch.load(weights_only=True)`` by DCP;
+the pickled ``.metadata`` file is read with an unpickler that only builds DCP's
+metadata classes, torch dtypes/sizes and paths.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from .errors import CheckpointError
+
+__all__ = ["FlatChunks", "LoadPlanner", "SafeReader", "SavePlanner", "flatten", "read_metadata"]
+
+
+@dataclass
+class FlatChunks:
+    """Pieces ``(offset, 1-D tensor)`` of a 1-D tensor of ``numel`` elements (this rank's part)."""
+
+    numel: int
+    pieces: list[tuple[int, torch.Tensor]]
+
+    def size(self) -> torch.Size:
+        return torch.Size([self.numel])
+
+    def chunks(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size([o]), torch.Size([t.numel()])) for o, t in self.pieces]
+
+    def piece_at(self, offset: int) -> torch.Tensor:
+        for start, tensor in self.pieces:
+            if start == offset:
+                return tensor
+        raise CheckpointError(f"internal: no local piece at offset {offset} (pieces at {[o for o, _ in self.pieces]})")
+
+
+def flatten(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``{"model": {"master/x": ...}}`` -> ``{"model/master/x": ...}`` (one level, as the Stateful objects return)."""
+    flat: dict[str, Any] = {}
+    for top, inner in state_dict.items():
+        if not isinstance(inner, dict):
+            raise CheckpointError(f"internal: state_dict entry `{top}` is a {type(inner).__name__}, not a dict")
+        for key, value in inner.items():
+            flat[f"{top}/{key}"] = value
+    return flat
+
+
+def _write_item(fqn: str, tensor: torch.Tensor, offsets: torch.Size, size: torch.Size) -> WriteItem:
+    chunk = ChunkStorageMetadata(offsets=offsets, sizes=tensor.size())
+    return WriteItem(
+        index=MetadataIndex(fqn, offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(tensor), size=size),
+    )
+
+
+class SavePlanner(DefaultSavePlanner):
+    """DCP's default planning (dedup, validation) over :class:`FlatChunks` and plain tensors only."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Optional[StorageMeta] = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(flatten(state_dict), storage_meta, is_coordinator)
+
+    def create_local_plan(self) -> SavePlan:
+        items: list[WriteItem] = []
+        for fqn, obj in self.state_dict.items():
+            if isinstance(obj, FlatChunks):
+                items += [_write_item(fqn, t, torch.Size([o]), obj.size()) for o, t in obj.pieces if t.numel()]
+            elif isinstance(obj, torch.Tensor):
+                items.append(_write_item(fqn, obj, torch.Size([0] * obj.dim()), obj.size()))
+            else:
+                raise CheckpointError(f"internal: `{fqn}` is a {type(obj).__name__}; only tensors go to tensor files")
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict[index.fqn]
+        return obj.piece_at(index.offset[0]) if isinstance(obj, FlatChunks) else obj
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """Reads into :class:`FlatChunks` pieces and plain tensors, resharding as needed; never unpickles."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: Any, metadata: Optional[Metadata] = None, is_coordinator: bool = False) -> None:
+        self.original_state_dict = state_dict
+        self.state_dict = flatten(state_dict)
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        if self.metadata is None:
+            raise CheckpointError("internal: DCP gave the load planner no metadata")
+        saved = self.metadata.state_dict_metadata
+        requests = []
+        for fqn, obj in self.state_dict.items():
+            md = saved.get(fqn)
+            if md is None:
+                raise CheckpointError(f"the checkpoint's tensor index has no entry `{fqn}`; the checkpoint is damaged")
+            if isinstance(md, BytesStorageMetadata):
+                raise CheckpointError(
+                    f"`{fqn}` in this checkpoint is a pickled object, which shardwise never reads from tensor files"
+                )
+            if md.size != obj.size():
+                raise CheckpointError(f"`{fqn}` has {tuple(md.size)} elements in the checkpoint but {tuple(obj.size())} here")
+            if isinstance(obj, FlatChunks):
+                wanted = obj.chunks()
+            else:
+                wanted = [ChunkStorageMetadata(torch.Size([0] * obj.dim()), obj.size())]
+            requests += create_read_items_for_chunk_list(fqn, md, wanted)
+        return LoadPlan(requests)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        return obj.piece_at(index.offset[0]) if isinstance(obj, FlatChunks) else obj
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        raise CheckpointError(f"`{read_item.dest_index.fqn}` is a pickled object; shardwise never reads those")
+
+
+# --------------------------------------------------------------- metadata file
+
+_ALLOWED = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata",
+        "BytesStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only DCP metadata classes, torch dtypes/sizes/layouts and paths."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise CheckpointError(
+            f"the checkpoint's `.metadata` file refers to `{module}.{name}`, which a DCP index never needs; "
+            "refusing to unpickle it (the file may have been tampered with)"
+        )
+
+
+def read_metadata(path: Path) -> Metadata:
+    """DCP's ``.metadata`` index of the checkpoint in ``path``, unpickled safely."""
+    with open(path / ".metadata", "rb") as handle:
+        metadata = _MetadataUnpickler(handle).load()
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path / '.metadata'} holds a {type(metadata).__name__}, not a DCP index")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, with the ``.metadata`` index unpickled by :func:`read_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise CheckpointError(f"{self.path} has no global `.metadata` index; it was not written by shardwise")
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

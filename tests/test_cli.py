@@ -1,0 +1,195 @@
+"""The `shardwise` command: `config validate` in process, `run` through real torchrun launches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardwise.cli import COMMANDS, build_parser, main, torchrun_args
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
+
+GOOD = """\
+train_micro_batch_size_per_gpu: 4
+gradient_accumulation_steps: 2
+optimizer: {type: AdamW, params: {lr: 0.001}}
+zero_optimization: {stage: 2}
+"""
+BAD = """\
+train_micro_batch_size_per_gpu: 4
+zero_optimization: {stage: 2, reduce_bucket_sise: 1000}
+"""
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# ------------------------------------------------------------- config validate
+
+def test_validate_good_file_prints_resolved_batch_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, "good.yaml", GOOD)
+    assert main(["config", "validate", str(path), "--world-size", "2"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["train_batch_size"] == 4 * 2 * 2
+    assert printed["train_micro_batch_size_per_gpu"] == 4
+    assert printed["gradient_accumulation_steps"] == 2
+    assert printed["zero_optimization"]["stage"] == 2
+    # Defaults are shown too: the output is the whole resolved config.
+    assert printed["gradient_clipping"] == 0.0
+
+
+def test_validate_json_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, "good.json", json.dumps(yaml.safe_load(GOOD)))
+    assert main(["config", "validate", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["train_batch_size"] == 8
+
+
+def test_validate_bad_file_exits_2_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, "bad.yaml", BAD)
+    assert main(["config", "validate", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "zero_optimization.reduce_bucket_sise" in captured.err
+    assert "reduce_bucket_size" in captured.err  # the closest known key
+
+
+def test_validate_batch_sizes_that_do_not_divide_the_world(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, "odd.yaml", "train_batch_size: 6\ntrain_micro_batch_size_per_gpu: 2\n")
+    assert main(["config", "validate", str(path), "--world-size", "2"]) == 2
+    assert "train_batch_size" in capsys.readouterr().err
+
+
+def test_validate_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "validate", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml" in capsys.readouterr().err
+
+
+def test_validate_named_engines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = "engines:\n  student: {train_batch_size: 8}\n  teacher: {train_micro_batch_size_per_gpu: 2}\n"
+    assert main(["config", "validate", str(_write(tmp_path, "m.yaml", good)), "--world-size", "2"]) == 0
+    engines = yaml.safe_load(capsys.readouterr().out)["engines"]
+    assert engines["student"]["train_micro_batch_size_per_gpu"] == 4
+    assert engines["teacher"]["train_batch_size"] == 4
+
+    bad = "engines:\n  student: {train_batch_size: 8}\n  teacher: {zero_optimization: {stag: 1}}\n"
+    assert main(["config", "validate", str(_write(tmp_path, "b.yaml", bad))]) == 2
+    assert "engines.teacher.zero_optimization.stag" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=lambda p: p.name)
+def test_example_configs_are_valid(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "validate", str(path), "--world-size", "2"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["train_micro_batch_size_per_gpu"] == 16
+
+
+def test_example_configs_cover_every_stage_and_bf16() -> None:
+    names = {p.name for p in EXAMPLE_CONFIGS}
+    assert {"stage0.yaml", "stage1.yaml", "stage2.yaml", "stage3.yaml"} <= names
+    assert any("bf16" in n for n in names)
+
+
+def test_command_registry() -> None:
+    assert {"run", "config"} <= set(COMMANDS)
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([])
+    assert exit_info.value.code == 2
+
+
+# ------------------------------------------------------------ run: arguments
+
+def test_run_adds_standalone_on_one_node() -> None:
+    assert torchrun_args(["--nproc-per-node", "2", "t.py", "--lr", "1"]) == [
+        "--standalone", "--nproc-per-node", "2", "t.py", "--lr", "1"]
+    # Options after the script belong to the script, not to torchrun.
+    assert torchrun_args(["t.py", "--master-port", "5"])[0] == "--standalone"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--standalone", "--nproc-per-node", "2", "t.py"],
+        ["--rdzv-endpoint", "host:29400", "--rdzv-backend", "c10d", "t.py"],
+        ["--rdzv_id=job7", "t.py"],
+        ["--master-addr", "10.0.0.1", "--master-port", "29500", "t.py"],
+        ["--nnodes", "2", "--nproc-per-node", "2", "t.py"],
+        ["--nnodes", "1:3", "t.py"],
+    ],
+)
+def test_run_passes_explicit_setups_through(args: list[str]) -> None:
+    assert torchrun_args(args) == args
+
+
+def test_run_respects_torchrun_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "host:29400")
+    assert torchrun_args(["t.py"]) == ["t.py"]
+
+
+# ------------------------------------------------------------ run: launches
+
+ALL_REDUCE = """\
+import sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+value = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(value)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: sum {value.item():g} args {sys.argv[1:]}", flush=True)
+dist.destroy_process_group()
+"""
+FAIL_ON_RANK_1 = """\
+import os
+import sys
+sys.exit(3 if os.environ["RANK"] == "1" else 0)
+"""
+
+
+def _shardwise(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run `python -m shardwise.cli ARGS` from the repo root with `src` importable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "shardwise.cli", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def test_run_launches_two_ranks(tmp_path: Path) -> None:
+    script = _write(tmp_path, "all_reduce.py", ALL_REDUCE)
+    result = _shardwise("run", "--nproc-per-node", "2", str(script), "--flag", "x")
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} of 2: sum 3 args ['--flag', 'x']" in result.stdout
+
+
+def test_run_exits_with_the_scripts_status(tmp_path: Path) -> None:
+    script = _write(tmp_path, "fail.py", FAIL_ON_RANK_1)
+    result = _shardwise("run", "--nproc-per-node", "2", str(script))
+    assert result.returncode == 3
+    assert "fail.py" in result.stderr
+
+
+# The main example, end to end on 2 ranks: the default config (stage 2) and
+# the stage 3 ones, where the tied head and `engine.generate` read sharded weights.
+@pytest.mark.parametrize("config", [None, "stage3.yaml", "stage3_bf16.yaml"], ids=str)
+def test_train_gpt_example_on_two_ranks(config: str | None) -> None:
+    args = ["run", "--nproc-per-node", "2", "examples/train_gpt.py", "--size", "tiny", "--steps", "6",
+            "--sample-tokens", "20"]
+    if config is not None:
+        args += ["--config", f"examples/configs/{config}"]
+    result = _shardwise(*args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "2 rank(s)" in out and "step     6" in out and "--- sample" in out
+    losses = [float(line.split("loss")[1].split("|")[0]) for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) == 2 and losses[-1] < losses[0]
