@@ -14,7 +14,7 @@ from shardwise.testing import distributed_test, run_subtests
 
 from _parity import assert_close_params, batch, make_model, params_of
 
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 STEPS = 5
 FREEZE_AFTER, UNFREEZE_AFTER = 1, 3  # optimizer steps
 

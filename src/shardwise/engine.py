@@ -80,7 +80,7 @@ class Engine:
             self.module.to(torch.device("cuda", torch.cuda.current_device()))
         self._broadcast_state()
         # Keep the fp32 values so master weights start exact, not rounded to bf16/fp16.
-        self._initial_values = {id(p): p.data for p in self.module.parameters()}
+        self._initial_values = {id(p): p.data for p in self.module.parameters() if not is_partitioned(p)}
         if self.precision.low_precision:
             self.module.to(self.precision.dtype)
 

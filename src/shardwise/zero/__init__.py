@@ -9,11 +9,13 @@ from torch import nn
 from ..distributed import Comm
 from ..precision import Precision
 from .base import Strategy
+from .gathered import GatheredParameters, register_external_parameter
+from .init import Init
 from .stage0 import Stage0
 from .stage1 import Stage1
 from .stage2 import Stage2
 
-__all__ = ["Strategy", "make_strategy"]
+__all__ = ["GatheredParameters", "Init", "Strategy", "make_strategy", "register_external_parameter"]
 
 
 def make_strategy(module: nn.Module, comm: Comm, precision: Precision, zero_config: Any) -> Strategy:

@@ -1,0 +1,349 @@
+"""Module hooks that gather stage 3 parameters exactly while they are needed.
+
+Every submodule of the engine's model gets a forward pre-hook and a forward
+hook, so the entry point does not matter: ``engine(x)``, ``engine.module(x)``,
+``engine.generate(...)`` and nested calls all run them.
+
+* **forward**: the pre-hook opens a *call* for the module and gathers its
+  units (the units holding its direct parameters, plus any registered with
+  ``register_external_parameter``); the post-hook releases them.  A parameter
+  that the running forward reads but does not own (``F.linear(x,
+  self.child.weight)``, a tied head reading the embedding) is noticed by the
+  parameter's ``__torch_function__`` and gathered *for the innermost running
+  call*, so it is released with that call and re-gathered for its backward.
+* **backward**: a hook on the call's outputs fires before the module's
+  backward and re-gathers every unit the call used; an identity autograd
+  function on the call's inputs fires after it and releases them.  A call
+  whose inputs need no gradient (the first layer) releases a unit when all of
+  its trainable parameters' gradients have arrived, or at the end of backward.
+* **prefetch**: the units acquired in a forward are recorded; the next forward
+  starts all-gathers for the upcoming units ahead of use
+  (``stage3_prefetch_bucket_size`` elements, at most
+  ``stage3_max_live_parameters`` gathered), and backward does the same in
+  reverse.  A unit released in forward stays gathered when the recording says
+  it is used again within ``stage3_max_reuse_distance`` elements.  When the
+  order changes (a branch), prefetches only go to waste: gathering on use is
+  what guarantees correctness.
+
+Collectives are issued in program order, so all ranks must run the same
+modules in the same order in a given forward (the usual ZeRO-3 / FSDP
+requirement); which modules run may change from one forward to the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .params import Unit, not_gathered_error
+
+__all__ = ["Gatherer"]
+
+EXTERNAL_ATTR = "_shardwise_external_params"
+_TENSOR_DATA = torch.Tensor.data
+
+
+class _Call:
+    """One invocation of a module's forward, and what it needs in backward."""
+
+    __slots__ = ("module", "units", "positions", "held", "task", "post")
+
+    def __init__(self, module: nn.Module, units: list[Unit]) -> None:
+        self.module = module
+        self.units = units
+        self.positions: list[int] = []
+        self.held: list[Unit] = []
+        self.task = -1
+        self.post = False
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a call's inputs; its backward runs once the call's backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, gatherer: "Gatherer", call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.gatherer, ctx.call = gatherer, call
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.gatherer.post_backward(ctx.call)
+        return (None, None, *grads)
+
+
+class Gatherer:
+    """Owns the gather/free life cycle of one engine's units (the stage 3 ``UnitOwner``)."""
+
+    def __init__(self, module: nn.Module, units: list[Unit], module_units: dict[nn.Module, list[Unit]],
+                 zero_config: Any) -> None:
+        self.module = module
+        self.units = units
+        self.module_units = module_units
+        self.prefetch_numel = int(zero_config.stage3_prefetch_bucket_size)
+        self.max_live = int(zero_config.stage3_max_live_parameters)
+        self.reuse_distance = int(zero_config.stage3_max_reuse_distance)
+        self._handles: list[Any] = []
+        self._stack: list[_Call] = []
+        self._trace: list[Unit] = []
+        self._last: list[Unit] = []
+        self._next_use: list[Optional[int]] = []
+        self._cursor = 0
+        self._bw_calls: list[_Call] = []
+        self._bw_extra: list[Unit] = []
+        self._bw_task = -1
+        self._bw_trace: list[Unit] = []
+        self._bw_cursor = 0
+        self._live: set[Unit] = set()
+        self.modified_callback: Callable[[Unit], None] = lambda unit: None
+        #: units acquired by forwards with grad enabled since the last backward, first use first
+        self.forward_order: dict[Unit, None] = {}
+
+    # ------------------------------------------------------------ install
+    def install(self) -> None:
+        for module in self.module.modules():
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ----------------------------------------------------- gather / free
+    def acquire(self, unit: Unit) -> None:
+        unit.refs += 1
+        if not unit.gathered:
+            self._live.add(unit)
+        unit.gather()
+
+    def release(self, unit: Unit, keep: bool = False) -> None:
+        """Drop one hold; free the unit when nothing holds it (``keep``: leave it gathered)."""
+        unit.refs = max(unit.refs - 1, 0)
+        if unit.refs == 0 and not keep:
+            unit.free()
+            self._live.discard(unit)
+
+    def free_idle(self) -> None:
+        """Free every gathered unit nothing holds (prefetched but unused, kept for reuse)."""
+        for unit in list(self._live):
+            if unit.refs == 0:
+                unit.free()
+                self._live.discard(unit)
+
+    def _live_numel(self) -> int:
+        return sum(u.numel for u in self._live if u.gathered)
+
+    def _prefetch(self, trace: list[Unit], start: int) -> int:
+        """Start gathers for ``trace[start:]`` up to the prefetch budget; returns where it stopped."""
+        budget, live = self.prefetch_numel, None
+        index = start
+        while index < len(trace) and budget > 0:
+            unit = trace[index]
+            if not unit.gathered:
+                live = self._live_numel() if live is None else live
+                if live + unit.numel > self.max_live:
+                    break
+                unit.gather(async_op=True)
+                self._live.add(unit)
+                live += unit.numel
+                budget -= unit.numel
+            index += 1
+        return index
+
+    # ------------------------------------------------------------ forward
+    def _in_backward(self) -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if not self._stack and not self._in_backward():
+            self._begin_pass()
+        units = list(self.module_units.get(module, ()))
+        for param in module.__dict__.get(EXTERNAL_ATTR, ()):
+            unit = param.__dict__.get("_shardwise_unit")
+            if unit is not None and unit.owner is self and unit not in units:
+                units.append(unit)
+        call = _Call(module, units)
+        self._stack.append(call)
+        if units and self._last:
+            # Start this call's own gathers and the next ones together, then wait for its own.
+            self._cursor = self._prefetch(self._last, max(self._cursor, len(self._trace)))
+        for unit in units:
+            self._acquire_for(call, unit)
+        if units and torch.is_grad_enabled():
+            return self._arm_post_backward(call, args, kwargs)
+        return None
+
+    def _acquire_for(self, call: _Call, unit: Unit) -> None:
+        call.positions.append(len(self._trace))
+        self._trace.append(unit)
+        if torch.is_grad_enabled() and not self._in_backward():
+            self.forward_order.setdefault(unit, None)
+        self.acquire(unit)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._stack or self._stack[-1].module is not module:
+            return  # hooks installed while this module was already running
+        call = self._stack.pop()
+        for unit, position in zip(call.units, call.positions):
+            self.release(unit, keep=self._reused_soon(unit, position))
+        if call.units and torch.is_grad_enabled() and output is not None:
+            self._arm_pre_backward(call, output)
+        if not self._stack and not self._in_backward():
+            self._end_pass()
+
+    def _reused_soon(self, unit: Unit, position: int) -> bool:
+        if position >= len(self._last) or self._last[position] is not unit:
+            return False
+        distance = self._next_use[position]
+        if distance is None or distance > self.reuse_distance:
+            return False
+        return self._live_numel() <= self.max_live
+
+    def _begin_pass(self) -> None:
+        if self._bw_calls or self._bw_extra:
+            self._end_backward()  # a backward that raised never ran its final callback
+        self._trace = []
+        self._cursor = 0
+
+    def _end_pass(self) -> None:
+        self.free_idle()
+        self._last = self._trace
+        self._next_use = _next_use(self._last)
+        self._trace = []
+
+    def needs(self, unit: Unit) -> bool:
+        """Freed, or read by a running forward that did not gather it (its backward must re-gather it)."""
+        if not unit.gathered:
+            return True
+        return bool(self._stack) and not unit.persistent and unit not in self._stack[-1].units
+
+    def on_demand(self, units: list[Unit], func: Any, mutating: bool) -> contextlib.AbstractContextManager[None]:
+        """A running forward (or backward) read parameters it does not own: gather them for it."""
+        if self._stack:
+            call = self._stack[-1]
+            for unit in units:
+                if unit not in call.units:
+                    call.units.append(unit)
+                    self._acquire_for(call, unit)
+                else:
+                    unit.gather()
+            return contextlib.nullcontext()
+        if self._in_backward():
+            for unit in units:
+                self._bw_extra.append(unit)
+                self.acquire(unit)
+            self._ensure_backward_callback()
+            return contextlib.nullcontext()
+        freed = [p for u in units for p in u.params if not u.gathered]
+        if not freed:
+            return contextlib.nullcontext()
+        raise not_gathered_error(freed[0], func)
+
+    def on_data_access(self, unit: Unit) -> None:
+        self.on_demand([unit], _TENSOR_DATA, False)
+
+    def on_cast(self, unit: Unit, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> bool:
+        return False
+
+    def on_params_modified(self, unit: Unit) -> None:
+        """``GatheredParameters(modifier_rank=...)`` wrote new values into ``unit``."""
+        self.modified_callback(unit)
+
+    # ----------------------------------------------------------- backward
+    def _arm_post_backward(self, call: _Call, args: Any, kwargs: Any) -> Any:
+        flat, spec = tree_flatten((args, kwargs))
+        where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not where:
+            return None
+        outputs = _PostBackward.apply(self, call, *[flat[i] for i in where])
+        for i, value in zip(where, outputs):
+            flat[i] = value
+        call.post = True
+        return tree_unflatten(flat, spec)
+
+    def _arm_pre_backward(self, call: _Call, output: Any) -> None:
+        flat, _ = tree_flatten(output)
+        tensors = [v for v in flat if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not tensors and hasattr(output, "__dict__"):
+            tensors = [v for v in vars(output).values() if isinstance(v, torch.Tensor) and v.requires_grad]
+
+        def hook(grad: torch.Tensor) -> None:
+            self._pre_backward(call)
+
+        for tensor in tensors:
+            tensor.register_hook(hook)
+
+    def _ensure_backward_callback(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._bw_task:
+            self._bw_task = task
+            self._bw_trace = list(reversed(self._last))
+            self._bw_cursor = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _pre_backward(self, call: _Call) -> None:
+        task = torch._C._current_graph_task_id()
+        if call.task == task:
+            return
+        call.task = task
+        self._ensure_backward_callback()
+        for unit in call.units:
+            if not unit.gathered:
+                unit.gather(async_op=True)
+                self._live.add(unit)
+        for unit in call.units:
+            self.acquire(unit)
+        call.held = list(call.units)
+        self._bw_calls.append(call)
+        self._prefetch_backward(call)
+
+    def _prefetch_backward(self, call: _Call) -> None:
+        trace = self._bw_trace
+        for index in range(self._bw_cursor, len(trace)):
+            if trace[index] in call.units:
+                self._bw_cursor = index + 1
+                break
+        self._prefetch(trace, self._bw_cursor)
+
+    def post_backward(self, call: _Call) -> None:
+        held, call.held = call.held, []
+        for unit in held:
+            self.release(unit)
+
+    def grads_ready(self, unit: Unit) -> None:
+        """All trainable parameters of ``unit`` have their gradient: calls with no post-backward let go."""
+        for call in self._bw_calls:
+            if not call.post and unit in call.held:
+                call.held.remove(unit)
+                self.release(unit)
+
+    def _end_backward(self) -> None:
+        for call in self._bw_calls:
+            self.post_backward(call)
+        extra, self._bw_extra = self._bw_extra, []
+        for unit in extra:
+            self.release(unit)
+        self._bw_calls = []
+        self._bw_task = -1
+        self.free_idle()
+
+
+def _next_use(trace: list[Unit]) -> list[Optional[int]]:
+    """For each position, the elements gathered before the same unit is used again (None: never)."""
+    result: list[Optional[int]] = [None] * len(trace)
+    seen: dict[int, int] = {}
+    prefix = [0]
+    for unit in trace:
+        prefix.append(prefix[-1] + unit.numel)
+    for position in range(len(trace) - 1, -1, -1):
+        unit = trace[position]
+        later = seen.get(id(unit))
+        if later is not None:
+            result[position] = prefix[later] - prefix[position + 1]
+        seen[id(unit)] = position
+    return result
+

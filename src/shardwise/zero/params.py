@@ -1,0 +1,390 @@
+"""Partitioned parameters: the storage model of ZeRO stage 3 and ``zero.Init``.
+
+A :class:`Unit` is a group of parameters (normally the *direct* parameters of
+one module) laid out in one flat buffer of ``padded`` elements, split into N
+equal slices: rank ``r`` keeps slice ``r`` (``unit.shard``) at all times.  The
+full flat tensor ``unit.full`` exists only while the unit is gathered: its
+storage is resized to zero bytes when freed and re-allocated (and all-gathered)
+when needed.  Every parameter is a view into ``unit.full`` with its full shape,
+so a parameter never has a wrong shape; while the unit is freed its storage
+is simply absent.
+
+Each partitioned parameter's class is swapped (the way
+``UninitializedParameter.materialize`` does it) for a subclass whose
+``__torch_function__`` notices any operation that would read or write its
+values while its unit is freed and asks the unit's *owner* what to do: the
+stage 3 engine gathers it for the running module's forward (an "external"
+parameter), ``zero.Init`` gathers it for the duration of the operation, and
+anywhere else the user gets an error naming ``GatheredParameters``.
+Metadata (shape, dtype, ``requires_grad``, ``.grad``, hooks) is always
+readable.  The interception is per parameter object and undone by
+:func:`restore_parameter`: nothing process-wide is patched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from ..distributed import Comm, Work
+
+__all__ = [
+    "Unit",
+    "UnitOwner",
+    "gather_units",
+    "is_partitioned",
+    "not_gathered_error",
+    "partition_parameter",
+    "restore_parameter",
+    "unit_of",
+]
+
+_UNIT_ATTR = "_shardwise_unit"
+_INDEX_ATTR = "_shardwise_index"
+
+
+class UnitOwner(Protocol):
+    """Who decides what an operation on a freed parameter does (stage 3 or ``zero.Init``)."""
+
+    def needs(self, unit: "Unit") -> bool:
+        """Whether an operation reading ``unit``'s parameters must go through :meth:`on_demand`."""
+
+    def on_demand(self, units: list["Unit"], func: Any, mutating: bool) -> contextlib.AbstractContextManager[None]:
+        """Make ``units`` readable around ``func``, or raise."""
+
+    def on_data_access(self, unit: "Unit") -> None:
+        """``param.data`` was read while ``unit`` is freed: gather it, or raise (never hand out freed storage)."""
+
+    def on_cast(self, unit: "Unit", device: Optional[torch.device], dtype: Optional[torch.dtype]) -> bool:
+        """A ``.to()``/``.half()`` style cast of a freed parameter; True if it was applied to the unit."""
+
+    def release(self, unit: "Unit") -> None:
+        """Drop one hold on ``unit`` (taken by incrementing ``unit.refs``): decrement, free it when unheld."""
+
+    def on_params_modified(self, unit: "Unit") -> None:
+        """New full values were written into ``unit`` and scattered to its shards."""
+
+
+# ------------------------------------------------------------------ the unit
+class Unit:
+    """Parameters stored as one flat buffer, ``1/N`` of it on each rank.
+
+    ``persistent`` units are gathered once and never freed (small parameters,
+    ``stage3_param_persistence_threshold``).  ``refs`` counts the holders that
+    need the full values right now (running forwards and backwards,
+    ``GatheredParameters`` blocks); the owner frees the unit when it drops to
+    zero.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        comm: Comm,
+        owner: UnitOwner,
+        persistent: bool = False,
+    ) -> None:
+        self.index = index
+        self.params = list(params)
+        self.names = list(names)
+        self.comm = comm
+        self.owner = owner
+        self.persistent = persistent
+        self.offsets: list[int] = []
+        self.shapes: list[torch.Size] = []
+        total = 0
+        with torch._C.DisableTorchFunctionSubclass():
+            for param in self.params:
+                self.offsets.append(total)
+                self.shapes.append(param.shape)
+                total += param.numel()
+        self.numel = total
+        world = comm.world_size
+        self.padded = -(-total // world) * world if total else world
+        self.shard_numel = self.padded // world
+        self.refs = 0
+        self.full: torch.Tensor = torch.empty(0)
+        self.shard: torch.Tensor = torch.empty(0)
+        self.pristine: Optional[torch.Tensor] = None
+        self._work: Optional[Work] = None
+        self._gathered = False
+
+    # ---------------------------------------------------------------- build
+    def flatten(self, values: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A full-size flat tensor holding ``values`` (one per parameter) at their offsets, zero padded."""
+        flat = torch.zeros(self.padded, dtype=dtype, device=device)
+        for offset, shape, value in zip(self.offsets, self.shapes, values):
+            flat.narrow(0, offset, shape.numel()).copy_(value.reshape(-1))
+        return flat
+
+    def build(self, flat: torch.Tensor, dtype: torch.dtype) -> None:
+        """Take the full flat values ``flat`` (same on every rank), keep this rank's slice, free the rest.
+
+        ``flat`` itself becomes the gathered buffer when it already has ``dtype``.
+        """
+        self.full = flat.to(dtype)
+        self.shard = self.local(self.full).clone()
+        self._gathered = True
+        for index, param in enumerate(self.params):
+            partition_parameter(param, self, index)
+        self.view_params()
+        if not self.persistent:
+            self.free()
+
+    def local(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full-size flat tensor of this unit."""
+        return flat.narrow(0, self.comm.rank * self.shard_numel, self.shard_numel)
+
+    def param_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s elements inside a full-size flat tensor, shaped like it."""
+        shape = self.shapes[index]
+        return flat.narrow(0, self.offsets[index], shape.numel()).view(shape)
+
+    def view_params(self) -> None:
+        """Point every parameter's ``.data`` at its place in ``self.full``."""
+        with torch._C.DisableTorchFunctionSubclass():
+            for index, param in enumerate(self.params):
+                param.data = self.param_view(self.full, index)
+
+    # ------------------------------------------------------- gather / free
+    @property
+    def gathered(self) -> bool:
+        """Whether the full values are (or are being) materialised."""
+        return self._gathered
+
+    def gather(self, async_op: bool = False) -> None:
+        """Materialise the full values (collective); with ``async_op`` only start it."""
+        if not self._gathered:
+            storage = self.full.untyped_storage()
+            storage.resize_(self.padded * self.full.element_size())
+            self._gathered = True
+            self._work = self.comm.all_gather(self.full, self.shard, async_op=True)
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        """Finish a gather started with ``async_op=True``."""
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait()
+
+    def free(self) -> None:
+        """Drop the full values (the shard stays)."""
+        if not self._gathered or self.persistent:
+            return
+        self.wait()
+        self.full.untyped_storage().resize_(0)
+        self._gathered = False
+
+    def scatter_from_full(self, src: Optional[int] = None) -> None:
+        """After the full values changed: optionally take ``src``'s values (collective), update the shard."""
+        self.wait()
+        if src is not None:
+            self.comm.broadcast(self.full, src=src)
+        self.shard.copy_(self.local(self.full))
+
+    def refresh(self) -> None:
+        """Re-gather a gathered unit from the (updated) shards (collective)."""
+        if self._gathered:
+            self.wait()
+            self.comm.all_gather(self.full, self.shard)
+
+    # ---------------------------------------------------------------- cast
+    def convert(self, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> None:
+        """Cast the shard (and the freed full buffer) to ``dtype``/``device``.
+
+        The first down-cast keeps the fp32 shard in ``pristine`` so master
+        weights can start from exact values.
+        """
+        device = device or self.shard.device
+        dtype = dtype or self.shard.dtype
+        if self.pristine is None and self.shard.dtype == torch.float32 and dtype != torch.float32:
+            self.pristine = self.shard
+        if self.pristine is not None and self.pristine.device != device:
+            self.pristine = self.pristine.to(device)
+        gathered = self._gathered
+        self.wait()
+        full = self.full.to(device=device, dtype=dtype) if gathered else torch.empty(
+            self.padded, dtype=dtype, device=device)
+        self.shard = self.shard.to(device=device, dtype=dtype)
+        self.full = full
+        self.view_params()  # views need the storage present: free it only afterwards
+        if not gathered:
+            self.full.untyped_storage().resize_(0)
+
+    def element_bytes(self) -> int:
+        return self.shard.element_size()
+
+    def __repr__(self) -> str:
+        state = "persistent" if self.persistent else ("gathered" if self._gathered else "sharded")
+        names = self.names[:3] + (["..."] if len(self.names) > 3 else [])
+        return f"Unit({self.index}, {names}, {self.numel} elements, {state})"
+
+
+# ------------------------------------------------ the partitioned parameter
+def unit_of(tensor: Any) -> Optional[Unit]:
+    """The unit a partitioned parameter belongs to (None for any other tensor)."""
+    return tensor.__dict__.get(_UNIT_ATTR) if isinstance(tensor, torch.Tensor) else None
+
+
+def is_partitioned(tensor: Any) -> bool:
+    """Whether ``tensor`` is a parameter partitioned by ZeRO stage 3 or ``zero.Init``."""
+    return unit_of(tensor) is not None
+
+
+def partition_parameter(param: nn.Parameter, unit: Unit, index: int) -> None:
+    """Attach ``param`` to ``unit`` and swap its class so freed values are never read."""
+    param.__dict__[_UNIT_ATTR] = unit
+    param.__dict__[_INDEX_ATTR] = index
+    cls = type(param)
+    if not getattr(cls, "_shardwise_partitioned", False):
+        param.__class__ = _partitioned_class(cls)
+
+
+def restore_parameter(param: nn.Parameter) -> None:
+    """Undo :func:`partition_parameter` (the caller gives ``param`` its own full storage first)."""
+    param.__dict__.pop(_UNIT_ATTR, None)
+    param.__dict__.pop(_INDEX_ATTR, None)
+    cls = type(param)
+    if getattr(cls, "_shardwise_partitioned", False):
+        param.__class__ = cls.__bases__[0]
+
+
+def param_name(param: Any) -> str:
+    unit = unit_of(param)
+    if unit is None:
+        return "<tensor>"
+    return unit.names[param.__dict__[_INDEX_ATTR]]
+
+
+def not_gathered_error(param: Any, func: Any) -> RuntimeError:
+    """The error for reading a partitioned parameter where nothing gathers it."""
+    unit = unit_of(param)
+    rank = unit.comm.rank if unit is not None else 0
+    name = param_name(param)
+    with torch._C.DisableTorchFunctionSubclass():
+        shape = tuple(param.shape)
+    what = getattr(func, "__name__", repr(func))
+    return RuntimeError(
+        f"rank {rank}: parameter `{name}` (shape {shape}) is partitioned by ZeRO stage 3 and is not "
+        f"gathered here (operation `{what}` outside any forward of its engine). Read or modify it inside "
+        f"`with shardwise.zero.GatheredParameters([param], modifier_rank=None or 0): ...` on every rank, "
+        "or call the module (hooks gather parameters during its forward)"
+    )
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _partitioned_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(
+            f"Partitioned{cls.__name__}",
+            (cls,),
+            {
+                "__torch_function__": classmethod(_torch_function),
+                "_shardwise_partitioned": True,
+                "__module__": __name__,
+            },
+        )
+    return _CLASSES[cls]
+
+
+def _descriptor_functions(names: Sequence[str]) -> set[Any]:
+    found: set[Any] = set()
+    for name in names:
+        attr = getattr(torch.Tensor, name, None)
+        for method in ("__get__", "__set__", "__delete__"):
+            bound = getattr(attr, method, None)
+            if bound is not None:
+                found.add(bound)
+    return found
+
+
+# Operations that never read or write a parameter's values: allowed while freed.
+_METADATA: set[Any] = _descriptor_functions(
+    ["data", "shape", "dtype", "device", "layout", "requires_grad", "grad", "is_leaf", "grad_fn", "ndim",
+     "is_cuda", "is_sparse", "is_quantized", "is_meta", "is_mkldnn", "is_nested", "output_nr",
+     "_version", "_base", "names", "itemsize", "nbytes", "_grad", "_grad_fn", "retains_grad",
+     "_backward_hooks", "_post_accumulate_grad_hooks"]
+) | {
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.ndimension, torch.Tensor.numel,
+    torch.Tensor.nelement, torch.Tensor.element_size, torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex, torch.Tensor.requires_grad_, torch.Tensor.register_hook,
+    torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.__len__, torch.Tensor.stride,
+    torch.Tensor.is_contiguous, torch.Tensor.storage_offset, torch.Tensor.get_device,
+    torch.Tensor.retain_grad, torch.Tensor.__hash__, torch.Tensor.data_ptr,
+    torch.Tensor.untyped_storage, torch._has_compatible_shallow_copy_type,
+}
+_DATA_GET: Any = getattr(vars(torch._C.TensorBase)["data"], "__get__")  # noqa: B009 (typed Any)
+_CASTS: dict[Any, Callable[..., tuple[Optional[torch.device], Optional[torch.dtype]]]] = {
+    torch.Tensor.to: lambda *a, **k: torch._C._nn._parse_to(*a, **k)[:2],
+    torch.Tensor.float: lambda *a, **k: (None, torch.float32),
+    torch.Tensor.double: lambda *a, **k: (None, torch.float64),
+    torch.Tensor.half: lambda *a, **k: (None, torch.float16),
+    torch.Tensor.bfloat16: lambda *a, **k: (None, torch.bfloat16),
+    torch.Tensor.cpu: lambda *a, **k: (torch.device("cpu"), None),
+    torch.Tensor.cuda: lambda *a, **k: (torch.device("cuda", torch.cuda.current_device()), None),
+}
+_INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
+                    "__ifloordiv__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__imatmul__"}
+
+
+def _is_mutating(func: Any, kwargs: dict[str, Any]) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in _INPLACE_DUNDERS or kwargs.get("out") is not None:
+        return True
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _partitioned_in(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    found: list[Any] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            found.extend(v for v in value if _UNIT_ATTR in getattr(v, "__dict__", ()))
+        elif _UNIT_ATTR in getattr(value, "__dict__", ()):
+            found.append(value)
+    return found
+
+
+def _torch_function(cls: type, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+    kwargs = kwargs or {}
+    if func in _METADATA:
+        if func == _DATA_GET:  # method-wrappers are created per access: compare, not `is`
+            unit = unit_of(args[0])
+            if unit is not None and not unit.gathered:
+                unit.owner.on_data_access(unit)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    units: list[Unit] = []
+    for param in _partitioned_in(args, kwargs):
+        unit = param.__dict__[_UNIT_ATTR]
+        if unit not in units and unit.owner.needs(unit):
+            units.append(unit)
+    if not units:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    if func in _CASTS and len(units) == 1 and args and unit_of(args[0]) is units[0] and not units[0].gathered:
+        device, dtype = _CASTS[func](*args[1:], **kwargs)
+        if units[0].owner.on_cast(units[0], device, dtype):
+            with torch._C.DisableTorchFunctionSubclass():
+                return args[0].data  # the converted (still freed) view, for Module._apply
+    owners = {id(u.owner): u.owner for u in units}
+    with contextlib.ExitStack() as stack:
+        for owner in owners.values():
+            stack.enter_context(owner.on_demand([u for u in units if u.owner is owner], func,
+                                                _is_mutating(func, kwargs)))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def gather_units(units: Sequence[Unit]) -> None:
+    """Gather several units, overlapping their collectives."""
+    for unit in units:
+        unit.gather(async_op=True)
+    for unit in units:
+        unit.wait()
