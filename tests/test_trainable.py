@@ -160,12 +160,15 @@ def test_freezing_half_at_initialize_halves_optimizer_bytes() -> None:
         model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
         if freeze:
             model[0].requires_grad_(False)
-        engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_optimization": {"stage": stage}})
+        # threshold 0: no unit is small enough to stay gathered, so every one is split evenly
+        zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+        engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_optimization": zero})
         engine.backward(engine(torch.randn(4, 64)).square().mean())
+        grads = engine.memory_breakdown()["gradients"]  # reduced, not yet stepped
         engine.step()
-        counts = engine.memory_breakdown()
+        state = engine.memory_breakdown()["optimizer_state"]
         engine.destroy()
-        return counts["optimizer_state"], counts["gradients"]
+        return state, grads
 
     def case(stage: int) -> None:
         full_state, full_grads = state_bytes(stage, False)
