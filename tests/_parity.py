@@ -91,3 +91,30 @@ def ddp_reference(
 
 def adamw(params: Any, lr: float = 1e-2) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
+
+
+class FairseqStyleOptimizer:
+    """Not a torch Optimizer: holds one inside, as fairseq's optimizers do."""
+
+    def __init__(self, params: Any, make: Callable[[Any], torch.optim.Optimizer] = adamw) -> None:
+        self._optimizer = make(params)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self._optimizer.state
+
+    def step(self) -> None:
+        self._optimizer.step()
+
+    def zero_grad(self) -> None:
+        self._optimizer.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(state)

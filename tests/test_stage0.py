@@ -12,7 +12,7 @@ import torch.distributed as dist
 import shardwise
 from shardwise.testing import distributed_test, run_subtests
 
-from _parity import adamw, assert_close_params, batch, ddp_reference, make_model, params_of
+from _parity import FairseqStyleOptimizer, adamw, assert_close_params, batch, ddp_reference, make_model, params_of
 
 
 def _train(engine: Any, steps: int, size: int = 4, micro: int = 1) -> list[float]:
@@ -214,33 +214,6 @@ def test_lr_groups_and_scheduler_from_config() -> None:
     # DeepSpeed's linear warmup: min + (max - min) * step / warmup, then flat at max
     want = [0.1 * min(1.0, s / 4) for s in range(1, 7)]
     assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(seen, want)), (seen, want)
-
-
-class FairseqStyleOptimizer:
-    """Not a torch Optimizer: holds one inside, as fairseq's optimizers do."""
-
-    def __init__(self, params: Any) -> None:
-        self._optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self._optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self._optimizer.state
-
-    def step(self) -> None:
-        self._optimizer.step()
-
-    def zero_grad(self) -> None:
-        self._optimizer.zero_grad()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._optimizer.load_state_dict(state)
 
 
 @distributed_test(world_size=2, timeout=120)

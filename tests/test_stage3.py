@@ -21,7 +21,7 @@ import shardwise
 from shardwise.testing import distributed_test, run_subtests
 from shardwise.zero.params import is_partitioned
 
-from _parity import adamw, assert_close_params, batch, ddp_reference, make_model, params_of
+from _parity import FairseqStyleOptimizer, adamw, assert_close_params, batch, ddp_reference, make_model, params_of
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, gpt_config  # noqa: E402
@@ -163,33 +163,6 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
-class WrapperOptimizer:
-    """Not a torch Optimizer: holds one inside, as fairseq's optimizers do."""
-
-    def __init__(self, params: Any) -> None:
-        self._optimizer = adamw(params)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self._optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self._optimizer.state
-
-    def step(self) -> None:
-        self._optimizer.step()
-
-    def zero_grad(self) -> None:
-        self._optimizer.zero_grad()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._optimizer.load_state_dict(state)
-
-
 # ------------------------------------------------------------------- parity
 @distributed_test(world_size=2, timeout=240)
 def test_stage3_matches_ddp_and_stage0() -> None:
@@ -198,7 +171,7 @@ def test_stage3_matches_ddp_and_stage0() -> None:
 
     def case(zero: dict[str, Any], clip: float, wrapper: bool) -> None:
         model = make_model()
-        opt = WrapperOptimizer(model.parameters()) if wrapper else adamw(model.parameters())
+        opt = FairseqStyleOptimizer(model.parameters()) if wrapper else adamw(model.parameters())
         engine = shardwise.initialize(model, opt, {"gradient_clipping": clip, **_config(3, **zero)})
         _train(engine, 5)
         assert_close_params(_full_params(engine), want_clip if clip else want, atol=1e-5)

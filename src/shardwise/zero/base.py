@@ -23,7 +23,7 @@ from torch import nn
 from ..distributed import Comm
 from ..precision import Precision
 
-__all__ = ["ParamShard", "Strategy", "tensor_bytes"]
+__all__ = ["ParamShard", "Strategy", "module_order", "tensor_bytes"]
 
 
 @dataclass
@@ -63,6 +63,21 @@ def tensor_bytes(tensors: Any) -> int:
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
     return total
+
+
+def module_order(module: nn.Module, groups: list[list[nn.Parameter]]) -> list[nn.Parameter]:
+    """The optimizer's parameters in module registration order (checked to belong to the model)."""
+    in_groups = {id(p): p for group in groups for p in group}
+    order = [p for p in module.parameters() if id(p) in in_groups]
+    if len(order) != len(in_groups):
+        known = {id(p) for p in module.parameters()}
+        stray = [tuple(p.shape) for p in in_groups.values() if id(p) not in known]
+        raise ValueError(
+            f"the optimizer holds {len(stray)} tensor(s) that are not parameters of the model "
+            f"(shapes {stray[:5]}); build the optimizer from `model.parameters()` of the model "
+            "passed to `shardwise.initialize`"
+        )
+    return order
 
 
 class Strategy(ABC):

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .base import ParamShard, Strategy, tensor_bytes
+from .base import ParamShard, Strategy, module_order, tensor_bytes
 from .carry import ParamState, export_state, import_state
 from .layout import Bucket, FlatLayout
 
@@ -59,7 +59,7 @@ class FlatStrategy(Strategy):
         if inner is None:
             return
         self._groups = [list(group["params"]) for group in inner.param_groups]
-        self._order = _module_order(self.module, self._groups)
+        self._order = module_order(self.module, self._groups)
         self._build()
 
     @property
@@ -337,18 +337,3 @@ class FlatStrategy(Strategy):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-
-
-def _module_order(module: nn.Module, groups: list[list[nn.Parameter]]) -> list[nn.Parameter]:
-    """The optimizer's parameters in module registration order (checked to belong to it)."""
-    in_groups = {id(p): p for group in groups for p in group}
-    order = [p for p in module.parameters() if id(p) in in_groups]
-    if len(order) != len(in_groups):
-        known = {id(p) for p in module.parameters()}
-        stray = [tuple(p.shape) for p in in_groups.values() if id(p) not in known]
-        raise ValueError(
-            f"the optimizer holds {len(stray)} tensor(s) that are not parameters of the model "
-            f"(shapes {stray[:5]}); build the optimizer from `model.parameters()` of the model "
-            "passed to `shardwise.initialize`"
-        )
-    return order

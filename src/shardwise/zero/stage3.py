@@ -42,7 +42,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .base import ParamShard, Strategy, tensor_bytes
+from .base import ParamShard, Strategy, module_order, tensor_bytes
 from .hooks import Gatherer
 from .params import Unit, is_partitioned, restore_parameter, unit_of
 
@@ -106,7 +106,7 @@ class Stage3(Strategy):
         self._check_module()
         if inner is not None:
             self._groups = [list(group["params"]) for group in inner.param_groups]
-            self._params = _module_order(self.module, self._groups)
+            self._params = module_order(self.module, self._groups)
             self._group_of = {id(p): g for g, params in enumerate(self._groups) for p in params}
         self._mask = tuple(p.requires_grad for p in self._params)
         self.gatherer = Gatherer(self.module, self.units, {}, self.zero_config)
@@ -471,18 +471,3 @@ def _gather_fp32(unit: Unit) -> torch.Tensor:
     gathered = torch.empty(unit.padded, dtype=source.dtype, device=source.device)
     unit.comm.all_gather(gathered, source)
     return gathered.float()
-
-
-def _module_order(module: nn.Module, groups: list[list[nn.Parameter]]) -> list[nn.Parameter]:
-    """The optimizer's parameters in module registration order (checked to belong to the model)."""
-    in_groups = {id(p): p for group in groups for p in group}
-    order = [p for p in module.parameters() if id(p) in in_groups]
-    if len(order) != len(in_groups):
-        known = {id(p) for p in module.parameters()}
-        stray = [tuple(p.shape) for p in in_groups.values() if id(p) not in known]
-        raise ValueError(
-            f"the optimizer holds {len(stray)} tensor(s) that are not parameters of the model "
-            f"(shapes {stray[:5]}); build the optimizer from `model.parameters()` of the model "
-            "passed to `shardwise.initialize`"
-        )
-    return order
