@@ -140,6 +140,13 @@ class Strategy(ABC):
     def param_shards(self) -> list[ParamShard]:
         """This rank's pieces of every trainable parameter (empty for inference)."""
 
+    def frozen_with_state(self) -> list[str]:
+        """Names of frozen parameters that still hold master weights or optimizer state.
+
+        Checkpoints do not carry that state yet (see docs/checkpoints.md).
+        """
+        return []
+
     def sync_params_from_master(self) -> None:
         """Write master weights into the model's parameters (collective; after loading)."""
         self.after_step()

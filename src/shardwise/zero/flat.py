@@ -281,6 +281,13 @@ class FlatStrategy(Strategy):
             training = {id(p) for p in self.layout.params}
             self._stash = {k: v for k, v in carried.items() if k not in training}
 
+    def frozen_with_state(self) -> list[str]:
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        state = getattr(self.inner, "state", {}) if self.inner is not None else {}
+        frozen = [p for p in self._order if not p.requires_grad] if self.inner is not None else []
+        held = set(self._stash) | {id(p) for p in frozen if self.alias and state.get(p)}
+        return sorted(names[pid] for pid in held if pid in names)
+
     # ------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, int]:
         params = {id(p): p for p in self.module.parameters()}
