@@ -43,8 +43,12 @@ class FlatStrategy(Strategy):
         self._groups: list[list[nn.Parameter]] = []
         self._mask: tuple[bool, ...] = ()
         self._works: list[tuple[Any, Bucket, torch.Tensor]] = []
+        # Contiguous fp32 shards, or None where the owned slices of the model's own
+        # flat buffers serve (fp32 training needs no separate copy).
         self.master: Optional[torch.Tensor] = None
         self.master_grad: Optional[torch.Tensor] = None
+        self._master_slices: list[torch.Tensor] = []  # per bucket, this rank's master slice
+        self._grad_slices: list[torch.Tensor] = []  # per bucket, this rank's reduced-gradient slice
         self.param_flat: Optional[torch.Tensor] = None
         self.grad_flat: Optional[torch.Tensor] = None
         self._dirty = False
@@ -93,11 +97,18 @@ class FlatStrategy(Strategy):
             view = layout.param_slice(self.param_flat, index)
             view.copy_(param.detach().reshape(-1))
             param.data = view.view_as(param)
-        self.master = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
-        for piece in layout.pieces:
-            param = layout.params[piece.param]
-            source = self.initial.get(id(param), param.data).reshape(-1)
-            self.master.narrow(0, piece.shard_offset, piece.numel).copy_(source[piece.start : piece.end])
+        if dtype == torch.float32:
+            # fp32: this rank's slice of the parameter buffer is the master; the
+            # all-gather after the step runs in place.
+            self.master = None
+            self._master_slices = [layout.owned_slice(self.param_flat, b) for b in layout.buckets]
+        else:
+            self.master = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+            self._master_slices = [layout.shard_slice(self.master, b) for b in layout.buckets]
+            for piece in layout.pieces:
+                param = layout.params[piece.param]
+                source = self.initial.get(id(param), param.data).reshape(-1)
+                self.master.narrow(0, piece.shard_offset, piece.numel).copy_(source[piece.start : piece.end])
         self.initial = {}  # only needed once: let the fp32 originals go
 
     def _make_grad_storage(self, device: torch.device) -> None:
@@ -107,8 +118,15 @@ class FlatStrategy(Strategy):
             self._restore_grad_views()
         if self.alias:
             self.master_grad = self.grad_flat
+            self._grad_slices = [layout.shard_slice(self.grad_flat, b) for b in layout.buckets]
+        elif self.persistent_grads and self.precision.dtype == torch.float32:
+            # stage 1 in fp32: reduce-scatter in place; this rank's slice of the
+            # full gradient buffer receives the averaged gradient it steps with.
+            self.master_grad = None
+            self._grad_slices = [layout.owned_slice(self.grad_flat, b) for b in layout.buckets]
         else:
             self.master_grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+            self._grad_slices = [layout.shard_slice(self.master_grad, b) for b in layout.buckets]
 
     def _restore_grad_views(self) -> None:
         for index, param in enumerate(self.layout.params):
@@ -120,8 +138,10 @@ class FlatStrategy(Strategy):
             return  # the model's own parameters are stepped, as in plain DDP
         views = {}
         for piece in self.layout.pieces:
-            view = self.master.narrow(0, piece.shard_offset, piece.numel)
-            view.grad = self.master_grad.narrow(0, piece.shard_offset, piece.numel)
+            bucket, _ = self.layout.bucket_of[piece.param]
+            at = piece.shard_offset - bucket.shard_offset
+            view = self._master_slices[bucket.index].narrow(0, at, piece.numel)
+            view.grad = self._grad_slices[bucket.index].narrow(0, at, piece.numel)
             views.setdefault(id(self.layout.params[piece.param]), view)
         for group, originals in zip(self.inner.param_groups, self._groups):
             group["params"] = [views[id(p)] for p in originals if id(p) in views]
@@ -185,7 +205,7 @@ class FlatStrategy(Strategy):
         return region if region.dtype == torch.float32 else region.float()
 
     def _launch(self, bucket: Bucket) -> None:
-        output = self.layout.shard_slice(self.master_grad, bucket)
+        output = self._grad_slices[bucket.index]
         source = self._comm_input(bucket)
         if self.num_shards == 1:
             if source.data_ptr() != output.data_ptr():
@@ -206,32 +226,43 @@ class FlatStrategy(Strategy):
             work.wait()
         self._works = []
         if self.comm.world_size > 1:
-            self.master_grad.mul_(1.0 / self.comm.world_size)
+            self._scale_slices(1.0 / self.comm.world_size)
 
     def _flush(self, bucket: Bucket) -> None:
         """Stage-specific: capture gradients whose hooks did not fire (unused parameters)."""
 
     # ------------------------------------------------------------------- step
     def grad_sq(self) -> torch.Tensor:
-        if self.master_grad is None:
-            return torch.zeros((), dtype=torch.float32)
-        grad = self.master_grad.float() if self.master_grad.dtype != torch.float32 else self.master_grad
-        return torch.dot(grad, grad) if grad.numel() else grad.new_zeros(())
+        if self.master_grad is not None:  # contiguous: one kernel
+            grad = self.master_grad.float()
+            return torch.dot(grad, grad) if grad.numel() else grad.new_zeros(())
+        total = torch.zeros((), dtype=torch.float32)
+        for grad in self._grad_slices:
+            total += torch.dot(grad, grad)
+        return total
 
     def scale_grads(self, factor: float) -> None:
-        if factor != 1.0 and self.master_grad is not None:
+        if factor != 1.0:
+            self._scale_slices(factor)
+
+    def _scale_slices(self, factor: float) -> None:
+        if self.master_grad is not None:
             self.master_grad.mul_(factor)
+        else:
+            for grad in self._grad_slices:
+                grad.mul_(factor)
 
     def after_step(self) -> None:
         if self.alias or self.layout is None:
             return
         layout, dtype = self.layout, self.precision.dtype
         if self.num_shards == 1:
-            self.param_flat.copy_(self.master)
+            if self.master is not None:
+                self.param_flat.copy_(self.master)
             return
         works = []
         for bucket in layout.buckets:
-            source = layout.shard_slice(self.master, bucket)
+            source = self._master_slices[bucket.index]  # in fp32 a slice of the output: gathered in place
             source = source if dtype == torch.float32 else source.to(dtype)
             works.append(self.comm.all_gather(layout.bucket_slice(self.param_flat, bucket), source, async_op=True))
         for work in works:
@@ -266,7 +297,7 @@ class FlatStrategy(Strategy):
         carried: dict[int, ParamState] = {}
         if not self.alias:
             exported = export_state(
-                self.layout, self.master, self.piece_views, self.inner.state, self.comm, self.gather_flat
+                self.layout, self._master_shard(), self.piece_views, self.inner.state, self.comm, self.gather_flat
             )
             carried = {**self._stash, **exported}
             self.inner.state.clear()
@@ -292,10 +323,11 @@ class FlatStrategy(Strategy):
     def memory_breakdown(self) -> dict[str, int]:
         params = {id(p): p for p in self.module.parameters()}
         grads = [self.grad_flat, None if self.alias else self.master_grad]
+        master = None if self.alias else self.master
         state = getattr(self.inner, "state", {}) if self.inner is not None else {}
         return {
             "parameters": tensor_bytes(list(params.values())),
-            "master_weights": 0 if self.alias else tensor_bytes(self.master),
+            "master_weights": tensor_bytes(master) if master is not None else 0,
             "gradients": tensor_bytes([g for g in grads if g is not None]),
             "optimizer_state": tensor_bytes(list(state.values())),
         }
@@ -306,7 +338,7 @@ class FlatStrategy(Strategy):
         layout = self.layout
         if self.alias:
             return {id(p): p.detach().float().clone() for p in layout.params}
-        full = self.gather_flat(self.master)
+        full = self.param_flat.float() if self.master is None else self.gather_flat(self.master)
         result = {id(p): layout.param_slice(full, i).view_as(p).clone() for i, p in enumerate(layout.params)}
         # frozen parameters keep their fp32 master in the stash until they train again
         shapes = {id(p): p.shape for p in self._order}
@@ -329,6 +361,12 @@ class FlatStrategy(Strategy):
                 ParamShard(names[id(param)], param.shape, piece.start, piece.end, master, key, group_of[id(param)])
             )
         return shards
+
+    def _master_shard(self) -> torch.Tensor:
+        """This rank's master slices as one contiguous shard (a copy when they live in the parameters)."""
+        if self.master is not None:
+            return self.master
+        return torch.cat(self._master_slices) if self._master_slices else torch.zeros(0)
 
     def gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
         """The full-size flat tensor whose slices, across ranks, are ``shard`` (collective)."""
