@@ -20,11 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `benchmarks` is a top-level package next to src/
 
-from benchmarks.chart import comparison_chart  # noqa: E402
-from benchmarks.configs import System, available_stages, comparison_systems  # noqa: E402
-from benchmarks.run import main  # noqa: E402
-from benchmarks.schedule import interleaved  # noqa: E402
-from benchmarks.theory import comm_bytes, state_bytes  # noqa: E402
+from benchmarks.chart import comparison_chart
+from benchmarks.configs import System, available_stages, comparison_systems
+from benchmarks.run import main
+from benchmarks.schedule import interleaved
+from benchmarks.theory import comm_bytes, state_bytes
 
 # Largest per-step loss difference against ddp-fp32.  fp32: same math, only the
 # kernels' summation order differs.  bf16: the loss itself is rounded to bf16
