@@ -150,7 +150,9 @@ class Engine:
         """
         self._require_optimizer("`engine.backward`")
         sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
-        scale = self.precision.scaler.current / self.gradient_accumulation_steps
+        # One scalar multiply covers loss scaling, accumulation averaging and
+        # (for strategies that sum) the average over ranks.
+        scale = self.precision.scaler.current / (self.gradient_accumulation_steps * self.strategy.loss_divisor)
         with self._timed("backward"):
             self.strategy.start_backward(sync)
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)

@@ -86,6 +86,9 @@ class Strategy(ABC):
     stage: int = -1
     #: whether ``grad_sq`` is a partial sum that must be all-reduced across ranks
     shards_grads: bool = False
+    #: the engine divides the loss by this before backward, so a summing
+    #: reduction yields the average with no extra pass over the gradients
+    loss_divisor: float = 1.0
 
     def __init__(self, module: nn.Module, comm: Comm, precision: Precision, zero_config: Any) -> None:
         self.module = module

@@ -38,6 +38,8 @@ class FlatStrategy(Strategy):
         super().__init__(*args, **kwargs)
         self.num_shards = self._num_shards()
         self.shards_grads = self.num_shards > 1
+        # Gradients are averaged by pre-dividing the loss (see Strategy.loss_divisor).
+        self.loss_divisor = float(self.comm.world_size)
         self.layout: Optional[FlatLayout] = None
         self._hooks: list[Any] = []
         self._groups: list[list[nn.Parameter]] = []
@@ -225,8 +227,6 @@ class FlatStrategy(Strategy):
         for work, _, _ in self._works:
             work.wait()
         self._works = []
-        if self.comm.world_size > 1:
-            self._scale_slices(1.0 / self.comm.world_size)
 
     def _flush(self, bucket: Bucket) -> None:
         """Stage-specific: capture gradients whose hooks did not fire (unused parameters)."""
