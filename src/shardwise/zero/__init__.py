@@ -14,21 +14,13 @@ from .init import Init
 from .stage0 import Stage0
 from .stage1 import Stage1
 from .stage2 import Stage2
+from .stage3 import Stage3
 
 __all__ = ["GatheredParameters", "Init", "Strategy", "make_strategy", "register_external_parameter"]
 
 
 def make_strategy(module: nn.Module, comm: Comm, precision: Precision, zero_config: Any) -> Strategy:
     """The strategy for ``zero_config.stage``."""
-    stages: dict[int, type[Strategy]] = {0: Stage0, 1: Stage1, 2: Stage2}
-    try:
-        from .stage3 import Stage3  # built separately; optional until it lands
-
-        stages[3] = Stage3
-    except ImportError:
-        pass
-    if zero_config.stage not in stages:
-        raise ValueError(
-            f"zero_optimization.stage {zero_config.stage} is not available; use one of {sorted(stages)}"
-        )
+    stages: dict[int, type[Strategy]] = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
+    # the config validator already restricts the stage to 0..3
     return stages[zero_config.stage](module, comm, precision, zero_config)
