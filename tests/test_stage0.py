@@ -215,6 +215,17 @@ def test_lr_groups_and_scheduler_from_config() -> None:
     want = [0.1 * min(1.0, s / 4) for s in range(1, 7)]
     assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(seen, want)), (seen, want)
 
+    # a torch scheduler, as a callable `optimizer -> scheduler` and as an object
+    for form in ("callable", "object"):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.8)
+        halve = lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)  # noqa: E731
+        engine = shardwise.initialize(model, opt, {}, lr_scheduler=halve if form == "callable" else halve(opt))
+        for step in range(3):
+            engine.backward(engine(*batch(step, dist.get_rank())))
+            engine.step()
+        assert math.isclose(engine.get_lr()[0], 0.1), (form, engine.get_lr())
+
 
 @distributed_test(world_size=2, timeout=120)
 def test_optimizer_forms_train_alike() -> None:
