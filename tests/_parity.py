@@ -118,3 +118,11 @@ class FairseqStyleOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._optimizer.load_state_dict(state)
+
+
+def full_params_everywhere(engine: Any) -> dict[str, torch.Tensor]:
+    """The engine's full fp32 parameters on every rank (``full_state_dict`` gives rank 0 only)."""
+    state = [engine.full_state_dict()]
+    dist.broadcast_object_list(state, src=0)
+    names = {n for n, _ in engine.module.named_parameters()}
+    return {k: v for k, v in state[0].items() if k in names}

@@ -21,7 +21,7 @@ import shardwise
 from shardwise.testing import distributed_test, run_subtests
 from shardwise.zero.params import is_partitioned
 
-from _parity import FairseqStyleOptimizer, adamw, assert_close_params, batch, ddp_reference, make_model, params_of
+from _parity import full_params_everywhere, FairseqStyleOptimizer, adamw, assert_close_params, batch, ddp_reference, make_model, params_of
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, gpt_config  # noqa: E402
@@ -42,14 +42,6 @@ def _train(engine: Any, steps: int, batches: Callable[[int, int], Any] = batch, 
             loss = out[1] if isinstance(out, tuple) else out
             engine.backward(loss)
             engine.step()
-
-
-def _full_params(engine: Any) -> dict[str, torch.Tensor]:
-    """The engine's full fp32 parameters on every rank (full_state_dict is rank 0 only)."""
-    state = [engine.full_state_dict()]
-    dist.broadcast_object_list(state, src=0)
-    names = {n for n, _ in engine.module.named_parameters()}
-    return {k: v for k, v in state[0].items() if k in names}
 
 
 def _one_process(model: nn.Module, opt: torch.optim.Optimizer, steps: int,
@@ -174,7 +166,7 @@ def test_stage3_matches_ddp_and_stage0() -> None:
         opt = FairseqStyleOptimizer(model.parameters()) if wrapper else adamw(model.parameters())
         engine = shardwise.initialize(model, opt, {"gradient_clipping": clip, **_config(3, **zero)})
         _train(engine, 5)
-        assert_close_params(_full_params(engine), want_clip if clip else want, atol=1e-5)
+        assert_close_params(full_params_everywhere(engine), want_clip if clip else want, atol=1e-5)
         engine.destroy()
         # destroy gives the module back whole, values in the compute dtype
         assert_close_params(params_of(model), want_clip if clip else want, atol=1e-5)
@@ -196,7 +188,7 @@ def test_stage3_accumulation_no_sync_and_bf16() -> None:
             engine = shardwise.initialize(model, adamw(model.parameters()), config)
             _train(engine, 4, micro=3)
             assert engine.global_steps == 4
-            results.append(_full_params(engine))
+            results.append(full_params_everywhere(engine))
             engine.destroy()
         assert_close_params(results[1], results[0], atol=1e-5)
 
@@ -219,7 +211,7 @@ def test_stage3_accumulation_no_sync_and_bf16() -> None:
         for step in (0, 1):
             ddp(*batch(step, rank)).backward()
         opt.step()
-        assert_close_params(_full_params(engine), params_of(ref), atol=1e-5)
+        assert_close_params(full_params_everywhere(engine), params_of(ref), atol=1e-5)
         engine.destroy()
 
     def bf16() -> None:
@@ -229,7 +221,7 @@ def test_stage3_accumulation_no_sync_and_bf16() -> None:
             config = {"bf16": {"enabled": True}, **_config(stage, **ALL_SHARDED)}
             engine = shardwise.initialize(model, _sgd(model.parameters()), config)
             _train(engine, 5)
-            results.append(_full_params(engine))
+            results.append(full_params_everywhere(engine))
             engine.destroy()
             assert next(model.parameters()).dtype == torch.bfloat16
         want = ddp_reference(5, _sgd)
@@ -251,7 +243,7 @@ def test_stage3_accumulation_no_sync_and_bf16() -> None:
             assert not engine.step() and engine.loss_scale == 2.0**7
             _train(engine, 4)
             assert engine.skipped_steps == 1
-            results.append(_full_params(engine))
+            results.append(full_params_everywhere(engine))
             engine.destroy()
         assert_close_params(results[1], results[0], atol=2e-4)
 
@@ -277,7 +269,7 @@ def test_stage3_model_shapes_train_like_one_process() -> None:
         opt = adamw([p for p in model.parameters() if p.requires_grad])
         engine = shardwise.initialize(model, opt, _config(3, **ALL_SHARDED))
         _train(engine, 4, batches)
-        got = _full_params(engine)
+        got = full_params_everywhere(engine)
         assert_close_params(got, params_of(ref), atol=1e-5)
         if kind == "custom_head":
             idx = batches(9, 0)[0][:, :3]
@@ -328,7 +320,7 @@ def test_stage3_prefetch_knobs_and_branches_stay_correct() -> None:
         model = _seeded(BranchNet)
         engine = shardwise.initialize(model, adamw(model.parameters()), _config(3, **zero))
         _train(engine, 5, _branch_batch)
-        got = _full_params(engine)
+        got = full_params_everywhere(engine)
         engine.destroy()
         if reference is None:
             reference = got
@@ -479,7 +471,7 @@ def test_stage3_trainability_changes() -> None:
                     grads = engine.memory_breakdown()["gradients"]
                     assert grads <= 4 * (total - first) * 0.55 + 64, (grads, total, first)
                 engine.step()
-        assert_close_params(_full_params(engine), params_of(ref), atol=1e-5)
+        assert_close_params(full_params_everywhere(engine), params_of(ref), atol=1e-5)
         engine.destroy()
 
     def frozen_at_init() -> None:
@@ -544,7 +536,7 @@ def test_stage3_gpt2_from_transformers_trains_and_generates() -> None:
             out = engine(input_ids=ids, labels=ids)
             engine.backward(out.loss)
             engine.step()
-        results.append((engine, model, _full_params(engine)))
+        results.append((engine, model, full_params_everywhere(engine)))
     assert_close_params(results[1][2], results[0][2], atol=1e-5)
     prompt = batches(9, 0)[0][:, :4]
     engine = results[1][0]

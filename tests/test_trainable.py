@@ -12,7 +12,7 @@ from torch import nn
 import shardwise
 from shardwise.testing import distributed_test, run_subtests
 
-from _parity import assert_close_params, batch, make_model, params_of
+from _parity import full_params_everywhere, assert_close_params, batch, make_model, params_of
 
 STAGES = (0, 1, 2, 3)
 STEPS = 5
@@ -81,26 +81,18 @@ def _parity_case(stage: int, precision: str, micro: int, change: bool, auto: boo
         if not auto and change and step in (FREEZE_AFTER, UNFREEZE_AFTER):
             engine.refresh_trainable()
         if change and step == FREEZE_AFTER:
-            frozen_value = _full(engine)["embed.weight"]
+            frozen_value = full_params_everywhere(engine)["embed.weight"]
         for m in range(micro):
             idx, target = batch(step * micro + m, rank)
             engine.backward(engine(idx, target))
             engine.step()
         ref.step(step, micro, change)
-        full = _full(engine)
+        full = full_params_everywhere(engine)
         assert_close_params({k: full[k] for k in params_of(ref.model)}, params_of(ref.model), atol=atol)
         if frozen_value is not None and FREEZE_AFTER <= step < UNFREEZE_AFTER:
             # frozen means untouched: no momentum, no weight decay (exactly as torch.optim)
             assert torch.equal(full["embed.weight"], frozen_value), f"step {step}: a frozen parameter moved"
     engine.destroy()
-
-
-def _full(engine: Any) -> dict[str, torch.Tensor]:
-    """fp32 master values on every rank (full_state_dict gives them to rank 0 only)."""
-    full = engine.full_state_dict()
-    box = [full]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 @distributed_test(world_size=2, timeout=300)

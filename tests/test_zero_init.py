@@ -17,7 +17,7 @@ import shardwise
 from shardwise.testing import distributed_test, run_subtests
 from shardwise.zero.params import is_partitioned
 
-from _parity import adamw, assert_close_params, params_of
+from _parity import full_params_everywhere, adamw, assert_close_params, params_of
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, gpt_config  # noqa: E402
@@ -36,13 +36,6 @@ def _train(engine: Any, steps: int) -> None:
         _, loss = engine(*_lm_batch(step, dist.get_rank()))
         engine.backward(loss)
         engine.step()
-
-
-def _full_params(engine: Any) -> dict[str, torch.Tensor]:
-    state = [engine.full_state_dict()]
-    dist.broadcast_object_list(state, src=0)
-    names = {n for n, _ in engine.module.named_parameters()}
-    return {k: v for k, v in state[0].items() if k in names}
 
 
 def _same_on_all_ranks(tensor: torch.Tensor) -> bool:
@@ -105,10 +98,10 @@ def test_init_partitions_while_building_and_trains_like_a_plain_build() -> None:
         engine = shardwise.initialize(model, adamw(model.parameters()), config)
         want_engine = shardwise.initialize(want_model, adamw(want_model.parameters()), config)
         # master weights start exact (from the fp32 build), not rounded to bf16
-        assert_close_params(_full_params(engine), _full_params(want_engine), atol=0.0)
+        assert_close_params(full_params_everywhere(engine), full_params_everywhere(want_engine), atol=0.0)
         _train(engine, 3)
         _train(want_engine, 3)
-        assert_close_params(_full_params(engine), _full_params(want_engine), atol=1e-6)
+        assert_close_params(full_params_everywhere(engine), full_params_everywhere(want_engine), atol=1e-6)
         engine.destroy()
         want_engine.destroy()
 
@@ -121,7 +114,7 @@ def test_init_partitions_while_building_and_trains_like_a_plain_build() -> None:
         assert tower.freed_before == [True] * 4, tower.freed_before
         assert [layer.probe for layer in tower.layers] == [layer.probe for layer in plain.layers]
         engine = shardwise.initialize(tower, None, STAGE3)
-        assert_close_params(_full_params(engine), params_of(plain), atol=0.0)
+        assert_close_params(full_params_everywhere(engine), params_of(plain), atol=0.0)
         x = torch.randn(3, 32, generator=torch.Generator().manual_seed(5))
         torch.testing.assert_close(engine(x), plain(x), rtol=0, atol=1e-6)
         engine.destroy()
@@ -136,7 +129,7 @@ def test_init_partitions_while_building_and_trains_like_a_plain_build() -> None:
             if rank == 0:
                 model.load_state_dict(source.state_dict())
         engine = shardwise.initialize(model, adamw(model.parameters()), STAGE3)
-        assert_close_params(_full_params(engine), params_of(source), atol=0.0)
+        assert_close_params(full_params_everywhere(engine), params_of(source), atol=0.0)
         prompt = _lm_batch(4, 0)[0][:, :4]
         assert torch.equal(engine.generate(prompt, 6), source.generate(prompt, 6))
         engine.destroy()
@@ -186,7 +179,7 @@ def test_gathered_parameters_and_external_parameters() -> None:
         model = GPT(gpt_config("tiny"))
         engine = shardwise.initialize(model, adamw(model.parameters()), STAGE3)
         _train(engine, 1)
-        full = _full_params(engine)
+        full = full_params_everywhere(engine)
         weight = model.blocks[0].mlp.fc.weight
         with shardwise.zero.GatheredParameters(weight):
             assert torch.equal(weight.detach(), full["blocks.0.mlp.fc.weight"])
@@ -200,7 +193,7 @@ def test_gathered_parameters_and_external_parameters() -> None:
         with shardwise.zero.GatheredParameters(weight):
             assert bool((weight == 0.125).all()) and _same_on_all_ranks(weight.detach())
         # the engine's fp32 master weights follow the modification, so training continues from it
-        after = _full_params(engine)
+        after = full_params_everywhere(engine)
         assert bool((after["blocks.0.mlp.fc.weight"] == 0.125).all())
         assert bool((after["wte.weight"][0] == 2.0).all())
         torch.testing.assert_close(after["wte.weight"][1:], full["wte.weight"][1:], rtol=0, atol=0)
@@ -224,7 +217,7 @@ def test_gathered_parameters_and_external_parameters() -> None:
             opt.step()
             opt.zero_grad()
         assert model.seen_gathered == [register] * 3, model.seen_gathered
-        assert_close_params(_full_params(engine), params_of(ref), atol=1e-5)
+        assert_close_params(full_params_everywhere(engine), params_of(ref), atol=1e-5)
         engine.destroy()
 
     def other_stages_case() -> None:
