@@ -46,12 +46,14 @@ def _ddp_run(steps: int, micro: int, clip: float, split: bool) -> dict[str, torc
     return params_of(model)
 
 
-def _engine_run(stage: int, steps: int, micro: int, clip: float, split: bool, bucket: int) -> dict[str, torch.Tensor]:
+def _engine_run(
+    stage: int, steps: int, micro: int, clip: float, split: bool, bucket: int, reduce_scatter: bool = True
+) -> dict[str, torch.Tensor]:
     model = make_model()
     config = {
         "gradient_accumulation_steps": micro,
         "gradient_clipping": clip,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "reduce_scatter": reduce_scatter},
     }
     engine = shardwise.initialize(model, _opt(model, split), config)
     rank = dist.get_rank()
@@ -68,18 +70,20 @@ def test_stages_1_2_match_ddp() -> None:
     """fp32, AdamW, 5 steps: every stage equals torch DDP within atol 1e-6."""
     references: dict[tuple[int, float, bool], dict[str, torch.Tensor]] = {}
 
-    def case(stage: int, micro: int, clip: float, split: bool, bucket: int) -> None:
+    def case(stage: int, micro: int, clip: float, split: bool, bucket: int, rs: bool) -> None:
         key = (micro, clip, split)
         if key not in references:
             references[key] = _ddp_run(5, micro, clip, split)
-        got = _engine_run(stage, 5, micro, clip, split, bucket)
+        got = _engine_run(stage, 5, micro, clip, split, bucket, reduce_scatter=rs)
         assert_close_params(got, references[key], atol=1e-6)
 
     cases = [
-        {"stage": s, "micro": m, "clip": c, "split": g, "bucket": b}
+        {"stage": s, "micro": m, "clip": c, "split": g, "bucket": b, "rs": True}
         for s in (1, 2)
         for (m, c, g, b) in [(1, 0.0, False, 500), (3, 0.0, False, 500), (1, 0.05, False, 10**6), (3, 0.05, True, 300)]
     ]
+    # `reduce_scatter: false` averages with all-reduce instead (DeepSpeed's meaning)
+    cases += [{"stage": s, "micro": 3, "clip": 0.05, "split": True, "bucket": 300, "rs": False} for s in (1, 2)]
     run_subtests(case, cases)
 
 
@@ -174,11 +178,11 @@ def test_fp16_overflow_skips_on_all_ranks() -> None:
 
 @distributed_test(world_size=2, timeout=120)
 def test_bf16_stages_close_to_fp32() -> None:
-    def case(stage: int) -> None:
+    def case(stage: int, rs: bool = True) -> None:
         model = make_model()
         engine = shardwise.initialize(
             model, torch.optim.SGD(model.parameters(), lr=0.5),
-            {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage}},
+            {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage, "reduce_scatter": rs}},
         )
         ref = make_model()
         ref_engine = shardwise.initialize(ref, torch.optim.SGD(ref.parameters(), lr=0.5), {})
@@ -192,7 +196,7 @@ def test_bf16_stages_close_to_fp32() -> None:
         engine.destroy()
         ref_engine.destroy()
 
-    run_subtests(case, [{"stage": 1}, {"stage": 2}])
+    run_subtests(case, [{"stage": 1}, {"stage": 2}, {"stage": 1, "rs": False}, {"stage": 2, "rs": False}])
 
 
 def _trainable_numel(model: nn.Module) -> int:
@@ -252,9 +256,10 @@ def test_collective_bytes_match_theory() -> None:
     """Per step, stages 1-2 send reduce-scatter + all-gather = 2·Ψ·(N-1)/N elements (fp32)."""
     world = dist.get_world_size()
 
-    def case(stage: int) -> None:
+    def case(stage: int, rs: bool = True) -> None:
         model = make_model()
-        engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_optimization": {"stage": stage}})
+        zero = {"stage": stage, "reduce_scatter": rs}
+        engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_optimization": zero})
         engine.comm.reset_counters()
         engine.backward(engine(*batch(0, dist.get_rank())))
         engine.step()
@@ -263,10 +268,13 @@ def test_collective_bytes_match_theory() -> None:
         theory = 4 * padded * (world - 1) / world
         if stage == 0:
             assert sent["all_reduce"] == 2 * theory, dict(sent)
+        elif not rs:  # all-reduce instead of reduce-scatter: twice the bytes for the reduction
+            assert sent["all_reduce"] == 2 * theory + int(2 * 4 * (world - 1) / world), dict(sent)
+            assert sent["reduce_scatter"] == 0 and sent["all_gather"] == theory, dict(sent)
         else:
             assert sent["reduce_scatter"] == theory and sent["all_gather"] == theory, dict(sent)
             # plus one fp32 scalar all-reduce: the squared norm that also carries overflow
             assert sent["all_reduce"] == int(2 * 4 * (world - 1) / world), dict(sent)
         engine.destroy()
 
-    run_subtests(case, [{"stage": s} for s in (0, 1, 2)])
+    run_subtests(case, [{"stage": s} for s in (0, 1, 2)] + [{"stage": s, "rs": False} for s in (1, 2)])

@@ -44,7 +44,9 @@ class FlatStrategy(Strategy):
         self._hooks: list[Any] = []
         self._groups: list[list[nn.Parameter]] = []
         self._mask: tuple[bool, ...] = ()
-        self._works: list[tuple[Any, Bucket, torch.Tensor]] = []
+        # in flight: (work, bucket, its full-size fp32 source, the shard slice to fill after the
+        # wait, when an all-reduce stands in for the reduce-scatter)
+        self._works: list[tuple[Any, Bucket, torch.Tensor, Optional[torch.Tensor]]] = []
         # Contiguous fp32 shards, or None where the owned slices of the model's own
         # flat buffers serve (fp32 training needs no separate copy).
         self.master: Optional[torch.Tensor] = None
@@ -209,13 +211,19 @@ class FlatStrategy(Strategy):
     def _launch(self, bucket: Bucket) -> None:
         output = self._grad_slices[bucket.index]
         source = self._comm_input(bucket)
+        pending: Optional[torch.Tensor] = None
         if self.num_shards == 1:
             if source.data_ptr() != output.data_ptr():
                 output.copy_(source)
             work = self.comm.all_reduce(output, async_op=True)
+        elif not self.zero_config.reduce_scatter:
+            # DeepSpeed's `reduce_scatter: false`: average with an all-reduce (twice the
+            # bytes, but faster than gloo's reduce-scatter on CPU), keep the owned slice.
+            work = self.comm.all_reduce(source, async_op=True)
+            pending = output
         else:
             work = self.comm.reduce_scatter(output, source, async_op=True)
-        self._works.append((work, bucket, source))
+        self._works.append((work, bucket, source, pending))
 
     def finish_backward(self) -> None:
         if not self.sync or self.layout is None:
@@ -224,8 +232,12 @@ class FlatStrategy(Strategy):
             self._flush(bucket)
             self._launch(bucket)
         self._next = len(self.layout.buckets)
-        for work, _, _ in self._works:
+        for work, bucket, source, pending in self._works:
             work.wait()
+            if pending is not None:
+                owned = source.narrow(0, self.layout.rank * bucket.shard_numel, bucket.shard_numel)
+                if owned.data_ptr() != pending.data_ptr():
+                    pending.copy_(owned)
         self._works = []
 
     def _flush(self, bucket: Bucket) -> None:
