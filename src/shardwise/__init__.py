@@ -47,9 +47,9 @@ def initialize(
     process group exists yet one is created (:func:`init_distributed`), so a
     plain one-process run needs no launcher.
     """
-    if not dist.is_initialized():
-        init_distributed()
     resolved = Config.load(config if config is not None else {})
+    if not dist.is_initialized():
+        init_distributed(timeout=resolved.dist_timeout)
     return Engine(
         model,
         resolved,
