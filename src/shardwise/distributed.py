@@ -184,6 +184,15 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` from group rank ``src`` on every rank (small Python values: it pickles)."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        dist.broadcast_object_list(box, src=global_src, group=self.group)
+        return box[0]
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)

@@ -52,7 +52,21 @@ def load_checkpoint(
     session.require_same("dir", "directories", "pass the same `load_dir` on every rank")
     session.require_same("tag", "tags", "pass the same `tag=` on every rank (or none, for `latest`)")
     options = _Options(load_optimizer_states, load_lr_scheduler_states, load_module_only, module_load_fn, strict)
-    return _Load(engine, session, Path(load_dir), tag, options).run()
+    wanted = _names_with_saved_state(Path(load_dir), tag)
+    with engine.strategy.checkpoint_view(loading=True, wanted=wanted):
+        return _Load(engine, session, Path(load_dir), tag, options).run()
+
+
+def _names_with_saved_state(load_dir: Path, tag: Optional[str]) -> frozenset[str]:
+    """Parameters the checkpoint has optimizer state for (a frozen one keeps it for later).
+
+    Any problem reading the manifest is left to the load itself to report.
+    """
+    try:
+        manifest = check_complete(resolve(load_dir, tag))
+    except Exception:
+        return frozenset()
+    return frozenset(((manifest.get("optimizer") or {}).get("state") or {}).keys())
 
 
 class _Options:

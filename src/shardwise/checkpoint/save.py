@@ -59,16 +59,10 @@ def save_checkpoint(
     _agree(session)
     if config.async_save:
         warnings.warn("`checkpoint.async_save` is not implemented yet: this save is synchronous", stacklevel=3)
-    frozen = engine.strategy.frozen_with_state()
-    if frozen:
-        warnings.warn(
-            f"{len(frozen)} frozen parameter(s) ({', '.join(frozen[:3])}...) keep optimizer state for when "
-            "they are unfrozen; checkpoints do not carry it yet, so after loading they resume with fresh "
-            "state from their current weights",
-            stacklevel=3,
-        )
-    writer = _Save(engine, session, root, tag, temp_dir(root, tag, session.payloads[0]["nonce"]), client_state)
-    return writer.run()
+    # frozen parameters' kept master weights and optimizer state travel too
+    with engine.strategy.checkpoint_view(loading=False):
+        writer = _Save(engine, session, root, tag, temp_dir(root, tag, session.payloads[0]["nonce"]), client_state)
+        return writer.run()
 
 
 def _agree(session: Session) -> None:

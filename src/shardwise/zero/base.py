@@ -13,9 +13,10 @@ parameters) → ``zero_grad()``.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -143,12 +144,17 @@ class Strategy(ABC):
     def param_shards(self) -> list[ParamShard]:
         """This rank's pieces of every trainable parameter (empty for inference)."""
 
-    def frozen_with_state(self) -> list[str]:
-        """Names of frozen parameters that still hold master weights or optimizer state.
+    @contextlib.contextmanager
+    def checkpoint_view(self, loading: bool, wanted: frozenset[str] = frozenset()) -> Iterator[None]:
+        """While open, ``param_shards`` also covers frozen parameters' kept state.
 
-        Checkpoints do not carry that state yet (see docs/checkpoints.md).
+        Saving: frozen parameters that keep master weights or optimizer state
+        (to resume when unfrozen) are listed, so a checkpoint carries them.
+        Loading: frozen parameters named in ``wanted`` (those the checkpoint has
+        optimizer state for) are listed, so that state lands where it is kept
+        until they train again.  Collective on exit.
         """
-        return []
+        yield
 
     def sync_params_from_master(self) -> None:
         """Write master weights into the model's parameters (collective; after loading)."""

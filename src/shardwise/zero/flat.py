@@ -17,7 +17,8 @@ the same order even when their autograd orders differ.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -57,6 +58,7 @@ class FlatStrategy(Strategy):
         self.grad_flat: Optional[torch.Tensor] = None
         self._dirty = False
         self._stash: dict[int, ParamState] = {}
+        self._extra_shards: list[ParamShard] = []  # frozen parameters, while a checkpoint_view is open
 
     def _num_shards(self) -> int:
         return self.comm.world_size
@@ -324,12 +326,81 @@ class FlatStrategy(Strategy):
             training = {id(p) for p in self.layout.params}
             self._stash = {k: v for k, v in carried.items() if k not in training}
 
-    def frozen_with_state(self) -> list[str]:
+    @contextlib.contextmanager
+    def checkpoint_view(self, loading: bool, wanted: frozenset[str] = frozenset()) -> Iterator[None]:
+        if self.inner is None:
+            yield
+            return
         names = {id(p): n for n, p in self.module.named_parameters()}
-        state = getattr(self.inner, "state", {}) if self.inner is not None else {}
-        frozen = [p for p in self._order if not p.requires_grad] if self.inner is not None else []
-        held = set(self._stash) | {id(p) for p in frozen if self.alias and state.get(p)}
-        return sorted(names[pid] for pid in held if pid in names)
+        group_of = {id(p): g for g, params in enumerate(self._groups) for p in params}
+        frozen = [p for p in self._order if not p.requires_grad]
+        if loading:
+            frozen = [p for p in frozen if names[id(p)] in wanted]
+        if self.alias:  # their state is keyed by the parameter itself, as for trainable ones
+            state = self.inner.state
+            listed = [p for p in frozen if loading or state.get(p)]
+            self._extra_shards = [
+                ParamShard(names[id(p)], p.shape, 0, p.numel(), p.data.view(-1), p, group_of[id(p)]) for p in listed
+            ]
+            try:
+                yield
+            finally:
+                self._extra_shards = []
+            return
+        entries = self._open_stash(frozen, loading)
+        keys = self._expose_stash(entries, names, group_of)
+        try:
+            yield
+        except BaseException:
+            self._close_stash(entries, keys)
+            raise
+        self._close_stash(entries, keys)
+        if loading:
+            self._adopt_loaded_stash(entries, frozen)
+
+    def _open_stash(self, frozen: list[nn.Parameter], loading: bool) -> dict[int, ParamState]:
+        entries = dict(self._stash)
+        if loading:  # a frozen parameter may receive state: give it a (temporary) entry
+            for param in frozen:
+                entries.setdefault(
+                    id(param), {"master": param.detach().float().reshape(-1).clone(), "tensors": {}, "scalars": {}}
+                )
+        return entries
+
+    def _expose_stash(
+        self, entries: dict[int, ParamState], names: dict[int, str], group_of: dict[int, int]
+    ) -> dict[int, torch.Tensor]:
+        """Rank 0 lists each kept entry as one whole-parameter shard (the stash is replicated)."""
+        keys: dict[int, torch.Tensor] = {}
+        if self.comm.rank != 0:
+            return keys
+        shapes = {id(p): p.shape for p in self._order}
+        for pid, entry in entries.items():
+            key = keys[pid] = entry["master"]
+            self.inner.state[key] = {**{k: v.clone() for k, v in entry["tensors"].items()}, **entry["scalars"]}
+            self._extra_shards.append(ParamShard(names[pid], shapes[pid], 0, key.numel(), key, key, group_of[pid]))
+        return keys
+
+    def _close_stash(self, entries: dict[int, ParamState], keys: dict[int, torch.Tensor]) -> None:
+        self._extra_shards = []
+        for pid, key in keys.items():
+            state = self.inner.state.pop(key, {})
+            tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == key.numel()}
+            entries[pid]["tensors"] = tensors
+            entries[pid]["scalars"] = {k: v for k, v in state.items() if k not in tensors}
+
+    def _adopt_loaded_stash(self, entries: dict[int, ParamState], frozen: list[nn.Parameter]) -> None:
+        """Share rank 0's loaded entries: every frozen parameter takes its loaded value;
+        those that carry optimizer state keep their entry (collective)."""
+        position = {id(p): i for i, p in enumerate(self._order)}  # ids differ between processes
+        mine = {position[pid]: e for pid, e in entries.items()} if self.comm.rank == 0 else None
+        shared: dict[int, ParamState] = self.comm.broadcast_object(mine)
+        self._stash = {}
+        for index, entry in shared.items():
+            param = self._order[index]
+            param.data.copy_(entry["master"].view(param.shape))
+            if entry["tensors"] or entry["scalars"]:
+                self._stash[id(param)] = entry
 
     # ------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, int]:
@@ -372,7 +443,7 @@ class FlatStrategy(Strategy):
             shards.append(
                 ParamShard(names[id(param)], param.shape, piece.start, piece.end, master, key, group_of[id(param)])
             )
-        return shards
+        return shards + self._extra_shards
 
     def _master_shard(self) -> torch.Tensor:
         """This rank's master slices as one contiguous shard (a copy when they live in the parameters)."""

@@ -36,8 +36,9 @@ The hooks that gather and free units live in :mod:`.hooks`.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -444,6 +445,33 @@ class Stage3(Strategy):
             shards.append(ParamShard(unit.names[piece.index], unit.shapes[piece.index], piece.start, piece.end,
                                      piece.master, piece.master, piece.group))
         return shards
+
+    @contextlib.contextmanager
+    def checkpoint_view(self, loading: bool, wanted: frozenset[str] = frozenset()) -> Iterator[None]:
+        """Frozen-later pieces keep master and state, so they are saved already; when
+        loading, pieces frozen since ``initialize`` get a master for the call and keep
+        it (with the loaded optimizer state) if the checkpoint had state for them."""
+        if not loading or self.inner is None:
+            yield
+            return
+        temporary = [p for p in self._pieces if p.master is None and p.unit.names[p.index] in wanted]
+        for piece in temporary:
+            local = piece.local(piece.unit.shard)
+            piece.master = local if self.alias else local.float()
+        if temporary:
+            self._point_optimizer()
+        try:
+            yield
+        finally:
+            state = self.inner.state
+            dropped = [piece for piece in temporary if not state.get(piece.master)]
+            for piece in dropped:
+                piece.master = None
+            if dropped:
+                self._point_optimizer()
+            for unit in self.units:  # loaded values of frozen units: drop stale gathered copies
+                if unit.gathered and unit not in self._trainable:
+                    unit.refresh()
 
     # =============================================================== close
     def close(self) -> None:
