@@ -390,17 +390,37 @@ class FlatStrategy(Strategy):
             entries[pid]["scalars"] = {k: v for k, v in state.items() if k not in tensors}
 
     def _adopt_loaded_stash(self, entries: dict[int, ParamState], frozen: list[nn.Parameter]) -> None:
-        """Share rank 0's loaded entries: every frozen parameter takes its loaded value;
-        those that carry optimizer state keep their entry (collective)."""
+        """Share rank 0's loaded entries: every listed parameter takes its loaded value;
+        those that carry optimizer state keep their entry (collective).
+
+        The layout of each entry goes as one small object; the tensors as broadcasts.
+        """
         position = {id(p): i for i, p in enumerate(self._order)}  # ids differ between processes
-        mine = {position[pid]: e for pid, e in entries.items()} if self.comm.rank == 0 else None
-        shared: dict[int, ParamState] = self.comm.broadcast_object(mine)
+        layout = None
+        if self.comm.rank == 0:
+            layout = {
+                position[pid]: (
+                    {k: (v.numel(), v.dtype) for k, v in e["tensors"].items()},
+                    e["scalars"],
+                )
+                for pid, e in entries.items()
+            }
+        layout = self.comm.broadcast_object(layout)
         self._stash = {}
-        for index, entry in shared.items():
+        for index in sorted(layout):
             param = self._order[index]
-            param.data.copy_(entry["master"].view(param.shape))
-            if entry["tensors"] or entry["scalars"]:
-                self._stash[id(param)] = entry
+            shapes, scalars = layout[index]
+            entry = entries.get(id(param)) if self.comm.rank == 0 else None
+            master = entry["master"] if entry else torch.empty(param.numel(), dtype=torch.float32, device=param.device)
+            self.comm.broadcast(master, src=0)
+            tensors = {}
+            for name, (numel, dtype) in shapes.items():
+                value = entry["tensors"][name] if entry else torch.empty(numel, dtype=dtype, device=param.device)
+                self.comm.broadcast(value, src=0)
+                tensors[name] = value
+            param.data.copy_(master.view(param.shape))
+            if tensors or scalars:
+                self._stash[id(param)] = {"master": master, "tensors": tensors, "scalars": scalars}
 
     # ------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, int]:
