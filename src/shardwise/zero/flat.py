@@ -356,7 +356,7 @@ class FlatStrategy(Strategy):
             raise
         self._close_stash(entries, keys)
         if loading:
-            self._adopt_loaded_stash(entries, frozen)
+            self._adopt_loaded_stash(entries)
 
     def _open_stash(self, frozen: list[nn.Parameter], loading: bool) -> dict[int, ParamState]:
         entries = dict(self._stash)
@@ -389,7 +389,7 @@ class FlatStrategy(Strategy):
             entries[pid]["tensors"] = tensors
             entries[pid]["scalars"] = {k: v for k, v in state.items() if k not in tensors}
 
-    def _adopt_loaded_stash(self, entries: dict[int, ParamState], frozen: list[nn.Parameter]) -> None:
+    def _adopt_loaded_stash(self, entries: dict[int, ParamState]) -> None:
         """Share rank 0's loaded entries: every listed parameter takes its loaded value;
         those that carry optimizer state keep their entry (collective).
 
