@@ -199,7 +199,7 @@ class Engine:
             return
         line = (
             f"step {self.global_steps}: lr={self.get_lr()} loss_scale={self.loss_scale:g} "
-            f"grad_norm={self.optimizer.last_grad_norm:.4g} skipped={self.skipped_steps}"
+            f"grad_norm={self.optimizer.last_grad_norm if self.optimizer else 0.0:.4g} skipped={self.skipped_steps}"
         )
         if self.config.wall_clock_breakdown:
             line += " " + " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self._timers.items())

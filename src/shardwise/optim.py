@@ -39,6 +39,7 @@ def build_optimizer(config: Any, params: Iterable[Any]) -> torch.optim.Optimizer
     adam_w_mode = kwargs.pop("adam_w_mode", True)
     kwargs.pop("torch_adam", None)
     kind = config.type.lower()
+    cls: type[torch.optim.Optimizer]
     if kind == "adam":
         cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     elif kind == "adamw":
@@ -106,16 +107,16 @@ class ShardwiseOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.inner.param_groups
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:
+    @property
+    def state(self) -> Any:  # type: ignore[override]
         return getattr(self.inner, "state", {})
 
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return getattr(self.inner, "defaults", {})
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]

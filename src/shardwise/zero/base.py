@@ -96,7 +96,7 @@ class Strategy(ABC):
         self.comm = comm
         self.precision = precision
         self.zero_config = zero_config
-        self.inner: Optional[Any] = None
+        self.inner: Any = None  # the inner optimizer; None for an inference-only engine
         self.sync = False
 
     def attach(self, inner: Optional[Any], initial: Optional[dict[int, torch.Tensor]] = None) -> None:

@@ -75,7 +75,9 @@ def _scalars(layout: FlatLayout, views: dict[int, torch.Tensor], state: Any, com
     local: dict[int, tuple[dict[str, Any], list[str]]] = {}
     for index, param in enumerate(layout.params):
         view = views.get(id(param))
-        entries = state.get(view) if view is not None else None
+        if view is None:
+            continue
+        entries = state.get(view)
         if entries:
             scalars = {k: _plain(v) for k, v in entries.items() if not _is_piece_tensor(v, view)}
             local[index] = (scalars, sorted(k for k, v in entries.items() if _is_piece_tensor(v, view)))
@@ -92,7 +94,6 @@ def _plain(value: Any) -> Any:
 
 def import_state(
     layout: FlatLayout,
-    master: torch.Tensor,
     views: dict[int, torch.Tensor],
     state: Any,
     carried: dict[int, ParamState],

@@ -41,7 +41,8 @@ class FlatStrategy(Strategy):
         self.shards_grads = self.num_shards > 1
         # Gradients are averaged by pre-dividing the loss (see Strategy.loss_divisor).
         self.loss_divisor = float(self.comm.world_size)
-        self.layout: Optional[FlatLayout] = None
+        self.layout = FlatLayout([], 1, 1, 0)  # empty until `attach` builds it (inference: stays empty)
+        self.device = torch.device("cpu")
         self._hooks: list[Any] = []
         self._groups: list[list[nn.Parameter]] = []
         self._mask: tuple[bool, ...] = ()
@@ -54,8 +55,8 @@ class FlatStrategy(Strategy):
         self.master_grad: Optional[torch.Tensor] = None
         self._master_slices: list[torch.Tensor] = []  # per bucket, this rank's master slice
         self._grad_slices: list[torch.Tensor] = []  # per bucket, this rank's reduced-gradient slice
-        self.param_flat: Optional[torch.Tensor] = None
-        self.grad_flat: Optional[torch.Tensor] = None
+        self.param_flat = torch.empty(0)
+        self.grad_flat = torch.empty(0)
         self._dirty = False
         self._stash: dict[int, ParamState] = {}
         self._extra_shards: list[ParamShard] = []  # frozen parameters, while a checkpoint_view is open
@@ -87,7 +88,7 @@ class FlatStrategy(Strategy):
             self.num_shards,
             self.comm.rank if self.num_shards > 1 else 0,
         )
-        device = params[0].device if params else torch.device("cpu")
+        self.device = device = params[0].device if params else torch.device("cpu")
         if not self.alias:
             self._flatten_params(device)
         self._make_grad_storage(device)
@@ -142,7 +143,7 @@ class FlatStrategy(Strategy):
         """Make the inner optimizer step this rank's fp32 master pieces."""
         if self.alias:
             return  # the model's own parameters are stepped, as in plain DDP
-        views = {}
+        views: dict[int, torch.Tensor] = {}
         for piece in self.layout.pieces:
             bucket, _ = self.layout.bucket_of[piece.param]
             at = piece.shard_offset - bucket.shard_offset
@@ -174,8 +175,7 @@ class FlatStrategy(Strategy):
     def start_backward(self, sync: bool) -> None:
         self.sync = sync
         self._dirty = True
-        if self.layout is not None:
-            self._reset_backward()
+        self._reset_backward()
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         if self.persistent_grads:
@@ -228,7 +228,7 @@ class FlatStrategy(Strategy):
         self._works.append((work, bucket, source, pending))
 
     def finish_backward(self) -> None:
-        if not self.sync or self.layout is None:
+        if not self.sync:
             return
         for bucket in self.layout.buckets[self._next :]:
             self._flush(bucket)
@@ -267,7 +267,7 @@ class FlatStrategy(Strategy):
                 grad.mul_(factor)
 
     def after_step(self) -> None:
-        if self.alias or self.layout is None:
+        if self.alias:
             return
         layout, dtype = self.layout, self.precision.dtype
         if self.num_shards == 1:
@@ -284,8 +284,6 @@ class FlatStrategy(Strategy):
 
     def zero_grad(self) -> None:
         self._dirty = False
-        if self.layout is None:
-            return
         if self.persistent_grads:
             self.grad_flat.zero_()
             self._restore_grad_views()
@@ -322,7 +320,7 @@ class FlatStrategy(Strategy):
                 param.data = param.data.clone()  # let go of the old flat buffer
         self._build()
         if not self.alias:
-            import_state(self.layout, self.master, self.piece_views, self.inner.state, carried)
+            import_state(self.layout, self.piece_views, self.inner.state, carried)
             training = {id(p) for p in self.layout.params}
             self._stash = {k: v for k, v in carried.items() if k not in training}
 
@@ -436,7 +434,7 @@ class FlatStrategy(Strategy):
         }
 
     def full_master_weights(self) -> dict[int, torch.Tensor]:
-        if self.layout is None:
+        if self.inner is None:
             return {}
         layout = self.layout
         if self.alias:
@@ -449,7 +447,7 @@ class FlatStrategy(Strategy):
         return result
 
     def param_shards(self) -> list[ParamShard]:
-        if self.layout is None:
+        if self.inner is None:
             return []
         names = {id(p): n for n, p in self.module.named_parameters()}
         group_of = {id(p): g for g, params in enumerate(self._groups) for p in params}

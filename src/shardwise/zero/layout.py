@@ -20,6 +20,7 @@ This rank's *shard* is the concatenation of its slices of all buckets; a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -67,9 +68,9 @@ class FlatLayout:
     """Buckets over ``params`` split into ``num_shards`` equal slices; this rank is ``rank``."""
 
     def __init__(
-        self, params: list[torch.Tensor], bucket_numel: int, num_shards: int, rank: int
+        self, params: Sequence[torch.Tensor], bucket_numel: int, num_shards: int, rank: int
     ) -> None:
-        self.params = params
+        self.params = list(params)
         self.num_shards = num_shards
         self.rank = rank
         self.buckets = _make_buckets(params, bucket_numel)
@@ -129,7 +130,7 @@ class FlatLayout:
         return flat.narrow(0, bucket.flat_offset + offset, self.params[param].numel())
 
 
-def _make_buckets(params: list[torch.Tensor], bucket_numel: int) -> list[Bucket]:
+def _make_buckets(params: Sequence[torch.Tensor], bucket_numel: int) -> list[Bucket]:
     buckets: list[Bucket] = []
     for index in reversed(range(len(params))):
         param = params[index]

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .base import tensor_bytes
 from .flat import FlatStrategy
 from .layout import Bucket
 
@@ -34,7 +35,7 @@ class Stage2(FlatStrategy):
     def _stage(self, bucket: Bucket) -> torch.Tensor:
         staging = self._staging.get(bucket.index)
         if staging is None:
-            staging = torch.zeros(bucket.padded, dtype=torch.float32, device=self.master_grad.device)
+            staging = torch.zeros(bucket.padded, dtype=torch.float32, device=self.device)
             self._staging[bucket.index] = staging
         return staging
 
@@ -60,9 +61,5 @@ class Stage2(FlatStrategy):
 
     def memory_breakdown(self) -> dict[str, int]:
         counts = super().memory_breakdown()
-        counts["gradients"] += sum(p.grad.numel() * p.grad.element_size() for p in self._grads())
+        counts["gradients"] += tensor_bytes([p.grad for p in self.layout.params if p.grad is not None])
         return counts
-
-    def _grads(self) -> list[torch.Tensor]:
-        params = self.layout.params if self.layout is not None else []
-        return [p for p in params if p.grad is not None]
