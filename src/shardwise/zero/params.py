@@ -174,9 +174,9 @@ class Unit:
 
     def free(self) -> None:
         """Drop the full values (the shard stays)."""
+        self.wait()  # a gather in flight (a prefetch) finishes first, even for a unit that stays
         if not self._gathered or self.persistent:
             return
-        self.wait()
         self.full.untyped_storage().resize_(0)
         self._gathered = False
 
