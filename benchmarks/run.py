@@ -90,12 +90,7 @@ def run_comparison(args: argparse.Namespace, out: Path, command: str) -> dict[st
     }
     if args.deepspeed:
         result["deepspeed_comparisons"] = compare(summaries, against="deepspeed")
-    write_json(out / "comparison.json", result)
-    text = comparison_markdown(result)
-    (out / "comparison.md").write_text(text, encoding="utf-8")
-    print(text)
-    if not args.no_chart and comparison_chart(result, out / "comparison.png"):
-        print(f"chart: {out / 'comparison.png'}")
+    _write_report(out, "comparison", result, comparison_markdown, None if args.no_chart else comparison_chart)
     return result
 
 
@@ -116,13 +111,18 @@ def run_scaling(args: argparse.Namespace, out: Path, command: str) -> dict[str, 
                 points.append({**point, "size": size, "world_size": world, "numel": numel})
     result = {"command": command, "machine": machine(), "dtype": args.scaling_dtype,
               "micro_batch": args.micro_batch, "threads": args.threads, "points": points}
-    write_json(out / "scaling.json", result)
-    text = scaling_markdown(result)
-    (out / "scaling.md").write_text(text, encoding="utf-8")
-    print(text)
-    if not args.no_chart and scaling_chart(result, out / "scaling.png"):
-        print(f"chart: {out / 'scaling.png'}")
+    _write_report(out, "scaling", result, scaling_markdown, None if args.no_chart else scaling_chart)
     return result
+
+
+def _write_report(out: Path, name: str, result: dict[str, Any], markdown: Any, chart: Any) -> None:
+    """``name``.json and ``name``.md (printed too), and ``name``.png when ``chart`` is given."""
+    write_json(out / f"{name}.json", result)
+    text = markdown(result)
+    (out / f"{name}.md").write_text(text, encoding="utf-8")
+    print(text)
+    if chart is not None and chart(result, out / f"{name}.png"):
+        print(f"chart: {out / f'{name}.png'}")
 
 
 def _healthy(result: dict[str, Any]) -> bool:

@@ -131,7 +131,6 @@ class Engine:
         """Run the wrapped module (floating inputs cast to the compute dtype)."""
         if self.config.auto_refresh_trainable and self.strategy.trainable_changed():
             self.refresh_trainable()
-        self.strategy.before_forward()
         args, kwargs = self.precision.cast_inputs((args, kwargs))
         with self._timed("forward"):
             return self.module(*args, **kwargs)

@@ -160,9 +160,6 @@ class Strategy(ABC):
         """Write master weights into the model's parameters (collective; after loading)."""
         self.after_step()
 
-    def before_forward(self) -> None:
-        """Hook for stages that prepare parameters ahead of a forward."""
-
     def refresh_trainable(self) -> None:
         """Rebuild whatever depends on the set of trainable parameters."""
 

@@ -57,6 +57,7 @@ class FlatStrategy(Strategy):
         self._grad_slices: list[torch.Tensor] = []  # per bucket, this rank's reduced-gradient slice
         self.param_flat = torch.empty(0)
         self.grad_flat = torch.empty(0)
+        self._grad_views: list[torch.Tensor] = []
         self._dirty = False
         self._stash: dict[int, ParamState] = {}
         self._extra_shards: list[ParamShard] = []  # frozen parameters, while a checkpoint_view is open
@@ -122,6 +123,10 @@ class FlatStrategy(Strategy):
         layout = self.layout
         if self.persistent_grads:
             self.grad_flat = torch.zeros(layout.padded_numel, dtype=self.precision.dtype, device=device)
+            # each parameter's gradient view, built once: the hooks compare against it every backward
+            self._grad_views = [
+                layout.param_slice(self.grad_flat, i).view_as(p) for i, p in enumerate(layout.params)
+            ]
             self._restore_grad_views()
         if self.alias:
             self.master_grad = self.grad_flat
@@ -136,8 +141,8 @@ class FlatStrategy(Strategy):
             self._grad_slices = [layout.shard_slice(self.master_grad, b) for b in layout.buckets]
 
     def _restore_grad_views(self) -> None:
-        for index, param in enumerate(self.layout.params):
-            param.grad = self.layout.param_slice(self.grad_flat, index).view_as(param)
+        for param, view in zip(self.layout.params, self._grad_views):
+            param.grad = view
 
     def _point_optimizer(self) -> None:
         """Make the inner optimizer step this rank's fp32 master pieces."""
@@ -191,10 +196,10 @@ class FlatStrategy(Strategy):
     def _keep_grad_in_buffer(self, index: int, param: torch.Tensor) -> None:
         # A user's `model.zero_grad()` sets .grad to None, so autograd allocated a
         # fresh tensor: fold it back into the flat buffer the reduction reads.
-        view = self.layout.param_slice(self.grad_flat, index)
+        view = self._grad_views[index]
         if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-            view.add_(param.grad.reshape(-1))
-            param.grad = view.view_as(param)
+            view.add_(param.grad)
+            param.grad = view
 
     def _take_grad(self, index: int, param: torch.Tensor) -> None:
         """Stage-specific: capture ``param``'s gradient for its bucket."""
