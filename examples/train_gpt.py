@@ -175,6 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         train(args)
+        # Every rank finishes its last collective before any rank tears the group down:
+        # a rank that destroys gloo while a peer still exchanges with it can abort at exit.
+        dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
