@@ -43,12 +43,13 @@ def _resume_case(root: str, stage: int, fp16: bool = False, frozen: tuple[str, .
     first = build(stage, **sections)
     losses = train(first, 0, 3)
     client = {"epoch": 1, "note": "resume", "pair": (1, 2.5), "seen": torch.arange(4)}
-    first.save_checkpoint(where, client_state=client)
+    saved = first.save_checkpoint(where, client_state=client)
     first.destroy()
     _reinit(where.with_suffix(".rendezvous"))
 
     second = build(stage, seed=7, **sections)  # another init: everything must come from the checkpoint
-    loaded = second.load_checkpoint(where)
+    loaded_path, loaded = second.load_checkpoint(where)
+    assert loaded_path == saved, f"loaded {loaded_path}, saved {saved}"
     losses += train(second, 3, 3)
     assert losses == want_losses, f"losses {losses} != uninterrupted {want_losses}"
     assert_same(snapshot(second), want, "after resume")

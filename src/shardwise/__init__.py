@@ -36,6 +36,7 @@ def initialize(
     lr_scheduler: Any = None,
     model_parameters: Any = None,
     process_group: Optional[dist.ProcessGroup] = None,
+    name: Optional[str] = None,
 ) -> Engine:
     """Wrap ``model`` for training (or inference) across the ranks of ``process_group``.
 
@@ -45,7 +46,8 @@ def initialize(
     section is used; with neither, the engine is inference-only).  ``config`` is
     a :class:`Config`, a dict, or a path to a ``.json``/``.yaml`` file.  If no
     process group exists yet one is created (:func:`init_distributed`), so a
-    plain one-process run needs no launcher.
+    plain one-process run needs no launcher.  ``name`` names the engine (its
+    checkpoints, its log lines) when several live in one process.
     """
     resolved = Config.load(config if config is not None else {})
     if not dist.is_initialized():
@@ -57,4 +59,5 @@ def initialize(
         lr_scheduler=lr_scheduler,
         model_parameters=model_parameters,
         process_group=process_group,
+        name=name,
     )

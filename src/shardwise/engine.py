@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
+from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -47,16 +49,18 @@ class Engine:
         lr_scheduler: Any = None,
         model_parameters: Any = None,
         process_group: Optional[dist.ProcessGroup] = None,
+        name: Optional[str] = None,
     ) -> None:
         _check_supported(config)
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.module = module
         self.config = config
+        #: the engine's name (``initialize(..., name=...)``); names its checkpoints among several engines
+        self.name = name
         self.comm = Comm(process_group)
         self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.batch_sizes = config.batch_sizes(self.comm.world_size)
-        self.gradient_accumulation_steps = self.batch_sizes.gradient_accumulation_steps
         self.precision = Precision.from_config(config)
         self.global_steps = 0
         self.micro_steps = 0
@@ -139,7 +143,7 @@ class Engine:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next ``step()`` applies the optimizer."""
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self.batch_sizes.gradient_accumulation_steps == 0
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of ``loss`` scaled for fp16 and divided by the accumulation steps.
@@ -151,7 +155,8 @@ class Engine:
         sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         # One scalar multiply covers loss scaling, accumulation averaging and
         # (for strategies that sum) the average over ranks.
-        scale = self.precision.scaler.current / (self.gradient_accumulation_steps * self.strategy.loss_divisor)
+        accumulation = self.batch_sizes.gradient_accumulation_steps
+        scale = self.precision.scaler.current / (accumulation * self.strategy.loss_divisor)
         with self._timed("backward"):
             self.strategy.start_backward(sync)
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
@@ -198,7 +203,7 @@ class Engine:
             return
         line = (
             f"step {self.global_steps}: lr={self.get_lr()} loss_scale={self.loss_scale:g} "
-            f"grad_norm={self.optimizer.last_grad_norm if self.optimizer else 0.0:.4g} skipped={self.skipped_steps}"
+            f"grad_norm={self.get_global_grad_norm() or 0.0:.4g} skipped={self.skipped_steps}"
         )
         if self.config.wall_clock_breakdown:
             line += " " + " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self._timers.items())
@@ -252,6 +257,52 @@ class Engine:
             raise ValueError(f"override_loss_scale({scale!r}): the scale must be > 0, or None for dynamic scaling")
         self.precision.scaler.override = None if scale is None else float(scale)
 
+    # ------------------------------------------------ DeepSpeed's getters
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (torchrun's ``LOCAL_RANK``; 0 without a launcher)."""
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the default process group."""
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes in the default process group."""
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks (micro batch × accumulation × data-parallel ranks)."""
+        return self._batch_size("train_batch_size", self.batch_sizes.train_batch_size)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per forward on one rank."""
+        return self._batch_size("train_micro_batch_size_per_gpu", self.batch_sizes.micro_batch_size)
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches accumulated per optimizer step."""
+        return self.batch_sizes.gradient_accumulation_steps
+
+    def _batch_size(self, key: str, value: Optional[int]) -> int:
+        if value is None:
+            raise ValueError(
+                f"`engine.{key}()` is unknown: the config sets no batch size; add "
+                "`train_micro_batch_size_per_gpu` (or `train_batch_size`) to it"
+            )
+        return value
+
+    def fp16_enabled(self) -> bool:
+        return self.precision.dtype == torch.float16
+
+    def bfloat16_enabled(self) -> bool:
+        return self.precision.dtype == torch.bfloat16
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """L2 norm of all (unscaled) gradients at the last step (inf on overflow); None before any step."""
+        return self.optimizer.last_grad_norm if self.optimizer is not None else None
+
     # --------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict[str, Any]] = None) -> str:
         """Collectively write a checkpoint (every rank its own shard); returns its path."""
@@ -269,8 +320,13 @@ class Engine:
         load_module_only: bool = False,
         module_load_fn: Any = None,
         strict: bool = True,
-    ) -> dict[str, Any]:
-        """Collectively restore a checkpoint (any world size or stage); returns its client_state."""
+    ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
+        """Collectively restore a checkpoint (any world size or stage).
+
+        Returns ``(load_path, client_state)`` as DeepSpeed does, or ``(None, None)``
+        with a warning when ``load_dir`` holds no checkpoint (so resume-if-present
+        code needs no special case).
+        """
         from .checkpoint import load_checkpoint
 
         return load_checkpoint(
@@ -283,6 +339,22 @@ class Engine:
             module_load_fn=module_load_fn,
             strict=strict,
         )
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Write the full weights in the compute dtype to ``save_dir/save_filename`` on rank 0 (collective).
+
+        As DeepSpeed's: fp16/bf16 weights for a mixed-precision engine, fp32
+        otherwise; ``.safetensors`` names get a safetensors file, anything else
+        ``torch.save``.  Tied weights are stored once.  Returns True on every rank.
+        """
+        from .export import save_state_dict
+
+        state = self.full_state_dict()
+        if self.comm.rank == 0:
+            dtype = self.precision.dtype
+            cast = {id(t): (t.to(dtype) if t.is_floating_point() else t) for t in state.values()}
+            save_state_dict({k: cast[id(t)] for k, t in state.items()}, Path(save_dir) / save_filename)
+        return True
 
     # --------------------------------------------------------- inspection
     def memory_breakdown(self) -> dict[str, int]:

@@ -29,16 +29,16 @@ __all__ = [
 
 _WHERE = {
     "CheckpointError": ".errors",
-    "consolidate": ".consolidate",
-    "consolidated_state_dict": ".consolidate",
-    "describe": ".consolidate",
-    "load_consolidated": ".consolidate",
+    "consolidate": ".consolidation",
+    "consolidated_state_dict": ".consolidation",
+    "describe": ".consolidation",
+    "load_consolidated": ".consolidation",
     "load_checkpoint": ".load",
     "save_checkpoint": ".save",
 }
 
 if TYPE_CHECKING:
-    from .consolidate import consolidate, consolidated_state_dict, describe, load_consolidated
+    from .consolidation import consolidate, consolidated_state_dict, describe, load_consolidated
     from .errors import CheckpointError
     from .load import load_checkpoint
     from .save import save_checkpoint

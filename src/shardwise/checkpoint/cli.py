@@ -10,7 +10,7 @@ __all__ = ["add_checkpoint_commands"]
 
 
 def _inspect(ns: argparse.Namespace) -> int:
-    from .consolidate import describe
+    from .consolidation import describe
     from .errors import CheckpointError
 
     try:
@@ -22,7 +22,7 @@ def _inspect(ns: argparse.Namespace) -> int:
 
 
 def _consolidate(ns: argparse.Namespace) -> int:
-    from .consolidate import consolidate
+    from .consolidation import consolidate
     from .errors import CheckpointError
 
     try:

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from .agreement import Session, join
 from .codec import Decoder, refuse_pickles, tensor_refs
 from .errors import CheckpointError
-from .layout import check_complete, rank_file, read_json, resolve
+from .layout import LATEST, MANIFEST, check_complete, list_checkpoints, rank_file, read_json, resolve
 from .rng import restore_rng
 from .stateful import ModelNames, ModelState, OptimizerState, Sources, TensorState
 from .storage import LoadPlanner, SafeReader
@@ -39,11 +39,13 @@ def load_checkpoint(
     load_module_only: bool = False,
     module_load_fn: Optional[Callable[[dict[str, torch.Tensor], Any], Any]] = None,
     strict: bool = True,
-) -> dict[str, Any]:
+) -> tuple[Optional[str], Optional[dict[str, Any]]]:
     """Collectively restore ``engine`` from ``load_dir/tag`` (``tag=None``: the one ``latest`` names).
 
-    Returns the ``client_state`` given to ``save_checkpoint``.  See
-    ``docs/checkpoints.md`` for what each option restores.
+    Returns ``(path of the checkpoint loaded, the client_state given to
+    save_checkpoint)``, or ``(None, None)`` with a warning when ``tag`` is None
+    and ``load_dir`` holds no complete checkpoint.  See ``docs/checkpoints.md``
+    for what each option restores.
     """
     config = engine.config.checkpoint
     payload = {"op": "load_checkpoint", "dir": str(Path(load_dir).absolute()), "tag": tag}
@@ -51,10 +53,38 @@ def load_checkpoint(
     session.require_same("op", "checkpoint operations", "call `load_checkpoint` on every rank at the same point")
     session.require_same("dir", "directories", "pass the same `load_dir` on every rank")
     session.require_same("tag", "tags", "pass the same `tag=` on every rank (or none, for `latest`)")
+    if _agree_nothing_to_load(session, Path(load_dir), tag):
+        warnings.warn(
+            f"load_checkpoint: {Path(load_dir).absolute()} holds no complete checkpoint (no `{LATEST}` file "
+            "and no tag directory); nothing was loaded and (None, None) is returned",
+            stacklevel=3,
+        )
+        return None, None
     options = _Options(load_optimizer_states, load_lr_scheduler_states, load_module_only, module_load_fn, strict)
     wanted = _names_with_saved_state(Path(load_dir), tag)
     with engine.strategy.checkpoint_view(loading=True, wanted=wanted):
         return _Load(engine, session, Path(load_dir), tag, options).run()
+
+
+def _nothing_to_load(load_dir: Path, tag: Optional[str]) -> bool:
+    """No tag asked for, and the directory has neither `latest` nor any complete checkpoint."""
+    if tag is not None:
+        return False
+    if (load_dir / LATEST).is_file() or (load_dir / MANIFEST).is_file():
+        return False
+    return not any(committed for _, _, committed in list_checkpoints(load_dir))
+
+
+def _agree_nothing_to_load(session: Session, load_dir: Path, tag: Optional[str]) -> bool:
+    """Every rank's view of "is there a checkpoint?", which must agree (a shared directory)."""
+    _, views = session.step("looking for a checkpoint", lambda: _nothing_to_load(load_dir, tag), share=True)
+    if any(v != views[0] for v in views):
+        raise CheckpointError(
+            f"rank {session.rank}: ranks disagree on whether {load_dir} holds a checkpoint "
+            f"({', '.join(f'rank {r}: {not v}' for r, v in enumerate(views))}); `load_dir` must be one "
+            "directory shared by all ranks"
+        )
+    return bool(views[0])
 
 
 def _names_with_saved_state(load_dir: Path, tag: Optional[str]) -> frozenset[str]:
@@ -98,7 +128,7 @@ class _Load:
         self.rng: Optional[tuple[Any, dict[str, torch.Tensor]]] = None
         self.client_state: dict[str, Any] = {}
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> tuple[Optional[str], Optional[dict[str, Any]]]:
         _, found = self.session.step("reading the checkpoint manifest", self._read_manifest, share=True)
         paths = [f["path"] for f in found]
         if any(p != paths[0] for p in paths):
@@ -114,7 +144,7 @@ class _Load:
             for action in state.finalize:
                 action()
         self.engine.strategy.sync_params_from_master()
-        return self.client_state
+        return str(self.path), self.client_state
 
     # ------------------------------------------------------------ steps
     def _read_manifest(self) -> dict[str, Any]:

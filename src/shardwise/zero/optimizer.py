@@ -24,15 +24,24 @@ class ZeroOptimizer(ShardwiseOptimizer):
     """
 
     def __init__(
-        self, inner: Any, strategy: Strategy, precision: Precision, comm: Comm, clip: float
+        self,
+        inner: Any,
+        strategy: Strategy,
+        precision: Precision,
+        comm: Comm,
+        clip: float,
+        model_parallel_comm: Optional[Comm] = None,
     ) -> None:
         super().__init__(inner)
         self.strategy = strategy
         self.precision = precision
         self.comm = comm
         self.clip = clip
-        #: global L2 norm of the (unscaled) gradients at the last step; inf on overflow
-        self.last_grad_norm: float = 0.0
+        #: ranks holding *other* parameters of the same model (pipeline stages): the
+        #: squared norm is summed over them too, so clipping and overflow are global
+        self.model_parallel_comm = model_parallel_comm
+        #: global L2 norm of the (unscaled) gradients at the last step; inf on overflow; None before
+        self.last_grad_norm: Optional[float] = None
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> bool:  # type: ignore[override]
         """Apply the update; returns False when it was skipped for overflow."""
@@ -42,6 +51,8 @@ class ZeroOptimizer(ShardwiseOptimizer):
         sq = self.strategy.grad_sq()
         if self.strategy.shards_grads:
             self.comm.all_reduce(sq)
+        if self.model_parallel_comm is not None:
+            self.model_parallel_comm.all_reduce(sq)
         norm_sq = float(sq.item())
         if not math.isfinite(norm_sq):
             self.last_grad_norm = math.inf

@@ -24,16 +24,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .commit import write_atomic
+from ..export import ALIASES_KEY, KEYS_KEY, save_state_dict, tied_aliases
 from .errors import CheckpointError
 from .layout import LATEST, check_complete, list_checkpoints, resolve
 from .stateful import TensorState
 from .storage import LoadPlanner, SafeReader
 
 __all__ = ["consolidate", "consolidated_state_dict", "describe", "load_consolidated"]
-
-_ALIASES_KEY = "shardwise_aliases"
-
 
 def _checkpoint(ckpt_dir: Any, tag: Optional[str]) -> tuple[Path, dict[str, Any]]:
     path = resolve(ckpt_dir, tag)
@@ -68,21 +65,8 @@ def consolidate(ckpt_dir: Any, out: Any, tag: Optional[str] = None) -> dict[str,
     if suffix not in (".safetensors", ".pt", ".pth", ".bin"):
         raise CheckpointError(f"output file {out} has suffix `{suffix}`; use `.safetensors` or `.pt`")
     state = consolidated_state_dict(ckpt_dir, tag)
-    aliases = _aliases(state)
-    if suffix == ".safetensors":
-        from safetensors.torch import save
-
-        unique = {k: v.contiguous() for k, v in state.items() if k not in aliases}
-        metadata = {"format": "pt", _ALIASES_KEY: json.dumps(aliases), "shardwise_keys": json.dumps(list(state))}
-        data = save(unique, metadata=metadata)
-    else:
-        import io
-
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        data = buffer.getvalue()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, data)
+    aliases = tied_aliases(state)
+    save_state_dict(state, out)
     distinct = [v for k, v in state.items() if k not in aliases]
     return {
         "file": str(out),
@@ -91,17 +75,6 @@ def consolidate(ckpt_dir: Any, out: Any, tag: Optional[str] = None) -> dict[str,
         "bytes": os.path.getsize(out),
         "aliases": aliases,
     }
-
-
-def _aliases(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, tensor in state.items():
-        if id(tensor) in first:
-            aliases[name] = first[id(tensor)]
-        else:
-            first[id(tensor)] = name
-    return aliases
 
 
 def load_consolidated(path: Any) -> dict[str, torch.Tensor]:
@@ -115,8 +88,8 @@ def load_consolidated(path: Any) -> dict[str, torch.Tensor]:
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
     tensors = load_file(str(path))
-    aliases = json.loads(metadata.get(_ALIASES_KEY, "{}"))
-    keys = json.loads(metadata.get("shardwise_keys", "null")) or [*tensors, *aliases]
+    aliases = json.loads(metadata.get(ALIASES_KEY, "{}"))
+    keys = json.loads(metadata.get(KEYS_KEY, "null")) or [*tensors, *aliases]
     return {key: tensors[aliases.get(key, key)] for key in keys}
 
 

@@ -1,0 +1,83 @@
+"""The Engine methods DeepSpeed client code calls, on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardwise
+from shardwise.checkpoint import load_consolidated
+from shardwise.testing import distributed_test, run_subtests
+
+from _parity import adamw, batch, make_model
+
+
+@distributed_test(world_size=2, timeout=120)
+def test_deepspeed_getters() -> None:
+    config = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "bf16": {"enabled": True}}
+    model = make_model()
+    engine = shardwise.initialize(model, adamw(model.parameters()), config, name="student")
+    assert engine.name == "student"
+    assert (engine.global_rank, engine.world_size) == (dist.get_rank(), 2)
+    assert engine.local_rank == dist.get_rank()  # the harness sets LOCAL_RANK as torchrun does
+    assert (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()) == (3, 2)
+    assert engine.train_batch_size() == 12
+    assert engine.bfloat16_enabled() and not engine.fp16_enabled()
+    assert engine.get_global_grad_norm() is None, "no step yet: no norm"
+    for micro in range(2):
+        engine.backward(engine(*batch(micro, dist.get_rank())))
+        engine.step()
+    norm = engine.get_global_grad_norm()
+    assert norm is not None and math.isfinite(norm) and norm > 0, norm
+    engine.destroy()
+
+    bare = shardwise.initialize(make_model(), None, {})  # inference-only, no batch sizes
+    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu"):
+        bare.train_batch_size()
+    assert bare.gradient_accumulation_steps() == 1 and bare.get_global_grad_norm() is None
+
+
+@distributed_test(world_size=2, timeout=120)
+def test_load_checkpoint_returns_path_and_client_state(tmp_path: Path) -> None:
+    root = tmp_path / "run"  # fixtures are made once and passed to every rank: the same path
+    model = make_model()
+    engine = shardwise.initialize(model, adamw(model.parameters()), {"zero_optimization": {"stage": 1}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert engine.load_checkpoint(root) == (None, None), "a missing directory has nothing to load"
+    assert any("holds no complete checkpoint" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    engine.backward(engine(*batch(0, dist.get_rank())))
+    engine.step()
+    saved = engine.save_checkpoint(root, client_state={"epoch": 4})
+    path, client = engine.load_checkpoint(root)
+    assert (path, client) == (saved, {"epoch": 4}), (path, client)
+    engine.destroy()
+
+
+@distributed_test(world_size=2, timeout=120)
+def test_save_16bit_model(tmp_path: Path) -> None:
+    def case(stage: int, suffix: str) -> None:
+        model = make_model()
+        config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage}}
+        engine = shardwise.initialize(model, adamw(model.parameters()), config)
+        engine.backward(engine(*batch(0, dist.get_rank())))
+        engine.step()
+        full = engine.full_state_dict()
+        out = tmp_path / f"stage{stage}"
+        assert engine.save_16bit_model(str(out), f"model{suffix}") is True
+        dist.barrier()
+        saved = load_consolidated(out / f"model{suffix}") if suffix == ".safetensors" else torch.load(
+            out / f"model{suffix}", weights_only=True)
+        assert saved.keys() == {n for n, _ in model.state_dict().items()}
+        for name, value in saved.items():
+            assert value.dtype == torch.bfloat16, (name, value.dtype)
+            if dist.get_rank() == 0:
+                torch.testing.assert_close(value, full[name].to(torch.bfloat16), rtol=0, atol=0)
+        engine.destroy()
+
+    run_subtests(case, [{"stage": s, "suffix": x} for s in (0, 3) for x in (".bin", ".safetensors")])
