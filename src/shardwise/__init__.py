@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 import torch.distributed as dist
 from torch import nn
 
-from . import testing, zero
+from . import pipe, testing, zero
 from .config import Config, ConfigError, load_configs
 from .distributed import init_distributed
 from .engine import Engine
@@ -22,6 +22,7 @@ __all__ = [
     "init_distributed",
     "initialize",
     "load_configs",
+    "pipe",
     "testing",
     "zero",
 ]
@@ -48,11 +49,21 @@ def initialize(
     process group exists yet one is created (:func:`init_distributed`), so a
     plain one-process run needs no launcher.  ``name`` names the engine (its
     checkpoints, its log lines) when several live in one process.
+
+    A :class:`shardwise.pipe.PipelineModule` with more than one stage gets a
+    pipeline engine (``engine.train_batch(data_iter)``); with one stage it is
+    an ordinary module and gets an ordinary engine.
     """
     resolved = Config.load(config if config is not None else {})
     if not dist.is_initialized():
         init_distributed(timeout=resolved.dist_timeout)
-    return Engine(
+    if isinstance(model, pipe.PipelineModule) and model.num_stages > 1:
+        from .pipe.engine import PipelineEngine  # stages × replicas: `train_batch` / `eval_batch`
+
+        engine_class: type[Engine] = PipelineEngine
+    else:
+        engine_class = Engine
+    return engine_class(
         model,
         resolved,
         optimizer=optimizer,
