@@ -119,3 +119,14 @@ def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], at
     for name, value in got.items():
         diff = (value.float() - want[name].float()).abs().max().item()
         assert diff <= atol, f"{name}: max abs diff {diff:.3g} > {atol}"
+
+
+class Shift(nn.Module):
+    """Adds a persistent buffer: state that is not a parameter, written by rank 0 in checkpoints."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.register_buffer("offset", torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.offset

@@ -273,4 +273,4 @@ def test_activation_header_round_trip() -> None:
     packed, metas = _decode(_encode(True, list(value)))
     assert packed and metas == [(torch.float32, True, (2, 3)), (torch.int64, False, (4,)), (torch.bfloat16, False, ())]
     with pytest.raises(ValueError, match="does not fit"):
-        _encode(False, [torch.zeros([1] * 9)] * 10)
+        _encode(False, [torch.zeros([1] * 8)] * 4)

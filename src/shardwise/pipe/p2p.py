@@ -24,7 +24,7 @@ from ..distributed import Comm, Work
 __all__ = ["Channel", "HEADER_SLOTS", "gather_to_first"]
 
 #: int64 entries of one header: 2 + (3 + ndim) per tensor
-HEADER_SLOTS = 96
+HEADER_SLOTS = 40
 _DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
