@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwise
-from shardwise.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from shardwise.pipe import PipelineModule, TiedLayerSpec
 from shardwise.pipe.p2p import HEADER_SLOTS
 from shardwise.testing import distributed_test, run_subtests
 

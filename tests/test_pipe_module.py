@@ -17,7 +17,7 @@ from shardwise.pipe.p2p import _decode, _encode
 from shardwise.pipe.partition import balanced, partition, uniform
 from shardwise.pipe.schedule import Phase, bubble_fraction, forward_only, one_f_one_b, simulate
 
-from _pipe_models import DIM, VOCAB, Scale, cross_entropy, head, micro_batch, pipeline, pool, tied_layers
+from _pipe_models import DIM, VOCAB, Scale, cross_entropy, micro_batch, pipeline, pool, tied_layers
 
 
 # ------------------------------------------------------------------ to_sequential

@@ -201,12 +201,12 @@ class Comm:
     def isend(self, tensor: torch.Tensor, dst: int) -> Work:
         """Start sending ``tensor`` to group rank ``dst``; keep it unchanged until the work is waited on."""
         self._count("send", _nbytes(tensor))
-        return dist.isend(tensor, dst=self._peer(dst, "send to"), group=self.group)
+        return _started(dist.isend(tensor, dst=self._peer(dst, "send to"), group=self.group))
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Work:
         """Start receiving into ``tensor`` from group rank ``src`` (messages between two ranks arrive in order)."""
         self.calls["recv"] += 1
-        return dist.irecv(tensor, src=self._peer(src, "receive from"), group=self.group)
+        return _started(dist.irecv(tensor, src=self._peer(src, "receive from"), group=self.group))
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Send ``tensor`` to group rank ``dst`` and wait until it is out."""
@@ -224,6 +224,11 @@ class Comm:
                 f"this {self.world_size}-rank group (0..{self.world_size - 1}, not itself)"
             )
         return dist.get_global_rank(self.group, peer) if self.group is not None else peer
+
+
+def _started(work: Optional[Any]) -> Work:
+    # torch types point-to-point works as optional (None only off the group, which `_peer` rules out)
+    return work if work is not None else _DONE
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -215,11 +215,13 @@ class PipelineEngine(Engine):
     def _backward(self, micro: int, stash: dict[int, tuple[Any, Any]], steps: int) -> None:
         module = self.module
         inputs, outputs = stash.pop(micro)
+        grads: list[Optional[torch.Tensor]]
         if module.is_last_stage:
             # loss scale, the average over micro-batches, and (for summing strategies) over replicas
             tensors, grads = [outputs * (self.loss_scale / (steps * self.strategy.loss_divisor))], [None]
         else:
-            tensors, grads = self.channel.recv_grads(outputs)
+            tensors, received = self.channel.recv_grads(outputs)
+            grads = list(received)
         started = time.perf_counter()
         self.strategy.start_backward(False)  # accumulate only: reduced once, after the last micro-batch
         if tensors:

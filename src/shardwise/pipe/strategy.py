@@ -32,6 +32,10 @@ class PipelineStrategy(Strategy):
     def __init__(self, inner: Strategy, copies: frozenset[str]) -> None:
         # Strategy.__init__ is not called: every attribute resolves on `inner` (see __getattr__).
         self.wrapped = inner
+        # fixed for the life of a strategy; the class attributes of Strategy would shadow __getattr__
+        self.stage = inner.stage
+        self.shards_grads = inner.shards_grads
+        self.loss_divisor = inner.loss_divisor
         self.copies = copies
         self._saving = False
         #: called with ``loading`` once every rank is inside a save/load, before it reads names
@@ -42,26 +46,16 @@ class PipelineStrategy(Strategy):
             raise AttributeError(name)
         return getattr(self.wrapped, name)
 
-    # the class attributes of Strategy would shadow __getattr__
-    @property  # type: ignore[override]
-    def stage(self) -> int:
-        return self.wrapped.stage
-
-    @property  # type: ignore[override]
-    def shards_grads(self) -> bool:
-        return self.wrapped.shards_grads
-
-    @property  # type: ignore[override]
-    def loss_divisor(self) -> float:
-        return self.wrapped.loss_divisor
-
     # ------------------------------------------------------------ changed
     def grad_sq(self) -> torch.Tensor:
         total = self.wrapped.grad_sq()
+        counted: set[int] = set()
         for shard in self.wrapped.param_shards():
             grad = shard.key.grad  # what the optimizer steps `key` with: this rank's reduced piece
-            if shard.name in self.copies and grad is not None:
-                total = total - torch.dot(grad.reshape(-1).float(), grad.reshape(-1).float())
+            if shard.name in self.copies and grad is not None and id(shard.key) not in counted:
+                counted.add(id(shard.key))
+                flat = grad.reshape(-1).float()
+                total = total - torch.dot(flat, flat)
         return total
 
     def param_shards(self) -> list[ParamShard]:
