@@ -256,9 +256,10 @@ def test_one_f_one_b(stages: int, micro: int) -> None:
     if (stages, micro) == (2, 4):
         assert " ".join(map(str, schedules[0])) == "F0 F1 B0 F2 B1 F3 B2 B3"
         assert " ".join(map(str, schedules[1])) == "F0 B0 F1 B1 F2 B2 F3 B3"
-    # equal stage times: the idle share is the textbook bubble
-    for busy, makespan in simulate(schedules):
-        assert abs((1 - busy / makespan) - bubble_fraction(stages, micro)) < 1e-12
+    # equal stage costs: the idle share is the textbook bubble, whatever backward costs against forward
+    for backward in (1.0, 2.0):
+        for busy, makespan in simulate(schedules, forward=1.0, backward=backward):
+            assert abs((1 - busy / makespan) - bubble_fraction(stages, micro)) < 1e-12
     assert forward_only(3) == [a for a in one_f_one_b(stages - 1, stages, 3) if a.phase is Phase.FORWARD]
 
 

@@ -43,15 +43,12 @@ __all__ = ["PipelineEngine", "ScheduleTiming"]
 
 @dataclass
 class ScheduleTiming:
-    """Where the last batch's time went on this rank (seconds)."""
+    """Where the last batch's time went on this rank (seconds): ``compute`` in forward and backward,
+    the rest of ``total`` waiting (bubble, transfers).  The pipeline's bubble divides ``compute``
+    by the slowest rank's ``total`` (``benchmarks/pipeline.py``)."""
 
     total: float = 0.0
     compute: float = 0.0
-
-    @property
-    def idle_fraction(self) -> float:
-        """Share of the schedule spent waiting (the pipeline bubble, plus transfers)."""
-        return 1.0 - self.compute / self.total if self.total > 0 else 0.0
 
 
 @dataclass
@@ -94,7 +91,8 @@ class PipelineEngine(Engine):
             # stage, each tied weight once.
             self.optimizer.strategy = self.pipeline_strategy
             self.optimizer.model_parallel_comm = self.groups.pipe
-        device = next(module.parameters()).device if any(True for _ in module.parameters()) else torch.device("cpu")
+        first = next(module.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
         self.channel = Channel(self.groups.p2p, module.stage_id, module.num_stages, device)
         #: where the last ``train_batch``/``eval_batch`` spent its time on this rank
         self.timing = ScheduleTiming()
