@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise
+from shardwise.checkpoint import consolidated_state_dict
 from shardwise.pipe import LayerSpec
 from shardwise.testing import distributed_test
 
@@ -72,6 +73,8 @@ def test_pipeline_to_sequential_to_pipeline(tmp_path: Path) -> None:
     saved = _everywhere(pipe)
     assert list(saved) == list(pipeline(_layers()).to_sequential().state_dict())  # the mapping is one to one
     pipe.save_checkpoint(str(tmp_path), tag="pipe", client_state={"epoch": 3})
+    if rank == 0:  # a plain checkpoint: consolidation (one process, no group) gives the whole model
+        assert_close(consolidated_state_dict(tmp_path, tag="pipe"), saved, 0.0)
 
     # pipeline -> sequential (ZeRO-3 over both ranks)
     seq = shardwise.initialize(pipeline(_layers()).to_sequential(), config=_config(3, 1))

@@ -67,6 +67,9 @@ def _parity_case(layers: str, zero: int, accumulation: int, clip: float, partiti
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=0, atol=ATOL)
     assert_close(_stage_params(engine), want, ATOL)
     stage = engine.module.stage_id
+    held = _stage_params(engine)
+    assert len(held) < len(want) and all(int(n.split(".")[0]) in engine.module.stage_layers()
+                                         for n in held if not n.startswith("tied_modules."))
     if layers == "tied":  # the tied embedding lives on both stages and stays equal to one shared weight
         assert "tied_modules.embed.weight" in dict(engine.module.named_parameters()), stage
     # every byte between the stages goes through Comm: a header and the activation per micro-batch
