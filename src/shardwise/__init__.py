@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import testing, zero
+from ._version import __version__ as __version__
 from .config import Config, ConfigError, load_configs
 from .distributed import init_distributed
 from .engine import Engine
@@ -25,8 +26,6 @@ __all__ = [
     "testing",
     "zero",
 ]
-
-__version__ = "0.1.0"
 
 
 def initialize(

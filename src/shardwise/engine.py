@@ -20,6 +20,7 @@ from torch import nn
 
 from .config import Config
 from .distributed import Comm
+from .engine_state import EngineState
 from .optim import resolve_optimizer
 from .precision import Precision
 from .schedulers import build_scheduler
@@ -308,7 +309,7 @@ class Engine:
         """Collectively write a checkpoint (every rank its own shard); returns its path."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+        return save_checkpoint(self.checkpointable(), save_dir, tag=tag, client_state=client_state)
 
     def load_checkpoint(
         self,
@@ -330,7 +331,7 @@ class Engine:
         from .checkpoint import load_checkpoint
 
         return load_checkpoint(
-            self,
+            self.checkpointable(),
             load_dir,
             tag=tag,
             load_optimizer_states=load_optimizer_states,
@@ -349,12 +350,14 @@ class Engine:
         """
         from .export import save_state_dict
 
-        state = self.full_state_dict()
+        state = self.state_dict_16bit()
         if self.comm.rank == 0:
-            dtype = self.precision.dtype
-            cast = {id(t): (t.to(dtype) if t.is_floating_point() else t) for t in state.values()}
-            save_state_dict({k: cast[id(t)] for k, t in state.items()}, Path(save_dir) / save_filename)
+            save_state_dict(state, Path(save_dir) / save_filename)
         return True
+
+    def checkpointable(self) -> EngineState:
+        """This engine as the checkpoint layer sees it (``shardwise.checkpoint.protocol.Checkpointable``)."""
+        return EngineState(self)
 
     # --------------------------------------------------------- inspection
     def memory_breakdown(self) -> dict[str, int]:
@@ -380,6 +383,13 @@ class Engine:
                 copies[id(tensor)] = value.cpu()
             result[name] = copies[id(tensor)]
         return result
+
+    def state_dict_16bit(self) -> dict[str, torch.Tensor]:
+        """:meth:`full_state_dict` with floating tensors in the compute dtype (rank 0; ``{}`` elsewhere; collective)."""
+        state = self.full_state_dict()
+        dtype = self.precision.dtype
+        cast = {id(t): (t.to(dtype) if t.is_floating_point() else t) for t in state.values()}
+        return {name: cast[id(t)] for name, t in state.items()}  # tied names stay one tensor
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
