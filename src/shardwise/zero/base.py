@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..distributed import Comm
+from ..ownership import owner_label
 from ..param_state import ParamShard
 from ..precision import Precision
 
@@ -54,11 +55,13 @@ def module_order(module: nn.Module, groups: list[list[nn.Parameter]]) -> list[nn
     order = [p for p in module.parameters() if id(p) in in_groups]
     if len(order) != len(in_groups):
         known = {id(p) for p in module.parameters()}
-        stray = [tuple(p.shape) for p in in_groups.values() if id(p) not in known]
+        strays = [p for p in in_groups.values() if id(p) not in known]
+        owners = sorted({label for p in strays if (label := owner_label(p)) is not None})
+        whose = f"; they are parameters of {', '.join(owners)}" if owners else ""
         raise ValueError(
-            f"the optimizer holds {len(stray)} tensor(s) that are not parameters of the model "
-            f"(shapes {stray[:5]}); build the optimizer from `model.parameters()` of the model "
-            "passed to `shardwise.initialize`"
+            f"the optimizer holds {len(strays)} tensor(s) that are not parameters of the model "
+            f"(shapes {[tuple(p.shape) for p in strays[:5]]}){whose}; build the optimizer from "
+            "`model.parameters()` of the model passed to `shardwise.initialize`"
         )
     return order
 
@@ -85,6 +88,11 @@ class Strategy(ABC):
         self.zero_config = zero_config
         self.inner: Any = None  # the inner optimizer; None for an inference-only engine
         self.sync = False
+        #: between this engine's start_backward and finish_backward (another engine's backward
+        #: can reach this model's parameters: a GAN's generator loss flows through the discriminator)
+        self.in_backward = False
+        #: gradients of this engine's trainable parameters produced by its current backward
+        self.arrivals = 0
 
     def attach(self, inner: Optional[Any], initial: Optional[dict[int, torch.Tensor]] = None) -> None:
         """Take over the inner optimizer's param groups (None: inference only).
@@ -95,13 +103,15 @@ class Strategy(ABC):
         self.inner = inner
         self.initial = initial or {}
 
-    @abstractmethod
     def start_backward(self, sync: bool) -> None:
         """Called before autograd runs; ``sync`` says whether to reduce this time."""
+        self.sync = sync
+        self.in_backward = True
+        self.arrivals = 0
 
-    @abstractmethod
     def finish_backward(self) -> None:
         """Called after autograd: flush and wait for gradient reduction."""
+        self.in_backward = False
 
     @abstractmethod
     def grad_sq(self) -> torch.Tensor:
@@ -173,6 +183,10 @@ class Strategy(ABC):
     def trainable_changed(self) -> bool:
         """Whether ``requires_grad`` flags differ from those the stage was built for."""
         return False
+
+    def trained_count(self) -> int:
+        """How many parameters this stage reduces gradients for (their hooks count ``arrivals``)."""
+        return 0
 
     def has_pending_grads(self) -> bool:
         """Whether gradients were accumulated but not yet reduced and stepped."""

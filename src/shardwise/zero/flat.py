@@ -134,12 +134,15 @@ class FlatStrategy(Strategy):
         self._works = []
 
     def start_backward(self, sync: bool) -> None:
-        self.sync = sync
+        super().start_backward(sync)
         self._dirty = True
         self._reset_backward()
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         self._accumulate(index, param)
+        if not self.in_backward:
+            return  # another engine's backward reached this model: keep the gradient, reduce nothing
+        self.arrivals += 1
         if not self.sync or self._seen[index]:
             return
         self._seen[index] = True
@@ -190,6 +193,7 @@ class FlatStrategy(Strategy):
         """
 
     def finish_backward(self) -> None:
+        super().finish_backward()
         if not self.sync:
             return
         for bucket in self.layout.buckets[self._next :]:
@@ -226,6 +230,9 @@ class FlatStrategy(Strategy):
 
     def has_pending_grads(self) -> bool:
         return self._dirty
+
+    def trained_count(self) -> int:
+        return len(self.layout.params)
 
     # ------------------------------------------------------------ trainability
     def trainable_changed(self) -> bool:

@@ -113,6 +113,7 @@ class Gatherer:
         self._bw_cursor = 0
         self._live: set[Unit] = set()
         self.modified_callback: Callable[[Unit], None] = lambda unit: None
+        self.loaded_callback: Callable[[Unit, torch.Tensor, set[int]], None] = lambda unit, values, loaded: None
         #: units acquired by forwards with grad enabled since the last backward, first use first
         self.forward_order: dict[Unit, None] = {}
         self.state = TrainingState.IDLE
@@ -284,6 +285,10 @@ class Gatherer:
     def on_params_modified(self, unit: Unit) -> None:
         """``GatheredParameters(modifier_rank=...)`` wrote new values into ``unit``."""
         self.modified_callback(unit)
+
+    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
+        """``zero.load_state_dict`` gave ``unit`` new fp32 values."""
+        self.loaded_callback(unit, values, loaded)
 
     # ----------------------------------------------------------- backward
     def _arm_post_backward(self, call: _Call, args: Any, kwargs: Any) -> Any:

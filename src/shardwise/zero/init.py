@@ -201,3 +201,6 @@ class Init:
 
     def on_params_modified(self, unit: Unit) -> None:
         """Nothing else holds copies of a ``zero.Init`` unit's values."""
+
+    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
+        """Nothing else holds copies of a ``zero.Init`` unit's values (its fp32 ``pristine`` followed)."""

@@ -70,6 +70,9 @@ class UnitOwner(Protocol):
     def on_params_modified(self, unit: "Unit") -> None:
         """New full values were written into ``unit`` and scattered to its shards."""
 
+    def on_values_loaded(self, unit: "Unit", values: torch.Tensor, loaded: set[int]) -> None:
+        """``unit``'s shard took the fp32 ``values`` (this rank's slice) for the parameters ``loaded``."""
+
 
 # ------------------------------------------------------------------ the unit
 class UnitState(enum.Enum):
@@ -243,6 +246,15 @@ class Unit:
         if src is not None:
             self.comm.broadcast(self.full, src=src)
         self.shard.copy_(self.local(self.full))
+
+    def load_shard(self, values: torch.Tensor) -> None:
+        """This rank's slice becomes ``values`` (fp32, cast to the unit's dtype); a gathered copy follows
+        (collective when gathered, and every rank's unit is gathered alike)."""
+        self.wait()
+        self.shard.copy_(values)
+        if self.pristine is not None:
+            self.pristine.copy_(values)  # the exact values masters will start from
+        self.refresh()
 
     def refresh(self) -> None:
         """Re-gather a gathered unit from the (updated) shards (collective); a freed one needs nothing."""

@@ -91,6 +91,7 @@ class Stage3(Strategy):
         self.units: list[Unit] = []
         self.gatherer = Gatherer(self.module, self.units, {}, self.zero_config)
         self.gatherer.modified_callback = self._on_params_modified
+        self.gatherer.loaded_callback = self._on_values_loaded
         #: masters and optimizer state of frozen pieces, kept until they train again
         self.frozen = FrozenStore()
         self._pieces: list[_Piece] = []
@@ -290,9 +291,12 @@ class Stage3(Strategy):
     def has_pending_grads(self) -> bool:
         return self._dirty
 
+    def trained_count(self) -> int:
+        return sum(len(indices) for indices in self._trainable.values())
+
     # ============================================================ backward
     def start_backward(self, sync: bool) -> None:
-        self.sync = sync
+        super().start_backward(sync)
         self._dirty = True
         self._arrived = {}
         self._ready = set()
@@ -308,8 +312,9 @@ class Stage3(Strategy):
 
     def _on_grad(self, param: torch.Tensor) -> None:
         unit = unit_of(param)
-        if unit is None or unit not in self._trainable:
-            return
+        if unit is None or unit not in self._trainable or not self.in_backward:
+            return  # (not in this engine's backward: another engine's loss reached this model)
+        self.arrivals += 1
         arrived = self._arrived.setdefault(unit, set())
         arrived.add(param.__dict__["_shardwise_index"])
         if len(arrived) < len(self._trainable[unit]):
@@ -364,6 +369,7 @@ class Stage3(Strategy):
         return self._by_unit
 
     def finish_backward(self) -> None:
+        super().finish_backward()
         self.gatherer.forward_order = {}
         if not self.sync:
             return
@@ -425,6 +431,15 @@ class Stage3(Strategy):
                 master = kept.master
             if master is not None:
                 master.copy_(piece.local(unit.shard))
+
+    def _on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
+        """``zero.load_state_dict`` gave ``unit`` fp32 values: masters (kept ones too) take them exactly."""
+        for piece in self._pieces_by_unit().get(unit, ()):
+            master = piece.master
+            if master is None and (kept := self.frozen.get(piece.param)) is not None:
+                master = kept.master
+            if master is not None and piece.index in loaded and master.data_ptr() != piece.local(unit.shard).data_ptr():
+                master.copy_(piece.local(values))
 
     # ========================================================== accounting
     def memory_breakdown(self) -> dict[str, int]:
