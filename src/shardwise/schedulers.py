@@ -34,62 +34,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-if TYPE_CHECKING:
-    from shardwise.config import SchedulerConfig
+from shardwise.config import Config, SchedulerConfig
+# The argument checks live with the description, so the config and the constructors reject the
+# same values.
+from shardwise.config.schedules import param_problems
 
 __all__ = ["SCHEDULERS", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_scheduler", "param_problems"]
-
-WARMUP_TYPES = ("log", "linear")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _lr_ok(value: Any) -> bool:
-    values = value if isinstance(value, (list, tuple)) else [value]
-    return bool(values) and all(_is_number(v) and v >= 0 for v in values)
-
-
-def param_problems(params: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """Check schedule arguments (any subset of the known names); return `(name, problem)` pairs.
-
-    Shared by the constructors and by config validation, so both reject the same values.
-    """
-    problems: list[tuple[str, str]] = []
-
-    def bad(name: str, expected: str) -> None:
-        problems.append((name, f"got {params[name]!r}; expected {expected}"))
-
-    warmup = params.get("warmup_num_steps", 0)
-    warmup_ok = _is_int(warmup) and warmup >= 0
-    if not warmup_ok:
-        bad("warmup_num_steps", "an integer >= 0")
-    total = params.get("total_num_steps")
-    if "total_num_steps" in params and not (_is_int(total) and (not warmup_ok or total > warmup)):
-        bad("total_num_steps", f"an integer > warmup_num_steps ({warmup}); raise it or lower warmup_num_steps")
-    if params.get("warmup_type", "log") not in WARMUP_TYPES:
-        bad("warmup_type", "'log' or 'linear'")
-    for name in ("warmup_min_lr", "warmup_max_lr"):
-        if name in params and not _lr_ok(params[name]):
-            bad(name, "a number >= 0, or a list of them with one per param group")
-    for name in ("warmup_min_ratio", "cos_min_ratio"):
-        value = params.get(name, 0.0)
-        if not (_is_number(value) and 0 <= value <= 1):
-            bad(name, "a number in [0, 1]")
-    iteration = params.get("last_batch_iteration", -1)
-    if not (_is_int(iteration) and iteration >= -1):
-        bad("last_batch_iteration", "an integer >= -1")
-    return problems
 
 
 def _raise_on_problems(owner: str, params: Mapping[str, Any]) -> None:
@@ -313,10 +268,12 @@ SCHEDULERS: dict[str, type[_WarmupSchedule]] = {
 
 def build_scheduler(config: SchedulerConfig | Mapping[str, Any], optimizer: Any) -> _WarmupSchedule:
     """Build the schedule a `scheduler` config section describes (a SchedulerConfig or its dict)."""
-    from shardwise.config import Config, SchedulerConfig
-
     if not isinstance(config, SchedulerConfig):
         # Validate through Config so errors carry `scheduler.` paths like any other config problem.
-        config = Config.load({"scheduler": dict(config)}).scheduler
-        assert config is not None  # internal: the key was just given
+        section = Config.load({"scheduler": dict(config)}).scheduler
+        if section is None:  # cannot happen: the key was just given
+            raise ValueError("build_scheduler: no `scheduler` section to build")
+        config = section
+    if config.type not in SCHEDULERS:
+        raise ValueError(f"scheduler type `{config.type}` has a description but no implementation")
     return SCHEDULERS[config.type](optimizer, **config.params)
