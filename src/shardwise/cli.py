@@ -153,7 +153,7 @@ def _explained(config: Any, name: str | None = None) -> list[str]:
     """The info lines about ``config``: what was ignored or read differently, and how each ``auto`` resolves."""
     where = f"engines.{name}: " if name is not None else ""
     lines = [f"note: {where}{note}" for note in config.notes]
-    lines += [f"note: {where}`{path}: auto` resolves at initialize from {how}" for path, how in config.pending.items()]
+    lines += [f"note: {where}`{path}: auto` resolves at initialize: {how}" for path, how in config.pending.items()]
     return lines
 
 

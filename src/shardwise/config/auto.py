@@ -36,19 +36,17 @@ __all__ = ["BATCH_KEYS", "Facts", "fill", "resolves_later"]
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 _LATER = {
-    "fp16.enabled": "the model's dtype at initialize (true for a float16 model, else false)",
-    "bf16.enabled": "the model's dtype at initialize (true for a bfloat16 model, else false)",
-    "zero_optimization.reduce_bucket_size": "hidden_size² of the model's config at initialize, else the default",
-    "zero_optimization.stage3_prefetch_bucket_size":
-        "0.9 × hidden_size² of the model's config at initialize, else the default",
-    "zero_optimization.stage3_param_persistence_threshold":
-        "10 × hidden_size of the model's config at initialize, else the default",
+    "fp16.enabled": "the model's dtype (true for a float16 model, else false)",
+    "bf16.enabled": "the model's dtype (true for a bfloat16 model, else false)",
+    "zero_optimization.reduce_bucket_size": "hidden_size² from the model's config, else the default",
+    "zero_optimization.stage3_prefetch_bucket_size": "0.9 × hidden_size² from the model's config, else the default",
+    "zero_optimization.stage3_param_persistence_threshold": "10 × hidden_size from the model's config, else the default",
 }
 _SCHEDULER_LATER = {
     "total_num_steps": "the total optimizer steps a trainer passes (`Config.resolve(total_num_steps=...)`)",
-    "warmup_max_lr": "the optimizer's lr at initialize",
-    "warmup_min_lr": "0 at initialize",
-    "warmup_num_steps": "0 (no warmup) at initialize",
+    "warmup_max_lr": "the optimizer's lr",
+    "warmup_min_lr": "0",
+    "warmup_num_steps": "0 (no warmup)",
 }
 
 
@@ -58,11 +56,10 @@ def resolves_later(path: str) -> str | None:
         return _LATER[path]
     section, _, rest = path.partition(".params.")
     if section == "optimizer" and rest:
-        return "the optimizer passed to initialize (the section is then dropped), else torch's default"
+        return "the optimizer passed to initialize when every param is `auto` (the section gives way), else torch's default"
     if section == "scheduler" and rest:
-        default = "the schedule's default at initialize"
-        return "the lr_scheduler passed to initialize (the section is then dropped), else " + \
-            _SCHEDULER_LATER.get(rest, default)
+        return "the lr_scheduler passed to initialize when every param is `auto` (the section gives way), else " \
+            + _SCHEDULER_LATER.get(rest, "the schedule's default")
     return None
 
 
