@@ -59,5 +59,8 @@ def Init(  # noqa: N802 - DeepSpeed's name; a function returning the context man
                          "remove them")
     if config is not None and config_dict_or_path is not None:
         raise ValueError("shardwise.deepspeed.zero.Init got both `config` and `config_dict_or_path`; pass one")
+    if not enabled:
+        # DeepSpeed scripts write `Init(config_dict_or_path=cfg, enabled=stage == 3)` for every stage.
+        return _zero.Init(enabled=False)
     chosen = config if config is not None else config_dict_or_path
-    return _zero.Init(config=chosen, process_group=data_parallel_group, enabled=enabled, module=module)
+    return _zero.Init(config=chosen, process_group=data_parallel_group, module=module)
