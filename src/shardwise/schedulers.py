@@ -55,8 +55,7 @@ def _raise_on_problems(owner: str, params: Mapping[str, Any]) -> None:
 
 def _param_groups(optimizer: Any) -> list[dict[str, Any]]:
     groups = getattr(optimizer, "param_groups", None)
-    usable = isinstance(groups, list) and bool(groups)
-    if not (usable and all(isinstance(g, dict) and "lr" in g for g in groups)):
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) and "lr" in g for g in groups):
         raise TypeError(
             f"{type(optimizer).__name__} has no usable `param_groups`: expected a non-empty list of dicts, "
             "each with an 'lr'; pass a torch optimizer or a wrapper that exposes its `param_groups`"
@@ -66,14 +65,14 @@ def _param_groups(optimizer: Any) -> list[dict[str, Any]]:
 
 def _per_group(value: float | Sequence[float], count: int, name: str) -> list[float]:
     """One float per param group from a single value or a list of them."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != count:
-            raise ValueError(
-                f"`{name}` has {len(value)} values but the optimizer has {count} param groups; "
-                "give one value per group or a single number"
-            )
-        return [float(v) for v in value]
-    return [float(value)] * count
+    if isinstance(value, (int, float)):
+        return [float(value)] * count
+    if len(value) != count:
+        raise ValueError(
+            f"`{name}` has {len(value)} values but the optimizer has {count} param groups; "
+            "give one value per group or a single number"
+        )
+    return [float(v) for v in value]
 
 
 def _warmup_fraction(iteration: int, warmup_num_steps: int, warmup_type: str) -> float:
@@ -99,9 +98,10 @@ class _WarmupSchedule(LRScheduler):
         self.warmup_type = warmup_type
         # torch's convention: `initial_lr` survives optimizer checkpoints, so a resumed schedule
         # measures against the original lr rather than an already-scheduled one.
-        self.base_lrs = [float(g.setdefault("initial_lr", g["lr"])) for g in groups]
+        base_lrs: list[float | torch.Tensor] = [float(g.setdefault("initial_lr", g["lr"])) for g in groups]
+        self.base_lrs = base_lrs
         self.last_batch_iteration = last_batch_iteration
-        self._last_lr: list[float] = []
+        self._last_lr = []
         self.step()
 
     @property  # type: ignore[override]
@@ -116,20 +116,20 @@ class _WarmupSchedule(LRScheduler):
     def _lrs_at(self, iteration: int) -> list[float]:
         raise NotImplementedError
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float | torch.Tensor]:
         """The learning rates, one per param group, for the current iteration."""
-        return self._lrs_at(max(self.last_batch_iteration, 0))
+        return [*self._lrs_at(max(self.last_batch_iteration, 0))]
 
-    def get_last_lr(self) -> list[float]:
+    def get_last_lr(self) -> list[float | torch.Tensor]:
         """The learning rates this schedule last wrote into the param groups."""
-        return list(self._last_lr)
+        return [*self._last_lr]
 
     def step(self, last_batch_iteration: int | None = None) -> None:  # type: ignore[override]
         """Advance one iteration (or jump to `last_batch_iteration`) and write the lrs into the groups."""
         if last_batch_iteration is None:
             last_batch_iteration = self.last_batch_iteration + 1
         self.last_batch_iteration = last_batch_iteration
-        self._apply(self.get_lr())
+        self._apply(self._lrs_at(max(self.last_batch_iteration, 0)))
 
     def _apply(self, lrs: list[float]) -> None:
         groups = self.optimizer.param_groups
@@ -143,7 +143,7 @@ class _WarmupSchedule(LRScheduler):
                 group["lr"].fill_(lr)  # keep a tensor lr a tensor (capturable / compiled optimizers)
             else:
                 group["lr"] = lr
-        self._last_lr = list(lrs)
+        self._last_lr = [*lrs]
 
     def state_dict(self) -> dict[str, Any]:
         """The iteration and base lrs; arguments come from the config, as in DeepSpeed."""
@@ -165,7 +165,8 @@ class _WarmupSchedule(LRScheduler):
                 f"{type(self).__name__}.load_state_dict: state has {len(base_lrs)} param groups, the optimizer "
                 f"has {len(self.base_lrs)}; load a checkpoint made with the same param groups"
             )
-        self.base_lrs = [float(lr) for lr in base_lrs]
+        restored: list[float | torch.Tensor] = [float(lr) for lr in base_lrs]
+        self.base_lrs = restored
         self.step(int(state_dict["last_batch_iteration"]))
 
 
@@ -258,7 +259,7 @@ class WarmupCosineLR(_WarmupSchedule):
 
     def _lrs_at(self, iteration: int) -> list[float]:
         ratio = self._ratio(iteration)
-        return [base * ratio for base in self.base_lrs]
+        return [float(base) * ratio for base in self.base_lrs]
 
 
 SCHEDULERS: dict[str, type[_WarmupSchedule]] = {

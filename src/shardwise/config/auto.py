@@ -110,8 +110,11 @@ def _drop(data: MutableMapping[str, Any], path: str, why: str) -> Note:
 
 
 def _all_auto(section: Any) -> bool:
-    params = section.get("params") if isinstance(section, Mapping) else None
-    return bool(params) and all(is_auto(v) for v in params.values())
+    """Whether `section` has params and every one is `auto` (it then gives way to the object passed)."""
+    if not isinstance(section, Mapping):
+        return False
+    params = section.get("params")
+    return isinstance(params, Mapping) and bool(params) and all(is_auto(v) for v in params.values())
 
 
 def _optimizer(data: MutableMapping[str, Any], pending: Mapping[str, str], facts: Facts) -> list[Note]:

@@ -42,10 +42,10 @@ class Config(Section):
     values settled); `pending` the `auto` values that only :meth:`resolve` can settle.
     """
 
-    train_batch_size: int | None = Field(None, ge=1)
-    train_micro_batch_size_per_gpu: int | None = Field(None, ge=1)
-    gradient_accumulation_steps: int | None = Field(None, ge=1)
-    gradient_clipping: float = Field(0.0, ge=0)
+    train_batch_size: int | None = Field(default=None, ge=1)
+    train_micro_batch_size_per_gpu: int | None = Field(default=None, ge=1)
+    gradient_accumulation_steps: int | None = Field(default=None, ge=1)
+    gradient_clipping: float = Field(default=0.0, ge=0)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = Field(default_factory=FP16Config)
@@ -53,10 +53,10 @@ class Config(Section):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     auto_refresh_trainable: bool = True
-    steps_per_print: int = Field(10, ge=1)
+    steps_per_print: int = Field(default=10, ge=1)
     wall_clock_breakdown: bool = False
     seed: int | None = None
-    dist_timeout: float = Field(1800.0, gt=0)
+    dist_timeout: float = Field(default=1800.0, gt=0)
     communication_data_type: str | None = None
     #: drop the last incomplete batch of the DataLoader `shardwise.deepspeed.initialize` builds
     dataloader_drop_last: bool = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import hjson
+import hjson  # type: ignore[import-untyped]
 import yaml
 
 from .errors import ConfigError

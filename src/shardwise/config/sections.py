@@ -146,11 +146,11 @@ class FP16Config(Section):
     """`fp16`: float16 mixed precision with loss scaling (`loss_scale` 0 means dynamic scaling)."""
 
     enabled: bool = False
-    loss_scale: float = Field(0.0, ge=0)
-    initial_scale_power: int = Field(16, ge=0, le=64)
-    loss_scale_window: int = Field(1000, ge=1)
-    hysteresis: int = Field(2, ge=1)
-    min_loss_scale: float = Field(1.0, gt=0)
+    loss_scale: float = Field(default=0.0, ge=0)
+    initial_scale_power: int = Field(default=16, ge=0, le=64)
+    loss_scale_window: int = Field(default=1000, ge=1)
+    hysteresis: int = Field(default=2, ge=1)
+    min_loss_scale: float = Field(default=1.0, gt=0)
     consecutive_hysteresis: bool = False
 
 
@@ -179,13 +179,13 @@ class ZeroConfig(Section):
     fields here.
     """
 
-    stage: int = Field(0, ge=0, le=3)
-    reduce_bucket_size: int = Field(5_000_000, gt=0)
+    stage: int = Field(default=0, ge=0, le=3)
+    reduce_bucket_size: int = Field(default=5_000_000, gt=0)
     reduce_scatter: bool = True
-    stage3_prefetch_bucket_size: int = Field(5_000_000, ge=0)
-    stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
-    stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
-    stage3_param_persistence_threshold: int = Field(10_000, ge=0)
+    stage3_prefetch_bucket_size: int = Field(default=5_000_000, ge=0)
+    stage3_max_live_parameters: int = Field(default=1_000_000_000, ge=0)
+    stage3_max_reuse_distance: int = Field(default=1_000_000_000, ge=0)
+    stage3_param_persistence_threshold: int = Field(default=10_000, ge=0)
     #: write a 16-bit `pytorch_model.bin` / safetensors file of the full model at save time
     stage3_gather_16bit_weights_on_model_save: bool = False
     offload_optimizer: OffloadConfig | None = None
@@ -195,7 +195,7 @@ class ZeroConfig(Section):
 class CheckpointConfig(Section):
     """`checkpoint`: collective save/load behaviour (`timeout` in seconds for ranks to agree)."""
 
-    timeout: float = Field(300.0, gt=0)
+    timeout: float = Field(default=300.0, gt=0)
     save_rng_state: bool = True
     allow_pickle: bool = False
     async_save: bool = False

@@ -51,7 +51,8 @@ def training_dataloader(engine: Engine, dataset: Dataset[Any], collate_fn: Calla
     call `loader.sampler.set_epoch(epoch)` for a new order each epoch); `dataloader_drop_last`
     from the config drops the last incomplete batch.
     """
-    sampler = DistributedSampler(dataset, num_replicas=engine.comm.world_size, rank=engine.comm.rank)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        dataset, num_replicas=engine.comm.world_size, rank=engine.comm.rank)
     return DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
                       collate_fn=collate_fn, drop_last=engine.config.dataloader_drop_last)
 
