@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -89,7 +90,7 @@ def initialize(
     if dist_init_required is False and not dist.is_initialized():
         raise RuntimeError("shardwise.deepspeed.initialize(dist_init_required=False) found no process group; "
                            "create one first (`shardwise.deepspeed.init_distributed()`) or drop the argument")
-    init_distributed(distributed_port=distributed_port)
+    init_distributed(distributed_port=distributed_port, timeout=timedelta(seconds=loaded.dist_timeout))
     engine = shardwise.initialize(model, optimizer=optimizer, config=loaded, lr_scheduler=lr_scheduler,
                                   model_parameters=model_parameters)
     loader = training_dataloader(engine, training_data, collate_fn) if training_data is not None else None
