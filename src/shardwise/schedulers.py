@@ -40,6 +40,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from shardwise.config import Config, SchedulerConfig
+
 # The argument checks live with the description, so the config and the constructors reject the
 # same values.
 from shardwise.config.schedules import param_problems

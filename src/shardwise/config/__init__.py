@@ -22,7 +22,13 @@ from .model import BatchSizes, Config, load_configs
 from .notes import Note
 from .reading import read_config_file
 from .sections import (
-    BF16Config, CheckpointConfig, FP16Config, OffloadConfig, OptimizerConfig, SchedulerConfig, ZeroConfig,
+    BF16Config,
+    CheckpointConfig,
+    FP16Config,
+    OffloadConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZeroConfig,
 )
 
 __all__ = [

@@ -19,7 +19,13 @@ from .notes import Note, announce
 from .policy import prepare
 from .reading import read_config_file
 from .sections import (
-    BF16Config, CheckpointConfig, FP16Config, OptimizerConfig, SchedulerConfig, Section, ZeroConfig,
+    BF16Config,
+    CheckpointConfig,
+    FP16Config,
+    OptimizerConfig,
+    SchedulerConfig,
+    Section,
+    ZeroConfig,
 )
 
 __all__ = ["BatchSizes", "Config", "load_configs"]

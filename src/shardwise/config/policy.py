@@ -126,8 +126,9 @@ class _Walk:
         if dotted == "zero_optimization" and isinstance(value, bool):
             # DeepSpeed's oldest format: `zero_optimization: true` was stage 1.
             out[key] = {"stage": int(value)}
-            self.notes.append(Note(self.shown(here), f"`{self.shown(here)}: {str(value).lower()}` is read as "
-                                                     f"`{self.shown(here)}.stage: {int(value)}` (DeepSpeed's legacy form)"))
+            shown = self.shown(here)
+            read = f"`{shown}: {str(value).lower()}` is read as `{shown}.stage: {int(value)}` (DeepSpeed's legacy form)"
+            self.notes.append(Note(shown, read))
         elif sub is OffloadConfig:
             offload = self._offload(value, here)
             if offload is not None:
@@ -157,8 +158,8 @@ class _Walk:
         if later is not None:
             self.pending[dotted] = later
         elif dotted in BATCH_KEYS:
-            self.notes.append(Note(self.shown(here), f"`{self.shown(here)}: auto` follows from the other batch "
-                                                     "numbers and the world size (train = micro × accumulation × world)"))
+            rule = "follows from the other batch numbers and the world size (train = micro × accumulation × world)"
+            self.notes.append(Note(self.shown(here), f"`{self.shown(here)}: auto` {rule}"))
         else:
             default = field_default(model, key)
             self.notes.append(Note(self.shown(here), f"`{self.shown(here)}: auto` became {default!r} (the default)"))

@@ -45,7 +45,9 @@ def _reject(name: str, value: Any, feature: str) -> None:
                          f"implement; leave `{name}` unset (data parallelism over the world group)")
 
 
-def training_dataloader(engine: Engine, dataset: Dataset[Any], collate_fn: Callable[..., Any] | None = None) -> DataLoader[Any]:
+def training_dataloader(
+    engine: Engine, dataset: Dataset[Any], collate_fn: Callable[..., Any] | None = None
+) -> DataLoader[Any]:
     """DeepSpeed's training loader: `train_micro_batch_size_per_gpu` samples per batch, each rank its share.
 
     A `DistributedSampler` over the engine's ranks (shuffled with seed 0, as torch's default;
