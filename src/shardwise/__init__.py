@@ -48,9 +48,15 @@ def initialize(
     plain one-process run needs no launcher.  ``name`` names the engine (its
     checkpoints, its log lines) when several live in one process.
     """
-    resolved = Config.load(config if config is not None else {})
+    loaded = Config.load(config if config is not None else {})
     if not dist.is_initialized():
-        init_distributed(timeout=resolved.dist_timeout)
+        init_distributed(timeout=loaded.dist_timeout)
+    # Settle Hugging Face's `auto` values from what was passed, and the batch sizes for this world.
+    backend = dist.get_backend(process_group)
+    resolved = loaded.resolve(
+        world_size=dist.get_world_size(process_group), model=model, optimizer=optimizer,
+        lr_scheduler=lr_scheduler, device="cuda" if backend == "nccl" else "cpu",
+    )
     return Engine(
         model,
         resolved,
