@@ -54,12 +54,12 @@ def full_params(engine: Any) -> dict[str, torch.Tensor]:
 
 def full_optimizer_state(engine: Any) -> dict[str, dict[str, Any]]:
     """Every parameter's optimizer state put together from all ranks' pieces (collective)."""
-    inner = engine.optimizer.inner
     pieces = []
-    for shard in engine.strategy.param_shards():
-        entries = inner.state.get(shard.key, {}).items()
-        state = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in entries}
-        pieces.append((shard.name, list(shard.shape), shard.start, shard.end, state))
+    with engine.checkpointable().shards(loading=False) as shards:
+        for shard in shards:
+            entries = shard.state.get().items()
+            state = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in entries}
+            pieces.append((shard.name, list(shard.shape), shard.start, shard.end, state))
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, pieces)
     full: dict[str, dict[str, Any]] = {}

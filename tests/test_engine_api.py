@@ -81,3 +81,21 @@ def test_save_16bit_model(tmp_path: Path) -> None:
         engine.destroy()
 
     run_subtests(case, [{"stage": s, "suffix": x} for s in (0, 3) for x in (".bin", ".safetensors")])
+
+
+@distributed_test(world_size=2, timeout=120)
+def test_checkpoint_carries_16bit_weights_when_asked(tmp_path: Path) -> None:
+    model = make_model()
+    zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+    engine = shardwise.initialize(model, adamw(model.parameters()), {"bf16": {"enabled": True}, "zero_optimization": zero})
+    engine.backward(engine(*batch(0, dist.get_rank())))
+    engine.step()
+    want = engine.state_dict_16bit()
+    path = Path(engine.save_checkpoint(tmp_path / "run"))
+    saved = torch.load(path / "pytorch_model.bin", weights_only=True)
+    assert saved.keys() == {n for n, _ in model.state_dict().items()}
+    if dist.get_rank() == 0:
+        for name, value in saved.items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=0)
+    assert engine.load_checkpoint(tmp_path / "run")[0] == str(path), "the extra file does not disturb a load"
+    engine.destroy()

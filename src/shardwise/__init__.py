@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import pipe, testing, zero
+from ._version import __version__ as __version__
 from .config import Config, ConfigError, load_configs
 from .distributed import init_distributed
 from .engine import Engine
@@ -26,8 +27,6 @@ __all__ = [
     "testing",
     "zero",
 ]
-
-__version__ = "0.1.0"
 
 
 def initialize(
@@ -54,15 +53,21 @@ def initialize(
     pipeline engine (``engine.train_batch(data_iter)``); with one stage it is
     an ordinary module and gets an ordinary engine.
     """
-    resolved = Config.load(config if config is not None else {})
+    loaded = Config.load(config if config is not None else {})
     if not dist.is_initialized():
-        init_distributed(timeout=resolved.dist_timeout)
-    if isinstance(model, pipe.PipelineModule) and model.num_stages > 1:
+        init_distributed(timeout=loaded.dist_timeout)
+    # Settle Hugging Face's `auto` values from what was passed, and the batch sizes for this world.
+    backend = dist.get_backend(process_group)
+    replicas = _pipeline_replicas(model)
+    resolved = loaded.resolve(
+        world_size=replicas or dist.get_world_size(process_group), model=model, optimizer=optimizer,
+        lr_scheduler=lr_scheduler, device="cuda" if backend == "nccl" else "cpu",
+    )
+    engine_class: type[Engine] = Engine
+    if replicas:
         from .pipe.engine import PipelineEngine  # stages × replicas: `train_batch` / `eval_batch`
 
-        engine_class: type[Engine] = PipelineEngine
-    else:
-        engine_class = Engine
+        engine_class = PipelineEngine
     return engine_class(
         model,
         resolved,
@@ -72,3 +77,11 @@ def initialize(
         process_group=process_group,
         name=name,
     )
+
+
+def _pipeline_replicas(model: nn.Module) -> Optional[int]:
+    """A multi-stage pipeline's data-parallel replicas (its batch is micro × accumulation × replicas,
+    as in DeepSpeed); None for any other model."""
+    if isinstance(model, pipe.PipelineModule) and model.topology is not None:
+        return model.topology.replicas
+    return None

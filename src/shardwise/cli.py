@@ -131,21 +131,30 @@ def _add_run(subparsers: Any) -> None:
 
 def _top_level(path: Path) -> Any:
     """The file's parsed top level, or None when it cannot be read (Config.load then says why)."""
+    from shardwise.config import ConfigError, read_config_file
+
     try:
-        text = path.read_text(encoding="utf-8")
-        return json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError):
+        return read_config_file(path)
+    except ConfigError:
         return None
 
 
 def _resolved(config: Any, world_size: int) -> dict[str, Any]:
-    """``config`` as a dict with its batch sizes resolved for ``world_size``."""
+    """``config`` as a dict with its batch sizes resolved for ``world_size`` (``auto`` where still pending)."""
     sizes = config.batch_sizes(world_size)
     data: dict[str, Any] = config.to_dict()
     data["train_batch_size"] = sizes.train_batch_size
     data["train_micro_batch_size_per_gpu"] = sizes.micro_batch_size
     data["gradient_accumulation_steps"] = sizes.gradient_accumulation_steps
     return data
+
+
+def _explained(config: Any, name: str | None = None) -> list[str]:
+    """The info lines about ``config``: what was ignored or read differently, and how each ``auto`` resolves."""
+    where = f"engines.{name}: " if name is not None else ""
+    lines = [f"note: {where}{note}" for note in config.notes]
+    lines += [f"note: {where}`{path}: auto` resolves at initialize: {how}" for path, how in config.pending.items()]
+    return lines
 
 
 def _render(data: dict[str, Any], fmt: str, header: str) -> str:
@@ -164,11 +173,16 @@ def _validate(ns: argparse.Namespace) -> int:
         if isinstance(top, dict) and "engines" in top:
             configs = load_configs(path)
             data = {"engines": {name: _resolved(c, ns.world_size) for name, c in configs.items()}}
+            notes = [line for name, c in configs.items() for line in _explained(c, name)]
         else:
-            data = _resolved(Config.load(path), ns.world_size)
+            config = Config.load(path)
+            data, notes = _resolved(config, ns.world_size), _explained(config)
     except ConfigError as error:
         print(error, file=sys.stderr)
         return 2
+    # The config goes to stdout (still a valid file); the notes go to stderr.
+    for line in notes:
+        print(line, file=sys.stderr)
     print(_render(data, fmt, f"{path}: valid; batch sizes resolved for world_size {ns.world_size}"))
     return 0
 
@@ -188,8 +202,9 @@ def _add_config(subparsers: Any) -> None:
         "validate",
         help="check a config file and print it resolved",
         description="Validate FILE (.json/.yaml; a file with `engines:` validates each named config) "
-        "and print every setting, with the batch sizes resolved for --world-size. "
-        "Exit 0 when valid, 2 with the problems on stderr when not.",
+        "and print every setting, with the batch sizes resolved for --world-size. On stderr, one note per "
+        "DeepSpeed key accepted and ignored (and why), alias read, and `auto` value (what it became, or "
+        "how it resolves at initialize). Exit 0 when valid, 2 with the problems on stderr when not.",
     )
     validate.add_argument("file", metavar="FILE")
     validate.add_argument(

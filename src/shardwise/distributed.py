@@ -96,7 +96,8 @@ class Comm:
     ``bytes_sent`` maps a collective's name to the bytes this rank sent through
     it, using ring-algorithm accounting: all-reduce ``2(N-1)/N·S``,
     reduce-scatter and all-gather ``(N-1)/N·S`` of the full-size tensor,
-    broadcast ``S`` from the source, ``send`` ``S`` from the sender.
+    broadcast ``S`` from the source, scatter ``(N-1)/N·S`` from the source,
+    ``send`` ``S`` from the sender.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
@@ -175,6 +176,17 @@ class Comm:
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
         return work if async_op else _DONE
+
+    def scatter(self, output: torch.Tensor, inputs: Optional[list[torch.Tensor]], src: int = 0) -> None:
+        """Group rank ``src`` sends ``inputs[r]`` to rank ``r``, which receives it in ``output``."""
+        if not self.distributed:
+            if inputs is not None and output.data_ptr() != inputs[0].data_ptr():
+                output.copy_(inputs[0])
+            return
+        if self.rank == src:
+            self._count("scatter", _ring_share(self.world_size) * _nbytes(output) * self.world_size)
+        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        dist.scatter(output, scatter_list=inputs if self.rank == src else None, src=global_src, group=self.group)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (small Python values only: it pickles)."""

@@ -18,8 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import ownership
 from .config import Config
 from .distributed import Comm
+from .engine_state import EngineState
 from .optim import resolve_optimizer
 from .precision import Precision
 from .schedulers import build_scheduler
@@ -59,6 +61,8 @@ class Engine:
         #: the engine's name (``initialize(..., name=...)``); names its checkpoints among several engines
         self.name = name
         self.comm = Comm(process_group)
+        ownership.claim(module.named_parameters(), self, self.comm.rank)
+        self._agree_on_construction()
         self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.batch_sizes = config.batch_sizes(self.comm.world_size)
         self.precision = Precision.from_config(config)
@@ -78,6 +82,29 @@ class Engine:
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
 
     # ------------------------------------------------------------- set-up
+    def _agree_on_construction(self) -> None:
+        """Every rank of the group builds this same engine as its next one (before any collective).
+
+        Ranks that build engines in different orders would pair the first
+        broadcast of one engine with another's and hang or mix weights; the c10d
+        store names the mismatch instead, within ``checkpoint.timeout``.
+        """
+        if not self.comm.distributed:
+            return
+        from .checkpoint.agreement import join
+
+        params = list(self.module.parameters())
+        payload = {"op": "initialize", "name": self.name, "stage": self.config.zero_optimization.stage,
+                   "params": len(params), "elements": sum(p.numel() for p in params)}
+        session = join(self.comm, "initialize", payload, self.config.checkpoint.timeout)
+        fix = ("every rank must build the same engines in the same order: the k-th `shardwise.initialize` "
+               "of each rank wraps the same model with the same config")
+        session.require_same("op", "collective calls", fix)
+        session.require_same("name", "engine names", fix)
+        session.require_same("stage", "ZeRO stages", fix)
+        session.require_same("params", "parameter counts", fix)
+        session.require_same("elements", "model sizes (elements)", fix)
+
     def _prepare_module(self) -> None:
         """Move to the process group's device, cast, and make all ranks start identical."""
         if _backend(self.comm) == "nccl" and not any(p.is_cuda for p in self.module.parameters()):
@@ -161,7 +188,21 @@ class Engine:
             self.strategy.start_backward(sync)
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
             self.strategy.finish_backward()
+        trained = self.strategy.trained_count()
+        if self.strategy.arrivals == 0 and trained:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: the loss passed to `backward` of {self.label} reached none of its "
+                f"{trained} trainable parameter(s); most likely it was computed by another engine (call that "
+                "engine's `backward`), or without this engine's model"
+            )
         return loss
+
+    @property
+    def label(self) -> str:
+        """How messages name this engine: ``engine `student` `` or ``engine (stage 2, Net)``."""
+        if self.name:
+            return f"engine `{self.name}`"
+        return f"engine (stage {self.config.zero_optimization.stage}, {type(self.module).__name__})"
 
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary; True if an update was applied."""
@@ -317,7 +358,7 @@ class Engine:
         """Collectively write a checkpoint (every rank its own shard); returns its path."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+        return save_checkpoint(self.checkpointable(), save_dir, tag=tag, client_state=client_state)
 
     def load_checkpoint(
         self,
@@ -339,7 +380,7 @@ class Engine:
         from .checkpoint import load_checkpoint
 
         return load_checkpoint(
-            self,
+            self.checkpointable(),
             load_dir,
             tag=tag,
             load_optimizer_states=load_optimizer_states,
@@ -358,12 +399,14 @@ class Engine:
         """
         from .export import save_state_dict
 
-        state = self.full_state_dict()
+        state = self.state_dict_16bit()
         if self.comm.rank == 0:
-            dtype = self.precision.dtype
-            cast = {id(t): (t.to(dtype) if t.is_floating_point() else t) for t in state.values()}
-            save_state_dict({k: cast[id(t)] for k, t in state.items()}, Path(save_dir) / save_filename)
+            save_state_dict(state, Path(save_dir) / save_filename)
         return True
+
+    def checkpointable(self) -> EngineState:
+        """This engine as the checkpoint layer sees it (``shardwise.checkpoint.protocol.Checkpointable``)."""
+        return EngineState(self)
 
     # --------------------------------------------------------- inspection
     def memory_breakdown(self) -> dict[str, int]:
@@ -390,6 +433,13 @@ class Engine:
             result[name] = copies[id(tensor)]
         return result
 
+    def state_dict_16bit(self) -> dict[str, torch.Tensor]:
+        """:meth:`full_state_dict` with floating tensors in the compute dtype (rank 0; ``{}`` elsewhere; collective)."""
+        state = self.full_state_dict()
+        dtype = self.precision.dtype
+        cast = {id(t): (t.to(dtype) if t.is_floating_point() else t) for t in state.values()}
+        return {name: cast[id(t)] for name, t in state.items()}  # tied names stay one tensor
+
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
         return self
@@ -398,8 +448,9 @@ class Engine:
         return self.train(False)
 
     def destroy(self) -> None:
-        """Remove every hook shardwise put on the module."""
+        """Remove every hook shardwise put on the module, and let go of its parameters."""
         self.strategy.close()
+        ownership.release(self.module.parameters(), self)
 
     def __getattr__(self, name: str) -> Any:
         # Only called when normal lookup fails: pass through to the wrapped module.

@@ -20,15 +20,22 @@ ALIASES_KEY = "shardwise_aliases"
 KEYS_KEY = "shardwise_keys"
 
 
+def _same_values(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]:
+    """Equal for two tensors that view the same elements (``state_dict()`` gives tied weights as two objects)."""
+    storage = tensor.untyped_storage().data_ptr() if tensor.numel() else id(tensor)
+    return storage, int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+
+
 def tied_aliases(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    """``{name: first name}`` for every entry that is the same tensor as an earlier one."""
-    first: dict[int, str] = {}
+    """``{name: first name}`` for every entry that views the same elements as an earlier one."""
+    first: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
     aliases = {}
     for name, tensor in state.items():
-        if id(tensor) in first:
-            aliases[name] = first[id(tensor)]
+        key = _same_values(tensor)
+        if key in first:
+            aliases[name] = first[key]
         else:
-            first[id(tensor)] = name
+            first[key] = name
     return aliases
 
 

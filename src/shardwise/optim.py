@@ -16,6 +16,9 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
+from .config import Config, OptimizerConfig
+from .config.optimizers import OPTIMIZERS
+
 __all__ = ["ShardwiseOptimizer", "build_optimizer", "is_optimizer_like", "resolve_optimizer"]
 
 _REQUIRED = ("param_groups", "step", "zero_grad", "state_dict", "load_state_dict")
@@ -28,32 +31,21 @@ def is_optimizer_like(obj: Any) -> bool:
     return all(hasattr(obj, name) for name in _REQUIRED) and not isinstance(obj, type)
 
 
-def build_optimizer(config: Any, params: Iterable[Any]) -> torch.optim.Optimizer:
+def build_optimizer(config: OptimizerConfig, params: Iterable[Any]) -> torch.optim.Optimizer:
     """Build a torch optimizer from a validated ``optimizer {type, params}`` section.
 
-    As in DeepSpeed, ``type: Adam`` means decoupled weight decay (AdamW) unless
-    ``adam_w_mode: false``; ``torch_adam`` is accepted (torch's implementation is
-    always the one used).
+    The class comes from the one registry, :data:`shardwise.config.optimizers.OPTIMIZERS`. As in
+    DeepSpeed, ``type: Adam`` means decoupled weight decay (AdamW) unless ``adam_w_mode: false``;
+    ``torch_adam`` is accepted (torch's implementation is always the one used).
     """
-    kwargs = dict(config.params)
-    adam_w_mode = kwargs.pop("adam_w_mode", True)
-    kwargs.pop("torch_adam", None)
-    kind = config.type.lower()
-    cls: type[torch.optim.Optimizer]
-    if kind == "adam":
-        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-    elif kind == "adamw":
-        cls = torch.optim.AdamW
-    elif kind == "sgd":
-        cls = torch.optim.SGD
-    else:  # the config validator only lets the three above through
-        raise ValueError(f"optimizer.type `{config.type}` is not supported; use Adam, AdamW or SGD")
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
+    spec = OPTIMIZERS.get(config.type)
+    if spec is None:  # a hand-built section that skipped validation
+        raise ValueError(f"optimizer.type `{config.type}` is not supported; use one of {sorted(OPTIMIZERS)}")
+    cls, kwargs = spec.build_with(config.params)
     return cls(params, **kwargs)
 
 
-def resolve_optimizer(optimizer: OptimizerArg, config: Any, params: list[Any]) -> Optional[Any]:
+def resolve_optimizer(optimizer: OptimizerArg, config: Config, params: list[Any]) -> Optional[Any]:
     """Turn the ``optimizer`` argument of ``initialize`` into an optimizer object.
 
     ``params`` are the parameters (or param-group dicts) to optimize.  Returns

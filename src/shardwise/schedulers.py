@@ -34,62 +34,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-if TYPE_CHECKING:
-    from shardwise.config import SchedulerConfig
+from shardwise.config import Config, SchedulerConfig
+
+# The argument checks live with the description, so the config and the constructors reject the
+# same values.
+from shardwise.config.schedules import param_problems
 
 __all__ = ["SCHEDULERS", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_scheduler", "param_problems"]
-
-WARMUP_TYPES = ("log", "linear")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _lr_ok(value: Any) -> bool:
-    values = value if isinstance(value, (list, tuple)) else [value]
-    return bool(values) and all(_is_number(v) and v >= 0 for v in values)
-
-
-def param_problems(params: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """Check schedule arguments (any subset of the known names); return `(name, problem)` pairs.
-
-    Shared by the constructors and by config validation, so both reject the same values.
-    """
-    problems: list[tuple[str, str]] = []
-
-    def bad(name: str, expected: str) -> None:
-        problems.append((name, f"got {params[name]!r}; expected {expected}"))
-
-    warmup = params.get("warmup_num_steps", 0)
-    warmup_ok = _is_int(warmup) and warmup >= 0
-    if not warmup_ok:
-        bad("warmup_num_steps", "an integer >= 0")
-    total = params.get("total_num_steps")
-    if "total_num_steps" in params and not (_is_int(total) and (not warmup_ok or total > warmup)):
-        bad("total_num_steps", f"an integer > warmup_num_steps ({warmup}); raise it or lower warmup_num_steps")
-    if params.get("warmup_type", "log") not in WARMUP_TYPES:
-        bad("warmup_type", "'log' or 'linear'")
-    for name in ("warmup_min_lr", "warmup_max_lr"):
-        if name in params and not _lr_ok(params[name]):
-            bad(name, "a number >= 0, or a list of them with one per param group")
-    for name in ("warmup_min_ratio", "cos_min_ratio"):
-        value = params.get(name, 0.0)
-        if not (_is_number(value) and 0 <= value <= 1):
-            bad(name, "a number in [0, 1]")
-    iteration = params.get("last_batch_iteration", -1)
-    if not (_is_int(iteration) and iteration >= -1):
-        bad("last_batch_iteration", "an integer >= -1")
-    return problems
 
 
 def _raise_on_problems(owner: str, params: Mapping[str, Any]) -> None:
@@ -100,8 +56,7 @@ def _raise_on_problems(owner: str, params: Mapping[str, Any]) -> None:
 
 def _param_groups(optimizer: Any) -> list[dict[str, Any]]:
     groups = getattr(optimizer, "param_groups", None)
-    usable = isinstance(groups, list) and bool(groups)
-    if not (usable and all(isinstance(g, dict) and "lr" in g for g in groups)):
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) and "lr" in g for g in groups):
         raise TypeError(
             f"{type(optimizer).__name__} has no usable `param_groups`: expected a non-empty list of dicts, "
             "each with an 'lr'; pass a torch optimizer or a wrapper that exposes its `param_groups`"
@@ -111,14 +66,14 @@ def _param_groups(optimizer: Any) -> list[dict[str, Any]]:
 
 def _per_group(value: float | Sequence[float], count: int, name: str) -> list[float]:
     """One float per param group from a single value or a list of them."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != count:
-            raise ValueError(
-                f"`{name}` has {len(value)} values but the optimizer has {count} param groups; "
-                "give one value per group or a single number"
-            )
-        return [float(v) for v in value]
-    return [float(value)] * count
+    if isinstance(value, (int, float)):
+        return [float(value)] * count
+    if len(value) != count:
+        raise ValueError(
+            f"`{name}` has {len(value)} values but the optimizer has {count} param groups; "
+            "give one value per group or a single number"
+        )
+    return [float(v) for v in value]
 
 
 def _warmup_fraction(iteration: int, warmup_num_steps: int, warmup_type: str) -> float:
@@ -144,9 +99,10 @@ class _WarmupSchedule(LRScheduler):
         self.warmup_type = warmup_type
         # torch's convention: `initial_lr` survives optimizer checkpoints, so a resumed schedule
         # measures against the original lr rather than an already-scheduled one.
-        self.base_lrs = [float(g.setdefault("initial_lr", g["lr"])) for g in groups]
+        base_lrs: list[float | torch.Tensor] = [float(g.setdefault("initial_lr", g["lr"])) for g in groups]
+        self.base_lrs = base_lrs
         self.last_batch_iteration = last_batch_iteration
-        self._last_lr: list[float] = []
+        self._last_lr = []
         self.step()
 
     @property  # type: ignore[override]
@@ -161,20 +117,20 @@ class _WarmupSchedule(LRScheduler):
     def _lrs_at(self, iteration: int) -> list[float]:
         raise NotImplementedError
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float | torch.Tensor]:
         """The learning rates, one per param group, for the current iteration."""
-        return self._lrs_at(max(self.last_batch_iteration, 0))
+        return [*self._lrs_at(max(self.last_batch_iteration, 0))]
 
-    def get_last_lr(self) -> list[float]:
+    def get_last_lr(self) -> list[float | torch.Tensor]:
         """The learning rates this schedule last wrote into the param groups."""
-        return list(self._last_lr)
+        return [*self._last_lr]
 
     def step(self, last_batch_iteration: int | None = None) -> None:  # type: ignore[override]
         """Advance one iteration (or jump to `last_batch_iteration`) and write the lrs into the groups."""
         if last_batch_iteration is None:
             last_batch_iteration = self.last_batch_iteration + 1
         self.last_batch_iteration = last_batch_iteration
-        self._apply(self.get_lr())
+        self._apply(self._lrs_at(max(self.last_batch_iteration, 0)))
 
     def _apply(self, lrs: list[float]) -> None:
         groups = self.optimizer.param_groups
@@ -188,7 +144,7 @@ class _WarmupSchedule(LRScheduler):
                 group["lr"].fill_(lr)  # keep a tensor lr a tensor (capturable / compiled optimizers)
             else:
                 group["lr"] = lr
-        self._last_lr = list(lrs)
+        self._last_lr = [*lrs]
 
     def state_dict(self) -> dict[str, Any]:
         """The iteration and base lrs; arguments come from the config, as in DeepSpeed."""
@@ -210,7 +166,8 @@ class _WarmupSchedule(LRScheduler):
                 f"{type(self).__name__}.load_state_dict: state has {len(base_lrs)} param groups, the optimizer "
                 f"has {len(self.base_lrs)}; load a checkpoint made with the same param groups"
             )
-        self.base_lrs = [float(lr) for lr in base_lrs]
+        restored: list[float | torch.Tensor] = [float(lr) for lr in base_lrs]
+        self.base_lrs = restored
         self.step(int(state_dict["last_batch_iteration"]))
 
 
@@ -303,7 +260,7 @@ class WarmupCosineLR(_WarmupSchedule):
 
     def _lrs_at(self, iteration: int) -> list[float]:
         ratio = self._ratio(iteration)
-        return [base * ratio for base in self.base_lrs]
+        return [float(base) * ratio for base in self.base_lrs]
 
 
 SCHEDULERS: dict[str, type[_WarmupSchedule]] = {
@@ -313,10 +270,12 @@ SCHEDULERS: dict[str, type[_WarmupSchedule]] = {
 
 def build_scheduler(config: SchedulerConfig | Mapping[str, Any], optimizer: Any) -> _WarmupSchedule:
     """Build the schedule a `scheduler` config section describes (a SchedulerConfig or its dict)."""
-    from shardwise.config import Config, SchedulerConfig
-
     if not isinstance(config, SchedulerConfig):
         # Validate through Config so errors carry `scheduler.` paths like any other config problem.
-        config = Config.load({"scheduler": dict(config)}).scheduler
-        assert config is not None  # internal: the key was just given
+        section = Config.load({"scheduler": dict(config)}).scheduler
+        if section is None:  # cannot happen: the key was just given
+            raise ValueError("build_scheduler: no `scheduler` section to build")
+        config = section
+    if config.type not in SCHEDULERS:
+        raise ValueError(f"scheduler type `{config.type}` has a description but no implementation")
     return SCHEDULERS[config.type](optimizer, **config.params)

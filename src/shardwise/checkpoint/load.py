@@ -2,15 +2,20 @@
 
 Each rank asks DCP for exactly the element ranges it owns *now* (its master
 pieces, its optimizer-state pieces); DCP reads the overlap with whatever
-ranges were saved.  Non-trainable entries are read whole on every rank.
-Steps, each timeout-bounded and raised on every rank if any rank fails:
-join (store) → read manifest and check completeness → plan → read (DCP) and
-apply → re-gather parameters from the masters (collective).
+ranges were saved.  Module entries (buffers, frozen parameters) are read whole.
+Everything is read into fresh tensors, and every value is decoded and checked
+before the first one is applied, so a refused checkpoint leaves the engine as
+it was.  Steps, each timeout-bounded and raised on every rank if any rank
+fails: join (store) → read the manifest → plan → read (DCP), decode and
+validate → apply (module entries, collective where partitioned; masters,
+optimizer state, hyperparameters, scheduler, loss scaler, counters, RNG) →
+re-gather parameters from the masters (collective).
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -18,26 +23,31 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from ..param_state import ParamShard
 from .agreement import Session, join
 from .codec import Decoder, refuse_pickles, tensor_refs
+from .conform import conform
 from .errors import CheckpointError
 from .layout import LATEST, MANIFEST, check_complete, list_checkpoints, rank_file, read_json, resolve
-from .rng import restore_rng
-from .stateful import ModelNames, ModelState, OptimizerState, Sources, TensorState
+from .protocol import Apply, Checkpointable
+from .rng import capture_rng, restore_rng
+from .stateful import ModelNames, ModelState, OptimizerState, Sources, TensorState, dtype_name
 from .storage import LoadPlanner, SafeReader
 
 __all__ = ["load_checkpoint"]
 
+ModuleLoadFn = Callable[[dict[str, torch.Tensor], Any], Any]
+
 
 def load_checkpoint(
-    engine: Any,
+    engine: Checkpointable,
     load_dir: Any,
     tag: Optional[str] = None,
     *,
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
-    module_load_fn: Optional[Callable[[dict[str, torch.Tensor], Any], Any]] = None,
+    module_load_fn: Optional[ModuleLoadFn] = None,
     strict: bool = True,
 ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
     """Collectively restore ``engine`` from ``load_dir/tag`` (``tag=None``: the one ``latest`` names).
@@ -47,7 +57,7 @@ def load_checkpoint(
     and ``load_dir`` holds no complete checkpoint.  See ``docs/checkpoints.md``
     for what each option restores.
     """
-    config = engine.config.checkpoint
+    config = engine.settings
     payload = {"op": "load_checkpoint", "dir": str(Path(load_dir).absolute()), "tag": tag}
     session = join(engine.comm, "load_checkpoint", payload, config.timeout)
     session.require_same("op", "checkpoint operations", "call `load_checkpoint` on every rank at the same point")
@@ -62,8 +72,10 @@ def load_checkpoint(
         return None, None
     options = _Options(load_optimizer_states, load_lr_scheduler_states, load_module_only, module_load_fn, strict)
     wanted = _names_with_saved_state(Path(load_dir), tag)
-    with engine.strategy.checkpoint_view(loading=True, wanted=wanted):
-        return _Load(engine, session, Path(load_dir), tag, options).run()
+    with engine.shards(loading=True, wanted=wanted) as shards:
+        result = _Load(engine, shards, session, Path(load_dir), tag, options).run()
+    engine.after_load()
+    return result
 
 
 def _nothing_to_load(load_dir: Path, tag: Optional[str]) -> bool:
@@ -94,9 +106,9 @@ def _names_with_saved_state(load_dir: Path, tag: Optional[str]) -> frozenset[str
     """
     try:
         manifest = check_complete(resolve(load_dir, tag))
-    except Exception:
+        return frozenset(((manifest.get("optimizer") or {}).get("state") or {}).keys())
+    except Exception:  # noqa: BLE001 - the load reports it, with context
         return frozenset()
-    return frozenset(((manifest.get("optimizer") or {}).get("state") or {}).keys())
 
 
 class _Options:
@@ -108,25 +120,35 @@ class _Options:
         self.strict = strict
 
 
+@dataclass
+class _Decoded:
+    """Every non-tensor part of the checkpoint, decoded and checked, ready to apply."""
+
+    client_state: dict[str, Any] = field(default_factory=dict)
+    param_groups: Optional[list[dict[str, Any]]] = None
+    extras: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rng: Optional[dict[str, Any]] = None
+
+
 class _Load:
     """One load, step by step; see the module docstring."""
 
-    def __init__(self, engine: Any, session: Session, load_dir: Path, tag: Optional[str], options: _Options) -> None:
+    def __init__(self, engine: Checkpointable, shards: list[ParamShard], session: Session, load_dir: Path,
+                 tag: Optional[str], options: _Options) -> None:
         self.engine = engine
+        self.shards = shards
         self.session = session
         self.load_dir = load_dir
         self.tag = tag
         self.options = options
         self.rank = engine.comm.rank
-        self.allow_pickle = engine.config.checkpoint.allow_pickle
-        self.shards = engine.strategy.param_shards()
-        self.inner = engine.optimizer.inner if engine.optimizer is not None else None
-        self.optimizer_state = getattr(self.inner, "state", None)
+        self.allow_pickle = engine.settings.allow_pickle
         self.manifest: dict[str, Any] = {}
         self.path = Path()
         self.extra: dict[str, torch.Tensor] = {}
         self.rng: Optional[tuple[Any, dict[str, torch.Tensor]]] = None
-        self.client_state: dict[str, Any] = {}
+        self.apply_entries: Apply = lambda: None
+        self.decoded = _Decoded()
 
     def run(self) -> tuple[Optional[str], Optional[dict[str, Any]]]:
         _, found = self.session.step("reading the checkpoint manifest", self._read_manifest, share=True)
@@ -136,41 +158,40 @@ class _Load:
                 f"rank {self.rank}: the ranks resolved different checkpoints ({paths}); `latest` changed while "
                 "they read it, or the directory is not shared: pass an explicit `tag=`"
             )
-        trainable = {name: shape for f in found for name, shape in f["trainable"].items()}
-        states, _ = self.session.step("planning the load", lambda: self._plan(trainable))
-        self.session.step("reading its shards", lambda: self._read(states))
-        # Collective work (stage 3 partitioned entries), once every rank has read successfully.
+        with_master = {name: shape for f in found for name, shape in f["with_master"].items()}
+        states, _ = self.session.step("planning the load", lambda: self._plan(with_master))
+        self.session.step("reading and checking its shards", lambda: self._read(states))
+        # Every rank has read and validated everything: apply (collective where partitioned).
+        self.apply_entries()
         for state in states.values():
-            for action in state.finalize:
-                action()
-        self.engine.strategy.sync_params_from_master()
-        return str(self.path), self.client_state
+            state.apply()
+        self._apply_decoded()
+        return str(self.path), self.decoded.client_state
 
     # ------------------------------------------------------------ steps
     def _read_manifest(self) -> dict[str, Any]:
         self.path = resolve(self.load_dir, self.tag).absolute()
         self.manifest = check_complete(self.path)
-        trainable = {s.name: list(s.shape) for s in self.shards}
-        return {"path": str(self.path), "trainable": trainable}
+        with_master = {s.name: list(s.shape) for s in self.shards}
+        return {"path": str(self.path), "with_master": with_master}
 
-    def _plan(self, trainable: dict[str, list[int]]) -> dict[str, TensorState]:
-        for part in ("client_state", "scheduler", "precision"):
+    def _plan(self, with_master: dict[str, list[int]]) -> dict[str, TensorState]:
+        for part in ("client_state", "scheduler", "precision", "optimizer"):
             refuse_pickles(self.manifest.get(part), part, self.allow_pickle)
-        refuse_pickles(self.manifest.get("optimizer"), "optimizer", self.allow_pickle)
-        module = self.engine.module
         if self.options.module_load_fn is not None:
-            model = ModelState.for_module_load_fn(module, self.shards, self.manifest, self.options.module_load_fn)
+            model = self._plan_module_load_fn()
         else:
-            names = ModelNames.of(module)
-            self._check_keys(names, trainable)
-            model = ModelState.loading(names, self.shards, self.manifest, set(trainable))
+            names = ModelNames.of(self.engine.module)
+            self._check_keys(names, with_master)
+            sources = Sources(self.manifest)
+            present = [n for n in names.others(set(with_master)) if sources.find(n) is not None]
+            buffers, self.apply_entries = self.engine.load_entries(names.live(present))
+            model = ModelState.loading(self.shards, sources, buffers)
         states: dict[str, TensorState] = {"model": model}
         saved_optimizer = self.manifest.get("optimizer")
-        if self.options.optimizer and self.inner is not None and saved_optimizer is not None:
+        if self.options.optimizer and self.engine.optimizer is not None and saved_optimizer is not None:
             self._check_groups(saved_optimizer)
-            if self.optimizer_state is not None:
-                aliases = self.manifest["aliases"]
-                states["optim"] = OptimizerState.loading(self.optimizer_state, self.shards, saved_optimizer["state"], aliases)
+            states["optim"] = OptimizerState.loading(self.shards, saved_optimizer["state"], self.manifest["aliases"])
         states["extra"] = TensorState(dict(self._buffers(self.manifest, self.extra)))
         rng = self._rng_plan()
         if rng is not None:
@@ -179,16 +200,32 @@ class _Load:
             self.rng = rng
         return states
 
+    def _plan_module_load_fn(self) -> ModelState:
+        """Read the whole saved ``state_dict``; hand it to ``module_load_fn(state_dict, module)`` with the
+        parameters full and writable, then take the masters from the parameters as it left them."""
+        fn, module, shards = self.options.module_load_fn, self.engine.module, self.shards
+        model, state_dict = ModelState.whole(self.manifest)
+
+        def call() -> None:
+            live = dict(module.named_parameters())
+            with self.engine.writable_full_params(), torch.no_grad():
+                fn(state_dict, module)
+                for shard in shards:
+                    shard.master.reshape(-1).copy_(live[shard.name].detach().reshape(-1)[shard.start : shard.end])
+
+        self.apply_entries = call
+        return model
+
     def _read(self, states: dict[str, TensorState]) -> None:
         distributed = dist.is_available() and dist.is_initialized()
         reader = SafeReader(self.path)
         group = self.engine.comm.group
         dcp.load(states, storage_reader=reader, planner=LoadPlanner(), process_group=group, no_dist=not distributed)
-        self._apply()
+        self._decode()
 
     # ------------------------------------------------------------ checks
-    def _check_keys(self, names: ModelNames, trainable: dict[str, list[int]]) -> None:
-        missing, unexpected, mismatched = Sources(self.manifest).report(names, trainable)
+    def _check_keys(self, names: ModelNames, with_master: dict[str, list[int]]) -> None:
+        missing, unexpected, mismatched = Sources(self.manifest).report(names, with_master)
         if mismatched:
             raise CheckpointError(f"checkpoint {self.path} does not fit this model: size mismatch for {mismatched}")
         if not (missing or unexpected):
@@ -206,9 +243,10 @@ class _Load:
 
     def _check_groups(self, saved_optimizer: dict[str, Any]) -> None:
         saved = saved_optimizer.get("param_groups") or []
-        if len(saved) != len(self.inner.param_groups):
+        groups = self.engine.optimizer.param_groups if self.engine.optimizer is not None else []
+        if len(saved) != len(groups):
             raise CheckpointError(
-                f"the checkpoint's optimizer has {len(saved)} param group(s), this one {len(self.inner.param_groups)}; "
+                f"the checkpoint's optimizer has {len(saved)} param group(s), this one {len(groups)}; "
                 "build the optimizer with the same param groups, or pass `load_optimizer_states=False`"
             )
 
@@ -219,8 +257,7 @@ class _Load:
         return into
 
     def _rng_plan(self) -> Optional[tuple[Any, dict[str, torch.Tensor]]]:
-        config = self.engine.config.checkpoint
-        if self.options.module_only or not config.save_rng_state or not self.manifest.get("rng"):
+        if self.options.module_only or not self.engine.settings.save_rng_state or not self.manifest.get("rng"):
             return None
         if self.manifest["world_size"] != self.engine.comm.world_size:
             return None  # a rank's RNG stream has no counterpart at another world size
@@ -229,34 +266,71 @@ class _Load:
             return None
         return encoded, self._buffers(encoded, {})
 
-    # ------------------------------------------------------------ apply
-    def _apply(self) -> None:
+    # ----------------------------------------------------- decode, check
+    def _decode(self) -> None:
+        """Decode every plain-data part and check it against what it will replace; apply nothing."""
         decoder = Decoder(self.extra, self.allow_pickle)
-        self.client_state = decoder.decode(self.manifest["client_state"], "client_state")
-        engine, manifest = self.engine, self.manifest
-        if self.options.optimizer and self.inner is not None and manifest.get("optimizer"):
+        manifest, decoded, extras = self.manifest, self.decoded, self.engine.extras()
+        decoded.client_state = decoder.decode(manifest["client_state"], "client_state")
+        optimizer = self.engine.optimizer
+        if self.options.optimizer and optimizer is not None and manifest.get("optimizer"):
             groups = decoder.decode(manifest["optimizer"]["param_groups"], "optimizer param_groups")
-            for group, saved in zip(self.inner.param_groups, groups):
-                group.update({k: v for k, v in saved.items() if k != "params"})
+            current = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            decoded.param_groups = conform(groups, current, "optimizer.param_groups")
         if self.options.scheduler and manifest.get("scheduler") is not None:
-            if engine.lr_scheduler is None:
-                warnings.warn(f"checkpoint {self.path} has lr scheduler state but this engine has no scheduler", stacklevel=5)
+            if "scheduler" not in extras:
+                warnings.warn(f"checkpoint {self.path} has lr scheduler state but this engine has no scheduler",
+                              stacklevel=6)
             else:
-                engine.lr_scheduler.load_state_dict(decoder.decode(manifest["scheduler"], "lr_scheduler state"))
+                state = decoder.decode(manifest["scheduler"], "lr_scheduler state")
+                decoded.extras["scheduler"] = conform(state, extras["scheduler"].state_dict(), "scheduler")
         if not self.options.module_only:
-            self._apply_precision(decoder.decode(manifest["precision"], "precision state"))
-            for key, value in manifest["counters"].items():
-                setattr(engine, key, int(value))
+            self._decode_precision(decoder.decode(manifest["precision"], "precision state"), extras)
+            decoded.extras["counters"] = _counters(manifest["counters"], extras["counters"].state_dict())
         if self.rng is not None:
-            restore_rng(Decoder(self.rng[1], self.allow_pickle).decode(self.rng[0], "RNG state"))
+            decoded.rng = _rng(Decoder(self.rng[1], self.allow_pickle).decode(self.rng[0], "RNG state"),
+                               f"{self.path / rank_file(self.rank)}: rng")
 
-    def _apply_precision(self, state: dict[str, Any]) -> None:
-        current = str(self.engine.precision.dtype).replace("torch.", "")
-        if state.get("dtype") == current:
-            self.engine.precision.load_state_dict(state)
-        elif state.get("dtype") == "float16" or current == "float16":
+    def _decode_precision(self, state: Any, extras: dict[str, Any]) -> None:
+        current = extras["precision"].state_dict()
+        state = conform(state, current, "precision")
+        if state.get("dtype") == current["dtype"]:
+            self.decoded.extras["precision"] = state
+        elif state.get("dtype") == "float16" or current["dtype"] == "float16":
             warnings.warn(
-                f"checkpoint {self.path} was trained in {state.get('dtype')}, this engine runs in {current}: "
-                "the loss scaler starts fresh",
-                stacklevel=5,
+                f"checkpoint {self.path} was trained in {state.get('dtype')}, this engine runs in "
+                f"{dtype_name(self.engine.dtype)}: the loss scaler starts fresh",
+                stacklevel=6,
             )
+
+    # ------------------------------------------------------------- apply
+    def _apply_decoded(self) -> None:
+        decoded, extras = self.decoded, self.engine.extras()
+        optimizer = self.engine.optimizer
+        if decoded.param_groups is not None and optimizer is not None:
+            for group, saved in zip(optimizer.param_groups, decoded.param_groups):
+                group.update(saved)
+        for name, state in decoded.extras.items():
+            extras[name].load_state_dict(state)
+        if decoded.rng is not None:
+            restore_rng(decoded.rng)
+
+
+def _counters(saved: Any, template: dict[str, Any]) -> dict[str, int]:
+    """The step counters: exactly the engine's keys, each a non-negative integer."""
+    counters = conform(saved, template, "counters")
+    if set(counters) != set(template) or any(v < 0 for v in counters.values()):
+        raise CheckpointError(
+            f"`counters` in the checkpoint manifest must hold {sorted(template)} as non-negative integers, "
+            f"got {counters!r}; the manifest was damaged or crafted: refusing it (nothing was changed)"
+        )
+    return counters
+
+
+def _rng(saved: Any, where: str) -> dict[str, Any]:
+    """A rank's RNG states, each shaped like this process's; parts this process has no generator for are
+    dropped, as :func:`restore_rng` would ignore them."""
+    template = capture_rng()
+    if not isinstance(saved, dict) or not {"python", "torch"} <= set(saved):
+        raise CheckpointError(f"`{where}` must hold at least the `python` and `torch` states; refusing it")
+    return conform({k: v for k, v in saved.items() if k in template}, template, where)

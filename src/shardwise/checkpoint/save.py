@@ -6,9 +6,11 @@ Steps (each one timeout-bounded, a failure anywhere raised on every rank):
    directory (:mod:`.agreement`); no collective on the training group before;
 2. *describe*: ranks exchange (through the store) which parameters and
    optimizer state they hold, so rank 0 can write a complete manifest;
-3. *prepare*: each rank lays out its tensors as ``Stateful`` objects and
-   captures its RNG state; rank 0 encodes ``client_state``, scheduler and
-   loss-scaler state (refusing what would need pickle, unless allowed);
+3. *prepare*: the engine hands over the full values of module entries
+   (gathered where partitioned); each rank lays out its tensors as
+   ``Stateful`` objects and captures its RNG state; rank 0 encodes
+   ``client_state``, scheduler, loss-scaler and counter state (refusing what
+   would need pickle, unless allowed);
 4. *write*: ``torch.distributed.checkpoint.save``: each rank writes
    ``__R_0.distcp`` in parallel, fsyncs it, then writes ``rankR.json`` (its
    "done" marker, with its RNG state); rank 0 writes the ``.metadata`` index
@@ -30,20 +32,27 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
+from .._version import __version__
+from ..export import save_state_dict
+from ..param_state import ParamShard
 from .agreement import Session, join
 from .codec import Encoder
 from .commit import commit, remove_stale_temps, write_json
 from .errors import CheckpointError
 from .layout import FORMAT, VERSION, rank_file, temp_dir, validate_tag
+from .protocol import Checkpointable
 from .rng import capture_rng
-from .stateful import ModelNames, ModelState, OptimizerState, TensorState, describe_shards, gather_partitioned
+from .stateful import ModelNames, ModelState, OptimizerState, TensorState, describe_shards, dtype_name
 from .storage import SavePlanner
+
+#: the 16-bit weights written next to the shards when the config asks for them
+WEIGHTS_16BIT = "pytorch_model.bin"
 
 __all__ = ["save_checkpoint"]
 
 
 def save_checkpoint(
-    engine: Any, save_dir: Any, tag: Optional[str] = None, client_state: Optional[dict[str, Any]] = None
+    engine: Checkpointable, save_dir: Any, tag: Optional[str] = None, client_state: Optional[dict[str, Any]] = None
 ) -> str:
     """Collectively write a checkpoint of ``engine`` to ``save_dir/tag``; returns that path.
 
@@ -51,7 +60,7 @@ def save_checkpoint(
     (plain values and tensors; as passed on rank 0) comes back from
     :func:`~shardwise.checkpoint.load_checkpoint`.
     """
-    config = engine.config.checkpoint
+    config = engine.settings
     tag = validate_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     root = Path(save_dir).absolute()
     payload = {"op": "save_checkpoint", "tag": tag, "dir": str(root), "nonce": secrets.token_hex(6)}
@@ -60,9 +69,9 @@ def save_checkpoint(
     if config.async_save:
         warnings.warn("`checkpoint.async_save` is not implemented yet: this save is synchronous", stacklevel=3)
     # frozen parameters' kept master weights and optimizer state travel too
-    with engine.strategy.checkpoint_view(loading=False):
-        writer = _Save(engine, session, root, tag, temp_dir(root, tag, session.payloads[0]["nonce"]), client_state)
-        return writer.run()
+    with engine.shards(loading=False) as shards:
+        temp = temp_dir(root, tag, session.payloads[0]["nonce"])
+        return _Save(engine, shards, session, root, tag, temp, client_state).run()
 
 
 def _agree(session: Session) -> None:
@@ -74,36 +83,32 @@ def _agree(session: Session) -> None:
 class _Save:
     """One save, step by step; see the module docstring."""
 
-    def __init__(self, engine: Any, session: Session, root: Path, tag: str, temp: Path, client_state: Any) -> None:
+    def __init__(self, engine: Checkpointable, shards: list[ParamShard], session: Session, root: Path, tag: str,
+                 temp: Path, client_state: Any) -> None:
         self.engine = engine
+        self.shards = shards
         self.session = session
         self.root = root
         self.tag = tag
         self.temp = temp
         self.client_state = client_state if client_state is not None else {}
         self.rank = engine.comm.rank
-        self.shards = engine.strategy.param_shards()
-        self.inner = engine.optimizer.inner if engine.optimizer is not None else None
-        self.optimizer_state = getattr(self.inner, "state", None)
-        if self.inner is not None and self.optimizer_state is None and self.rank == 0:
-            warnings.warn(
-                f"the optimizer `{type(self.inner).__name__}` has no `state`: its per-parameter state is not "
-                "saved (only its param-group hyperparameters are)",
-                stacklevel=4,
-            )
-        self.extra = Encoder("extra", engine.config.checkpoint.allow_pickle)
+        self.extra = Encoder("extra", engine.settings.allow_pickle)
         self.encoded: dict[str, Any] = {}
         self.rank_info: dict[str, Any] = {}
+        self.wrote_16bit = False
 
     def run(self) -> str:
         _, descriptions = self.session.step("describing its parameters", self._describe, share=True)
-        trainable = {name for d in descriptions for name in d["params"]}
+        with_master = {name for d in descriptions for name in d["params"]}
         names = ModelNames.of(self.engine.module)
-        # Collective (stage 3 only), with every rank known to be here: full frozen parameters.
-        gathered = gather_partitioned(names, names.frozen(trainable), self.rank, self.engine.comm.world_size)
+        # Collective where entries are partitioned, with every rank known to be here.
+        entries = self.engine.save_entries(names.live(names.others(with_master)))
+        weights_16bit = self.engine.weights_16bit()  # collective when asked for
+        self.wrote_16bit = weights_16bit is not None
         try:
-            states, _ = self.session.step("preparing the checkpoint", lambda: self._prepare(names, trainable, gathered))
-            self.session.step("writing its shard", lambda: self._write(states))
+            states, _ = self.session.step("preparing the checkpoint", lambda: self._prepare(entries))
+            self.session.step("writing its shard", lambda: self._write(states, weights_16bit))
             self.session.step("committing", lambda: self._commit(descriptions) if self.rank == 0 else None)
         except BaseException:
             if self.rank == 0:  # every rank is past the failed step: nobody writes there any more
@@ -115,14 +120,14 @@ class _Save:
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             remove_stale_temps(self.root, self.tag)
-        return describe_shards(self.shards, self.optimizer_state)
+        return describe_shards(self.shards)
 
-    def _prepare(self, names: ModelNames, trainable: set[str], gathered: dict[str, Any]) -> dict[str, TensorState]:
+    def _prepare(self, entries: dict[str, torch.Tensor]) -> dict[str, TensorState]:
         self.temp.mkdir(parents=True, exist_ok=True)
-        states: dict[str, TensorState] = {"model": ModelState.saving(names, self.shards, trainable, gathered, self.rank)}
-        if self.optimizer_state is not None:
-            states["optim"] = OptimizerState.saving(self.optimizer_state, self.shards)
-        config = self.engine.config.checkpoint
+        states: dict[str, TensorState] = {"model": ModelState.saving(self.shards, entries)}
+        if self.engine.optimizer is not None:
+            states["optim"] = OptimizerState.saving(self.shards)
+        config = self.engine.settings
         rng = Encoder(f"rng/{self.rank}", config.allow_pickle)
         info = {"rank": self.rank, "world_size": self.engine.comm.world_size}
         if config.save_rng_state:
@@ -135,25 +140,31 @@ class _Save:
         return states
 
     def _encode_extras(self) -> None:
-        engine, encode = self.engine, self.extra.encode
-        scheduler = engine.lr_scheduler
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups] if self.inner else None
+        encode, optimizer = self.extra.encode, self.engine.optimizer
+        extras = self.engine.extras()
+        scheduler = extras.get("scheduler")
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else None
         self.encoded = {
             "client_state": encode(self.client_state, "client_state"),
             "scheduler": encode(scheduler.state_dict(), "lr_scheduler.state_dict()") if scheduler is not None else None,
-            "precision": encode(engine.precision.state_dict(), "precision.state_dict()"),
+            "precision": encode(extras["precision"].state_dict(), "precision.state_dict()"),
+            "counters": extras["counters"].state_dict(),
             "param_groups": encode(groups, "optimizer param_groups") if groups is not None else None,
         }
 
-    def _write(self, states: dict[str, TensorState]) -> None:
+    def _write(self, states: dict[str, TensorState], weights_16bit: Optional[dict[str, torch.Tensor]]) -> None:
         writer = _RankWriter(self.temp, self.temp / rank_file(self.rank), self.rank_info)
         distributed = dist.is_available() and dist.is_initialized()
         group = self.engine.comm.group
         dcp.save(states, storage_writer=writer, planner=SavePlanner(), process_group=group, no_dist=not distributed)
+        if weights_16bit is not None and self.rank == 0:
+            save_state_dict(weights_16bit, self.temp / WEIGHTS_16BIT)
 
     def _commit(self, descriptions: list[dict[str, Any]]) -> None:
         write_json(self.temp / "shardwise.json", self._manifest(descriptions))
         expected = [rank_file(r) for r in range(self.engine.comm.world_size)] + ["shardwise.json", ".metadata"]
+        if self.wrote_16bit:
+            expected.append(WEIGHTS_16BIT)
         absent = [name for name in expected if not (self.temp / name).is_file()]
         absent += [f.name for f in _data_files(self.temp) if not f.is_file()]
         if absent:
@@ -174,21 +185,20 @@ class _Save:
         names = ModelNames.of(engine.module)
         params = {k: params[k] for k in sorted(params, key=_order(names.keys))}
         module = {
-            n: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
-            for n, t in names.tensors.items()
-            if n not in params
+            n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in names.tensors.items() if n not in params
         }
         optimizer = None
-        if self.inner is not None:
-            optimizer = {"class": type(self.inner).__name__, "param_groups": self.encoded["param_groups"], "state": state}
+        if engine.optimizer is not None:
+            info = engine.optimizer
+            optimizer = {"class": info.class_name, "param_groups": self.encoded["param_groups"], "state": state}
         return {
             "format": FORMAT,
             "version": VERSION,
             "tag": self.tag,
             "world_size": engine.comm.world_size,
-            "stage": engine.strategy.stage,
-            "dtype": str(engine.precision.dtype).replace("torch.", ""),
-            "counters": {k: getattr(engine, k) for k in ("global_steps", "micro_steps", "skipped_steps")},
+            "stage": engine.stage,
+            "dtype": dtype_name(engine.dtype),
+            "counters": self.encoded["counters"],
             "state_dict_keys": names.keys,
             "aliases": names.aliases,
             "params": params,
@@ -197,8 +207,8 @@ class _Save:
             "scheduler": self.encoded["scheduler"],
             "precision": self.encoded["precision"],
             "client_state": self.encoded["client_state"],
-            "rng": engine.config.checkpoint.save_rng_state,
-            "versions": {"shardwise": _shardwise_version(), "torch": torch.__version__},
+            "rng": engine.settings.save_rng_state,
+            "versions": {"shardwise": __version__, "torch": torch.__version__},
         }
 
 
@@ -224,12 +234,6 @@ class _RankWriter(FileSystemWriter):
 def _order(keys: list[str]) -> Any:
     position = {k: i for i, k in enumerate(keys)}
     return lambda name: (position.get(name, len(position)), name)
-
-
-def _shardwise_version() -> str:
-    import shardwise
-
-    return str(getattr(shardwise, "__version__", "unknown"))
 
 
 def _data_files(path: Path) -> list[Path]:

@@ -2,19 +2,18 @@
 
 Each object's ``state_dict()`` is a flat dict of what goes to the tensor files
 (:class:`~.storage.FlatChunks` for a parameter's elements this rank owns,
-plain tensors otherwise); ``load_state_dict()`` runs once DCP has read every
-tensor and puts the values where the engine keeps them.  What needs a
-collective (writing a stage-3 partitioned parameter) is kept in ``finalize``
-and run only after every rank has read successfully.
+plain tensors otherwise).  Loading reads into *fresh* tensors only; what to do
+with them is kept in ``actions`` and run by the load once every rank has read
+and validated everything, so a refused checkpoint leaves the engine untouched.
 
 Keys, all independent of world size and stage (that is what makes a
 checkpoint reshardable):
 
-* ``model/master/NAME``: fp32 master value of trainable parameter NAME,
-  flattened to 1-D; each rank writes the ``[start, end)`` ranges it owns;
-* ``model/module/NAME``: a non-trainable entry (buffer, frozen parameter),
-  full, in the module's dtype, written by one rank (rank 0's buffers; a
-  stage-3 partitioned frozen parameter by rank ``i % N`` after a gather);
+* ``model/master/NAME``: fp32 master value of parameter NAME (trainable, or
+  frozen with kept state), flattened to 1-D; each rank writes the
+  ``[start, end)`` ranges it owns;
+* ``model/module/NAME``: any other entry of the module (buffer, frozen
+  parameter), full, in the module's dtype, written by one rank;
 * ``optim/NAME/KEY``: optimizer state KEY of NAME (``exp_avg``...), chunked
   like the master when it is per-element, else one replicated tensor (``step``).
 """
@@ -28,38 +27,34 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..zero.base import ParamShard
-from ..zero.gathered import GatheredParameters
-from ..zero.params import is_partitioned
+from ..param_state import ParamShard, is_per_element
 from .codec import Decoder, Encoder
 from .errors import CheckpointError
 from .storage import FlatChunks
 
 __all__ = [
-    "ModelNames", "ModelState", "OptimizerState", "Sources", "TensorState",
-    "describe_shards", "gather_partitioned", "group_shards",
+    "ModelNames", "ModelState", "OptimizerState", "Sources", "TensorState", "describe_shards", "group_shards",
 ]
 
 Action = Callable[[], None]
 
 
 class TensorState:
-    """A DCP ``Stateful``: tensors to save or fill, and what to do once they are filled.
-
-    ``after_load`` runs inside ``load_state_dict`` (local work only);
-    ``finalize`` holds collective work for after every rank has loaded.
-    """
+    """A DCP ``Stateful``: the tensors to save or to fill, and what to do once they are filled."""
 
     def __init__(self, tensors: Optional[dict[str, Any]] = None) -> None:
         self.tensors: dict[str, Any] = tensors if tensors is not None else {}
-        self.after_load: list[Action] = []
-        self.finalize: list[Action] = []
+        #: local work that puts loaded values in place, run by the load after validation
+        self.actions: list[Action] = []
 
     def state_dict(self) -> dict[str, Any]:
         return self.tensors
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for action in self.after_load:
+        """DCP filled ``tensors`` in place; applying them is the load's decision, later."""
+
+    def apply(self) -> None:
+        for action in self.actions:
             action()
 
 
@@ -67,8 +62,8 @@ class TensorState:
 class ModelNames:
     """The module's ``state_dict`` keys; tied entries (one tensor, several names) map to the first name.
 
-    ``tensors`` are the live objects (``keep_vars``): never read a partitioned
-    one outside :class:`GatheredParameters`.
+    ``tensors`` are the live objects (``keep_vars``): only their metadata is
+    read here; values go through the engine's ``save_entries``/``load_entries``.
     """
 
     keys: list[str]
@@ -91,9 +86,12 @@ class ModelNames:
     def canonical(self) -> list[str]:
         return [k for k in self.keys if k not in self.aliases]
 
-    def frozen(self, trainable: set[str]) -> list[str]:
-        """Canonical names that are not trainable parameters (buffers, frozen parameters)."""
-        return [k for k in self.canonical if k not in trainable]
+    def others(self, with_master: set[str]) -> list[str]:
+        """Canonical names that have no master (buffers, frozen parameters without kept state)."""
+        return [k for k in self.canonical if k not in with_master]
+
+    def live(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return {n: self.tensors[n] for n in names}
 
 
 def group_shards(shards: list[ParamShard]) -> dict[str, list[ParamShard]]:
@@ -107,7 +105,7 @@ def _numel(shape: Any) -> int:
     return math.prod(shape)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
@@ -115,16 +113,12 @@ def _master_chunks(pieces: list[ParamShard]) -> FlatChunks:
     return FlatChunks(_numel(pieces[0].shape), [(s.start, s.master.reshape(-1)) for s in pieces])
 
 
-def _is_elementwise(value: Any, shard: ParamShard) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == shard.end - shard.start
-
-
 def _state_entry(value: Any, shard: ParamShard) -> dict[str, Any]:
     """How optimizer state ``value`` of ``shard`` is stored: chunked, one tensor, or a plain value."""
-    if _is_elementwise(value, shard):
-        return {"kind": "chunked", "dtype": _dtype_name(value.dtype)}
+    if is_per_element(value, shard.numel):
+        return {"kind": "chunked", "dtype": dtype_name(value.dtype)}
     if isinstance(value, torch.Tensor):
-        return {"kind": "tensor", "shape": list(value.shape), "dtype": _dtype_name(value.dtype)}
+        return {"kind": "tensor", "shape": list(value.shape), "dtype": dtype_name(value.dtype)}
     encoder = Encoder("unused")
     encoded = encoder.encode(value, f"optimizer state of `{shard.name}`")
     if encoder.tensors:
@@ -135,100 +129,60 @@ def _state_entry(value: Any, shard: ParamShard) -> dict[str, Any]:
     return {"kind": "value", "value": encoded}
 
 
-def describe_shards(shards: list[ParamShard], optimizer_state: Optional[Any]) -> dict[str, Any]:
-    """What this rank holds of each trainable parameter and its optimizer state (JSON).
-
-    ``optimizer_state`` is the inner optimizer's ``state`` (per-parameter dicts), or None.
-    """
+def describe_shards(shards: list[ParamShard]) -> dict[str, Any]:
+    """What this rank holds of each parameter with a master, and of its optimizer state (JSON)."""
     params: dict[str, Any] = {}
     state: dict[str, Any] = {}
     for shard in shards:
         params[shard.name] = {"shape": list(shard.shape), "group": shard.group}
-        entries = optimizer_state.get(shard.key, {}) if optimizer_state is not None else {}
+        entries = shard.state.get()
         if entries:
             state[shard.name] = {k: _state_entry(v, shard) for k, v in entries.items()}
     return {"params": params, "state": state}
-
-
-def gather_partitioned(names: ModelNames, frozen: list[str], rank: int, world: int) -> dict[str, torch.Tensor]:
-    """Full copies of the stage-3 partitioned entries among ``frozen`` that ``rank`` writes (collective).
-
-    Entry ``i`` of them is written by rank ``i % world``, so no rank holds
-    more than its share; every rank must call this with the same names.
-    """
-    owned: dict[str, torch.Tensor] = {}
-    partitioned = [n for n in frozen if is_partitioned(names.tensors[n])]
-    for index, name in enumerate(partitioned):
-        param = names.tensors[name]
-        with GatheredParameters([param]):
-            if index % world == rank:
-                owned[name] = param.detach().clone()
-    return owned
 
 
 # ------------------------------------------------------------------ model
 
 
 class ModelState(TensorState):
-    """The model's weights: fp32 masters of trainable parameters, module values of the rest."""
+    """The model's weights: fp32 masters of parameters that have them, module values of the rest."""
 
     @classmethod
-    def saving(
-        cls, names: ModelNames, shards: list[ParamShard], trainable: set[str], gathered: dict[str, torch.Tensor], rank: int
-    ) -> "ModelState":
+    def saving(cls, shards: list[ParamShard], entries: dict[str, torch.Tensor]) -> "ModelState":
+        """``entries``: the full module values this rank writes (from the engine's ``save_entries``)."""
         state = cls()
         for name, pieces in group_shards(shards).items():
             state.tensors[f"master/{name}"] = _master_chunks(pieces)
-        for name in names.frozen(trainable):
-            live = names.tensors[name]
-            if name in gathered:
-                state.tensors[f"module/{name}"] = gathered[name]
-            elif rank == 0 and not is_partitioned(live):
-                state.tensors[f"module/{name}"] = live.detach()  # rank 0's buffers, as DDP keeps them
+        for name, value in entries.items():
+            state.tensors[f"module/{name}"] = value
         return state
 
     @classmethod
     def loading(
-        cls, names: ModelNames, shards: list[ParamShard], manifest: dict[str, Any], trainable: set[str]
+        cls, shards: list[ParamShard], sources: "Sources", buffers: dict[str, torch.Tensor]
     ) -> "ModelState":
-        """Read every entry into where it lives now (a master piece or the module), by name."""
-        sources = Sources(manifest)
+        """Read every entry, by name, into fresh tensors; ``buffers`` are the engine's module-entry
+        targets (from ``load_entries``), filled here and applied by the engine."""
         state = cls()
         for name, pieces in group_shards(shards).items():
             state._into_master(pieces, sources, sources.find(name))
-        writes: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for name in names.frozen(trainable):
-            state._into_module(names.tensors[name], sources.find(name), sources, writes)
-        if writes:
-            state.finalize.append(lambda: _write_partitioned(writes, shards))
+        for name, buffer in buffers.items():
+            state._into_entry(buffer, sources.find(name), sources)
         return state
 
     @classmethod
-    def for_module_load_fn(
-        cls, module: nn.Module, shards: list[ParamShard], manifest: dict[str, Any], fn: Callable[..., Any]
-    ) -> "ModelState":
-        """Read the whole saved ``state_dict``, hand it to ``fn(state_dict, module)``, then take the
-        master weights from the module's parameters as ``fn`` left them."""
+    def whole(cls, manifest: dict[str, Any]) -> tuple["ModelState", dict[str, torch.Tensor]]:
+        """The whole saved ``state_dict`` (for ``module_load_fn``), tied names sharing one tensor."""
         state = cls()
         full: dict[str, torch.Tensor] = {}
-        for name, info in manifest["params"].items():
-            full[name] = state.tensors[f"master/{name}"] = torch.empty(_numel(info["shape"]), dtype=torch.float32)
+        params = manifest["params"]
+        for name, info in params.items():
+            state.tensors[f"master/{name}"] = torch.empty(_numel(info["shape"]), dtype=torch.float32)
+            full[name] = state.tensors[f"master/{name}"].view(info["shape"])
         for name, info in manifest["module"].items():
             full[name] = state.tensors[f"module/{name}"] = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
-
-        def call() -> None:
-            params = manifest["params"]
-            shaped = {n: (t.view(params[n]["shape"]) if n in params else t) for n, t in full.items()}
-            state_dict = {k: shaped[manifest["aliases"].get(k, k)] for k in manifest["state_dict_keys"]}
-            live = dict(module.named_parameters())
-            # Stage 3: the module's parameters are full inside the block; rank 0's result is kept.
-            with GatheredParameters(list(live.values()), modifier_rank=0), torch.no_grad():
-                fn(state_dict, module)
-                for shard in shards:
-                    shard.master.reshape(-1).copy_(live[shard.name].detach().reshape(-1)[shard.start : shard.end])
-
-        state.finalize.append(call)
-        return state
+        state_dict = {k: full[manifest["aliases"].get(k, k)] for k in manifest["state_dict_keys"]}
+        return state, state_dict
 
     def _reserve(self, key: str, value: Any) -> None:
         if key in self.tensors:
@@ -243,9 +197,16 @@ class ModelState(TensorState):
             return  # reported as missing by `Sources.report`
         kind, saved = source
         if kind == "master":
-            self._reserve(f"master/{saved}", _master_chunks(pieces))
+            read = [torch.empty(s.numel, dtype=torch.float32, device=s.master.device) for s in pieces]
+            self._reserve(f"master/{saved}", FlatChunks(_numel(pieces[0].shape), [(s.start, r) for s, r in zip(pieces, read)]))
+
+            def copy_masters() -> None:
+                for shard, values in zip(pieces, read):
+                    shard.master.reshape(-1).copy_(values)
+
+            self.actions.append(copy_masters)
             return
-        # Frozen when saved, trainable now: read the module value, then slice out our pieces.
+        # Saved without a master (frozen then), has one now: read the module value, slice out our pieces.
         buffer = torch.empty(pieces[0].shape, dtype=getattr(torch, sources.module[saved]["dtype"]))
         self._reserve(f"module/{saved}", buffer)
 
@@ -254,46 +215,22 @@ class ModelState(TensorState):
             for s in pieces:
                 s.master.reshape(-1).copy_(flat[s.start : s.end])
 
-        self.after_load.append(copy)
+        self.actions.append(copy)
 
-    def _into_module(
-        self,
-        live: torch.Tensor,
-        source: Optional[tuple[str, str]],
-        sources: "Sources",
-        writes: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> None:
+    def _into_entry(self, buffer: torch.Tensor, source: Optional[tuple[str, str]], sources: "Sources") -> None:
         if source is None:
             return
         kind, saved = source
-        partitioned = is_partitioned(live)
-        if kind == "module" and not partitioned:
-            self._reserve(f"module/{saved}", live.detach())  # DCP copies (and casts) in place
-            return
         if kind == "module":
-            buffer = torch.empty(live.shape, dtype=getattr(torch, sources.module[saved]["dtype"]))
-        else:
-            buffer = torch.empty(live.shape.numel(), dtype=torch.float32)  # trainable when saved, frozen now
-        self._reserve(f"{kind}/{saved}", buffer)
-        if partitioned:
-            writes.append((live, buffer))
-        else:
-            self.after_load.append(lambda: live.detach().copy_(buffer.view(live.shape)))
+            self._reserve(f"module/{saved}", buffer)  # DCP copies (and casts) into it
+            return
+        master = torch.empty(buffer.numel(), dtype=torch.float32)  # had a master when saved, has none now
+        self._reserve(f"master/{saved}", master)
 
+        def copy() -> None:
+            buffer.copy_(master.view(buffer.shape))
 
-def _write_partitioned(writes: list[tuple[torch.Tensor, torch.Tensor]], shards: list[ParamShard]) -> None:
-    """Give stage-3 partitioned (frozen) parameters new full values (collective).
-
-    Writing through ``GatheredParameters(modifier_rank=0)`` also refreshes
-    the master weights of trainable parameters stored in the same unit, from
-    the unit's compute-dtype values: keep the loaded masters and put them back.
-    """
-    loaded = [shard.master.detach().clone() for shard in shards]
-    for param, value in writes:
-        with GatheredParameters([param], modifier_rank=0), torch.no_grad():
-            param.copy_(value.view(param.shape))
-    for shard, master in zip(shards, loaded):
-        shard.master.detach().copy_(master)
+        self.actions.append(copy)
 
 
 class Sources:
@@ -316,10 +253,10 @@ class Sources:
         kind, saved = source
         return list((self.params if kind == "master" else self.module)[saved]["shape"])
 
-    def report(self, names: ModelNames, trainable: dict[str, list[int]]) -> tuple[list[str], list[str], list[str]]:
+    def report(self, names: ModelNames, with_master: dict[str, list[int]]) -> tuple[list[str], list[str], list[str]]:
         """``(missing, unexpected, mismatched)`` entries of the current model against the checkpoint."""
-        current = {n: list(names.tensors[n].shape) for n in names.frozen(set(trainable))}
-        current.update(trainable)
+        current = {n: list(names.tensors[n].shape) for n in names.others(set(with_master))}
+        current.update(with_master)
         used: set[str] = set()
         missing, mismatched = [], []
         for name, shape in current.items():
@@ -341,14 +278,14 @@ class OptimizerState(TensorState):
     """Per-parameter optimizer state (Adam's moments and step, SGD's momentum, ...)."""
 
     @classmethod
-    def saving(cls, optimizer_state: Any, shards: list[ParamShard]) -> "OptimizerState":
+    def saving(cls, shards: list[ParamShard]) -> "OptimizerState":
         state = cls()
         for name, pieces in group_shards(shards).items():
             numel = _numel(pieces[0].shape)
             for shard in pieces:
-                for key, value in optimizer_state.get(shard.key, {}).items():
+                for key, value in shard.state.get().items():
                     fqn = f"{name}/{key}"
-                    if _is_elementwise(value, shard):
+                    if is_per_element(value, shard.numel):
                         chunks = state.tensors.setdefault(fqn, FlatChunks(numel, []))
                         chunks.pieces.append((shard.start, value.detach().reshape(-1)))
                     elif isinstance(value, torch.Tensor):
@@ -356,29 +293,21 @@ class OptimizerState(TensorState):
         return state
 
     @classmethod
-    def loading(
-        cls, optimizer_state: Any, shards: list[ParamShard], saved_state: dict[str, Any], aliases: dict[str, str]
-    ) -> "OptimizerState":
-        """Fresh tensors for every saved entry, installed in ``optimizer_state`` once read.
+    def loading(cls, shards: list[ParamShard], saved_state: dict[str, Any], aliases: dict[str, str]) -> "OptimizerState":
+        """Fresh tensors for every saved entry, installed through each shard's slot when applied.
 
-        Pieces whose parameter has no saved state (the optimizer had not
-        stepped it) end up with empty state, as in a fresh optimizer.
+        Pieces whose parameter has no saved state (the optimizer had not stepped
+        it) end up with empty state, as in a fresh optimizer.
         """
         state = cls()
-
-        def clear() -> None:
-            for shard in shards:
-                optimizer_state.pop(shard.key, None)
-
-        state.after_load.append(clear)
         for name, pieces in group_shards(shards).items():
             saved = aliases.get(name, name)
             for shard in pieces:
-                if saved_state.get(saved):
-                    state._plan(optimizer_state, saved, shard, saved_state[saved])
+                entries = saved_state.get(saved) or {}
+                state._plan(saved, shard, entries)
         return state
 
-    def _plan(self, optimizer_state: Any, saved: str, shard: ParamShard, entries: dict[str, Any]) -> None:
+    def _plan(self, saved: str, shard: ParamShard, entries: dict[str, Any]) -> None:
         numel = _numel(shard.shape)
         values: dict[str, Any] = {}
         shared: set[str] = set()
@@ -386,9 +315,9 @@ class OptimizerState(TensorState):
             fqn = f"{saved}/{key}"
             dtype = getattr(torch, entry.get("dtype", "float32"))
             if entry["kind"] == "chunked":
-                buffer = torch.empty(shard.end - shard.start, dtype=dtype, device=shard.master.device)
+                buffer = torch.empty(shard.numel, dtype=dtype, device=shard.master.device)
                 self.tensors.setdefault(fqn, FlatChunks(numel, [])).pieces.append((shard.start, buffer))
-                values[key] = buffer.view(shard.key.shape)
+                values[key] = buffer
             elif entry["kind"] == "tensor":
                 values[key] = self.tensors.setdefault(fqn, torch.empty(entry["shape"], dtype=dtype))
                 shared.add(key)
@@ -398,6 +327,6 @@ class OptimizerState(TensorState):
         def install() -> None:
             # A replicated tensor (Adam's `step`) was read once: each piece gets its own copy,
             # as torch.optim would have made it.
-            optimizer_state[shard.key] = {k: (v.clone() if k in shared else v) for k, v in values.items()}
+            shard.state.set({k: (v.clone() if k in shared else v) for k, v in values.items()})
 
-        self.after_load.append(install)
+        self.actions.append(install)

@@ -18,7 +18,6 @@ objects as a plain engine's.  What it adds:
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +27,9 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
+from ..distributed import Comm
 from ..engine import Engine
-from .checkpointing import CheckpointView, GlobalModule, global_order
+from .checkpointing import PipelineState, global_order
 from .layers import compute_loss
 from .module import PipelineModule
 from .p2p import Channel, gather_to_first
@@ -76,6 +76,7 @@ class PipelineEngine(Engine):
     ) -> None:
         _check_pipeline_config(module, config, process_group)
         assert module.topology is not None  # num_stages > 1
+        _agree_on_construction(module, config, name)
         tie_stages = [module.stages_of_tie(key) for key in module.tied_keys]
         self.groups = PipeGroups.create(module.topology, [s for s in tie_stages if len(s) > 1])
         self.ties = TiedWeights(module, self.groups)
@@ -267,52 +268,15 @@ class PipelineEngine(Engine):
         """Every stage's weights in the compute dtype, in one file written by global rank 0 (collective)."""
         from ..export import save_state_dict
 
-        state = self.full_state_dict()
+        state = self.state_dict_16bit()
         if self.global_rank == 0:
-            dtype = self.precision.dtype
-            save_state_dict({k: (t.to(dtype) if t.is_floating_point() else t) for k, t in state.items()}, Path(save_dir) / save_filename)
+            save_state_dict(state, Path(save_dir) / save_filename)
         return True
 
-    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict[str, Any]] = None) -> str:
-        """Collectively write a checkpoint of the whole model (every rank its pieces); same names and
-        files as a plain module's, so ``to_sequential()`` loads it."""
-        from ..checkpoint import save_checkpoint
-
-        with self._checkpoint_view() as view:
-            return save_checkpoint(view, save_dir, tag=tag, client_state=client_state)
-
-    def load_checkpoint(
-        self, load_dir: str, tag: Optional[str] = None, **options: Any
-    ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
-        """Collectively restore a checkpoint of this model, saved by a pipeline (any number of
-        replicas) or by a plain engine over ``to_sequential()`` (any world size, ZeRO stage);
-        ``options`` as for :meth:`shardwise.Engine.load_checkpoint`."""
-        from ..checkpoint import load_checkpoint
-
-        with self._checkpoint_view() as view:
-            return load_checkpoint(view, load_dir, tag=tag, **options)
-
-    @contextlib.contextmanager
-    def _checkpoint_view(self) -> Iterator[CheckpointView]:
-        module = GlobalModule(self.module)
-        self.pipeline_strategy.prepare_checkpoint = functools.partial(self._prepare_checkpoint, module)
-        try:
-            yield CheckpointView(self, self.groups.world, self.pipeline_strategy, module)
-        finally:
-            self.pipeline_strategy.prepare_checkpoint = None
-
-    def _prepare_checkpoint(self, module: GlobalModule, loading: bool) -> None:
-        """Every rank has joined the save/load: share every stage's names; before a save, bring
-        buffers and frozen parameters to rank 0, which writes them (collective)."""
-        local = self.module.state_dict(keep_vars=True)
-        trainable = {shard.name for shard in self.strategy.param_shards()}
-        table = [(n, list(t.shape), str(t.dtype).replace("torch.", ""), n in trainable) for n, t in local.items()]
-        tables = self.groups.pipe.all_gather_object(table)
-        held: dict[str, torch.Tensor] = dict(local)
-        if not loading and self.groups.replica == 0:
-            frozen = {n: t.detach() for n, t in local.items() if n not in trainable}
-            held.update(gather_to_first(self.groups.p2p, self.groups.pipe, frozen))
-        module.fill(tables, self.module.tied_keys, held, loading)
+    def checkpointable(self) -> PipelineState:
+        """The whole pipeline as the checkpoint layer sees it: every rank, global names
+        (``engine.save_checkpoint``/``load_checkpoint`` go through it)."""
+        return PipelineState(self)
 
     def __repr__(self) -> str:
         module = self.module
@@ -336,6 +300,24 @@ def _check_pipeline_config(module: PipelineModule, config: Config, process_group
             "`process_group` was passed with a multi-stage PipelineModule: a pipeline spans the default process "
             "group it was built in (stages × replicas); leave `process_group` out"
         )
+
+
+def _agree_on_construction(module: PipelineModule, config: Config, name: Optional[str]) -> None:
+    """Every rank builds this same pipeline engine as its next one, before the world-wide group
+    creation (ranks that disagree get an error naming the difference instead of a hang)."""
+    from ..checkpoint.agreement import join
+
+    world = Comm(None)
+    if not world.distributed:
+        return
+    payload = {"op": "initialize", "name": name, "stage": config.zero_optimization.stage,
+               "pipeline": [module.num_stages, module.num_layers, module.parts]}
+    session = join(world, "initialize", payload, config.checkpoint.timeout)
+    fix = ("every rank must build the same engines in the same order: the k-th `shardwise.initialize` of each "
+           "rank wraps the same PipelineModule (same layers, num_stages, partition) with the same config")
+    for key, what in (("op", "collective calls"), ("name", "engine names"), ("stage", "ZeRO stages"),
+                      ("pipeline", "pipelines (stages, layers, boundaries)")):
+        session.require_same(key, what, fix)
 
 
 def _draw(data_iter: Any, steps: int, batch: _Batch) -> tuple[Optional[int], str]:

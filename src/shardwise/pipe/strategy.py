@@ -1,79 +1,54 @@
-"""A stage's ZeRO strategy as the optimizer and the checkpoint layer must see it in a pipeline.
+"""A stage's ZeRO strategy as the optimizer must see it in a pipeline: each tied weight counted once.
 
-The stage's own strategy (stage 0 or 1 over the data-parallel group) does the
-work; this wrapper changes two things that only a pipeline knows about:
-
-* the gradient norm: a tied weight has a copy on several stages, each with
-  the same (summed) gradient; it must count once in the global norm, so the
-  copies whose first holder is another stage are left out of ``grad_sq``;
-* checkpoints: those copies are written once (by the first holder; their
-  pieces on other stages are cut differently by ZeRO-1, and overlapping
-  pieces of one tensor are not a valid checkpoint), but loaded everywhere;
-  and before a save or load the engine gets a collective moment, after every
-  rank has joined the call, to prepare the whole model's names
-  (``prepare_checkpoint``).
+A tied weight has a copy on every stage that holds its key, each with the
+same (summed) gradient.  The global gradient norm (clipping, overflow) is the
+sum of every stage's squared norm, so the copies whose first holder is
+another stage are taken out of this stage's ``grad_sq``.  Everything else is
+the stage's own strategy (stage 0 or 1 over the data-parallel group).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
-from ..zero.base import ParamShard, Strategy
+from ..param_state import OptimizerSlot, ParamShard
+from ..zero.base import Strategy
 
 __all__ = ["PipelineStrategy"]
 
 
 class PipelineStrategy(Strategy):
-    """Delegates to ``inner``; see the module docstring for what differs."""
+    """Delegates to ``wrapped``, except that ``grad_sq`` leaves out the tied ``copies``."""
 
-    def __init__(self, inner: Strategy, copies: frozenset[str]) -> None:
-        # Strategy.__init__ is not called: every attribute resolves on `inner` (see __getattr__).
-        self.wrapped = inner
-        # fixed for the life of a strategy; the class attributes of Strategy would shadow __getattr__
-        self.stage = inner.stage
-        self.shards_grads = inner.shards_grads
-        self.loss_divisor = inner.loss_divisor
+    def __init__(self, wrapped: Strategy, copies: frozenset[str]) -> None:
+        # Strategy.__init__ is not called: every other attribute resolves on `wrapped` (__getattr__);
+        # these three are class attributes of Strategy, which would shadow it.
+        self.wrapped = wrapped
+        self.stage = wrapped.stage
+        self.shards_grads = wrapped.shards_grads
+        self.loss_divisor = wrapped.loss_divisor
         self.copies = copies
-        self._saving = False
-        #: called with ``loading`` once every rank is inside a save/load, before it reads names
-        self.prepare_checkpoint: Optional[Callable[[bool], None]] = None
 
     def __getattr__(self, name: str) -> Any:
         if name == "wrapped":
             raise AttributeError(name)
         return getattr(self.wrapped, name)
 
-    # ------------------------------------------------------------ changed
     def grad_sq(self) -> torch.Tensor:
         total = self.wrapped.grad_sq()
-        counted: set[int] = set()
-        for shard in self.wrapped.param_shards():
-            grad = shard.key.grad  # what the optimizer steps `key` with: this rank's reduced piece
-            if shard.name in self.copies and grad is not None and id(shard.key) not in counted:
-                counted.add(id(shard.key))
+        if not self.copies:
+            return total
+        # The inner optimizer steps each piece's key with key.grad: the reduced gradient of that piece.
+        with self.wrapped.checkpoint_shards(loading=False) as shards:
+            keys = [key for key in (_copy_key(s, self.copies) for s in shards) if key is not None]
+        for grad in {id(key): key.grad for key in keys}.values():
+            if grad is not None:
                 flat = grad.reshape(-1).float()
                 total = total - torch.dot(flat, flat)
         return total
-
-    def param_shards(self) -> list[ParamShard]:
-        shards = self.wrapped.param_shards()
-        if self._saving:
-            return [s for s in shards if s.name not in self.copies]
-        return shards
-
-    @contextlib.contextmanager
-    def checkpoint_view(self, loading: bool, wanted: frozenset[str] = frozenset()) -> Iterator[None]:
-        if self.prepare_checkpoint is not None:
-            self.prepare_checkpoint(loading)
-        with self.wrapped.checkpoint_view(loading, wanted):
-            self._saving = not loading
-            try:
-                yield
-            finally:
-                self._saving = False
 
     # ------------------------------------------------------------ delegated
     def attach(self, inner: Optional[Any], initial: Optional[dict[int, torch.Tensor]] = None) -> None:
@@ -100,17 +75,14 @@ class PipelineStrategy(Strategy):
     def full_master_weights(self) -> dict[int, torch.Tensor]:
         return self.wrapped.full_master_weights()
 
-    def sync_params_from_master(self) -> None:
-        self.wrapped.sync_params_from_master()
+    def checkpoint_shards(
+        self, loading: bool, wanted: frozenset[str] = frozenset()
+    ) -> contextlib.AbstractContextManager[list[ParamShard]]:
+        return self.wrapped.checkpoint_shards(loading, wanted)
 
-    def refresh_trainable(self) -> None:
-        self.wrapped.refresh_trainable()
 
-    def trainable_changed(self) -> bool:
-        return self.wrapped.trainable_changed()
-
-    def has_pending_grads(self) -> bool:
-        return self.wrapped.has_pending_grads()
-
-    def close(self) -> None:
-        self.wrapped.close()
+def _copy_key(shard: ParamShard, copies: frozenset[str]) -> Optional[torch.Tensor]:
+    """The tensor the optimizer steps for ``shard`` if it is a tied copy (a frozen parameter's kept
+    piece, another kind of slot, has no gradient)."""
+    slot = shard.state
+    return slot.key if shard.name in copies and isinstance(slot, OptimizerSlot) else None

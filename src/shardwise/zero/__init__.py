@@ -15,8 +15,12 @@ from .stage0 import Stage0
 from .stage1 import Stage1
 from .stage2 import Stage2
 from .stage3 import Stage3
+from .weights import LoadResult, load_state_dict
 
-__all__ = ["GatheredParameters", "Init", "Strategy", "make_strategy", "register_external_parameter"]
+__all__ = [
+    "GatheredParameters", "Init", "LoadResult", "Strategy", "load_state_dict", "make_strategy",
+    "register_external_parameter",
+]
 
 
 def make_strategy(module: nn.Module, comm: Comm, precision: Precision, zero_config: Any) -> Strategy:

@@ -15,37 +15,20 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from ..distributed import Comm
+from ..ownership import owner_label
+from ..param_state import ParamShard
 from ..precision import Precision
 
-__all__ = ["ParamShard", "Strategy", "module_order", "tensor_bytes"]
+__all__ = ["Strategy", "group_index", "module_order", "tensor_bytes"]
 
-
-@dataclass
-class ParamShard:
-    """The part of one trainable parameter this rank owns, for checkpoints.
-
-    ``master`` is the writable fp32 1-D view of elements ``[start, end)`` of the
-    flattened parameter; ``key`` is the tensor the inner optimizer's ``state``
-    and ``param_groups`` use for it (so ``inner.state[key]`` holds its
-    optimizer state, whose tensors have ``end - start`` elements); ``group``
-    is its param-group index.
-    """
-
-    name: str
-    shape: torch.Size
-    start: int
-    end: int
-    master: torch.Tensor
-    key: torch.Tensor
-    group: int
-    extra: dict[str, Any] = field(default_factory=dict)
+#: what a load applies once every rank has read its part (may be collective)
+Apply = Callable[[], None]
 
 
 def tensor_bytes(tensors: Any) -> int:
@@ -72,13 +55,20 @@ def module_order(module: nn.Module, groups: list[list[nn.Parameter]]) -> list[nn
     order = [p for p in module.parameters() if id(p) in in_groups]
     if len(order) != len(in_groups):
         known = {id(p) for p in module.parameters()}
-        stray = [tuple(p.shape) for p in in_groups.values() if id(p) not in known]
+        strays = [p for p in in_groups.values() if id(p) not in known]
+        owners = sorted({label for p in strays if (label := owner_label(p)) is not None})
+        whose = f"; they are parameters of {', '.join(owners)}" if owners else ""
         raise ValueError(
-            f"the optimizer holds {len(stray)} tensor(s) that are not parameters of the model "
-            f"(shapes {stray[:5]}); build the optimizer from `model.parameters()` of the model "
-            "passed to `shardwise.initialize`"
+            f"the optimizer holds {len(strays)} tensor(s) that are not parameters of the model "
+            f"(shapes {[tuple(p.shape) for p in strays[:5]]}){whose}; build the optimizer from "
+            "`model.parameters()` of the model passed to `shardwise.initialize`"
         )
     return order
+
+
+def group_index(groups: list[list[nn.Parameter]]) -> dict[int, int]:
+    """Parameter id -> index of its param group."""
+    return {id(p): g for g, params in enumerate(groups) for p in params}
 
 
 class Strategy(ABC):
@@ -98,6 +88,11 @@ class Strategy(ABC):
         self.zero_config = zero_config
         self.inner: Any = None  # the inner optimizer; None for an inference-only engine
         self.sync = False
+        #: between this engine's start_backward and finish_backward (another engine's backward
+        #: can reach this model's parameters: a GAN's generator loss flows through the discriminator)
+        self.in_backward = False
+        #: gradients of this engine's trainable parameters produced by its current backward
+        self.arrivals = 0
 
     def attach(self, inner: Optional[Any], initial: Optional[dict[int, torch.Tensor]] = None) -> None:
         """Take over the inner optimizer's param groups (None: inference only).
@@ -108,13 +103,15 @@ class Strategy(ABC):
         self.inner = inner
         self.initial = initial or {}
 
-    @abstractmethod
     def start_backward(self, sync: bool) -> None:
         """Called before autograd runs; ``sync`` says whether to reduce this time."""
+        self.sync = sync
+        self.in_backward = True
+        self.arrivals = 0
 
-    @abstractmethod
     def finish_backward(self) -> None:
         """Called after autograd: flush and wait for gradient reduction."""
+        self.in_backward = False
 
     @abstractmethod
     def grad_sq(self) -> torch.Tensor:
@@ -141,20 +138,40 @@ class Strategy(ABC):
         """Full fp32 value of every trainable parameter, keyed by ``id(param)`` (collective)."""
 
     @abstractmethod
-    def param_shards(self) -> list[ParamShard]:
-        """This rank's pieces of every trainable parameter (empty for inference)."""
+    def checkpoint_shards(self, loading: bool, wanted: frozenset[str] = frozenset()) -> contextlib.AbstractContextManager[list[ParamShard]]:
+        """This rank's pieces of every parameter with a master: the trainable ones and the frozen
+        ones that keep state to resume (empty for inference).
 
-    @contextlib.contextmanager
-    def checkpoint_view(self, loading: bool, wanted: frozenset[str] = frozenset()) -> Iterator[None]:
-        """While open, ``param_shards`` also covers frozen parameters' kept state.
-
-        Saving: frozen parameters that keep master weights or optimizer state
-        (to resume when unfrozen) are listed, so a checkpoint carries them.
-        Loading: frozen parameters named in ``wanted`` (those the checkpoint has
-        optimizer state for) are listed, so that state lands where it is kept
-        until they train again.  Collective on exit.
+        Saving: the pieces to write.  Loading: frozen parameters named in
+        ``wanted`` (those the checkpoint has optimizer state for) get a piece
+        too, so the state lands where it is kept until they train again; on a
+        clean exit the frozen pieces' loaded masters are written into the model
+        (collective).
         """
-        yield
+
+    def save_entries(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full values of the module entries ``live`` (buffers, frozen parameters) that this rank
+        writes: each entry by exactly one rank (collective where values must be gathered).
+
+        Replicated everywhere, so rank 0 writes them all, as DDP keeps rank 0's buffers.
+        """
+        return {name: tensor.detach() for name, tensor in live.items()} if self.comm.rank == 0 else {}
+
+    def load_entries(self, live: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Apply]:
+        """Fresh full-size tensors to read the module entries ``live`` into, and what puts the values
+        read into the model (collective where values must be scattered)."""
+        buffers = {name: torch.empty(t.shape, dtype=t.dtype, device=t.device) for name, t in live.items()}
+
+        def apply() -> None:
+            with torch.no_grad():
+                for name, tensor in live.items():
+                    tensor.copy_(buffers[name])
+
+        return buffers, apply
+
+    def writable_full_params(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, every parameter holds its full value, and what rank 0 leaves in them is kept (collective)."""
+        return contextlib.nullcontext()
 
     def sync_params_from_master(self) -> None:
         """Write master weights into the model's parameters (collective; after loading)."""
@@ -166,6 +183,10 @@ class Strategy(ABC):
     def trainable_changed(self) -> bool:
         """Whether ``requires_grad`` flags differ from those the stage was built for."""
         return False
+
+    def trained_count(self) -> int:
+        """How many parameters this stage reduces gradients for (their hooks count ``arrivals``)."""
+        return 0
 
     def has_pending_grads(self) -> bool:
         """Whether gradients were accumulated but not yet reduced and stepped."""

@@ -63,7 +63,7 @@ class GatheredParameters:
 
     def __enter__(self) -> "GatheredParameters":
         for unit in self.units:
-            unit.refs += 1
+            unit.acquire()
         gather_units(self.units)
         return self
 
@@ -81,7 +81,7 @@ class GatheredParameters:
             elif self.modifier_rank is None:
                 # Read-only: undo local writes so the full values keep matching the shards.
                 for unit in self.units:
-                    if unit.refs > 1 or unit.persistent:
+                    if unit.holders > 1 or unit.persistent:
                         unit.refresh()
         finally:
             for unit in self.units:

@@ -33,15 +33,16 @@ requirement); which modules run may change from one forward to the next.
 from __future__ import annotations
 
 import contextlib
+import enum
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .params import Unit, not_gathered_error
+from .params import Unit, UnitError, not_gathered_error
 
-__all__ = ["Gatherer"]
+__all__ = ["Gatherer", "TrainingState"]
 
 EXTERNAL_ATTR = "_shardwise_external_params"
 _TENSOR_DATA = torch.Tensor.data
@@ -75,6 +76,19 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+class TrainingState(enum.Enum):
+    """Where one engine's model is between forward and backward (what its hooks are doing)."""
+
+    #: no forward running, no backward pending
+    IDLE = "idle"
+    #: a forward (outermost call) is running
+    FORWARD = "forward"
+    #: a forward with grad enabled finished; its backward has not started
+    PRE_BACKWARD = "pre-backward"
+    #: autograd is running the backward through the model's calls
+    BACKWARD = "backward"
+
+
 class Gatherer:
     """Owns the gather/free life cycle of one engine's units (the stage 3 ``UnitOwner``)."""
 
@@ -99,8 +113,10 @@ class Gatherer:
         self._bw_cursor = 0
         self._live: set[Unit] = set()
         self.modified_callback: Callable[[Unit], None] = lambda unit: None
+        self.loaded_callback: Callable[[Unit, torch.Tensor, set[int]], None] = lambda unit, values, loaded: None
         #: units acquired by forwards with grad enabled since the last backward, first use first
         self.forward_order: dict[Unit, None] = {}
+        self.state = TrainingState.IDLE
 
     # ------------------------------------------------------------ install
     def install(self) -> None:
@@ -113,26 +129,39 @@ class Gatherer:
             handle.remove()
         self._handles = []
 
+    # ------------------------------------------------------------- state
+    def _move(self, to: TrainingState, allowed: tuple[TrainingState, ...], event: str) -> None:
+        if self.state not in allowed:
+            expected = " or ".join(s.value for s in allowed)
+            raise UnitError(
+                f"{event}: expected the model to be {expected}, found {self.state.value}; forward and "
+                "backward of one engine must not interleave this way"
+            )
+        self.state = to
+
     # ----------------------------------------------------- gather / free
     def acquire(self, unit: Unit) -> None:
-        unit.refs += 1
+        """Hold ``unit`` gathered (until :meth:`release`)."""
+        unit.acquire()
         if not unit.gathered:
             self._live.add(unit)
         unit.gather()
 
     def release(self, unit: Unit, keep: bool = False) -> None:
         """Drop one hold; free the unit when nothing holds it (``keep``: leave it gathered)."""
-        unit.refs = max(unit.refs - 1, 0)
-        if unit.refs == 0 and not keep:
-            unit.free()
-            self._live.discard(unit)
+        if unit.release() == 0 and not keep:
+            self.drop(unit)
+
+    def drop(self, unit: Unit) -> None:
+        """Free a unit nothing holds (its gathered values are stale or unneeded)."""
+        unit.free()
+        self._live.discard(unit)
 
     def free_idle(self) -> None:
         """Free every gathered unit nothing holds (prefetched but unused, kept for reuse)."""
         for unit in list(self._live):
-            if unit.refs == 0:
-                unit.free()
-                self._live.discard(unit)
+            if unit.holders == 0:
+                self.drop(unit)
 
     def _live_numel(self) -> int:
         return sum(u.numel for u in self._live if u.gathered)
@@ -204,12 +233,16 @@ class Gatherer:
         return self._live_numel() <= self.max_live
 
     def _begin_pass(self) -> None:
-        if self._bw_calls or self._bw_extra:
+        if self.state is TrainingState.BACKWARD:
             self._end_backward()  # a backward that raised never ran its final callback
+        self._move(TrainingState.FORWARD, (TrainingState.IDLE, TrainingState.PRE_BACKWARD), "a forward began")
         self._trace = []
         self._cursor = 0
 
     def _end_pass(self) -> None:
+        # with grad, the calls armed pre-backward hooks: the backward may follow
+        after = TrainingState.PRE_BACKWARD if torch.is_grad_enabled() else TrainingState.IDLE
+        self._move(after, (TrainingState.FORWARD,), "a forward ended")
         self.free_idle()
         self._last = self._trace
         self._next_use = _next_use(self._last)
@@ -253,6 +286,10 @@ class Gatherer:
         """``GatheredParameters(modifier_rank=...)`` wrote new values into ``unit``."""
         self.modified_callback(unit)
 
+    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
+        """``zero.load_state_dict`` gave ``unit`` new fp32 values."""
+        self.loaded_callback(unit, values, loaded)
+
     # ----------------------------------------------------------- backward
     def _arm_post_backward(self, call: _Call, args: Any, kwargs: Any) -> Any:
         flat, spec = tree_flatten((args, kwargs))
@@ -280,6 +317,7 @@ class Gatherer:
     def _ensure_backward_callback(self) -> None:
         task = torch._C._current_graph_task_id()
         if task != self._bw_task:
+            self.state = TrainingState.BACKWARD
             self._bw_task = task
             self._bw_trace = list(reversed(self._last))
             self._bw_cursor = 0
@@ -329,6 +367,7 @@ class Gatherer:
             self.release(unit)
         self._bw_calls = []
         self._bw_task = -1
+        self.state = TrainingState.IDLE
         self.free_idle()
 
 

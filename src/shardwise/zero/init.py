@@ -169,7 +169,7 @@ class Init:
     @contextlib.contextmanager
     def _around(self, units: list[Unit], mutating: bool) -> Iterator[None]:
         for unit in units:
-            unit.refs += 1
+            unit.acquire()
         try:
             gather_units(units)
             yield
@@ -185,7 +185,7 @@ class Init:
             from .params import not_gathered_error
 
             raise not_gathered_error(unit.params[0], torch.Tensor.data)
-        unit.refs += 1
+        unit.acquire()
         unit.gather()
         self._dirty.append(unit)
 
@@ -196,9 +196,11 @@ class Init:
         return True
 
     def release(self, unit: Unit) -> None:
-        unit.refs = max(unit.refs - 1, 0)
-        if unit.refs == 0:
+        if unit.release() == 0:
             unit.free()
 
     def on_params_modified(self, unit: Unit) -> None:
         """Nothing else holds copies of a ``zero.Init`` unit's values."""
+
+    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
+        """Nothing else holds copies of a ``zero.Init`` unit's values (its fp32 ``pristine`` followed)."""

@@ -24,6 +24,7 @@ readable.  The interception is per parameter object and undone by
 from __future__ import annotations
 
 import contextlib
+import enum
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
@@ -33,7 +34,9 @@ from ..distributed import Comm, Work
 
 __all__ = [
     "Unit",
+    "UnitError",
     "UnitOwner",
+    "UnitState",
     "gather_units",
     "is_partitioned",
     "not_gathered_error",
@@ -62,21 +65,43 @@ class UnitOwner(Protocol):
         """A ``.to()``/``.half()`` style cast of a freed parameter; True if it was applied to the unit."""
 
     def release(self, unit: "Unit") -> None:
-        """Drop one hold on ``unit`` (taken by incrementing ``unit.refs``): decrement, free it when unheld."""
+        """Drop one hold on ``unit`` (taken with ``unit.acquire()``), freeing it when nothing holds it."""
 
     def on_params_modified(self, unit: "Unit") -> None:
         """New full values were written into ``unit`` and scattered to its shards."""
 
+    def on_values_loaded(self, unit: "Unit", values: torch.Tensor, loaded: set[int]) -> None:
+        """``unit``'s shard took the fp32 ``values`` (this rank's slice) for the parameters ``loaded``."""
+
 
 # ------------------------------------------------------------------ the unit
+class UnitState(enum.Enum):
+    """Where a unit's full values are."""
+
+    #: only this rank's shard exists; the full buffer has no storage
+    SHARDED = "sharded"
+    #: an all-gather into the full buffer is in flight (a prefetch)
+    GATHERING = "gathering"
+    #: the full values are materialised and current
+    GATHERED = "gathered"
+    #: gathered once and never freed (small parameters)
+    PERSISTENT = "persistent"
+
+
+class UnitError(RuntimeError):
+    """A unit was used against its life cycle (a bug in shardwise or in code holding units)."""
+
+
 class Unit:
     """Parameters stored as one flat buffer, ``1/N`` of it on each rank.
 
-    ``persistent`` units are gathered once and never freed (small parameters,
-    ``stage3_param_persistence_threshold``).  ``refs`` counts the holders that
-    need the full values right now (running forwards and backwards,
-    ``GatheredParameters`` blocks); the owner frees the unit when it drops to
-    zero.
+    Life cycle (:class:`UnitState`): ``SHARDED`` → ``gather(async_op=True)`` →
+    ``GATHERING`` → ``wait()`` → ``GATHERED`` → ``free()`` → ``SHARDED``; a
+    persistent unit stays ``PERSISTENT``.  ``holders`` counts who needs the
+    full values right now (running forwards and backwards,
+    ``GatheredParameters`` blocks); :meth:`acquire` and :meth:`release` are
+    the only code that changes it, and freeing a held unit, or releasing one
+    nobody holds, is an error rather than something to clamp.
     """
 
     def __init__(
@@ -93,7 +118,6 @@ class Unit:
         self.names = list(names)
         self.comm = comm
         self.owner = owner
-        self.persistent = persistent
         self.offsets: list[int] = []
         self.shapes: list[torch.Size] = []
         total = 0
@@ -106,14 +130,39 @@ class Unit:
         world = comm.world_size
         self.padded = -(-total // world) * world if total else world
         self.shard_numel = self.padded // world
-        self.refs = 0
         self.full: torch.Tensor = torch.empty(0)
         self.shard: torch.Tensor = torch.empty(0)
         self.pristine: Optional[torch.Tensor] = None
+        self.state = UnitState.GATHERED  # until `build` keeps its shard and frees the rest
+        self._persistent = persistent
+        self._holders = 0
         self._work: Optional[Work] = None
-        self._gathered = False
+
+    # ------------------------------------------------------------- holders
+    @property
+    def holders(self) -> int:
+        """How many holds are taken (see :meth:`acquire`)."""
+        return self._holders
+
+    def acquire(self) -> None:
+        """Take one hold: the full values must stay until the matching :meth:`release`."""
+        self._holders += 1
+
+    def release(self) -> int:
+        """Drop one hold; returns how many remain (the owner frees the unit at zero)."""
+        if self._holders == 0:
+            raise UnitError(
+                f"rank {self.comm.rank}: {self!r} was released once more than it was acquired "
+                "(expected at least 1 holder, found 0); every `acquire()` needs exactly one `release()`"
+            )
+        self._holders -= 1
+        return self._holders
 
     # ---------------------------------------------------------------- build
+    @property
+    def persistent(self) -> bool:
+        return self._persistent
+
     def flatten(self, values: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A full-size flat tensor holding ``values`` (one per parameter) at their offsets, zero padded."""
         flat = torch.zeros(self.padded, dtype=dtype, device=device)
@@ -128,12 +177,17 @@ class Unit:
         """
         self.full = flat.to(dtype)
         self.shard = self.local(self.full).clone()
-        self._gathered = True
+        self.state = UnitState.PERSISTENT if self._persistent else UnitState.GATHERED
         for index, param in enumerate(self.params):
             partition_parameter(param, self, index)
         self.view_params()
-        if not self.persistent:
-            self.free()
+        self.free()
+
+    def unpersist(self) -> None:
+        """A persistent unit becomes an ordinary gathered one (so it can be freed)."""
+        self._persistent = False
+        if self.state is UnitState.PERSISTENT:
+            self.state = UnitState.GATHERED
 
     def local(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full-size flat tensor of this unit."""
@@ -154,44 +208,67 @@ class Unit:
     @property
     def gathered(self) -> bool:
         """Whether the full values are (or are being) materialised."""
-        return self._gathered
+        return self.state is not UnitState.SHARDED
 
     def gather(self, async_op: bool = False) -> None:
         """Materialise the full values (collective); with ``async_op`` only start it."""
-        if not self._gathered:
+        if self.state is UnitState.SHARDED:
             storage = self.full.untyped_storage()
             storage.resize_(self.padded * self.full.element_size())
-            self._gathered = True
             self._work = self.comm.all_gather(self.full, self.shard, async_op=True)
+            self.state = UnitState.GATHERING
         if not async_op:
             self.wait()
 
     def wait(self) -> None:
-        """Finish a gather started with ``async_op=True``."""
-        if self._work is not None:
+        """Finish a gather started with ``async_op=True`` (``GATHERING`` → ``GATHERED``)."""
+        if self.state is UnitState.GATHERING:
             work, self._work = self._work, None
-            work.wait()
+            if work is not None:
+                work.wait()
+            self.state = UnitState.GATHERED
 
     def free(self) -> None:
-        """Drop the full values (the shard stays)."""
+        """Drop the full values (the shard stays); a persistent unit stays gathered."""
+        if self._holders:
+            raise UnitError(
+                f"rank {self.comm.rank}: {self!r} was freed while {self._holders} holder(s) still need its "
+                "full values (expected 0 holders); release every hold before freeing"
+            )
         self.wait()  # a gather in flight (a prefetch) finishes first, even for a unit that stays
-        if not self._gathered or self.persistent:
-            return
-        self.full.untyped_storage().resize_(0)
-        self._gathered = False
+        if self.state is UnitState.GATHERED:
+            self.full.untyped_storage().resize_(0)
+            self.state = UnitState.SHARDED
 
     def scatter_from_full(self, src: Optional[int] = None) -> None:
         """After the full values changed: optionally take ``src``'s values (collective), update the shard."""
-        self.wait()
+        self._expect_gathered("scatter its full values")
         if src is not None:
             self.comm.broadcast(self.full, src=src)
         self.shard.copy_(self.local(self.full))
 
+    def load_shard(self, values: torch.Tensor) -> None:
+        """This rank's slice becomes ``values`` (fp32, cast to the unit's dtype); a gathered copy follows
+        (collective when gathered, and every rank's unit is gathered alike)."""
+        self.wait()
+        self.shard.copy_(values)
+        if self.pristine is not None:
+            self.pristine.copy_(values)  # the exact values masters will start from
+        self.refresh()
+
     def refresh(self) -> None:
-        """Re-gather a gathered unit from the (updated) shards (collective)."""
-        if self._gathered:
+        """Re-gather a gathered unit from the (updated) shards (collective); a freed one needs nothing."""
+        if self.gathered:
             self.wait()
             self.comm.all_gather(self.full, self.shard)
+
+    def _expect_gathered(self, action: str) -> None:
+        self.wait()
+        if self.state is UnitState.SHARDED:
+            raise UnitError(
+                f"rank {self.comm.rank}: cannot {action} of {self!r}: expected it gathered, found "
+                f"{self.state.value}; gather it first"
+            )
 
     # ---------------------------------------------------------------- cast
     def convert(self, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> None:
@@ -206,8 +283,8 @@ class Unit:
             self.pristine = self.shard
         if self.pristine is not None and self.pristine.device != device:
             self.pristine = self.pristine.to(device)
-        gathered = self._gathered
         self.wait()
+        gathered = self.gathered
         full = self.full.to(device=device, dtype=dtype) if gathered else torch.empty(
             self.padded, dtype=dtype, device=device)
         self.shard = self.shard.to(device=device, dtype=dtype)
@@ -220,7 +297,7 @@ class Unit:
         return self.shard.element_size()
 
     def __repr__(self) -> str:
-        state = "persistent" if self.persistent else ("gathered" if self._gathered else "sharded")
+        state = self.state.value
         names = self.names[:3] + (["..."] if len(self.names) > 3 else [])
         return f"Unit({self.index}, {names}, {self.numel} elements, {state})"
 

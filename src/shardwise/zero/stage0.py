@@ -8,6 +8,11 @@ model's own parameters are the master weights, so memory matches DDP.
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
+
+from ..distributed import Work
 from .flat import FlatStrategy
 
 __all__ = ["Stage0"]
@@ -17,7 +22,15 @@ class Stage0(FlatStrategy):
     """Replicated parameters, gradients and optimizer state; bucketed all-reduce."""
 
     stage = 0
-    persistent_grads = True
 
     def _num_shards(self) -> int:
         return 1
+
+    def _reduce(self, source: torch.Tensor, output: torch.Tensor) -> tuple[Work, Optional[torch.Tensor]]:
+        if source.data_ptr() != output.data_ptr():
+            output.copy_(source)  # bf16/fp16: the fp32 copy of the bucket is averaged where the optimizer reads it
+        return self.comm.all_reduce(output, async_op=True), None
+
+    def _regather(self) -> None:
+        # every rank stepped every master: copy them into the parameters (nothing to do when they are the same)
+        self.masters.copy_into_params()

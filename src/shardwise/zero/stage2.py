@@ -16,21 +16,28 @@ from typing import Any
 import torch
 
 from .base import tensor_bytes
-from .flat import FlatStrategy
 from .layout import Bucket
+from .masters import ReducedGrads
+from .stage1 import Stage1
 
 __all__ = ["Stage2"]
 
 
-class Stage2(FlatStrategy):
+class Stage2(Stage1):
     """Sharded master weights, optimizer state and gradients."""
 
     stage = 2
-    persistent_grads = False
+    grads_in_params = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._staging: dict[int, torch.Tensor] = {}
+
+    def _make_grad_storage(self) -> None:
+        self.reduced = ReducedGrads.separate(self.layout, self.device)
+
+    def _accumulate(self, index: int, param: torch.Tensor) -> None:
+        pass  # between boundaries gradients accumulate in `param.grad`, where autograd puts them
 
     def _stage(self, bucket: Bucket) -> torch.Tensor:
         staging = self._staging.get(bucket.index)
@@ -39,7 +46,7 @@ class Stage2(FlatStrategy):
             self._staging[bucket.index] = staging
         return staging
 
-    def _take_grad(self, index: int, param: torch.Tensor) -> None:
+    def _capture(self, index: int, param: torch.Tensor) -> None:
         bucket, offset = self.layout.bucket_of[index]
         if param.grad is not None:
             self._stage(bucket).narrow(0, offset, param.numel()).copy_(param.grad.reshape(-1))
@@ -49,7 +56,7 @@ class Stage2(FlatStrategy):
         for index in bucket.params:
             if not self._seen[index]:
                 self._seen[index] = True
-                self._take_grad(index, self.layout.params[index])
+                self._capture(index, self.layout.params[index])
 
     def _comm_input(self, bucket: Bucket) -> torch.Tensor:
         return self._stage(bucket)
@@ -58,6 +65,11 @@ class Stage2(FlatStrategy):
         super().finish_backward()
         if self.sync:
             self._staging.clear()
+
+    def zero_grad(self) -> None:
+        self._dirty = False
+        for param in self.layout.params:
+            param.grad = None
 
     def memory_breakdown(self) -> dict[str, int]:
         counts = super().memory_breakdown()

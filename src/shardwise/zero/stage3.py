@@ -43,9 +43,12 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from .base import ParamShard, Strategy, module_order, tensor_bytes
+from ..param_state import OptimizerSlot, ParamShard
+from .base import Apply, Strategy, module_order, tensor_bytes
+from .frozen import FrozenStore, Kept
+from .gathered import GatheredParameters
 from .hooks import Gatherer
-from .params import Unit, is_partitioned, restore_parameter, unit_of
+from .params import Unit, UnitError, is_partitioned, restore_parameter, unit_of
 
 __all__ = ["Stage3"]
 
@@ -72,6 +75,10 @@ class _Piece:
     def local(self, shard: torch.Tensor) -> torch.Tensor:
         return shard.narrow(0, self.offset, self.numel)
 
+    @property
+    def param(self) -> nn.Parameter:
+        return self.unit.params[self.index]
+
 
 class Stage3(Strategy):
     """Partitioned parameters gathered by module hooks; see the module docstring."""
@@ -82,7 +89,11 @@ class Stage3(Strategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.units: list[Unit] = []
-        self.gatherer: Optional[Gatherer] = None
+        self.gatherer = Gatherer(self.module, self.units, {}, self.zero_config)
+        self.gatherer.modified_callback = self._on_params_modified
+        self.gatherer.loaded_callback = self._on_values_loaded
+        #: masters and optimizer state of frozen pieces, kept until they train again
+        self.frozen = FrozenStore()
         self._pieces: list[_Piece] = []
         self._pieces_of: dict[int, list[_Piece]] = {}
         self._by_unit: dict[Unit, list[_Piece]] = {}
@@ -110,8 +121,6 @@ class Stage3(Strategy):
             self._params = module_order(self.module, self._groups)
             self._group_of = {id(p): g for g, params in enumerate(self._groups) for p in params}
         self._mask = tuple(p.requires_grad for p in self._params)
-        self.gatherer = Gatherer(self.module, self.units, {}, self.zero_config)
-        self.gatherer.modified_callback = self._on_params_modified
         self._build_units()
         self.initial = {}
         self._refresh_pieces()
@@ -160,7 +169,6 @@ class Stage3(Strategy):
         return specs
 
     def _build_units(self) -> None:
-        assert self.gatherer is not None
         dtype = self.precision.dtype
         for params, names, persistent in self._unit_specs():
             unit = Unit(len(self.units), params, names, self.comm, self.gatherer, persistent)
@@ -239,38 +247,56 @@ class Stage3(Strategy):
 
     def refresh_trainable(self) -> None:
         self._mask = tuple(p.requires_grad for p in self._params)
-        added = self._refresh_pieces()
-        if added:
+        if self._refresh_pieces():
             self._point_optimizer()
         self._register_grad_hooks()
 
     def _refresh_pieces(self) -> bool:
-        """Give newly trainable pieces a master; frozen ones lose their gradient (master and state stay)."""
-        added = False
+        """Newly trainable pieces get their master (kept one, or from the shard); newly frozen ones
+        leave the optimizer, their master and state kept in the frozen store.  True if anything moved."""
+        moved = False
+        state = self.inner.state if self.inner is not None else {}
         for piece in self._pieces:
-            param = piece.unit.params[piece.index]
+            param = piece.param
             if param.requires_grad and piece.master is None:
-                local = piece.local(piece.unit.shard)
-                # Frozen at start: its fp32 value was never kept, the compute dtype is the best there is.
-                piece.master = local if self.alias else local.float()
-                added = True
-            elif not param.requires_grad:
-                piece.grad = None
-                if piece.master is not None:
-                    piece.master.grad = None
+                self._unfreeze(piece, state)
+                moved = True
+            elif not param.requires_grad and piece.master is not None:
+                slot = OptimizerSlot(state, piece.master)
+                kept = Kept(piece.start, piece.end, piece.master)
+                kept.slot.set(slot.get())
+                state.pop(piece.master, None)
+                self.frozen.keep(param, kept)
+                piece.master.grad = None
+                piece.master, piece.grad = None, None
+                moved = True
         self._trainable = {}
         for param in self._params:
             unit = unit_of(param)
             if unit is not None and param.requires_grad:
                 self._trainable.setdefault(unit, []).append(param.__dict__["_shardwise_index"])
-        return added
+        return moved
+
+    def _unfreeze(self, piece: _Piece, state: Any) -> None:
+        kept = self.frozen.take(piece.param)
+        if kept is not None:
+            piece.master = kept.master
+            if kept.state:
+                OptimizerSlot(state, kept.master).set(kept.state)
+            return
+        local = piece.local(piece.unit.shard)
+        # Frozen at start: its fp32 value was never kept, the compute dtype is the best there is.
+        piece.master = local if self.alias else local.float()
 
     def has_pending_grads(self) -> bool:
         return self._dirty
 
+    def trained_count(self) -> int:
+        return sum(len(indices) for indices in self._trainable.values())
+
     # ============================================================ backward
     def start_backward(self, sync: bool) -> None:
-        self.sync = sync
+        super().start_backward(sync)
         self._dirty = True
         self._arrived = {}
         self._ready = set()
@@ -280,20 +306,19 @@ class Stage3(Strategy):
 
     def _reduce_order(self) -> list[Unit]:
         """Reverse order of first use in forward, then the units that forward did not use."""
-        assert self.gatherer is not None
         used = [u for u in reversed(list(self.gatherer.forward_order)) if u in self._trainable]
         rest = [u for u in self.units if u in self._trainable and u not in set(used)]
         return used + rest
 
     def _on_grad(self, param: torch.Tensor) -> None:
         unit = unit_of(param)
-        if unit is None or unit not in self._trainable:
-            return
+        if unit is None or unit not in self._trainable or not self.in_backward:
+            return  # (not in this engine's backward: another engine's loss reached this model)
+        self.arrivals += 1
         arrived = self._arrived.setdefault(unit, set())
         arrived.add(param.__dict__["_shardwise_index"])
         if len(arrived) < len(self._trainable[unit]):
             return
-        assert self.gatherer is not None
         self.gatherer.grads_ready(unit)
         if self.sync and unit not in self._ready:
             self._ready.add(unit)
@@ -344,7 +369,7 @@ class Stage3(Strategy):
         return self._by_unit
 
     def finish_backward(self) -> None:
-        assert self.gatherer is not None
+        super().finish_backward()
         self.gatherer.forward_order = {}
         if not self.sync:
             return
@@ -375,12 +400,11 @@ class Stage3(Strategy):
         masters = [(p.local(p.unit.shard), p.master) for p in self._pieces if p.master is not None]
         if masters and not self.alias:
             torch._foreach_copy_([local for local, _ in masters], [master for _, master in masters])
-        assert self.gatherer is not None
         for unit in self.units:
             if unit not in self._trainable or not unit.gathered:
                 continue
-            if unit.refs == 0 and not unit.persistent:
-                self.gatherer.release(unit)  # stale full values: drop them, the next use re-gathers
+            if unit.holders == 0 and not unit.persistent:
+                self.gatherer.drop(unit)  # stale full values: drop them, the next use re-gathers
             else:
                 unit.refresh()
 
@@ -398,12 +422,24 @@ class Stage3(Strategy):
                     param.grad = None
 
     def _on_params_modified(self, unit: Unit) -> None:
-        """``GatheredParameters(modifier_rank=...)`` changed ``unit``: master weights follow."""
+        """``GatheredParameters(modifier_rank=...)`` changed ``unit``: master weights (kept ones too) follow."""
         if self.alias:
             return  # the masters are views of the shard that was just updated
         for piece in self._pieces_by_unit().get(unit, ()):
-            if piece.master is not None:
-                piece.master.copy_(piece.local(unit.shard))
+            master = piece.master
+            if master is None and (kept := self.frozen.get(piece.param)) is not None:
+                master = kept.master
+            if master is not None:
+                master.copy_(piece.local(unit.shard))
+
+    def _on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
+        """``zero.load_state_dict`` gave ``unit`` fp32 values: masters (kept ones too) take them exactly."""
+        for piece in self._pieces_by_unit().get(unit, ()):
+            master = piece.master
+            if master is None and (kept := self.frozen.get(piece.param)) is not None:
+                master = kept.master
+            if master is not None and piece.index in loaded and master.data_ptr() != piece.local(unit.shard).data_ptr():
+                master.copy_(piece.local(values))
 
     # ========================================================== accounting
     def memory_breakdown(self) -> dict[str, int]:
@@ -414,12 +450,15 @@ class Stage3(Strategy):
         with torch._C.DisableTorchFunctionSubclass():
             grads += [p.grad for u in self.units for p in u.params if p.grad is not None]
         state = getattr(self.inner, "state", {}) if self.inner is not None else {}
-        masters = 0 if self.alias else tensor_bytes([p.master for p in self._pieces if p.master is not None])
+        masters = 0
+        if not self.alias:  # in fp32 the masters are the shards themselves
+            masters = tensor_bytes([p.master for p in self._pieces if p.master is not None])
+            masters += self.frozen.master_bytes()
         return {
             "parameters": params,
             "master_weights": masters,
             "gradients": tensor_bytes(grads),
-            "optimizer_state": tensor_bytes(list(state.values())),
+            "optimizer_state": tensor_bytes(list(state.values())) + self.frozen.state_bytes(),
         }
 
     def full_master_weights(self) -> dict[int, torch.Tensor]:
@@ -428,56 +467,98 @@ class Stage3(Strategy):
         for unit in self.units:
             shard = unit.shard.float()
             for piece in by_unit.get(unit, ()):
-                if piece.master is not None:
-                    piece.local(shard).copy_(piece.master)
+                master = piece.master
+                if master is None and (kept := self.frozen.get(piece.param)) is not None:
+                    master = kept.master
+                if master is not None:
+                    piece.local(shard).copy_(master)
             full = torch.empty(unit.padded, dtype=torch.float32, device=shard.device)
             self.comm.all_gather(full, shard)
             for index, param in enumerate(unit.params):
                 result[id(param)] = unit.param_view(full, index).clone()
         return result
 
-    def param_shards(self) -> list[ParamShard]:
+    # ========================================================== checkpoint
+    @contextlib.contextmanager
+    def checkpoint_shards(self, loading: bool, wanted: frozenset[str] = frozenset()) -> Iterator[list[ParamShard]]:
+        if self.inner is None:
+            yield []
+            return
+        names = {id(p.param): p.unit.names[p.index] for p in self._pieces}
+        groups = {id(p.param): p.group for p in self._pieces}
+        frozen = [p.param for p in self._pieces if p.master is None]
+        if not loading:
+            yield self._shards() + self.frozen.shards(frozen, names, groups)
+            return
+        by_param = {id(p.param): p for p in self._pieces}
+        with self.frozen.loading(frozen, lambda p: names[id(p)] in wanted,
+                                 lambda p: self._fresh_kept(by_param[id(p)]),
+                                 lambda p, kept: self._write_kept(by_param[id(p)], kept)):
+            yield self._shards() + self.frozen.shards(frozen, names, groups)
+        for unit in self.units:  # frozen units took loaded values: drop stale gathered copies
+            if unit.gathered and unit not in self._trainable:
+                unit.refresh()
+
+    def _shards(self) -> list[ParamShard]:
         shards = []
         for piece in self._pieces:
             if piece.master is None:
                 continue
             unit = piece.unit
+            slot = OptimizerSlot(self.inner.state, piece.master)
             shards.append(ParamShard(unit.names[piece.index], unit.shapes[piece.index], piece.start, piece.end,
-                                     piece.master, piece.master, piece.group))
+                                     piece.master, piece.group, slot))
         return shards
 
+    def _fresh_kept(self, piece: _Piece) -> Kept:
+        local = piece.local(piece.unit.shard)
+        return Kept(piece.start, piece.end, local if self.alias else local.float())
+
+    def _write_kept(self, piece: _Piece, kept: Kept) -> None:
+        local = piece.local(piece.unit.shard)
+        if local.data_ptr() != kept.master.data_ptr():
+            local.copy_(kept.master)
+
+    def save_entries(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Partitioned entries are gathered one at a time; entry ``i`` of them is written by rank
+        ``i % N``, so no rank holds more than its share (collective)."""
+        owned = super().save_entries({n: t for n, t in live.items() if not is_partitioned(t)})
+        partitioned = [n for n, t in live.items() if is_partitioned(t)]
+        for index, name in enumerate(partitioned):
+            with GatheredParameters([live[name]]):
+                if index % self.comm.world_size == self.comm.rank:
+                    owned[name] = live[name].detach().clone()
+        return owned
+
+    def load_entries(self, live: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Apply]:
+        buffers, apply_local = super().load_entries({n: t for n, t in live.items() if not is_partitioned(t)})
+        partitioned = {n: t for n, t in live.items() if is_partitioned(t)}
+        with torch._C.DisableTorchFunctionSubclass():
+            buffers.update({n: torch.empty(t.shape, dtype=t.dtype, device=t.device) for n, t in partitioned.items()})
+
+        def apply() -> None:
+            apply_local()
+            for name, param in partitioned.items():  # collective: rank 0's values, re-partitioned
+                with GatheredParameters([param], modifier_rank=0), torch.no_grad():
+                    param.copy_(buffers[name])
+
+        return buffers, apply
+
     @contextlib.contextmanager
-    def checkpoint_view(self, loading: bool, wanted: frozenset[str] = frozenset()) -> Iterator[None]:
-        """Frozen-later pieces keep master and state, so they are saved already; when
-        loading, pieces frozen since ``initialize`` get a master for the call and keep
-        it (with the loaded optimizer state) if the checkpoint had state for them."""
-        if not loading or self.inner is None:
+    def writable_full_params(self) -> Iterator[None]:
+        with GatheredParameters(list(self.module.parameters()), modifier_rank=0):
             yield
-            return
-        temporary = [p for p in self._pieces if p.master is None and p.unit.names[p.index] in wanted]
-        for piece in temporary:
-            local = piece.local(piece.unit.shard)
-            piece.master = local if self.alias else local.float()
-        if temporary:
-            self._point_optimizer()
-        try:
-            yield
-        finally:
-            state = self.inner.state
-            dropped = [piece for piece in temporary if not state.get(piece.master)]
-            for piece in dropped:
-                piece.master = None
-            if dropped:
-                self._point_optimizer()
-            for unit in self.units:  # loaded values of frozen units: drop stale gathered copies
-                if unit.gathered and unit not in self._trainable:
-                    unit.refresh()
 
     # =============================================================== close
     def close(self) -> None:
         """Remove every hook and give each parameter back its full storage (collective)."""
-        if self.gatherer is not None:
-            self.gatherer.remove()
+        held = [unit for unit in self.units if unit.holders]
+        if held:
+            raise UnitError(
+                f"rank {self.comm.rank}: `engine.destroy()` while {held[:3]} are still held (a forward, "
+                "backward or `GatheredParameters` block is running); destroy the engine outside them"
+            )
+        self.gatherer.remove()
         for hook in self._grad_hooks.values():
             hook.remove()
         self._grad_hooks = {}
@@ -487,8 +568,7 @@ class Stage3(Strategy):
                 for index, param in enumerate(unit.params):
                     param.data = unit.param_view(unit.full, index).clone()
                     restore_parameter(param)
-            unit.persistent = False
-            unit.refs = 0
+            unit.unpersist()
             unit.free()
         self.units = []
 

@@ -1,0 +1,37 @@
+"""Validated shardwise configuration: DeepSpeed's keys, Hugging Face's `auto`, batch-size arithmetic.
+
+Keys follow DeepSpeed's JSON where the concept is the same, so an existing DeepSpeed config works
+unchanged. One rule for every key (`policy.py`): a key shardwise implements acts as in DeepSpeed;
+any other key DeepSpeed's schema knows (`catalog.py`) is accepted with an info line when it
+switches something off, tunes nothing here or asks for what already holds, and is an error naming
+the feature when it turns one on; anything else is an unknown key, reported with the closest known
+one. `"auto"` resolves from what is known (`auto.py`). Every invalid config raises
+:class:`ConfigError`, which lists each problem on its own line with the dotted key path.
+
+Defaults follow plain PyTorch: `gradient_clipping` is 0 (off) when absent, whereas recent DeepSpeed
+clips at 1.0 by default.
+
+This package only describes: it imports no shardwise runtime module. The runtime
+(`shardwise.optim`, `shardwise.schedulers`, the engine) imports it.
+"""
+
+from __future__ import annotations
+
+from .errors import ConfigError
+from .model import BatchSizes, Config, load_configs
+from .notes import Note
+from .reading import read_config_file
+from .sections import (
+    BF16Config,
+    CheckpointConfig,
+    FP16Config,
+    OffloadConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZeroConfig,
+)
+
+__all__ = [
+    "BF16Config", "BatchSizes", "CheckpointConfig", "Config", "ConfigError", "FP16Config", "Note",
+    "OffloadConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "load_configs", "read_config_file",
+]

@@ -1,0 +1,223 @@
+"""Hugging Face's `"auto"` values: what each becomes, and when it is known.
+
+Three kinds, by key:
+
+* batch numbers (`train_batch_size`, `train_micro_batch_size_per_gpu`,
+  `gradient_accumulation_steps`) become "not given": DeepSpeed's rule derives them from the other
+  two and the world size (`Config.batch_sizes`, filled in by `Config.resolve`);
+* keys that depend on what `initialize` receives stay pending until `Config.resolve`:
+  `fp16.enabled` / `bf16.enabled` (the model's dtype), the ZeRO bucket sizes (the model's hidden
+  size, as transformers computes them), `optimizer.params.*` (the optimizer passed, else torch's
+  defaults), `scheduler.params.*` (the lr scheduler or optimizer passed, the trainer's total steps);
+* any other key takes the engine's default at load.
+
+transformers' `HfTrainerDeepSpeedConfig` fills the same keys from `TrainingArguments`; this module
+fills them from what shardwise knows instead (learned from its rules, not copied).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .catalog import is_auto
+from .errors import ConfigError
+from .notes import Note
+from .optimizers import OPTIMIZERS
+from .schedules import SCHEDULES
+
+__all__ = ["BATCH_KEYS", "Facts", "fill", "resolves_later"]
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+_LATER = {
+    "fp16.enabled": "the model's dtype (true for a float16 model, else false)",
+    "bf16.enabled": "the model's dtype (true for a bfloat16 model, else false)",
+    "zero_optimization.reduce_bucket_size": "hidden_size² from the model's config, else the default",
+    "zero_optimization.stage3_prefetch_bucket_size": "0.9 × hidden_size² from the model's config, else the default",
+    "zero_optimization.stage3_param_persistence_threshold": "10 × hidden_size from the model's config, else the default",
+}
+_SCHEDULER_LATER = {
+    "total_num_steps": "the total optimizer steps a trainer passes (`Config.resolve(total_num_steps=...)`)",
+    "warmup_max_lr": "the optimizer's lr",
+    "warmup_min_lr": "0",
+    "warmup_num_steps": "0 (no warmup)",
+}
+
+
+def resolves_later(path: str) -> str | None:
+    """How the `auto` at `path` resolves at initialize, or None when it resolves at load."""
+    if path in _LATER:
+        return _LATER[path]
+    section, _, rest = path.partition(".params.")
+    if section == "optimizer" and rest:
+        return "the optimizer passed to initialize when every param is `auto` (the section gives way), else torch's default"
+    if section == "scheduler" and rest:
+        return "the lr_scheduler passed to initialize when every param is `auto` (the section gives way), else " \
+            + _SCHEDULER_LATER.get(rest, "the schedule's default")
+    return None
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What `initialize` knows that a config file cannot."""
+
+    model: nn.Module | None = None
+    optimizer: Any = None
+    lr_scheduler: Any = None
+    total_num_steps: int | None = None
+
+
+def fill(data: MutableMapping[str, Any], pending: Mapping[str, str], facts: Facts) -> list[Note]:
+    """Replace every pending `auto` in `data` (a config dict) from `facts`; return what each became."""
+    notes: list[Note] = []
+    notes += _optimizer(data, pending, facts)
+    notes += _scheduler(data, pending, facts)
+    for path in ("fp16.enabled", "bf16.enabled"):
+        if path in pending:
+            notes.append(_set(data, path, _model_dtype(facts.model) == _DTYPES[path], "the model's dtype"))
+    notes += _buckets(data, pending, facts.model)
+    return notes
+
+
+_DTYPES = {"fp16.enabled": torch.float16, "bf16.enabled": torch.bfloat16}
+
+
+def parent(data: MutableMapping[str, Any], path: str) -> tuple[MutableMapping[str, Any], str]:
+    """The mapping that holds the dotted `path` in `data`, and the last key."""
+    *parents, key = path.split(".")
+    node = data
+    for part in parents:
+        node = node[part]
+    return node, key
+
+
+def _set(data: MutableMapping[str, Any], path: str, value: Any, why: str) -> Note:
+    node, key = parent(data, path)
+    node[key] = value
+    return Note(path, f"`{path}: auto` became {json.dumps(value)} ({why})")
+
+
+def _drop(data: MutableMapping[str, Any], path: str, why: str) -> Note:
+    node, key = parent(data, path)
+    del node[key]
+    return Note(path, f"`{path}: auto` became {why}")
+
+
+def _all_auto(section: Any) -> bool:
+    """Whether `section` has params and every one is `auto` (it then gives way to the object passed)."""
+    if not isinstance(section, Mapping):
+        return False
+    params = section.get("params")
+    return isinstance(params, Mapping) and bool(params) and all(is_auto(v) for v in params.values())
+
+
+def _optimizer(data: MutableMapping[str, Any], pending: Mapping[str, str], facts: Facts) -> list[Note]:
+    section = data.get("optimizer")
+    if section is None:
+        return []
+    if facts.optimizer is not None and _all_auto(section):
+        del data["optimizer"]
+        return [Note("optimizer", "`optimizer`: every param is `auto`, so the optimizer passed to initialize is used")]
+    spec = OPTIMIZERS.get(section["type"])
+    notes = []
+    for path in [p for p in pending if p.startswith("optimizer.params.")]:
+        name = path.rsplit(".", 1)[-1]
+        default = spec.torch_arguments().get(name) if spec is not None else None
+        notes.append(_drop(data, path, f"{json.dumps(default)} (torch's default)"))
+    return notes
+
+
+def _scheduler(data: MutableMapping[str, Any], pending: Mapping[str, str], facts: Facts) -> list[Note]:
+    section = data.get("scheduler")
+    if section is None:
+        return []
+    if facts.lr_scheduler is not None and _all_auto(section):
+        del data["scheduler"]
+        return [Note("scheduler", "`scheduler`: every param is `auto`, so the lr_scheduler passed to initialize is used")]
+    notes = []
+    for path in [p for p in pending if p.startswith("scheduler.params.")]:
+        name = path.rsplit(".", 1)[-1]
+        if name == "total_num_steps":
+            notes.append(_set(data, path, _total_steps(facts, path), "the trainer's total steps"))
+        elif name == "warmup_max_lr":
+            notes.append(_set(data, path, _optimizer_lr(data, facts), "the optimizer's lr"))
+        elif name in ("warmup_min_lr", "warmup_num_steps"):
+            notes.append(_set(data, path, 0 if name == "warmup_num_steps" else 0.0, "Hugging Face's choice"))
+        else:
+            default = SCHEDULES.get(section["type"], {}).get(name)
+            notes.append(_drop(data, path, f"{json.dumps(default)} (the schedule's default)"))
+    return notes
+
+
+def _total_steps(facts: Facts, path: str) -> int:
+    if facts.total_num_steps is None:
+        raise ConfigError(
+            f"`{path}` is `auto`, and only a trainer knows the total number of optimizer steps: set it to a number, "
+            "pass `total_num_steps=` to `Config.resolve`, or pass your own `lr_scheduler` with every scheduler "
+            "param `auto`")
+    return int(facts.total_num_steps)
+
+
+def _optimizer_lr(data: Mapping[str, Any], facts: Facts) -> float | list[float]:
+    """The lr the optimizer starts from: the config's, the passed optimizer's, else torch's default."""
+    section = data.get("optimizer")
+    if isinstance(section, Mapping) and "lr" in section.get("params", {}):
+        return float(section["params"]["lr"])
+    groups = getattr(facts.optimizer, "param_groups", None)
+    if groups:
+        lrs = [float(g["lr"]) for g in groups]
+        return lrs[0] if len(set(lrs)) == 1 else lrs
+    if isinstance(section, Mapping) and section.get("type") in OPTIMIZERS:
+        return float(OPTIMIZERS[section["type"]].default("lr"))
+    return float(SCHEDULES["WarmupLR"]["warmup_max_lr"])
+
+
+def _model_dtype(model: nn.Module | None) -> torch.dtype | None:
+    if model is None:
+        return None
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return None
+
+
+def hidden_size(model: nn.Module | None) -> int | None:
+    """The model's hidden size as transformers reads it (`config.hidden_size`, largest of `hidden_sizes`,
+    or the same under `config.text_config`), or None."""
+    config = getattr(model, "config", None)
+    for holder in (config, getattr(config, "text_config", None)):
+        if holder is None:
+            continue
+        size = getattr(holder, "hidden_size", None)
+        if isinstance(size, int):
+            return size
+        sizes = getattr(holder, "hidden_sizes", None)
+        if isinstance(sizes, (list, tuple)) and sizes:
+            return int(max(sizes))
+    return None
+
+
+_BUCKETS = {
+    "zero_optimization.reduce_bucket_size": ("hidden_size²", lambda h: h * h),
+    "zero_optimization.stage3_prefetch_bucket_size": ("0.9 × hidden_size²", lambda h: int(0.9 * h * h)),
+    "zero_optimization.stage3_param_persistence_threshold": ("10 × hidden_size", lambda h: 10 * h),
+}
+
+
+def _buckets(data: MutableMapping[str, Any], pending: Mapping[str, str], model: nn.Module | None) -> list[Note]:
+    size = hidden_size(model)
+    notes = []
+    for path, (formula, compute) in _BUCKETS.items():
+        if path not in pending:
+            continue
+        if size is None:
+            notes.append(_drop(data, path, "the default (the model's config gives no hidden size)"))
+        else:
+            notes.append(_set(data, path, compute(size), f"{formula}, hidden_size {size}"))
+    return notes

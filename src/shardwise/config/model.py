@@ -1,0 +1,268 @@
+"""`Config`: the validated top-level config, its batch-size arithmetic, and `resolve` for `initialize`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
+from torch import nn
+
+from . import auto
+from .describe import problems_from
+from .errors import ConfigError, Problems, canonical
+from .notes import Note, announce
+from .policy import prepare
+from .reading import read_config_file
+from .sections import (
+    BF16Config,
+    CheckpointConfig,
+    FP16Config,
+    OptimizerConfig,
+    SchedulerConfig,
+    Section,
+    ZeroConfig,
+)
+
+__all__ = ["BatchSizes", "Config", "load_configs"]
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """Resolved batch sizes; the first two are None when the config does not determine them."""
+
+    train_batch_size: int | None
+    micro_batch_size: int | None
+    gradient_accumulation_steps: int
+
+
+class Config(Section):
+    """A validated shardwise config. Build one with :meth:`load` (dict, .json/.yaml path or Config).
+
+    DeepSpeed's keys work unchanged (see `shardwise.config.policy` for the one rule every key
+    follows). `notes` lists the info lines about the config (ignored keys, aliases read, `auto`
+    values settled); `pending` the `auto` values that only :meth:`resolve` can settle.
+    """
+
+    train_batch_size: int | None = Field(default=None, ge=1)
+    train_micro_batch_size_per_gpu: int | None = Field(default=None, ge=1)
+    gradient_accumulation_steps: int | None = Field(default=None, ge=1)
+    gradient_clipping: float = Field(default=0.0, ge=0)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    auto_refresh_trainable: bool = True
+    steps_per_print: int = Field(default=10, ge=1)
+    wall_clock_breakdown: bool = False
+    seed: int | None = None
+    dist_timeout: float = Field(default=1800.0, gt=0)
+    communication_data_type: str | None = None
+    #: drop the last incomplete batch of the DataLoader `shardwise.deepspeed.initialize` builds
+    dataloader_drop_last: bool = False
+
+    _notes: tuple[Note, ...] = PrivateAttr(default=())
+    _pending: dict[str, str] = PrivateAttr(default_factory=dict)
+    _announced: frozenset[str] = PrivateAttr(default=frozenset())
+
+    def __init__(self, **data: Any) -> None:
+        """Validate keyword settings; problems raise ConfigError (prefer :meth:`load`)."""
+        prepared = prepare(data, Config)
+        if prepared.problems:
+            raise ConfigError(prepared.problems)
+        try:
+            self.__pydantic_validator__.validate_python(
+                prepared.data, self_instance=self, context={"pending": prepared.pending})
+        except ValidationError as exc:
+            raise ConfigError(problems_from(Config, exc)) from None
+        self._notes, self._pending = tuple(prepared.notes), dict(prepared.pending)
+
+    # Mark the override as pydantic's own __init__: otherwise model_validate would route every
+    # validation through it and wrap our ConfigError inside a ValidationError.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @field_validator("bf16")
+    @classmethod
+    def _one_half_precision(cls, value: BF16Config, info: ValidationInfo) -> BF16Config:
+        # A field validator (fp16 is declared first) so the clash is reported with any other problem.
+        fp16 = info.data.get("fp16")
+        if value.enabled and fp16 is not None and fp16.enabled:
+            clash = "`fp16.enabled` and `bf16.enabled` are both true; set one of them to false"
+            raise Problems([((), "raw", clash)])
+        return value
+
+    @field_validator("communication_data_type")
+    @classmethod
+    def _fp32_reduction(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        name = canonical(value, ("fp32", "fp16", "bf16"))
+        if name != "fp32":
+            raise ValueError(
+                f"`{name}` turns on gradient reduction in {name}, which shardwise does not implement (it always "
+                "reduces in fp32: more accurate, same result as DDP); remove the key or set it to `fp32`")
+        return name
+
+    def __eq__(self, other: object) -> bool:
+        # Settings and pending `auto`s make a config; its info lines are only about how it was written.
+        if not isinstance(other, Config):
+            return NotImplemented
+        return self.model_dump() == other.model_dump() and self._pending == other._pending
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def notes(self) -> tuple[Note, ...]:
+        """Info lines about this config: what was ignored and why, aliases read, `auto`s settled."""
+        return self._notes
+
+    @property
+    def pending(self) -> dict[str, str]:
+        """Dotted paths whose `auto` value :meth:`resolve` settles -> how."""
+        return dict(self._pending)
+
+    @classmethod
+    def load(cls, source: Mapping[str, Any] | str | os.PathLike[str] | Config) -> Config:
+        """Validate `source`: a dict, a `.json`/`.yaml`/`.yml` path, or a Config (returned as is)."""
+        if isinstance(source, Config):
+            return source
+        if isinstance(source, (str, os.PathLike)):
+            return cls._validate(read_config_file(Path(source)), source=str(source))
+        if isinstance(source, Mapping):
+            return cls._validate(dict(source))
+        raise ConfigError(f"config: got {type(source).__name__}; expected a dict, a path to a "
+                          "`.json`/`.yaml` file, or a `shardwise.Config`")
+
+    @classmethod
+    def _validate(cls, data: Any, source: str | None = None, prefix: tuple[str, ...] = ()) -> Config:
+        prepared = prepare(data, cls, prefix)
+        problems = list(prepared.problems)
+        config = None
+        try:
+            config = cls.model_validate(prepared.data, context={"pending": prepared.pending})
+        except ValidationError as exc:
+            problems += problems_from(cls, exc, prefix)
+        if problems or config is None:
+            raise ConfigError(problems, source)
+        config._notes, config._pending = tuple(prepared.notes), dict(prepared.pending)
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict of every setting (defaults included, `auto` where still pending); `load` reads it back."""
+        data = self.model_dump()
+        for path in self._pending:
+            node, key = auto.parent(data, path)
+            node[key] = "auto"
+        return data
+
+    def batch_sizes(self, world_size: int) -> BatchSizes:
+        """Resolve DeepSpeed's rule train = micro × accumulation × world; any two given imply the third."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size: got {world_size!r}; expected an integer >= 1")
+        return _batch_sizes(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                            self.gradient_accumulation_steps, world_size)
+
+    def resolve(
+        self,
+        *,
+        world_size: int = 1,
+        model: nn.Module | None = None,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        total_num_steps: int | None = None,
+        device: str | torch.device = "cpu",
+    ) -> Config:
+        """A new Config with every `auto` settled and the batch sizes filled in for `world_size`.
+
+        `shardwise.initialize` calls it with what it was given: the model (dtype, hidden size for
+        bucket sizes), the optimizer and lr scheduler passed (their lr; a config section whose
+        params are all `auto` gives way to them), and the device the job runs on (`offload_*` to
+        `cpu` is only accepted on a CPU job). A trainer passes `total_num_steps` for a scheduler's
+        `total_num_steps: auto`. Logs the info lines (rank 0, once per line per config).
+        """
+        data = self.to_dict()
+        facts = auto.Facts(model, optimizer, lr_scheduler, total_num_steps)
+        notes = auto.fill(data, self._pending, facts)
+        notes += _check_offload(data, torch.device(device))
+        sizes = self.batch_sizes(world_size)
+        data["train_batch_size"] = sizes.train_batch_size
+        data["train_micro_batch_size_per_gpu"] = sizes.micro_batch_size
+        data["gradient_accumulation_steps"] = sizes.gradient_accumulation_steps
+        resolved = Config._validate(data)
+        resolved._notes = self._notes + tuple(notes) + resolved._notes
+        resolved._announced = announce(resolved._notes, self._announced)
+        return resolved
+
+
+def _batch_sizes(train: int | None, micro: int | None, gas: int | None, world: int) -> BatchSizes:
+    names = {"micro": f"train_micro_batch_size_per_gpu {micro}", "gas": f"gradient_accumulation_steps {gas}"}
+    where = f"world_size {world}"
+    if train is not None and micro is not None and gas is not None:
+        if train != micro * gas * world:
+            product = f"{names['micro']} × {names['gas']} × {where} = {micro * gas * world}"
+            raise ConfigError(f"train_batch_size {train} != {product}; fix one of them")
+        return BatchSizes(train, micro, gas)
+    if train is not None:
+        # One of micro / gas is given (or neither, and gas defaults to 1): derive the other.
+        if micro is not None:
+            divisor, terms = micro * world, f"{names['micro']} × {where}"
+        elif gas is not None:
+            divisor, terms = gas * world, f"{names['gas']} × {where}"
+        else:
+            divisor, terms = world, where
+        if train % divisor:
+            raise ConfigError(f"train_batch_size {train} is not divisible by {terms} = {divisor}; fix one of them")
+        if micro is not None:
+            return BatchSizes(train, micro, train // divisor)
+        return BatchSizes(train, train // divisor, gas or 1)
+    if micro is not None:
+        return BatchSizes(micro * (gas or 1) * world, micro, gas or 1)
+    return BatchSizes(None, None, gas or 1)
+
+
+def _check_offload(data: dict[str, Any], device: torch.device) -> list[Note]:
+    """`offload_*: {device: cpu}` holds already on a CPU job; on an accelerator it would be ZeRO-Offload."""
+    notes = []
+    for key in ("offload_optimizer", "offload_param"):
+        if data["zero_optimization"].get(key) is None:
+            continue
+        path = f"zero_optimization.{key}"
+        if device.type != "cpu":
+            what = "optimizer state and step" if key == "offload_optimizer" else "parameters"
+            raise ConfigError(
+                f"`{path}.device: cpu` turns on ZeRO-Offload ({what} on the CPU while the model trains on "
+                f"{device.type}), a DeepSpeed feature shardwise does not implement; remove `{path}`")
+        notes.append(Note(path, f"`{path}.device: cpu` holds already: this job runs on the CPU"))
+    return notes
+
+
+def load_configs(path: str | os.PathLike[str]) -> dict[str, Config]:
+    """Load a file of named configs, `engines: {name: {...}, ...}`, validating each one.
+
+    Problems in every engine are reported together, with paths like `engines.teacher.zero_optimization.stage`.
+    """
+    data = read_config_file(Path(path))
+    engines = data.get("engines")
+    extra = sorted(str(k) for k in data if k != "engines")
+    if not isinstance(engines, dict) or not engines or extra:
+        found = f"top-level keys {sorted(map(str, data))}" if data else "an empty file"
+        expected = ("expected a single top-level key `engines` mapping engine names to configs, "
+                    "e.g. `engines: {student: {...}, teacher: {...}}`")
+        raise ConfigError(f"{expected}; found {found}", str(path))
+    configs: dict[str, Config] = {}
+    problems: list[str] = []
+    for name, raw in engines.items():
+        try:
+            configs[str(name)] = Config._validate(raw, prefix=("engines", str(name)))
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise ConfigError(problems, str(path))
+    return configs
+

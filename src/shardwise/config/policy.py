@@ -1,0 +1,210 @@
+"""One rule for every key: turn a raw DeepSpeed-style dict into what the section models validate.
+
+`prepare` walks the raw config along the section models and, for each key:
+
+1. reads a DeepSpeed alias or legacy name as its canonical name (with an info line);
+2. a key shardwise implements: `auto` is settled by `auto.py`'s rules, a string number or boolean
+   becomes a number or boolean (`"1e-3"`, `"true"`), and the value goes on to pydantic;
+3. a DeepSpeed key in `catalog.CATALOG`: accepted with an info line when it changes nothing here,
+   an error naming the feature when it turns one on;
+4. anything else: an unknown-key error with the closest known key.
+
+Problems are collected, not raised one by one, so the user sees all of them at once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from .auto import BATCH_KEYS, resolves_later
+from .catalog import ALIASES, CATALOG, OFFLOAD_KEYS, Entry, is_auto
+from .errors import problem_line, suggest
+from .notes import Note
+from .sections import OffloadConfig, OptimizerConfig, SchedulerConfig, field_default, section_of
+
+__all__ = ["Prepared", "coerce", "prepare"]
+
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+_INTEGER = re.compile(r"[+-]?\d+")
+
+
+def coerce(value: Any) -> Any:
+    """Read a string number or boolean as DeepSpeed's JSON would have it: `"5e8"` -> 5e8, `"true"` -> True.
+
+    YAML reads `3e-4` (no dot) as a string, and hand-written JSON quotes numbers now and then;
+    every key is read the same way. Other values (lists element-wise) are returned as they are.
+    """
+    if isinstance(value, list):
+        return [coerce(v) for v in value]
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if _INTEGER.fullmatch(text):
+        return int(text)
+    if _NUMBER.fullmatch(text):
+        return float(text)
+    return value
+
+
+@dataclass
+class Prepared:
+    """The outcome of `prepare`: data for pydantic, info lines, problems, and `auto`s left for `resolve`."""
+
+    data: Any
+    notes: list[Note] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    #: dotted path -> how its `auto` resolves at initialize
+    pending: dict[str, str] = field(default_factory=dict)
+
+
+def prepare(raw: Any, root: type[BaseModel], prefix: tuple[str, ...] = ()) -> Prepared:
+    """Apply the policy to `raw` (a config dict; anything else is left for pydantic to reject)."""
+    if not isinstance(raw, Mapping):
+        return Prepared(raw)
+    walk = _Walk(prefix)
+    return Prepared(walk.section(root, raw, ()), walk.notes, walk.problems, walk.pending)
+
+
+class _Walk:
+    def __init__(self, prefix: tuple[str, ...]) -> None:
+        self.prefix = prefix
+        self.notes: list[Note] = []
+        self.problems: list[str] = []
+        self.pending: dict[str, str] = {}
+
+    def shown(self, path: tuple[str, ...]) -> str:
+        """The path as the user reads it (with an `engines.NAME.` prefix in a named-config file)."""
+        return ".".join(self.prefix + path)
+
+    def section(self, model: type[BaseModel], raw: Mapping[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in self._renamed(raw, path).items():
+            here = (*path, key)
+            if key in model.model_fields:
+                self._field(model, key, value, here, out)
+            elif ".".join(here) in CATALOG:
+                self._judge(CATALOG[".".join(here)], value, here)
+            else:
+                self._unknown(model, here)
+        return out
+
+    def _renamed(self, raw: Mapping[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+        """`raw` with DeepSpeed's aliases read as their canonical names."""
+        aliases = ALIASES.get(".".join(path), {})
+        out: dict[str, Any] = {}
+        for key, value in raw.items():
+            key = str(key)
+            alias = aliases.get(key)
+            if alias is None:
+                out[key] = value
+                continue
+            canonical = alias.name
+            if canonical in raw or canonical in out:
+                self.problems.append(
+                    f"`{self.shown((*path, key))}` and `{self.shown((*path, canonical))}` are the same setting "
+                    f"(`{key}` is DeepSpeed's other name for it); keep only `{canonical}`")
+                continue
+            out[canonical] = alias.convert(value) if alias.convert is not None else value
+            self.notes.append(Note(self.shown((*path, key)),
+                                   f"`{self.shown((*path, key))}` is read as `{self.shown((*path, canonical))}`"))
+        return out
+
+    def _field(self, model: type[BaseModel], key: str, value: Any, here: tuple[str, ...], out: dict[str, Any]) -> None:
+        dotted = ".".join(here)
+        if is_auto(value):
+            self._auto(model, key, here)
+            return
+        annotation = model.model_fields[key].annotation
+        sub = section_of(annotation)
+        if dotted == "zero_optimization" and isinstance(value, bool):
+            # DeepSpeed's oldest format: `zero_optimization: true` was stage 1.
+            out[key] = {"stage": int(value)}
+            shown = self.shown(here)
+            read = f"`{shown}: {str(value).lower()}` is read as `{shown}.stage: {int(value)}` (DeepSpeed's legacy form)"
+            self.notes.append(Note(shown, read))
+        elif sub is OffloadConfig:
+            offload = self._offload(value, here)
+            if offload is not None:
+                out[key] = offload
+        elif sub is not None and isinstance(value, Mapping):
+            out[key] = self.section(sub, value, here)
+        elif key == "params" and model in (OptimizerConfig, SchedulerConfig) and isinstance(value, Mapping):
+            out[key] = self._params(value, here)
+        elif annotation in (str, str | None) or dotted.endswith(".type"):
+            out[key] = value
+        else:
+            out[key] = coerce(value)
+
+    def _params(self, raw: Mapping[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in raw.items():
+            here = (*path, str(key))
+            if is_auto(value):
+                self.pending[".".join(here)] = resolves_later(".".join(here)) or "the default"
+            else:
+                out[str(key)] = coerce(value)
+        return out
+
+    def _auto(self, model: type[BaseModel], key: str, here: tuple[str, ...]) -> None:
+        dotted = ".".join(here)
+        later = resolves_later(dotted)
+        if later is not None:
+            self.pending[dotted] = later
+        elif dotted in BATCH_KEYS:
+            rule = "follows from the other batch numbers and the world size (train = micro × accumulation × world)"
+            self.notes.append(Note(self.shown(here), f"`{self.shown(here)}: auto` {rule}"))
+        else:
+            default = field_default(model, key)
+            self.notes.append(Note(self.shown(here), f"`{self.shown(here)}: auto` became {default!r} (the default)"))
+
+    def _offload(self, value: Any, here: tuple[str, ...]) -> dict[str, Any] | None:
+        """An offload section: `none` is off, `cpu` is kept for `resolve` to check, `nvme` is an error."""
+        shown = self.shown(here)
+        if value is None:  # the default: nothing to say
+            return None
+        if value is False:
+            self.notes.append(Note(shown, f"`{shown}: false` leaves ZeRO-Offload off, as in shardwise: ignored"))
+            return None
+        if not isinstance(value, Mapping):
+            self.problems.append(f"`{shown}`: got {value!r}; expected a mapping such as `{{device: cpu}}`")
+            return None
+        unknown = sorted(str(k) for k in value if k not in OFFLOAD_KEYS)
+        for key in unknown:
+            self.problems.append(problem_line(f"{shown}.{key}", "unknown", suggest(key, OFFLOAD_KEYS)))
+        device = str(coerce(value.get("device", "none"))).strip().lower()
+        if device in ("none", "auto", ""):
+            self.notes.append(Note(shown, f"`{shown}` leaves ZeRO-Offload off (`device: none`), as in shardwise: ignored"))
+            return None
+        if device != "cpu":
+            self.problems.append(
+                f"`{shown}.device: {device}` turns on ZeRO-Infinity offload to {device}, which shardwise does not "
+                "implement; remove the section or set `device: none`")
+            return None
+        tuning = sorted(str(k) for k in value if k in OFFLOAD_KEYS and k != "device")
+        if tuning:
+            names = ", ".join(f"`{k}`" for k in tuning)
+            self.notes.append(Note(shown, f"`{shown}`: {names} ignored (they tune the offload itself)"))
+        return {"device": "cpu"}
+
+    def _judge(self, entry: Entry, value: Any, here: tuple[str, ...]) -> None:
+        shown = self.shown(here)
+        if entry.feature is None or (entry.reason and entry.is_off(coerce(value))):
+            self.notes.append(Note(shown, f"`{shown}` ignored: {entry.reason}"))
+        elif entry.is_off(coerce(value)):
+            self.notes.append(Note(shown, f"`{shown}` leaves {entry.feature} off, as in shardwise: ignored"))
+        else:
+            self.problems.append(
+                f"`{shown}` turns on {entry.feature}, a DeepSpeed feature shardwise does not implement; {entry.fix}")
+
+    def _unknown(self, model: type[BaseModel], here: tuple[str, ...]) -> None:
+        level = ".".join(here[:-1])
+        siblings = [p.rsplit(".", 1)[-1] for p in CATALOG if p.rpartition(".")[0] == level]
+        known = [*model.model_fields, *siblings, *ALIASES.get(level, {})]
+        self.problems.append(problem_line(self.shown(here), "unknown", suggest(here[-1], known)))

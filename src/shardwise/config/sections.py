@@ -1,0 +1,213 @@
+"""The config sections shardwise implements, as pydantic models (one field per implemented key).
+
+Keys follow DeepSpeed's JSON where the concept is the same. A section never sees DeepSpeed keys
+that shardwise does not implement, aliases or `auto` values: `policy.prepare` settles those first.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from .errors import Item, Problems, canonical, suggest
+from .optimizers import DEEPSPEED_ONLY_OPTIMIZERS, OPTIMIZERS
+from .schedules import DEEPSPEED_ONLY_SCHEDULES, REQUIRED, SCHEDULES, param_problems
+
+__all__ = [
+    "BF16Config", "CheckpointConfig", "FP16Config", "OffloadConfig", "OptimizerConfig", "SchedulerConfig",
+    "Section", "ZeroConfig",
+]
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _pending(info: ValidationInfo) -> frozenset[str]:
+    """Dotted paths whose `auto` value resolves at `initialize` (passed as validation context)."""
+    context = info.context if isinstance(info.context, dict) else {}
+    return frozenset(context.get("pending", ()))
+
+
+def _named(value: str, known: dict[str, Any], unsupported: dict[str, str], what: str) -> str:
+    """The canonical name of `value`, or an error naming the DeepSpeed feature it would need."""
+    lowered = {n.lower(): n for n in unsupported}
+    if str(value).lower() in lowered:
+        name = lowered[str(value).lower()]
+        choices = ", ".join(f"`{n}`" for n in known)
+        raise ValueError(f"`{name}` is {unsupported[name]}, which shardwise does not provide; use one of {choices}, "
+                         f"or pass your own {what} to `initialize`")
+    return canonical(value, known)
+
+
+# name -> (lower bound, bound allowed): the torch arguments whose range we can check up front.
+_OPTIMIZER_BOUNDS = {"lr": (0, True), "eps": (0, False), "weight_decay": (0, True), "momentum": (0, True)}
+
+
+def _optimizer_value_problem(key: str, value: Any, extras: dict[str, str]) -> str | None:
+    if key in extras:
+        return None if isinstance(value, bool) else "expected true or false"
+    if key == "betas":
+        ok = isinstance(value, (list, tuple)) and len(value) == 2
+        ok = ok and all(_is_number(b) and 0 <= b < 1 for b in value)
+        return None if ok else "expected two numbers in [0, 1), e.g. `[0.9, 0.999]`"
+    if key in _OPTIMIZER_BOUNDS:
+        low, inclusive = _OPTIMIZER_BOUNDS[key]
+        ok = _is_number(value) and (value >= low if inclusive else value > low)
+        return None if ok else f"expected a number {'>=' if inclusive else '>'} {low}"
+    return None
+
+
+class OptimizerConfig(Section):
+    """`optimizer`: a torch optimizer by DeepSpeed name (`Adam`, `AdamW`, `SGD`, ...) and its arguments.
+
+    `params` are torch's keyword arguments, plus DeepSpeed's Adam extras `adam_w_mode` (default
+    true, as in DeepSpeed: `Adam` then means decoupled weight decay, i.e. AdamW) and `torch_adam`
+    (accepted; shardwise always uses torch's implementation). The names are those of
+    `shardwise.config.optimizers.OPTIMIZERS`.
+    """
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type")
+    @classmethod
+    def _canonical_type(cls, value: str) -> str:
+        return _named(value, OPTIMIZERS, DEEPSPEED_ONLY_OPTIMIZERS, "optimizer")
+
+    @model_validator(mode="after")
+    def _check_params(self) -> OptimizerConfig:
+        spec = OPTIMIZERS[self.type]
+        known = spec.known_arguments()
+        items: list[Item] = []
+        for key, value in self.params.items():
+            path = ("params", str(key))
+            if key not in known:
+                where = f"(not an argument of torch.optim.{spec.torch_class.__name__})"
+                items.append((path, "unknown", f"{suggest(key, known)} {where}"))
+            elif (problem := _optimizer_value_problem(key, value, dict(spec.extras))) is not None:
+                items.append((path, "value", f"got {value!r}; {problem}"))
+        if items:
+            raise Problems(items)
+        return self
+
+
+# Integer scheduler arguments; JSON writers sometimes give them as 1e5, which we accept when whole.
+_SCHEDULER_INT_KEYS = ("warmup_num_steps", "total_num_steps", "last_batch_iteration")
+
+
+class SchedulerConfig(Section):
+    """`scheduler`: one of DeepSpeed's `WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR` and its params."""
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type")
+    @classmethod
+    def _canonical_type(cls, value: str) -> str:
+        return _named(value, SCHEDULES, DEEPSPEED_ONLY_SCHEDULES, "lr_scheduler")
+
+    @model_validator(mode="after")
+    def _check_params(self, info: ValidationInfo) -> SchedulerConfig:
+        known = SCHEDULES[self.type]
+        # Arguments given as `auto` resolve at initialize; they are checked then.
+        later = {p.rsplit(".", 1)[-1] for p in _pending(info) if p.startswith("scheduler.params.")}
+        items: list[Item] = []
+        for key in self.params:
+            if key not in known:
+                items.append((("params", str(key)), "unknown", suggest(key, known)))
+        for name, default in known.items():
+            if default is REQUIRED and name not in self.params and name not in later:
+                fix = f" for {self.type}; set it to the total number of optimizer steps"
+                items.append((("params", name), "missing", fix))
+        for key in _SCHEDULER_INT_KEYS:
+            value = self.params.get(key)
+            if isinstance(value, float) and value.is_integer():
+                self.params[key] = int(value)
+        given = {k: v for k, v in self.params.items() if k in known}
+        merged = {k: v for k, v in known.items() if v is not REQUIRED and k not in later} | given
+        for name, problem in param_problems(merged):
+            items.append((("params", name), "value", problem))
+        if items:
+            raise Problems(items)
+        return self
+
+
+class FP16Config(Section):
+    """`fp16`: float16 mixed precision with loss scaling (`loss_scale` 0 means dynamic scaling)."""
+
+    enabled: bool = False
+    loss_scale: float = Field(default=0.0, ge=0)
+    initial_scale_power: int = Field(default=16, ge=0, le=64)
+    loss_scale_window: int = Field(default=1000, ge=1)
+    hysteresis: int = Field(default=2, ge=1)
+    min_loss_scale: float = Field(default=1.0, gt=0)
+    consecutive_hysteresis: bool = False
+
+
+class BF16Config(Section):
+    """`bf16` (legacy name `bfloat16`): bfloat16 mixed precision (no loss scaling needed)."""
+
+    enabled: bool = False
+
+
+class OffloadConfig(Section):
+    """`zero_optimization.offload_optimizer` / `offload_param` with `device: cpu`.
+
+    On a CPU job that is where the state already lives, so it is accepted; on a GPU job
+    `Config.resolve` rejects it (ZeRO-Offload is not implemented). `device: none` is dropped
+    as off and `nvme` is an error before this model sees the section.
+    """
+
+    device: Literal["cpu"] = "cpu"
+
+
+class ZeroConfig(Section):
+    """`zero_optimization`: ZeRO stage (0 replicate, 1 shard optimizer state, 2 + gradients, 3 + params).
+
+    Bucket sizes count elements, as in DeepSpeed. DeepSpeed's names without the `stage3_` prefix
+    (`prefetch_bucket_size`, ...) and `stage3_gather_fp16_weights_on_model_save` are read as the
+    fields here.
+    """
+
+    stage: int = Field(default=0, ge=0, le=3)
+    reduce_bucket_size: int = Field(default=5_000_000, gt=0)
+    reduce_scatter: bool = True
+    stage3_prefetch_bucket_size: int = Field(default=5_000_000, ge=0)
+    stage3_max_live_parameters: int = Field(default=1_000_000_000, ge=0)
+    stage3_max_reuse_distance: int = Field(default=1_000_000_000, ge=0)
+    stage3_param_persistence_threshold: int = Field(default=10_000, ge=0)
+    #: write a 16-bit `pytorch_model.bin` / safetensors file of the full model at save time
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    offload_optimizer: OffloadConfig | None = None
+    offload_param: OffloadConfig | None = None
+
+
+class CheckpointConfig(Section):
+    """`checkpoint`: collective save/load behaviour (`timeout` in seconds for ranks to agree)."""
+
+    timeout: float = Field(default=300.0, gt=0)
+    save_rng_state: bool = True
+    allow_pickle: bool = False
+    async_save: bool = False
+
+
+def field_default(model: type[BaseModel], name: str) -> Any:
+    """The default of field `name` of `model` (factories called)."""
+    return model.model_fields[name].get_default(call_default_factory=True)
+
+
+def section_of(annotation: Any) -> type[Section] | None:
+    """The section model a field annotation holds (`X`, `X | None`), if any."""
+    candidates = [annotation, *typing.get_args(annotation)]
+    subs = [c for c in candidates if inspect.isclass(c) and issubclass(c, Section)]
+    return subs[0] if subs else None

@@ -1,0 +1,28 @@
+"""A drop-in for DeepSpeed client scripts: change only the imports.
+
+    import shardwise.deepspeed as deepspeed
+    from shardwise.deepspeed.accelerator import get_accelerator
+
+    parser = deepspeed.add_config_arguments(parser)          # --deepspeed, --deepspeed_config, --local_rank
+    args = parser.parse_args()
+    engine, optimizer, loader, scheduler = deepspeed.initialize(
+        args=args, model=net, model_parameters=net.parameters(), training_data=dataset)
+
+`engine` is a :class:`shardwise.Engine` with DeepSpeed's methods (`backward`, `step`,
+`save_checkpoint`, `load_checkpoint` -> `(path, client_state)`, `fp16_enabled()`, `local_rank`,
+...). `deepspeed.comm`, `deepspeed.zero` and `deepspeed.accelerator` are here under the same
+names. docs/from-deepspeed.md lists the porting steps and what differs.
+"""
+
+from __future__ import annotations
+
+from shardwise.engine import Engine as DeepSpeedEngine
+
+from . import accelerator, comm, zero
+from .arguments import add_config_arguments
+from .comm import init_distributed
+from .initialize import initialize
+
+__all__ = [
+    "DeepSpeedEngine", "accelerator", "add_config_arguments", "comm", "init_distributed", "initialize", "zero",
+]

@@ -1,0 +1,99 @@
+"""`initialize` with DeepSpeed's signature and 4-tuple, over `shardwise.initialize`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import shardwise
+from shardwise.config import Config
+from shardwise.engine import Engine
+
+from .comm import init_distributed
+
+__all__ = ["initialize", "training_dataloader"]
+
+ConfigSource = Config | dict[str, Any] | str | os.PathLike[str]
+
+
+def _config_source(args: Any, config: ConfigSource | None, config_params: ConfigSource | None) -> ConfigSource:
+    """The config from `config`, its old name `config_params`, or `args.deepspeed_config` (one of them)."""
+    if config is None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if from_args is not None and config is not None:
+        raise ValueError(
+            f"shardwise.deepspeed.initialize got a config twice: `args.deepspeed_config` ({from_args!r}) and "
+            "`config=`; pass only one of them")
+    chosen = config if config is not None else from_args
+    if chosen is None:
+        raise ValueError(
+            "shardwise.deepspeed.initialize needs a config: pass `config=` (a dict or a path), or run the script "
+            "with `--deepspeed_config FILE` after `add_config_arguments(parser)`")
+    return chosen
+
+
+def _reject(name: str, value: Any, feature: str) -> None:
+    if value is not None:
+        raise ValueError(f"shardwise.deepspeed.initialize: `{name}=` asks for {feature}, which shardwise does not "
+                         f"implement; leave `{name}` unset (data parallelism over the world group)")
+
+
+def training_dataloader(
+    engine: Engine, dataset: Dataset[Any], collate_fn: Callable[..., Any] | None = None
+) -> DataLoader[Any]:
+    """DeepSpeed's training loader: `train_micro_batch_size_per_gpu` samples per batch, each rank its share.
+
+    A `DistributedSampler` over the engine's ranks (shuffled with seed 0, as torch's default;
+    call `loader.sampler.set_epoch(epoch)` for a new order each epoch); `dataloader_drop_last`
+    from the config drops the last incomplete batch.
+    """
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        dataset, num_replicas=engine.comm.world_size, rank=engine.comm.rank)
+    return DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
+                      collate_fn=collate_fn, drop_last=engine.config.dataloader_drop_last)
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Dataset[Any] | None = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable[..., Any] | None = None,
+    config: ConfigSource | None = None,
+    mesh_param: Any = None,
+    config_params: ConfigSource | None = None,
+) -> tuple[Engine, Any, DataLoader[Any] | None, Any]:
+    """DeepSpeed's `initialize`: returns `(engine, optimizer, training_dataloader, lr_scheduler)`.
+
+    The config comes from `config` (or `config_params`) or `args.deepspeed_config`. The process
+    group is created when none exists (`dist_init_required=False` requires one). With
+    `training_data`, the third item is a DataLoader over it (:func:`training_dataloader`), else
+    None. `optimizer` and `lr_scheduler` are the engine's (None when there is none). `mpu` and
+    `mesh_param` (model and sequence parallelism) are not supported.
+    """
+    if model is None:
+        raise TypeError("shardwise.deepspeed.initialize needs `model=` (a torch.nn.Module)")
+    _reject("mpu", mpu, "model parallelism")
+    _reject("mesh_param", mesh_param, "a data × sequence parallel mesh")
+    source = _config_source(args, config, config_params)
+    loaded = Config.load(source)
+    if dist_init_required is False and not dist.is_initialized():
+        raise RuntimeError("shardwise.deepspeed.initialize(dist_init_required=False) found no process group; "
+                           "create one first (`shardwise.deepspeed.init_distributed()`) or drop the argument")
+    init_distributed(distributed_port=distributed_port, timeout=timedelta(seconds=loaded.dist_timeout))
+    engine = shardwise.initialize(model, optimizer=optimizer, config=loaded, lr_scheduler=lr_scheduler,
+                                  model_parameters=model_parameters)
+    loader = training_dataloader(engine, training_data, collate_fn) if training_data is not None else None
+    return engine, engine.optimizer, loader, engine.lr_scheduler

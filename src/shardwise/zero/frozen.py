@@ -1,0 +1,139 @@
+"""What frozen parameters keep until they train again: fp32 master weights and optimizer state.
+
+A parameter that stops training leaves the optimizer (it gets no gradient and
+no update, exactly as ``torch.optim`` treats a parameter whose ``.grad`` is
+None), but its fp32 master and its optimizer state (Adam's moments and
+``step``) are kept here, so unfreezing resumes exactly where it stopped.  Every
+stage uses one :class:`FrozenStore`:
+
+* the flat stages (0-2) keep each entry whole, replicated on every rank (their
+  layout is rebuilt when the trainable set changes, so a rank cannot know which
+  piece it will own next);
+* stage 3 keeps this rank's piece (its partitioning never changes).
+
+Checkpoints carry the kept state like a trainable parameter's
+(:meth:`FrozenStore.shards`), and a load can hand state to a parameter that
+has been frozen since ``initialize`` (:meth:`FrozenStore.receiving`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+from ..param_state import KeptSlot, ParamShard, is_per_element
+
+__all__ = ["FrozenStore", "Kept"]
+
+
+@dataclass
+class Kept:
+    """Elements ``[start, end)`` of one parameter: fp32 master (1-D) and optimizer state."""
+
+    start: int
+    end: int
+    master: torch.Tensor
+    slot: KeptSlot = field(default_factory=lambda: KeptSlot({}))
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self.slot.state
+
+    def piece(self, start: int, end: int) -> "Kept":
+        """A copy of the elements ``[start, end)`` (inside this entry): master and per-element state."""
+        lo, count = start - self.start, end - start
+        state = {
+            k: (v.narrow(0, lo, count).clone() if is_per_element(v, self.numel) else _copy(v))
+            for k, v in self.state.items()
+        }
+        return Kept(start, end, self.master.narrow(0, lo, count).clone(), KeptSlot(state))
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+class FrozenStore:
+    """Kept state of frozen parameters, by parameter (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, Kept] = {}
+
+    def keep(self, param: torch.Tensor, kept: Kept) -> None:
+        self._kept[id(param)] = kept
+
+    def get(self, param: torch.Tensor) -> Optional[Kept]:
+        return self._kept.get(id(param))
+
+    def take(self, param: torch.Tensor) -> Optional[Kept]:
+        """Remove and return ``param``'s entry (it trains again)."""
+        return self._kept.pop(id(param), None)
+
+    def __contains__(self, param: torch.Tensor) -> bool:
+        return id(param) in self._kept
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def master_bytes(self) -> int:
+        """Bytes of the kept fp32 masters."""
+        return sum(kept.master.numel() * kept.master.element_size() for kept in self._kept.values())
+
+    def state_bytes(self) -> int:
+        """Bytes of the kept optimizer-state tensors."""
+        return sum(
+            v.numel() * v.element_size()
+            for kept in self._kept.values()
+            for v in kept.state.values()
+            if isinstance(v, torch.Tensor)
+        )
+
+    def shards(self, params: Sequence[torch.Tensor], names: dict[int, str], groups: dict[int, int]) -> list[ParamShard]:
+        """One :class:`ParamShard` per kept entry of ``params`` (in their order)."""
+        return [
+            ParamShard(names[id(p)], p.shape, kept.start, kept.end, kept.master, groups[id(p)], kept.slot)
+            for p in params
+            if (kept := self._kept.get(id(p))) is not None
+        ]
+
+    @contextlib.contextmanager
+    def loading(
+        self,
+        frozen: Sequence[torch.Tensor],
+        wanted: Callable[[torch.Tensor], bool],
+        fresh: Callable[[torch.Tensor], Optional[Kept]],
+        write_back: Callable[[torch.Tensor, Kept], None],
+    ) -> Iterator[None]:
+        """While open, ``wanted`` frozen parameters without an entry get a temporary one
+        (``fresh(param)``; None when this rank holds no piece of it), so a checkpoint
+        load can fill master and optimizer state.
+
+        On a clean exit every entry's (loaded) master is written into the model
+        with ``write_back``, and temporary entries that received optimizer state
+        are kept; the others are dropped (a parameter with no state needs none).
+        """
+        temporary = []
+        for param in frozen:
+            if id(param) not in self._kept and wanted(param) and (kept := fresh(param)) is not None:
+                self._kept[id(param)] = kept
+                temporary.append(param)
+        try:
+            yield
+        except BaseException:
+            for param in temporary:
+                self._kept.pop(id(param), None)
+            raise
+        for param in frozen:
+            kept = self._kept.get(id(param))
+            if kept is not None:
+                write_back(param, kept)
+        for param in temporary:
+            if not self._kept[id(param)].state:
+                del self._kept[id(param)]
