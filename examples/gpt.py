@@ -117,6 +117,22 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def init_gpt_weights(module: nn.Module, n_layer: int) -> None:
+    """GPT-2 init of ``module``'s parameters (what :class:`GPT` applies to itself)."""
+    for name, p in module.named_parameters():
+        if p.dim() < 2:
+            # LayerNorm weights stay 1, biases 0 (the module defaults).
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            continue
+        std = 0.02
+        # Residual projections are scaled down so the residual stream's
+        # variance does not grow with depth.
+        if name.endswith("proj.weight"):
+            std = 0.02 / math.sqrt(2 * n_layer)
+        nn.init.normal_(p, mean=0.0, std=std)
+
+
 class GPT(nn.Module):
     """A decoder-only transformer language model."""
 
@@ -136,18 +152,7 @@ class GPT(nn.Module):
 
     def _init_weights(self) -> None:
         """GPT-2 init; deterministic given ``torch.manual_seed``."""
-        for name, p in self.named_parameters():
-            if p.dim() < 2:
-                # LayerNorm weights stay 1, biases 0 (the module defaults).
-                if name.endswith("bias"):
-                    nn.init.zeros_(p)
-                continue
-            std = 0.02
-            # Residual projections are scaled down so the residual stream's
-            # variance does not grow with depth.
-            if name.endswith("proj.weight"):
-                std = 0.02 / math.sqrt(2 * self.config.n_layer)
-            nn.init.normal_(p, mean=0.0, std=std)
+        init_gpt_weights(self, self.config.n_layer)
 
     def num_parameters(self) -> int:
         """Distinct parameters (a tied head counts once)."""
@@ -195,3 +200,53 @@ class GPT(nn.Module):
                 nxt = torch.multinomial(probs, num_samples=1)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
+
+
+# ---------------------------------------------------------------------------
+# The same GPT as a list of layers, each taking the previous one's output
+# (``train_gpt_pipe.py`` turns them into a pipeline): token embedding →
+# position embedding → blocks → final LayerNorm → head reusing the token
+# embedding's weight.  Each layer is GPT-2 initialised on construction.
+
+
+class TokenEmbedding(nn.Embedding):
+    """``wte`` as a layer of its own: token ids (b, t) -> (b, t, n_embd)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg.vocab_size, cfg.n_embd)
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
+class PositionEmbedding(nn.Module):
+    """Adds ``wpe`` (and dropout) to token embeddings (b, t, n_embd)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.block_size = cfg.block_size
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        nn.init.normal_(self.wpe.weight, mean=0.0, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.size(1)
+        if t > self.block_size:
+            raise ValueError(f"sequence length {t} exceeds `block_size` {self.block_size}; crop the input.")
+        return self.drop(x + self.wpe(torch.arange(t, device=x.device)))
+
+
+class GPTBlock(Block):
+    """A :class:`Block` GPT-2 initialised on construction, as :class:`GPT` initialises its blocks."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        init_gpt_weights(self, cfg.n_layer)
+
+
+def lm_head(embedding: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
+    """The tied output head: logits from the token embedding's weight."""
+    return F.linear(x, embedding.weight)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-byte cross-entropy over every position (in fp32, whatever the compute dtype)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

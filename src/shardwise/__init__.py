@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 import torch.distributed as dist
 from torch import nn
 
-from . import testing, zero
+from . import pipe, testing, zero
 from ._version import __version__ as __version__
 from .config import Config, ConfigError, load_configs
 from .distributed import init_distributed
@@ -23,6 +23,7 @@ __all__ = [
     "init_distributed",
     "initialize",
     "load_configs",
+    "pipe",
     "testing",
     "zero",
 ]
@@ -47,17 +48,27 @@ def initialize(
     process group exists yet one is created (:func:`init_distributed`), so a
     plain one-process run needs no launcher.  ``name`` names the engine (its
     checkpoints, its log lines) when several live in one process.
+
+    A :class:`shardwise.pipe.PipelineModule` with more than one stage gets a
+    pipeline engine (``engine.train_batch(data_iter)``); with one stage it is
+    an ordinary module and gets an ordinary engine.
     """
     loaded = Config.load(config if config is not None else {})
     if not dist.is_initialized():
         init_distributed(timeout=loaded.dist_timeout)
     # Settle Hugging Face's `auto` values from what was passed, and the batch sizes for this world.
     backend = dist.get_backend(process_group)
+    replicas = _pipeline_replicas(model)
     resolved = loaded.resolve(
-        world_size=dist.get_world_size(process_group), model=model, optimizer=optimizer,
+        world_size=replicas or dist.get_world_size(process_group), model=model, optimizer=optimizer,
         lr_scheduler=lr_scheduler, device="cuda" if backend == "nccl" else "cpu",
     )
-    return Engine(
+    engine_class: type[Engine] = Engine
+    if replicas:
+        from .pipe.engine import PipelineEngine  # stages × replicas: `train_batch` / `eval_batch`
+
+        engine_class = PipelineEngine
+    return engine_class(
         model,
         resolved,
         optimizer=optimizer,
@@ -66,3 +77,11 @@ def initialize(
         process_group=process_group,
         name=name,
     )
+
+
+def _pipeline_replicas(model: nn.Module) -> Optional[int]:
+    """A multi-stage pipeline's data-parallel replicas (its batch is micro × accumulation × replicas,
+    as in DeepSpeed); None for any other model."""
+    if isinstance(model, pipe.PipelineModule) and model.topology is not None:
+        return model.topology.replicas
+    return None

@@ -96,7 +96,8 @@ class Comm:
     ``bytes_sent`` maps a collective's name to the bytes this rank sent through
     it, using ring-algorithm accounting: all-reduce ``2(N-1)/N·S``,
     reduce-scatter and all-gather ``(N-1)/N·S`` of the full-size tensor,
-    broadcast ``S`` from the source, scatter ``(N-1)/N·S`` from the source.
+    broadcast ``S`` from the source, scatter ``(N-1)/N·S`` from the source,
+    ``send`` ``S`` from the sender.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
@@ -207,6 +208,39 @@ class Comm:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)
+
+    # ------------------------------------------------ point-to-point (pipeline stages)
+    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+        """Start sending ``tensor`` to group rank ``dst``; keep it unchanged until the work is waited on."""
+        self._count("send", _nbytes(tensor))
+        return _started(dist.isend(tensor, dst=self._peer(dst, "send to"), group=self.group))
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
+        """Start receiving into ``tensor`` from group rank ``src`` (messages between two ranks arrive in order)."""
+        self.calls["recv"] += 1
+        return _started(dist.irecv(tensor, src=self._peer(src, "receive from"), group=self.group))
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send ``tensor`` to group rank ``dst`` and wait until it is out."""
+        self.isend(tensor, dst).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        """Receive into ``tensor`` from group rank ``src``."""
+        self.irecv(tensor, src).wait()
+
+    def _peer(self, peer: int, what: str) -> int:
+        """The global rank of group rank ``peer``, which must be another rank of the group."""
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(
+                f"rank {self.rank} cannot {what} group rank {peer}: point-to-point needs another rank of "
+                f"this {self.world_size}-rank group (0..{self.world_size - 1}, not itself)"
+            )
+        return dist.get_global_rank(self.group, peer) if self.group is not None else peer
+
+
+def _started(work: Optional[Any]) -> Work:
+    # torch types point-to-point works as optional (None only off the group, which `_peer` rules out)
+    return work if work is not None else _DONE
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

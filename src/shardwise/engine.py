@@ -344,6 +344,15 @@ class Engine:
         """L2 norm of all (unscaled) gradients at the last step (inf on overflow); None before any step."""
         return self.optimizer.last_grad_norm if self.optimizer is not None else None
 
+    # ------------------------------------------------------------ pipelines
+    def train_batch(self, data_iter: Any = None) -> torch.Tensor:
+        """A pipeline engine's call (``shardwise.pipe``); here an error naming the calls to use."""
+        raise RuntimeError(_not_a_pipeline("train_batch"))
+
+    def eval_batch(self, data_iter: Any = None) -> torch.Tensor:
+        """A pipeline engine's call (``shardwise.pipe``); here an error naming the calls to use."""
+        raise RuntimeError(_not_a_pipeline("eval_batch"))
+
     # --------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict[str, Any]] = None) -> str:
         """Collectively write a checkpoint (every rank its own shard); returns its path."""
@@ -466,6 +475,15 @@ def _check_supported(config: Config) -> None:
             f"communication_data_type `{config.communication_data_type}` is not supported: shardwise always "
             "reduces gradients in fp32 (more accurate, same result as DDP); remove the key or set it to `fp32`"
         )
+
+
+def _not_a_pipeline(call: str) -> str:
+    return (
+        f"`engine.{call}(data_iter)` is for pipeline engines, and this is not a pipeline engine (its model is not "
+        "a `shardwise.pipe.PipelineModule` with `num_stages > 1` on several ranks): train with "
+        "`loss = engine(inputs, labels)`, `engine.backward(loss)`, `engine.step()`"
+        + ("" if call == "train_batch" else "; evaluate with `engine.eval()` and `engine(inputs, labels)`")
+    )
 
 
 def _unique(params: Any) -> list[torch.Tensor]:
