@@ -21,6 +21,7 @@ from .reading import read_config_file
 from .sections import (
     BF16Config,
     CheckpointConfig,
+    CommsConfig,
     FP16Config,
     OptimizerConfig,
     SchedulerConfig,
@@ -58,6 +59,7 @@ class Config(Section):
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    comms: CommsConfig = Field(default_factory=CommsConfig)
     auto_refresh_trainable: bool = True
     steps_per_print: int = Field(default=10, ge=1)
     wall_clock_breakdown: bool = False

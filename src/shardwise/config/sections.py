@@ -17,7 +17,7 @@ from .optimizers import DEEPSPEED_ONLY_OPTIMIZERS, OPTIMIZERS
 from .schedules import DEEPSPEED_ONLY_SCHEDULES, REQUIRED, SCHEDULES, param_problems
 
 __all__ = [
-    "BF16Config", "CheckpointConfig", "FP16Config", "OffloadConfig", "OptimizerConfig", "SchedulerConfig",
+    "BF16Config", "CheckpointConfig", "CommsConfig", "FP16Config", "OffloadConfig", "OptimizerConfig", "SchedulerConfig",
     "Section", "ZeroConfig",
 ]
 
@@ -199,6 +199,18 @@ class CheckpointConfig(Section):
     save_rng_state: bool = True
     allow_pickle: bool = False
     async_save: bool = False
+
+
+class CommsConfig(Section):
+    """`comms`: how collectives fail (a shardwise section; DeepSpeed has no counterpart).
+
+    `timeout`: seconds any collective may wait for the other ranks before every rank raises an error naming
+    the ranks that are gone, failed or elsewhere (see docs/faults.md). `debug`: before every collective,
+    check that every rank issues the same one (costs one small all-reduce per collective).
+    """
+
+    timeout: float = Field(default=300.0, gt=0)
+    debug: bool = False
 
 
 def field_default(model: type[BaseModel], name: str) -> Any:

@@ -134,6 +134,9 @@ class Unit:
         self.shard: torch.Tensor = torch.empty(0)
         self.pristine: Optional[torch.Tensor] = None
         self.state = UnitState.GATHERED  # until `build` keeps its shard and frees the rest
+        #: how fault messages name this unit's collectives (same on every rank)
+        first = f"`{self.names[0]}`" if self.names else f"unit {index}"
+        self.label = first + (f" and {len(self.names) - 1} more" if len(self.names) > 1 else "")
         self._persistent = persistent
         self._holders = 0
         self._work: Optional[Work] = None
@@ -215,7 +218,7 @@ class Unit:
         if self.state is UnitState.SHARDED:
             storage = self.full.untyped_storage()
             storage.resize_(self.padded * self.full.element_size())
-            self._work = self.comm.all_gather(self.full, self.shard, async_op=True)
+            self._work = self.comm.all_gather(self.full, self.shard, async_op=True, label=self.label)
             self.state = UnitState.GATHERING
         if not async_op:
             self.wait()
@@ -244,7 +247,7 @@ class Unit:
         """After the full values changed: optionally take ``src``'s values (collective), update the shard."""
         self._expect_gathered("scatter its full values")
         if src is not None:
-            self.comm.broadcast(self.full, src=src)
+            self.comm.broadcast(self.full, src=src, label=self.label)
         self.shard.copy_(self.local(self.full))
 
     def load_shard(self, values: torch.Tensor) -> None:
@@ -260,7 +263,7 @@ class Unit:
         """Re-gather a gathered unit from the (updated) shards (collective); a freed one needs nothing."""
         if self.gathered:
             self.wait()
-            self.comm.all_gather(self.full, self.shard)
+            self.comm.all_gather(self.full, self.shard, label=self.label)
 
     def _expect_gathered(self, action: str) -> None:
         self.wait()

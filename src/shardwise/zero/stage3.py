@@ -340,7 +340,7 @@ class Stage3(Strategy):
                     param.grad = None
                     had_grad.add(index)
         output = torch.empty(unit.shard_numel, dtype=torch.float32, device=source.device)
-        work = self.comm.reduce_scatter(output, source, async_op=True)
+        work = self.comm.reduce_scatter(output, source, async_op=True, label=unit.label)
         self._works.append((work, unit, source, output, had_grad))
         while len(self._works) > _MAX_IN_FLIGHT:
             self._complete(self._works.pop(0))
