@@ -77,6 +77,8 @@ class Engine:
         #: backward calls since the last `step()`/`zero_grad()`, and whether one reduced (a boundary)
         self._backwards = 0
         self._reduced = False
+        #: backward calls accumulated since the last optimizer step (what the step check compares)
+        self._accumulated = 0
         self._prepare_module()
         params = list(model_parameters) if model_parameters is not None else list(module.parameters())
         inner = resolve_optimizer(optimizer, config, params)
@@ -198,6 +200,7 @@ class Engine:
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
                 self.strategy.finish_backward()
             self._backwards += 1
+            self._accumulated += 1
             self._reduced = self._reduced or sync
             trained = self.strategy.trained_count()
             if self.strategy.arrivals == 0 and trained:
@@ -250,8 +253,9 @@ class Engine:
         applied = False
         if self.is_gradient_accumulation_boundary():
             # Before the update: ranks whose collectives paired up wrongly must not apply what they reduced.
-            self.comm.check(f"`step` of {self._label}", [self.global_steps, self.micro_steps, self._backwards],
-                            ["global_steps", "micro_steps", "backwards since the last step"])
+            self.comm.check(f"`step` of {self._label}", [self.global_steps, self.micro_steps, self._accumulated],
+                            ["global_steps", "micro_steps", "backwards accumulated"])
+            self._accumulated = 0
             with self._timed("step"):
                 applied = optimizer.step()
                 if applied:
@@ -296,6 +300,7 @@ class Engine:
         self.strategy.zero_grad()
         self._backwards = 0
         self._reduced = False
+        self._accumulated = 0
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .diagnose import Failure, diagnose, short_cause
+from .diagnose import AGREE, Failure, diagnose, short_cause
 from .errors import CollectiveMismatchError
 from .heartbeat import heartbeat
 from .ledger import Ledger, current_activity
@@ -40,7 +40,8 @@ __all__ = ["CHECK", "DEBUG", "agree", "before"]
 _WIDTH = 8
 CHECK = 1
 DEBUG = 2
-_KINDS = {CHECK: "step check", DEBUG: "collective check (`comms.debug`)"}
+#: values compared but not worth showing (hashes, the message kind: the description says it)
+_HIDDEN = {"kind", "fingerprint", "collective", "collective number"}
 
 
 class _Control:
@@ -147,11 +148,25 @@ def _message(ledger: Ledger, rank: int, reports: dict[int, dict[str, Any]], name
         if report is None:
             lines.append(f"  rank {r}: sent no report (it may be gone)")
             continue
-        shown = ", ".join(f"{n}={v}" for n, v in zip(names[1:], report["values"][1:]) if n != "fingerprint")
-        lines.append(f"  rank {r}: {report['what']} in {report['doing']}; {shown}")
+        shown = ", ".join(f"{n}={v}" for n, v in zip(names, report["values"]) if n not in _HIDDEN)
+        lines.append(f"  rank {r}: {report['what']}" + (f"; {shown}" if shown else ""))
+    differ = _differing_values(ledger.ranks, reports, names)
     first = _first_difference(ledger.ranks, reports)
-    return (f"rank {rank}: the ranks of process group {ledger.key} issued different collectives; {_fix()}\n"
+    return (f"rank {rank}: the ranks of process group {ledger.key} disagree ({differ}); {AGREE}\n"
             f"What each rank did:\n" + "\n".join(lines) + (f"\n{first}" if first else ""))
+
+
+def _differing_values(ranks: list[int], reports: dict[int, dict[str, Any]], names: list[str]) -> str:
+    """Which compared values differ, e.g. ``backwards accumulated: rank 0 2, rank 1 3``."""
+    parts = []
+    for index, name in enumerate(names):
+        values = {r: rep["values"][index] for r, rep in reports.items() if index < len(rep.get("values", []))}
+        if len(set(values.values())) > 1:
+            if name in _HIDDEN:
+                parts.append("the collectives issued" if name != "kind" else "which check they are in")
+            else:
+                parts.append(f"{name}: " + ", ".join(f"rank {r} {v}" for r, v in sorted(values.items())))
+    return "; ".join(dict.fromkeys(parts)) or "their reports did not arrive"
 
 
 def _first_difference(ranks: list[int], reports: dict[int, dict[str, Any]]) -> Optional[str]:
@@ -167,9 +182,3 @@ def _first_difference(ranks: list[int], reports: dict[int, dict[str, Any]]) -> O
                                for r, v in sorted(seen.items()))
             return f"The first collective that differs is number {seq}:\n{listed}"
     return None
-
-
-def _fix() -> str:
-    return ("every rank must issue the same collectives in the same order: run the same modules (ZeRO-3 gathers "
-            "each module's parameters when it runs), the same number of micro-batches per step, and call "
-            "`backward` and `step` together; set `comms.debug: true` to stop at the first collective that differs")

@@ -26,13 +26,13 @@ from .errors import CollectiveMismatchError, CommError, PeerFailedError, RankGon
 from .heartbeat import fault_record, heartbeat, publish_fault, read_record
 from .ledger import Ledger
 
-__all__ = ["Failure", "diagnose", "short_cause"]
+__all__ = ["AGREE", "Failure", "diagnose", "short_cause"]
 
 #: the longest this rank watches the others' heartbeats before deciding who is gone
 _MAX_WATCH_S = 20.0
 _RESTART = ("the job cannot go on without it: let it exit and restart the job (`shardwise run --max-restarts N "
             "...` restarts every rank), resuming from the last checkpoint")
-_AGREE = ("every rank must issue the same collectives in the same order: run the same modules (ZeRO-3 gathers "
+AGREE = ("every rank must issue the same collectives in the same order: run the same modules (ZeRO-3 gathers "
           "each module's parameters when it runs), the same number of micro-batches per step, and call "
           "`backward` and `step` on every rank together; set `comms.debug: true` to stop at the first "
           "collective that differs")
@@ -163,17 +163,21 @@ def _compose(failure: Failure, peers: list[_Peer]) -> CommError:
     facts = dict(rank=me, where=where, gone=gone, failed=failed)
     tail = f"\nWhere each rank of process group {key} was:\n{lines}\nThe backend said: {failure.cause}"
     if failed:
-        head = (f"rank {me}: rank(s) {sorted(failed)} raised an error of their own, so they will not join "
-                f"the collective this rank was {failure.operation.split(' in `')[0]}; fix that error (the "
-                "failing rank's log has its traceback)")
+        head = (f"rank {me}: rank(s) {sorted(failed)} raised an error of their own (below), so the collective "
+                "this rank waits on cannot complete; fix that error (the failing rank's log has its traceback)")
         return PeerFailedError(head + tail, **facts)  # type: ignore[arg-type]
     if gone:
         head = (f"rank {me}: rank(s) {gone} are gone (killed, crashed or exited) while this rank was "
                 f"{failure.operation}; {_RESTART}")
         return RankGoneError(head + tail, **facts)  # type: ignore[arg-type]
     if _disagree(failure, peers, key):
-        head = f"rank {me}: the ranks are in different collectives; {_AGREE}"
+        head = f"rank {me}: the ranks are in different collectives; {AGREE}"
         return CollectiveMismatchError(head + tail, **facts)  # type: ignore[arg-type]
+    echoes = [p.rank for p in peers if p.state == "comm"]
+    if echoes:
+        head = (f"rank {me}: rank(s) {echoes} gave up on their collective first (below) while this rank was "
+                f"{failure.operation}; look for the first error in their logs")
+        return CommError(head + tail, **facts)  # type: ignore[arg-type]
     head = (f"rank {me}: a collective did not complete within `comms.timeout` = {failure.timeout:g} s while "
             f"this rank was {failure.operation}, although every rank is alive; if a rank is only slow (a long "
             "evaluation or data loading on one rank), raise `comms.timeout`")
