@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["check_loss", "check_model"]
+__all__ = ["check_loss", "check_model", "check_trainable"]
 
 
 def check_model(module: Any, rank: int) -> None:
@@ -28,11 +28,23 @@ def check_model(module: Any, rank: int) -> None:
                 f"rank {rank}: parameter `{name}` has layout `{param.layout}`; shardwise shards dense "
                 "parameters only: make it a dense tensor (`nn.Parameter(value.to_dense())`)"
             )
-        if param.is_complex():
-            raise ValueError(
-                f"rank {rank}: parameter `{name}` is complex (`{param.dtype}`); shardwise's flat buffers hold "
-                "real floating-point parameters: store it as two real parameters (`torch.view_as_real`)"
-            )
+
+
+def check_trainable(module: nn.Module, params: list[Any], wants_optimizer: bool, rank: int) -> None:
+    """An optimizer needs parameters to optimize (a model with none, or only buffers, is inference-only)."""
+    if not wants_optimizer or params:
+        return
+    if next(module.parameters(), None) is not None:
+        raise ValueError(
+            f"rank {rank}: `model_parameters` is empty, so the optimizer has nothing to update; pass the "
+            "parameters to train (or leave `model_parameters` out to train all of them)"
+        )
+    what = "only buffers" if next(module.buffers(), None) is not None else "no parameters and no buffers"
+    raise ValueError(
+        f"rank {rank}: the model `{type(module).__name__}` has {what}, so an optimizer has nothing to update; "
+        "build an inference-only engine (no `optimizer` argument and no `optimizer` section), or give the "
+        "model parameters"
+    )
 
 
 def check_loss(loss: Any, rank: int, engine: str) -> None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ownership
-from .checks import check_loss, check_model
+from .checks import check_loss, check_model, check_trainable
 from .config import Config
 from .distributed import Comm
 from .engine_state import EngineState
@@ -81,6 +81,7 @@ class Engine:
         self._accumulated = 0
         self._prepare_module()
         params = list(model_parameters) if model_parameters is not None else list(module.parameters())
+        check_trainable(module, params, optimizer is not None or config.optimizer is not None, self.comm.rank)
         inner = resolve_optimizer(optimizer, config, params)
         self.strategy = make_strategy(module, self.comm, self.precision, config.zero_optimization)
         self.strategy.attach(inner, self._initial_values)
