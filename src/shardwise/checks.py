@@ -50,9 +50,11 @@ def check_trainable(module: nn.Module, params: list[Any], wants_optimizer: bool,
 def check_loss(loss: Any, rank: int, engine: str) -> None:
     """``engine.backward(loss)`` gets a scalar tensor that autograd can differentiate."""
     if not isinstance(loss, torch.Tensor):
+        fix = ("the model returned several values: pass the loss among them (`logits, loss = engine(x, y)`)"
+               if isinstance(loss, (tuple, list, dict)) else
+               "pass the tensor your model (or loss function) returned, not `loss.item()`")
         raise TypeError(
-            f"rank {rank}: `backward` of {engine} needs the loss as a tensor, got `{type(loss).__name__}`; "
-            "pass the tensor your model (or loss function) returned, not `loss.item()`"
+            f"rank {rank}: `backward` of {engine} needs the loss as a tensor, got `{type(loss).__name__}`; {fix}"
         )
     if loss.numel() != 1:
         raise ValueError(
