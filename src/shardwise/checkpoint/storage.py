@@ -290,8 +290,16 @@ class SafeReader(FileSystemReader):
                 raise CheckpointError(f"{Path(self.path) / name} is missing or shorter than its index says; {HINT}")
         return metadata
 
-    def _slice_file(self, file: Any, sinfo: Any) -> Any:
-        # DCP's hook that hands each record to `torch.load`: check it cannot expand first.
-        name = getattr(file, "name", self.path)
-        record_is_stored(file, sinfo.offset, sinfo.length, f"the tensor record at byte {sinfo.offset} of {name}")
-        return super()._slice_file(file, sinfo)
+    def read_data(self, plan: LoadPlan, planner: Any) -> Any:
+        # DCP reads each record straight into its destination (the engine's own tensors), so every
+        # record this rank will read is checked first: a bad one fails the load before any is read.
+        by_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            by_file.setdefault(info.relative_path, []).append(info)
+        for name, infos in by_file.items():
+            with open(Path(self.path) / name, "rb") as stream:
+                for info in sorted(infos, key=lambda i: i.offset):
+                    where = f"the tensor record at byte {info.offset} of {Path(self.path) / name}"
+                    record_is_stored(stream, info.offset, info.length, where)
+        return super().read_data(plan, planner)
