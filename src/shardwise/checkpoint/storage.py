@@ -23,6 +23,7 @@ back into a :class:`CheckpointError`.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import zipfile
 from contextlib import contextmanager
@@ -199,8 +200,20 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_metadata(path: Path) -> Metadata:
     """DCP's ``.metadata`` index of the checkpoint in ``path``, unpickled safely and checked
-    (:func:`~.validate_index.check_index`) before anything is read through it."""
+    (:func:`~.validate_index.check_index`) before anything is read through it.
+
+    A load reads the index twice (to check the checkpoint, then in DCP); the
+    second time the same, unchanged file (same inode, size and mtime) is not
+    unpickled and checked again.
+    """
     file = path / INDEX
+    try:
+        info = os.lstat(file)
+        key: Optional[tuple[Any, ...]] = (str(file), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+    except OSError:
+        key = None
+    if key is not None and _last_index[0] == key:
+        return _last_index[1]
     data = read_limited(file, MAX_INDEX_BYTES)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
@@ -208,7 +221,12 @@ def read_metadata(path: Path) -> Metadata:
         raise
     except Exception as exc:  # noqa: BLE001 - any way a crafted pickle fails is one answer
         raise CheckpointError(f"{file} is not a readable DCP index ({type(exc).__name__}: {exc}); {HINT}") from None
-    return check_index(metadata, file)
+    checked = check_index(metadata, file)
+    _last_index[:] = [key, checked]
+    return checked
+
+
+_last_index: list[Any] = [None, None]  # (file identity, its checked index): the one index last read
 
 
 @contextmanager
