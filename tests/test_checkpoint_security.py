@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata
 
-from shardwise.checkpoint import CheckpointError, consolidated_state_dict, describe
+from shardwise.checkpoint import CheckpointError, consolidated_state_dict, describe, load_consolidated
 from shardwise.checkpoint.layout import validate_tag
 from shardwise.cli import main
 from shardwise.testing import distributed_test, run_distributed, run_subtests
@@ -246,6 +246,16 @@ def nesting_beyond_the_json_parser(save: Path, other: Path) -> tuple[Path, Optio
 
 
 @attack
+def bad_value_after_a_million_deep_under_a_long_key(save: Path, other: Path) -> tuple[Path, Optional[str], str]:
+    """Where each value sits must not cost a string per value (90 levels x 50 KB key x 1M values)."""
+    inner: Any = [0] * 1_000_000 + [{"__dtype__": "os"}]
+    for _ in range(90):
+        inner = [inner]
+    edit_manifest(save / TAG, lambda m: m["client_state"].update({"k" * 50_000: inner}))
+    return save, None, "`__dtype__` is 'os'"
+
+
+@attack
 def index_entry_is_a_pickle(save: Path, other: Path) -> tuple[Path, Optional[str], str]:
     edit_index(save / TAG, lambda md: md.state_dict_metadata.update({"model/master/mid.bias": BytesStorageMetadata()}))
     return save, None, "pickled object"
@@ -366,12 +376,11 @@ def _writes_stay_inside(root: str) -> None:
     save = base / "save"
     save.mkdir(parents=True, exist_ok=True)
     victim_file, victim_dir = _victims(base)
-    for pid in {os.getpid(), os.getppid()}:  # the names the old `write_atomic` used, for this rank's pid
-        link = save / f".tmp-latest.{pid}"
-        if not os.path.lexists(link):
-            link.symlink_to(victim_file)
-    dist.barrier()
+    pids: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
     if dist.get_rank() == 0:
+        for pid in pids:  # the names the old `write_atomic` used, for every rank's pid
+            (save / f".tmp-latest.{pid}").symlink_to(victim_file)
         (save / "latest").symlink_to(victim_file)
         (save / "planted").symlink_to(victim_dir, target_is_directory=True)
     dist.barrier()
@@ -485,3 +494,17 @@ def test_size_limits_are_far_above_real_checkpoints(base: Path) -> None:
     assert (ckpt / "shardwise.json").stat().st_size * 1000 < limits.MAX_MANIFEST_BYTES
     assert (ckpt / "rank0.json").stat().st_size * 100 < limits.MAX_RANK_FILE_BYTES
     assert (ckpt / ".metadata").stat().st_size * 1000 < limits.MAX_INDEX_BYTES
+
+
+def test_load_consolidated_refuses_a_file_that_inflates(tmp_path: Path) -> None:
+    import zipfile
+
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.zeros(1000)}, plain)
+    assert torch.equal(load_consolidated(plain)["w"], torch.zeros(1000))
+    deflated = tmp_path / "deflated.pt"
+    with zipfile.ZipFile(plain) as source, zipfile.ZipFile(deflated, "w", zipfile.ZIP_DEFLATED) as target:
+        for entry in source.infolist():
+            target.writestr(entry.filename, source.read(entry.filename))
+    with pytest.raises(CheckpointError, match="compressed"):
+        load_consolidated(deflated)

@@ -25,12 +25,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..export import ALIASES_KEY, KEYS_KEY, save_state_dict, tied_aliases
-from .codec import TENSOR_DTYPES
+from .encoded import TENSOR_DTYPES
 from .errors import CheckpointError
 from .formats import foreign_format
 from .layout import check_complete, list_checkpoints, read_latest, resolve
 from .stateful import TensorState
-from .storage import LoadPlanner, SafeReader, dcp_errors
+from .storage import LoadPlanner, SafeReader, dcp_errors, record_is_stored
 
 __all__ = ["consolidate", "consolidated_state_dict", "describe", "load_consolidated"]
 
@@ -85,6 +85,9 @@ def load_consolidated(path: Any) -> dict[str, torch.Tensor]:
     """A file written by :func:`consolidate`, as a ``state_dict`` (tied names share one tensor)."""
     path = Path(path)
     if path.suffix.lower() != ".safetensors":
+        with open(path, "rb") as stream:  # a deflated file could expand far beyond its size: refuse it
+            if stream.read(4) == b"PK\x03\x04":
+                record_is_stored(stream, 0, os.fstat(stream.fileno()).st_size, str(path))
         return torch.load(path, map_location="cpu", weights_only=True)
     from safetensors import safe_open
     from safetensors.torch import load_file

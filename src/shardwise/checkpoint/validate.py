@@ -20,7 +20,8 @@ from typing import Annotated, Any, Literal, NoReturn, Optional
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .codec import TENSOR_DTYPES, Decoder, check_encoded
+from .codec import Decoder
+from .encoded import TENSOR_DTYPES, check_encoded
 from .errors import CheckpointError
 from .limits import MAX_DIMS, MAX_WORLD_SIZE
 from .validate_index import HINT

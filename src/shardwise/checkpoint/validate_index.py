@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .codec import TENSOR_DTYPES, is_count
+from .encoded import TENSOR_DTYPES, is_count
 from .errors import CheckpointError
 from .limits import MAX_DIMS
 
