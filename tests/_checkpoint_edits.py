@@ -70,7 +70,7 @@ def deflated_record(ckpt: Path, fqn: str, expand_to: int) -> None:
     """Append to the data file a deflated copy of ``fqn``'s first record whose tensor data
     decompresses to ``expand_to`` bytes (of zeros), and point the index at it."""
     metadata = read_index(ckpt)
-    key, info = storage_of(metadata, fqn)[0]
+    _, info = storage_of(metadata, fqn)[0]
     data_file = ckpt / info.relative_path
     with open(data_file, "rb") as handle:
         handle.seek(info.offset)

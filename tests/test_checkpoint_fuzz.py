@@ -9,6 +9,7 @@ replays; the seed and the edit are in the message.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import random
 import shutil
@@ -131,7 +132,7 @@ def test_consolidate_refuses_or_loads_exactly(base: Path, tmp_path: Path) -> Non
     for seed in range(CASES):
         save, edit = _mutated(base, tmp_path, seed)
         try:
-            kind, got = _outcome(lambda: consolidated_state_dict(save))
+            kind, got = _outcome(functools.partial(consolidated_state_dict, save))
         except BaseException as exc:  # noqa: BLE001 - report which edit let it through
             raise AssertionError(f"seed {seed} ({edit}): {type(exc).__name__}: {exc}") from exc
         if kind == "refused":
@@ -155,7 +156,7 @@ def test_rank_file_checks_mean_the_rng_can_be_restored(base: Path, tmp_path: Pat
             edit = _mutate_json(info, rng, lambda node, key: isinstance(node, dict) and key == "__tuple__" and len(node[key]) > 600)
             rank_file.write_text(json.dumps(info))
             try:
-                kind, checked = _outcome(lambda: read_rank_file(save / TAG, 0, 2))
+                kind, checked = _outcome(functools.partial(read_rank_file, save / TAG, 0, 2))
                 if kind == "loaded" and checked.get("rng") is not None:
                     tensors = {"rng/0/0": torch.get_rng_state()}  # stands in for the tensor read from disk
                     restore_rng(Decoder(tensors).decode(checked["rng"], "rng"))
@@ -186,7 +187,7 @@ def _fuzz_engine(base: str, root: str, seeds: list[int]) -> list[str]:
             engine = build(2, seed=3, model=tied_model(3))
         save, edit = _mutated(Path(base), Path(root), seed, _skip_engine_state)
         try:
-            kind, _ = _outcome(lambda: engine.load_checkpoint(save))
+            kind, _ = _outcome(functools.partial(engine.load_checkpoint, save))
             if kind == "loaded":
                 got = full_params(engine)
                 if any(not torch.equal(got[k], want[k]) for k in want):

@@ -7,6 +7,7 @@ than 200 MB of peak RSS (measured in a fresh rank process, per attack).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import warnings
@@ -333,8 +334,8 @@ def _attack_engine(cases: dict[str, tuple[str, Optional[str], str]]) -> dict[str
     problems, growths = {}, {}
     for name, (load_dir, tag, match) in cases.items():
         for way, call in (
-            ("load_checkpoint", lambda: engine.load_checkpoint(load_dir, tag=tag)),
-            ("consolidate", lambda: consolidated_state_dict(load_dir, tag)),
+            ("load_checkpoint", functools.partial(engine.load_checkpoint, load_dir, tag=tag)),
+            ("consolidate", functools.partial(consolidated_state_dict, load_dir, tag)),
         ):
             outcome, growth = peak_growth_mb(call)
             growths[f"{name} via {way}"] = round(growth, 1)
