@@ -156,8 +156,10 @@ class Decoder:
 
 
 def _ndarray(data: dict[str, Any], where: str) -> Any:
-    import numpy
-
+    try:
+        import numpy
+    except ImportError:
+        raise CheckpointError(f"`{where}` in the checkpoint is a numpy array, and numpy is not installed") from None
     try:
         return numpy.asarray(data["__ndarray__"], dtype=data["dtype"])
     except (TypeError, ValueError, OverflowError) as exc:

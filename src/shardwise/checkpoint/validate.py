@@ -164,21 +164,23 @@ def _check_optimizer(optimizer: dict[str, Any], params: dict[str, Any], file: Pa
     return refs
 
 
-def check_rank_file(info: Any, rank: int, world_size: int, file: Path) -> list[dict[str, Any]]:
-    """Raise unless ``info`` (parsed ``rankR.json``) is rank ``rank``'s and its RNG state can be set."""
+def check_rank_file(info: Any, rank: int, world_size: int, tensors: dict[str, Any], file: Path) -> None:
+    """Raise unless ``info`` (parsed ``rankR.json``) is rank ``rank``'s, the tensors it refers to have
+    those sizes in the index ``tensors``, and its RNG state can be set."""
     _schema(_RankFile, info, file)
     if info["rank"] != rank or info["world_size"] != world_size:
         _fail(file, "rank", f"says rank {info['rank']} of {info['world_size']}, expected rank {rank} of {world_size}")
     rng = info.get("rng")
     if rng is None:
-        return []
+        return
     refs = _encoded(rng, "rng", file)
     for ref in refs:
         if not ref["__tensor__"].startswith(f"rng/{rank}/"):
             _fail(file, "rng", f"refers to tensor `{ref['__tensor__']:.80}`, not one of rank {rank}'s")
+    check_against_index({"params": {}, "module": {}}, refs, tensors, file)
+    # Shapes are now bounded by the index; meta tensors stand in for the data, which is read later.
     meta = {r["__tensor__"]: torch.empty(r["shape"], dtype=TENSOR_DTYPES[r["dtype"]], device="meta") for r in refs}
     _check_rng(Decoder(meta).decode(rng, "rng"), file)
-    return refs
 
 
 def _check_rng(state: Any, file: Path) -> None:
