@@ -9,6 +9,11 @@ from typing import Any
 __all__ = ["add_checkpoint_commands"]
 
 
+def _one_line(error: BaseException) -> str:
+    """The error as one line: the command refuses a bad checkpoint with a message, not a traceback."""
+    return " ".join(str(error).split())
+
+
 def _inspect(ns: argparse.Namespace) -> int:
     from .consolidation import describe
     from .errors import CheckpointError
@@ -16,7 +21,7 @@ def _inspect(ns: argparse.Namespace) -> int:
     try:
         print(describe(ns.ckpt_dir))
     except (CheckpointError, OSError) as error:
-        print(f"shardwise checkpoint inspect: {error}", file=sys.stderr)
+        print(f"shardwise checkpoint inspect: {_one_line(error)}", file=sys.stderr)
         return 2
     return 0
 
@@ -28,7 +33,7 @@ def _consolidate(ns: argparse.Namespace) -> int:
     try:
         summary = consolidate(ns.ckpt_dir, ns.out, tag=ns.tag)
     except (CheckpointError, OSError) as error:
-        print(f"shardwise checkpoint consolidate: {error}", file=sys.stderr)
+        print(f"shardwise checkpoint consolidate: {_one_line(error)}", file=sys.stderr)
         return 2
     tied = ", ".join(f"{alias} -> {name}" for alias, name in summary["aliases"].items()) or "none"
     print(

@@ -25,10 +25,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..export import ALIASES_KEY, KEYS_KEY, save_state_dict, tied_aliases
+from .encoded import TENSOR_DTYPES
 from .errors import CheckpointError
-from .layout import LATEST, check_complete, list_checkpoints, resolve
+from .formats import foreign_format
+from .layout import check_complete, list_checkpoints, read_latest, resolve
 from .stateful import TensorState
-from .storage import LoadPlanner, SafeReader
+from .storage import LoadPlanner, SafeReader, dcp_errors, record_is_stored
 
 __all__ = ["consolidate", "consolidated_state_dict", "describe", "load_consolidated"]
 
@@ -42,11 +44,13 @@ def consolidated_state_dict(ckpt_dir: Any, tag: Optional[str] = None) -> dict[st
     path, manifest = _checkpoint(ckpt_dir, tag)
     values: dict[str, torch.Tensor] = {}
     tensors: dict[str, torch.Tensor] = {}
+    # Sizes were checked against the index and the bytes on disk, and every chunk
+    # covers its tensor exactly once (`check_complete`): each element is read.
     for name, info in manifest["params"].items():
         values[name] = tensors[f"master/{name}"] = torch.empty(math.prod(info["shape"]), dtype=torch.float32)
     for name, info in manifest["module"].items():
-        values[name] = tensors[f"module/{name}"] = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
-    with warnings.catch_warnings():
+        values[name] = tensors[f"module/{name}"] = torch.empty(info["shape"], dtype=TENSOR_DTYPES[info["dtype"]])
+    with warnings.catch_warnings(), dcp_errors(path):
         warnings.simplefilter("ignore")  # DCP warns that no process group exists: that is the point here
         dcp.load({"model": TensorState(tensors)}, storage_reader=SafeReader(path), planner=LoadPlanner(), no_dist=True)
     for name, info in manifest["params"].items():
@@ -81,6 +85,9 @@ def load_consolidated(path: Any) -> dict[str, torch.Tensor]:
     """A file written by :func:`consolidate`, as a ``state_dict`` (tied names share one tensor)."""
     path = Path(path)
     if path.suffix.lower() != ".safetensors":
+        with open(path, "rb") as stream:  # a deflated file could expand far beyond its size: refuse it
+            if stream.read(4) == b"PK\x03\x04":
+                record_is_stored(stream, 0, os.fstat(stream.fileno()).st_size, str(path))
         return torch.load(path, map_location="cpu", weights_only=True)
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -88,31 +95,43 @@ def load_consolidated(path: Any) -> dict[str, torch.Tensor]:
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
     tensors = load_file(str(path))
-    aliases = json.loads(metadata.get(ALIASES_KEY, "{}"))
-    keys = json.loads(metadata.get(KEYS_KEY, "null")) or [*tensors, *aliases]
-    return {key: tensors[aliases.get(key, key)] for key in keys}
+    try:
+        aliases = json.loads(metadata.get(ALIASES_KEY, "{}"))
+        keys = json.loads(metadata.get(KEYS_KEY, "null")) or [*tensors, *aliases]
+        return {key: tensors[aliases.get(key, key)] for key in keys}
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise CheckpointError(
+            f"{path}: its metadata `{ALIASES_KEY}` / `{KEYS_KEY}` does not match its tensors ({type(exc).__name__}: "
+            f"{exc!s:.100}); it was not written by `consolidate` or was edited: load it with `safetensors.torch.load_file`"
+        ) from None
 
 
 def describe(save_dir: Any) -> str:
     """A human-readable summary of every checkpoint in ``save_dir`` (or of one checkpoint directory)."""
     root = Path(save_dir)
+    latest: Optional[str] = root.name
     if (root / "shardwise.json").is_file():
         entries = [(root.name, root, True)]
-        latest = root.name
     else:
         entries = list_checkpoints(root)
-        latest_file = root / LATEST
-        latest = latest_file.read_text(encoding="utf-8").strip() if latest_file.is_file() else None
+        latest = _latest(root)
         if not entries:
-            raise CheckpointError(f"no checkpoints in {root}")
+            raise CheckpointError(foreign_format(root) or f"no checkpoints in {root}")
     lines = [f"{root}:"]
     for name, path, committed in entries:
         lines.append(_describe_one(name, path, committed, name == latest))
     return "\n".join(lines)
 
 
+def _latest(root: Path) -> Optional[str]:
+    try:
+        return read_latest(root)
+    except (FileNotFoundError, CheckpointError):
+        return None  # a bad `latest` shows as no checkpoint marked latest; loading it says why
+
+
 def _describe_one(name: str, path: Path, committed: bool, is_latest: bool) -> str:
-    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    size = sum(f.lstat().st_size for f in path.iterdir() if not f.is_symlink() and f.is_file())
     mark = "  (latest)" if is_latest else ""
     if not committed:
         return f"  {name}: INCOMPLETE (a save that did not finish; never loaded), {_mb(size)} on disk"

@@ -28,11 +28,12 @@ from .agreement import Session, join
 from .codec import Decoder, refuse_pickles, tensor_refs
 from .conform import conform
 from .errors import CheckpointError
-from .layout import LATEST, MANIFEST, check_complete, list_checkpoints, rank_file, read_json, resolve
+from .formats import foreign_format
+from .layout import LATEST, MANIFEST, check_complete, list_checkpoints, rank_file, read_rank_file, resolve
 from .protocol import Apply, Checkpointable
 from .rng import capture_rng, restore_rng
 from .stateful import ModelNames, ModelState, OptimizerState, Sources, TensorState, dtype_name
-from .storage import LoadPlanner, SafeReader
+from .storage import LoadPlanner, SafeReader, dcp_errors
 
 __all__ = ["load_checkpoint"]
 
@@ -82,8 +83,8 @@ def _nothing_to_load(load_dir: Path, tag: Optional[str]) -> bool:
     """No tag asked for, and the directory has neither `latest` nor any complete checkpoint."""
     if tag is not None:
         return False
-    if (load_dir / LATEST).is_file() or (load_dir / MANIFEST).is_file():
-        return False
+    if (load_dir / LATEST).is_file() or (load_dir / MANIFEST).is_file() or foreign_format(load_dir) is not None:
+        return False  # (another format is named by the load's error)
     return not any(committed for _, _, committed in list_checkpoints(load_dir))
 
 
@@ -220,7 +221,8 @@ class _Load:
         distributed = dist.is_available() and dist.is_initialized()
         reader = SafeReader(self.path)
         group = self.engine.comm.group
-        dcp.load(states, storage_reader=reader, planner=LoadPlanner(), process_group=group, no_dist=not distributed)
+        with dcp_errors(self.path):
+            dcp.load(states, storage_reader=reader, planner=LoadPlanner(), process_group=group, no_dist=not distributed)
         self._decode()
 
     # ------------------------------------------------------------ checks
@@ -261,7 +263,7 @@ class _Load:
             return None
         if self.manifest["world_size"] != self.engine.comm.world_size:
             return None  # a rank's RNG stream has no counterpart at another world size
-        encoded = read_json(self.path / rank_file(self.rank)).get("rng")
+        encoded = read_rank_file(self.path, self.rank, self.manifest["world_size"]).get("rng")
         if encoded is None:
             return None
         return encoded, self._buffers(encoded, {})
