@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .._version import __version__
 from ..export import save_state_dict
@@ -120,10 +121,10 @@ class _Save:
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             remove_stale_temps(self.root, self.tag)
+            self.temp.mkdir()  # exclusively: nothing may be there before (the name is random)
         return describe_shards(self.shards)
 
     def _prepare(self, entries: dict[str, torch.Tensor]) -> dict[str, TensorState]:
-        self.temp.mkdir(parents=True, exist_ok=True)
         states: dict[str, TensorState] = {"model": ModelState.saving(self.shards, entries)}
         if self.engine.optimizer is not None:
             states["optim"] = OptimizerState.saving(self.shards)
@@ -156,7 +157,11 @@ class _Save:
         writer = _RankWriter(self.temp, self.temp / rank_file(self.rank), self.rank_info)
         distributed = dist.is_available() and dist.is_initialized()
         group = self.engine.comm.group
-        dcp.save(states, storage_writer=writer, planner=SavePlanner(), process_group=group, no_dist=not distributed)
+        try:
+            dcp.save(states, storage_writer=writer, planner=SavePlanner(), process_group=group, no_dist=not distributed)
+        except CheckpointException as exc:  # a BaseException: turn it into an error the steps report
+            detail = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(exc.failures.items()))
+            raise CheckpointError(f"writing the tensors to {self.temp} failed ({detail})") from None
         if weights_16bit is not None and self.rank == 0:
             save_state_dict(weights_16bit, self.temp / WEIGHTS_16BIT)
 

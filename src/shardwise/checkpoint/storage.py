@@ -141,6 +141,8 @@ class LoadPlanner(DefaultLoadPlanner):
         requests = []
         for fqn, obj in self.state_dict.items():
             md = saved.get(fqn)
+            if md is None and obj.size().numel() == 0:
+                continue  # nothing to read: an empty tensor writes no chunk, so it has no entry
             if md is None:
                 raise CheckpointError(f"the checkpoint's tensor index has no entry `{fqn}`; the checkpoint is damaged")
             if isinstance(md, BytesStorageMetadata):
