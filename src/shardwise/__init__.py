@@ -13,6 +13,7 @@ from ._version import __version__ as __version__
 from .config import Config, ConfigError, load_configs
 from .distributed import init_distributed
 from .engine import Engine
+from .engines import load_checkpoints, save_checkpoints
 from .optim import ShardwiseOptimizer
 
 __all__ = [
@@ -22,8 +23,10 @@ __all__ = [
     "ShardwiseOptimizer",
     "init_distributed",
     "initialize",
+    "load_checkpoints",
     "load_configs",
     "pipe",
+    "save_checkpoints",
     "testing",
     "zero",
 ]

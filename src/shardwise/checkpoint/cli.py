@@ -31,7 +31,7 @@ def _consolidate(ns: argparse.Namespace) -> int:
     from .errors import CheckpointError
 
     try:
-        summary = consolidate(ns.ckpt_dir, ns.out, tag=ns.tag)
+        summary = consolidate(ns.ckpt_dir, ns.out, tag=ns.tag, engine=ns.engine)
     except (CheckpointError, OSError) as error:
         print(f"shardwise checkpoint consolidate: {_one_line(error)}", file=sys.stderr)
         return 2
@@ -66,5 +66,6 @@ def add_checkpoint_commands(subparsers: Any) -> None:
     )
     consolidate.add_argument("ckpt_dir", metavar="CKPT_DIR")
     consolidate.add_argument("--tag", help="the checkpoint to export (default: the one `latest` names)")
+    consolidate.add_argument("--engine", help="in a checkpoint of several engines, the one to export")
     consolidate.add_argument("--out", required=True, metavar="FILE", help="output file, .safetensors or .pt")
     consolidate.set_defaults(handler=_consolidate)

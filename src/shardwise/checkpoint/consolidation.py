@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 import os
 import warnings
 from pathlib import Path
@@ -28,20 +29,26 @@ from ..export import ALIASES_KEY, KEYS_KEY, save_state_dict, tied_aliases
 from .encoded import TENSOR_DTYPES
 from .errors import CheckpointError
 from .formats import foreign_format
-from .layout import check_complete, list_checkpoints, read_latest, resolve
+from .group import member_path, read_group
+from .layout import GROUP_MANIFEST, check_complete, list_checkpoints, read_latest, resolve
 from .stateful import TensorState
 from .storage import LoadPlanner, SafeReader, dcp_errors, record_is_stored
 
 __all__ = ["consolidate", "consolidated_state_dict", "describe", "load_consolidated"]
 
-def _checkpoint(ckpt_dir: Any, tag: Optional[str]) -> tuple[Path, dict[str, Any]]:
+def _checkpoint(ckpt_dir: Any, tag: Optional[str], engine: Optional[str]) -> tuple[Path, dict[str, Any]]:
     path = resolve(ckpt_dir, tag)
+    if engine is None and (path / GROUP_MANIFEST).is_file():
+        names = read_group(path)
+        engine = names[0] if len(names) == 1 else None  # the one engine there needs no name
+    path = member_path(path, engine)
     return path, check_complete(path)
 
 
-def consolidated_state_dict(ckpt_dir: Any, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
-    """The full fp32 ``state_dict`` saved in ``ckpt_dir`` (a save directory, or one checkpoint)."""
-    path, manifest = _checkpoint(ckpt_dir, tag)
+def consolidated_state_dict(ckpt_dir: Any, tag: Optional[str] = None, engine: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """The full fp32 ``state_dict`` saved in ``ckpt_dir`` (a save directory, or one checkpoint); in a
+    checkpoint of several engines, that of ``engine``."""
+    path, manifest = _checkpoint(ckpt_dir, tag, engine)
     values: dict[str, torch.Tensor] = {}
     tensors: dict[str, torch.Tensor] = {}
     # Sizes were checked against the index and the bytes on disk, and every chunk
@@ -62,13 +69,16 @@ def consolidated_state_dict(ckpt_dir: Any, tag: Optional[str] = None) -> dict[st
     return {key: values[aliases.get(key, key)] for key in manifest["state_dict_keys"]}
 
 
-def consolidate(ckpt_dir: Any, out: Any, tag: Optional[str] = None) -> dict[str, Any]:
-    """Write the full weights of a checkpoint to ``out`` (``.safetensors`` or ``.pt``); returns a summary."""
+def consolidate(ckpt_dir: Any, out: Any, tag: Optional[str] = None, engine: Optional[str] = None) -> dict[str, Any]:
+    """Write the full weights of a checkpoint to ``out`` (``.safetensors`` or ``.pt``); returns a summary.
+
+    In a checkpoint of several engines, ``engine`` names the one to export.
+    """
     out = Path(out)
     suffix = out.suffix.lower()
     if suffix not in (".safetensors", ".pt", ".pth", ".bin"):
         raise CheckpointError(f"output file {out} has suffix `{suffix}`; use `.safetensors` or `.pt`")
-    state = consolidated_state_dict(ckpt_dir, tag)
+    state = consolidated_state_dict(ckpt_dir, tag, engine)
     aliases = tied_aliases(state)
     save_state_dict(state, out)
     distinct = [v for k, v in state.items() if k not in aliases]
@@ -135,6 +145,14 @@ def _describe_one(name: str, path: Path, committed: bool, is_latest: bool) -> st
     mark = "  (latest)" if is_latest else ""
     if not committed:
         return f"  {name}: INCOMPLETE (a save that did not finish; never loaded), {_mb(size)} on disk"
+    if (path / GROUP_MANIFEST).is_file():
+        try:
+            members = read_group(path)
+        except CheckpointError as exc:
+            return f"  {name}{mark}: BROKEN: {exc}"
+        lines = [f"  {name}{mark}: {len(members)} engines"]
+        lines += [textwrap.indent(_describe_one(member, path / member, True, False), "  ") for member in members]
+        return "\n".join(lines)
     try:
         manifest = check_complete(path)
     except CheckpointError as exc:

@@ -33,11 +33,13 @@ from .formats import foreign_format
 from .limits import MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, MAX_RANK_FILE_BYTES, MAX_TAG_LENGTH, MAX_WORLD_SIZE
 
 __all__ = [
-    "LATEST", "MANIFEST", "TEMP_PREFIX", "check_complete", "list_checkpoints", "rank_file", "read_json",
+    "GROUP_MANIFEST", "LATEST", "MANIFEST", "TEMP_PREFIX", "check_complete", "list_checkpoints", "rank_file", "read_json",
     "read_latest", "read_rank_file", "resolve", "temp_dir", "validate_tag",
 ]
 
 MANIFEST = "shardwise.json"
+#: a checkpoint of several engines: their names, next to one subdirectory each (group.py)
+GROUP_MANIFEST = "engines.json"
 LATEST = "latest"
 TEMP_PREFIX = ".tmp-"
 INDEX = ".metadata"
@@ -96,7 +98,7 @@ def _tags(save_dir: Path) -> list[str]:
         return []
     return sorted(
         p.name for p in save_dir.iterdir()
-        if not p.name.startswith(".") and files.is_real_dir(p) and (p / MANIFEST).is_file()
+        if not p.name.startswith(".") and files.is_real_dir(p) and _is_checkpoint(p)
     )
 
 
@@ -127,7 +129,7 @@ def resolve(load_dir: str | os.PathLike[str], tag: Optional[str]) -> Path:
         return _entry(root, tag, "tag")
     if os.path.lexists(root / LATEST):
         return _entry(root, read_latest(root), f"{root / LATEST} names")
-    if (root / MANIFEST).is_file() or (root / INDEX).is_file():
+    if (root / MANIFEST).is_file() or (root / INDEX).is_file() or (root / GROUP_MANIFEST).is_file():
         return root
     foreign = foreign_format(root)
     if foreign is not None:
@@ -249,6 +251,11 @@ def list_checkpoints(save_dir: Path) -> list[tuple[str, Path, bool]]:
             continue
         if child.name.startswith(TEMP_PREFIX):
             found.append((child.name, child, False))
-        elif (child / MANIFEST).is_file():
+        elif _is_checkpoint(child):
             found.append((child.name, child, True))
     return found
+
+
+def _is_checkpoint(path: Path) -> bool:
+    """A committed checkpoint: of one engine (its manifest), or of several (their list)."""
+    return (path / MANIFEST).is_file() or (path / GROUP_MANIFEST).is_file()
