@@ -13,12 +13,14 @@ from .config import Config, ConfigError, load_configs
 from .distributed import init_distributed
 from .engine import Engine
 from .optim import ShardwiseOptimizer
+from .trainer import Trainer
 
 __all__ = [
     "Config",
     "ConfigError",
     "Engine",
     "ShardwiseOptimizer",
+    "Trainer",
     "init_distributed",
     "initialize",
     "load_configs",
