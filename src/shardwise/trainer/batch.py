@@ -66,6 +66,7 @@ def forward(engine: Any, batch: Any) -> Any:
 
 def compute_loss(output: Any, batch: Any, loss_fn: Optional[LossFn]) -> torch.Tensor:
     """The scalar loss of one forward: ``loss_fn(output, batch)``, the output, ``output["loss"]`` or ``output.loss``."""
+    loss: Any
     if loss_fn is not None:
         loss = loss_fn(output, batch)
     elif isinstance(output, torch.Tensor):

@@ -52,7 +52,7 @@ class Source:
         self._make = make
         #: this rank's micro-batches per epoch; None when the source has no length (iterable data)
         self.batches_per_epoch = batches
-        #: samples in the whole dataset (all ranks), when known
+        #: samples in the whole dataset (all ranks), when the trainer batches it
         self.samples = samples
 
     def epoch(self, epoch: int, skip: int = 0) -> Iterator[Any]:
@@ -90,7 +90,7 @@ def _user_loader(loader: DataLoader, collate_fn: Collate, num_workers: int) -> S
         _set_epoch(loader, epoch)
         return itertools.islice(iter(loader), skip, None)
 
-    return Source(make, _length(loader), _length(loader.dataset))
+    return Source(make, _length(loader), None)  # its batch size may not be the config's: count batches only
 
 
 def _iterable(dataset: Any, micro: int, rank: int, world: int, seed: int, collate_fn: Collate,
@@ -115,7 +115,7 @@ def train_source(data: Any, *, micro: Optional[int], rank: int, world: int, seed
     if isinstance(data, IterableDataset):
         return _iterable(data, micro, rank, world, seed, collate_fn, num_workers, drop_last=True)
     _require_dataset(data, "train_data")
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    sampler: DistributedSampler[Any] = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
 
     def make(epoch: int, skip: int) -> Iterator[Any]:
         sampler.set_epoch(epoch)

@@ -60,6 +60,7 @@ class FitSummary:
     eval_loss: Optional[float]
     #: seconds this ``fit()`` took
     elapsed: float
+    #: training throughput (evaluation and saves left out), over all ranks
     samples_per_second: float
     #: None when the batches are not token ids
     tokens_per_second: Optional[float]
@@ -75,6 +76,14 @@ class FitSummary:
 def _positive(name: str, value: Optional[int]) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"`{name}={value!r}`: expected a positive integer (or None)")
+
+
+def _micro_batch(engine: Any) -> Optional[int]:
+    """The config's micro-batch size, or None when it sets no batch size (fine with a user-built DataLoader)."""
+    try:
+        return int(engine.train_micro_batch_size_per_gpu())
+    except ValueError:
+        return None
 
 
 def _device(engine: Any) -> torch.device:
@@ -128,7 +137,7 @@ class Trainer:
         self.device = _device(engine)
         self.agreement = Agreement(engine.comm, self.device)
         self.accumulation = engine.gradient_accumulation_steps()
-        self.micro = engine.batch_sizes.micro_batch_size
+        self.micro = _micro_batch(engine)
         where = dict(micro=self.micro, rank=self.rank, world=self.world_size, collate_fn=collate_fn, num_workers=num_workers)
         self.source = train_source(train_data, seed=seed, **where)
         self.eval_source: Optional[Source] = eval_source(eval_data, **where) if eval_data is not None else None
@@ -207,13 +216,15 @@ class Trainer:
         self.step_in_epoch += 1
         metrics = self._record_step(result, meter)
         if self.eval_every and self.global_step % self.eval_every == 0:
-            self.evaluate()
+            with meter.paused():
+                self.evaluate()
         self.callbacks.call("on_step_end", self, metrics)
         decision = self._requests.decide(self.agreement, self.rank)
         if decision.stop:
             self._announce_stop(decision)
         if self.checkpoints.enabled and (decision.save or decision.stop or self._save_due()):
-            self.save()
+            with meter.paused():
+                self.save()
         return decision
 
     def train_step(self, batches: list[Any]) -> StepResult:
@@ -416,11 +427,11 @@ class Trainer:
         if self.eval_source is not None and self._evaluated_at != self.global_step:
             self.evaluate()
         self.progress.close()
-        elapsed = meter.elapsed()
+        seconds = meter.training_seconds()
         summary = FitSummary(
             steps=self.global_step, trained_steps=meter.total_steps, epoch=self.epoch, final_loss=self.last_loss,
-            eval_loss=self.last_eval_loss, elapsed=elapsed, samples_per_second=meter.total_samples / elapsed,
-            tokens_per_second=meter.total_tokens / elapsed if meter.total_tokens else None,
+            eval_loss=self.last_eval_loss, elapsed=meter.elapsed(), samples_per_second=meter.total_samples / seconds,
+            tokens_per_second=meter.total_tokens / seconds if meter.total_tokens else None,
             stopped=decision.reason if decision.stop else None,
             checkpoint=self.checkpoints.last_path,
         )

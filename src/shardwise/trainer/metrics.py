@@ -1,4 +1,4 @@
-"""Metrics: throughput between log points, and the JSON-lines file (one record per logged step).
+"""Metrics: throughput between log points (evaluation and saves left out), and the JSON-lines file (one record per logged step).
 
 A record holds ``step``, ``epoch``, ``loss`` (mean over ranks and the step's
 micro-batches), ``lr`` (first param group), ``grad_norm``, ``loss_scale``,
@@ -10,11 +10,13 @@ Non-finite numbers (an fp16 overflow's grad norm) are written as ``null``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Optional
 
 __all__ = ["Meter", "MetricsFile", "read_metrics"]
@@ -32,6 +34,19 @@ class Meter:
     total_steps: int = 0
     total_samples: int = 0
     total_tokens: int = 0
+    #: seconds spent outside training steps (evaluation, saves), left out of the rates
+    excluded: float = 0.0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside counts in neither the interval's rates nor the whole run's."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - start
+            self.mark += spent
+            self.excluded += spent
 
     def add(self, samples: int, tokens: int) -> None:
         self.steps += 1
@@ -54,7 +69,12 @@ class Meter:
         return rates
 
     def elapsed(self) -> float:
+        """Wall seconds since the start, everything included."""
         return time.perf_counter() - self.started
+
+    def training_seconds(self) -> float:
+        """Wall seconds since the start, evaluation and saves left out."""
+        return max(self.elapsed() - self.excluded, 1e-9)
 
 
 def _clean(value: Any) -> Any:
