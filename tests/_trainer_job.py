@@ -8,6 +8,7 @@ writes the final full weights and loss to OUT.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -51,6 +52,8 @@ def train_job(checkpoint_dir: str, out: str, kill_at: Optional[int] = None) -> N
 
 
 if __name__ == "__main__":
+    # A worker stuck past a minute prints where it is and exits (the test then fails instead of hanging).
+    faulthandler.dump_traceback_later(60, exit=True)
     train_job(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)
     dist.barrier()
     dist.destroy_process_group()

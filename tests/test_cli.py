@@ -135,6 +135,20 @@ def test_run_respects_torchrun_environment(monkeypatch: pytest.MonkeyPatch) -> N
     assert torchrun_args(["t.py"]) == ["t.py"]
 
 
+def test_run_environment_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.cli import _launch_environment
+
+    for name in ("OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    _launch_environment(["--nproc-per-node", "2", "t.py"])
+    assert int(os.environ["OMP_NUM_THREADS"]) >= 1  # set quietly: torchrun would print a warning block
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    _launch_environment(["--max-restarts", "3", "--nproc-per-node", "2", "t.py"])
+    assert os.environ["OMP_NUM_THREADS"] == "7"  # the user's value wins
+    assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # restarts get a fresh store
+
+
 # ------------------------------------------------------------ run: launches
 
 ALL_REDUCE = """\

@@ -25,7 +25,7 @@ def test_killed_rank_restarts_and_resumes_to_the_uninterrupted_weights(tmp_path:
     launch = subprocess.run(
         [sys.executable, "-m", "shardwise.cli", "run", "--max-restarts", "3", "--nproc-per-node", "2",
          str(JOB), str(tmp_path / "elastic"), str(out), "5"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
     )
     assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-5000:]
     assert "resumed from" in launch.stdout and "global_step4" in launch.stdout, launch.stdout[-3000:]
