@@ -15,12 +15,14 @@ from .distributed import init_distributed
 from .engine import Engine
 from .engines import load_checkpoints, save_checkpoints
 from .optim import ShardwiseOptimizer
+from .trainer import Trainer
 
 __all__ = [
     "Config",
     "ConfigError",
     "Engine",
     "ShardwiseOptimizer",
+    "Trainer",
     "init_distributed",
     "initialize",
     "load_checkpoints",
