@@ -14,6 +14,7 @@ from .config import Config, ConfigError, load_configs
 from .distributed import init_distributed
 from .engine import Engine
 from .engines import load_checkpoints, save_checkpoints
+from .log import install_default_handler
 from .optim import ShardwiseOptimizer
 from .trainer import Trainer
 
@@ -58,6 +59,7 @@ def initialize(
     pipeline engine (``engine.train_batch(data_iter)``); with one stage it is
     an ordinary module and gets an ordinary engine.
     """
+    install_default_handler()  # before the config's info lines
     loaded = Config.load(config if config is not None else {})
     if not dist.is_initialized():
         init_distributed(timeout=loaded.dist_timeout)
