@@ -6,6 +6,10 @@ real, varied text that exists on every machine with Python. ``--data FILE``
 in ``train_gpt.py`` takes the user's text instead.
 
 Tokens are bytes (vocab 256), so there is no tokenizer to ship.
+
+:class:`TextWindows` is the text as a map-style dataset (what
+``shardwise.Trainer`` shards and shuffles); :func:`batches` draws random
+windows by step, for loops written by hand.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import sysconfig
 from pathlib import Path
 
 import torch
+from torch.utils.data import Dataset
 
 DEFAULT_MAX_BYTES = 2_000_000
 # torch's CPU generator keeps only 32 bits of a seed, so (seed, step) is folded
@@ -91,3 +96,38 @@ def batches(
     # (batch, block+1) windows; x is all but the last byte, y all but the first.
     windows = torch.stack([data[s : s + block_size + 1] for s in mine.tolist()]).long()
     return windows[:, :-1], windows[:, 1:]
+
+
+class TextWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """The text as consecutive ``(x, y)`` windows of ``block_size`` bytes; ``y`` is ``x`` one byte ahead.
+
+    Item ``i`` starts at byte ``i * block_size``, so the windows tile the text
+    without overlap and every byte is a target once per epoch.
+    """
+
+    def __init__(self, data: torch.Tensor, block_size: int) -> None:
+        if data.numel() <= block_size:
+            raise ValueError(
+                f"the text has {data.numel()} bytes, fewer than `block_size` + 1 = {block_size + 1}; "
+                "use a longer text or a smaller model."
+            )
+        self.data = data
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return (self.data.numel() - 1) // self.block_size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} is outside [0, {len(self)})")
+        start = index * self.block_size
+        window = self.data[start : start + self.block_size + 1].long()
+        return window[:-1], window[1:]
+
+
+def split_text(data: torch.Tensor, held_out: float = 0.05, max_held_out: int = 65_536) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(train, held-out)``: the held-out part is the text's last ``held_out`` fraction (at most ``max_held_out`` bytes)."""
+    if not 0.0 < held_out < 1.0:
+        raise ValueError(f"`held_out` is {held_out}; expected a fraction between 0 and 1, e.g. 0.05")
+    size = min(int(data.numel() * held_out), max_held_out)
+    return data[: data.numel() - size], data[data.numel() - size :]

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from shardwise.cli import COMMANDS, build_parser, main, torchrun_args
@@ -134,6 +135,20 @@ def test_run_respects_torchrun_environment(monkeypatch: pytest.MonkeyPatch) -> N
     assert torchrun_args(["t.py"]) == ["t.py"]
 
 
+def test_run_environment_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.cli import _launch_environment
+
+    for name in ("OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    _launch_environment(["--nproc-per-node", "2", "t.py"])
+    assert int(os.environ["OMP_NUM_THREADS"]) >= 1  # set quietly: torchrun would print a warning block
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    _launch_environment(["--max-restarts", "3", "--nproc-per-node", "2", "t.py"])
+    assert os.environ["OMP_NUM_THREADS"] == "7"  # the user's value wins
+    assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # restarts get a fresh store
+
+
 # ------------------------------------------------------------ run: launches
 
 ALL_REDUCE = """\
@@ -179,17 +194,76 @@ def test_run_exits_with_the_scripts_status(tmp_path: Path) -> None:
     assert "fail.py" in result.stderr
 
 
-# The main example, end to end on 2 ranks: the default config (stage 2) and
-# the stage 3 ones, where the tied head and `engine.generate` read sharded weights.
-@pytest.mark.parametrize("config", [None, "stage3.yaml", "stage3_bf16.yaml"], ids=str)
-def test_train_gpt_example_on_two_ranks(config: str | None) -> None:
-    args = ["run", "--nproc-per-node", "2", "examples/train_gpt.py", "--size", "tiny", "--steps", "6",
-            "--sample-tokens", "20"]
-    if config is not None:
-        args += ["--config", f"examples/configs/{config}"]
+# The main example, end to end on 2 ranks: the default config (stage 2), stopped and
+# resumed on re-run, and stage 3 in bf16, where the tied head and `engine.generate`
+# read sharded weights. Then `shardwise generate` samples from what it saved.
+def _example(run: Path, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    args = ["run", "--nproc-per-node", "2", "examples/train_gpt.py", "--size", "tiny", "--steps", str(steps),
+            "--run-dir", str(run), "--eval-every", "3", "--save-every", "3", "--log-every", "2",
+            "--sample-tokens", "20", *extra]
     result = _shardwise(*args)
     assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
-    assert "2 rank(s)" in out and "step     6" in out and "--- sample" in out
-    losses = [float(line.split("loss")[1].split("|")[0]) for line in out.splitlines() if line.startswith("step ")]
-    assert len(losses) == 2 and losses[-1] < losses[0]
+    assert result.stderr == "", result.stderr  # no warning noise (torchrun's OMP banner, NumPy, ...)
+    return result
+
+
+def _losses(out: str) -> list[float]:
+    return [float(line.split("loss")[1].split("|")[0]) for line in out.splitlines() if line.startswith("step ")]
+
+
+@pytest.mark.parametrize("config", [None, "stage3_bf16.yaml"], ids=str)
+def test_train_gpt_example_on_two_ranks(config: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    out = _example(run, 6, *(["--config", f"examples/configs/{config}"] if config else [])).stdout
+    assert "2 rank(s)" in out and "step 6/6" in out and "eval at step 6: loss" in out and "--- sample" in out
+    losses = _losses(out)
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert {"model.json", "metrics.jsonl", "metrics.png", "checkpoints"} <= {p.name for p in run.iterdir()}
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["global_step3", "global_step6", "latest"]
+    assert main(["generate", str(run / "checkpoints"), "--tokens", "12", "--temperature", "0"]) == 0
+    sampled = capsys.readouterr().out
+    assert sampled.startswith("def ") and len(sampled.encode()) >= 12
+    if config is not None:
+        return
+    # Re-run with more steps: resumes from the newest checkpoint.
+    out = _example(run, 8).stdout
+    assert f"resumed from {run / 'checkpoints' / 'global_step6'}: step 6, epoch 0 (step 6 of it)" in out
+    assert "step 8/8" in out and "trained 2 step(s)" in out
+    # A consolidated file samples the same as the sharded checkpoint it came from.
+    file = run / "final.safetensors"  # model.json is found next to it
+    assert main(["checkpoint", "consolidate", str(run / "checkpoints"), "--out", str(file)]) == 0
+    capsys.readouterr()
+    for source in (run / "checkpoints", file):
+        assert main(["generate", str(source), "--tokens", "12", "--temperature", "0"]) == 0
+    from_dir, from_file = capsys.readouterr().out.splitlines()[:2]
+    assert from_dir == from_file
+
+
+# ------------------------------------------------------------ env, plot, generate errors
+
+def test_env_prints_versions_backends_and_cores(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert f"torch {torch.__version__}" in out and "shardwise " in out
+    assert "gloo yes" in out and "CPU cores:" in out and "GPUs:" in out
+
+
+def test_plot_draws_loss_and_lr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [{"step": s, "loss": 3.0 / s, "lr": 1e-3 * s} for s in range(1, 6)] + [{"step": 5, "eval_loss": 0.9}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in lines), encoding="utf-8")
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "curves.png")]) == 0
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["plot", str(metrics)]) == 0 and (tmp_path / "metrics.png").is_file()
+    capsys.readouterr()
+    (tmp_path / "empty.jsonl").write_text("{}\n", encoding="utf-8")
+    assert main(["plot", str(tmp_path / "empty.jsonl")]) == 2
+    assert "no records with `step` and `loss`" in capsys.readouterr().err
+
+
+def test_generate_errors_name_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "ck").mkdir()
+    assert main(["generate", str(tmp_path / "ck")]) == 2
+    assert "--model-json PATH" in capsys.readouterr().err

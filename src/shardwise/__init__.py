@@ -13,17 +13,23 @@ from ._version import __version__ as __version__
 from .config import Config, ConfigError, load_configs
 from .distributed import init_distributed
 from .engine import Engine
+from .engines import load_checkpoints, save_checkpoints
+from .log import install_default_handler
 from .optim import ShardwiseOptimizer
+from .trainer import Trainer
 
 __all__ = [
     "Config",
     "ConfigError",
     "Engine",
     "ShardwiseOptimizer",
+    "Trainer",
     "init_distributed",
     "initialize",
+    "load_checkpoints",
     "load_configs",
     "pipe",
+    "save_checkpoints",
     "testing",
     "zero",
 ]
@@ -53,6 +59,7 @@ def initialize(
     pipeline engine (``engine.train_batch(data_iter)``); with one stage it is
     an ordinary module and gets an ordinary engine.
     """
+    install_default_handler()  # before the config's info lines
     loaded = Config.load(config if config is not None else {})
     if not dist.is_initialized():
         init_distributed(timeout=loaded.dist_timeout)

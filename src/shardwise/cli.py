@@ -3,6 +3,8 @@
 ``shardwise run`` builds arguments for ``torch.distributed.run`` (torchrun) and
 delegates; it launches nothing itself (Lightning Fabric's CLI is the model).
 ``shardwise config validate`` checks a config file and prints it resolved.
+``shardwise generate`` samples from a trained example model, ``shardwise env``
+prints versions and hardware, ``shardwise plot`` draws a Trainer's metrics.
 
 Commands live in a registry, :data:`COMMANDS`: each entry adds its subparser
 and sets a ``handler``. A new command (``shardwise checkpoint inspect`` /
@@ -97,10 +99,32 @@ def _exit_code(error: BaseException) -> int:
     return code if 0 < code < 256 else 1
 
 
+def _launch_environment(args: Sequence[str]) -> None:
+    """Defaults for the workers' environment that torchrun leaves unset (a variable the user set wins).
+
+    * ``OMP_NUM_THREADS``: each local process gets an equal share of the usable
+      cores. torchrun would set 1 and print a warning block on every launch; a
+      share is the same on a 2-core box, better on a big one, and quiet.
+    * ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` with ``--max-restarts``: torchrun
+      otherwise keeps one TCP store across restarts, and the restarted group
+      reads the dead group's gloo addresses from it. Measured here: 5 of 8
+      SIGKILL-and-restart runs hung in ``init_process_group`` or were refused,
+      0 of 8 with a fresh store per restart.
+    """
+    parsed = _parse_torchrun(args)
+    nproc = str(parsed.nproc_per_node)
+    if "OMP_NUM_THREADS" not in os.environ and nproc.isdigit() and int(nproc) > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // int(nproc)))
+    if int(parsed.max_restarts) > 0:
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
 def _run(ns: argparse.Namespace) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    _launch_environment(ns.args)
     try:
         torchrun.main(torchrun_args(ns.args))
     except ChildFailedError as error:
@@ -124,6 +148,90 @@ def _add_run(subparsers: Any) -> None:
     )
     parser.add_argument("args", nargs=argparse.REMAINDER)
     parser.set_defaults(handler=_run)
+
+
+# ------------------------------------------- shardwise generate / env / plot
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from .generate import ModelSpecError, generate_text, load_model
+
+    try:
+        model = load_model(ns.checkpoint, ns.model_json)
+    except (ModelSpecError, FileNotFoundError) as error:
+        print(f"shardwise generate: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:  # a checkpoint problem: CheckpointError, a state_dict mismatch
+        print(f"shardwise generate: cannot load {ns.checkpoint}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
+    for index in range(ns.samples):
+        text = generate_text(model, ns.prompt, ns.tokens, ns.temperature, seed=ns.seed + index)
+        print(text if ns.samples == 1 else f"--- sample {index + 1} ---\n{text}", flush=True)
+    return 0
+
+
+@command("generate")
+def _add_generate(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="sample text from a trained example model (sharded or consolidated checkpoint)",
+        description="Rebuild the byte-level model described by `model.json` (written by examples/train_gpt.py into "
+        "its run directory; looked up next to CHECKPOINT and in the folders above), load CHECKPOINT's weights in "
+        "this process, and print PROMPT continued. CHECKPOINT is a `checkpoint_dir` (its `latest`), one tag "
+        "directory, or a `.safetensors`/`.pt` file from `shardwise checkpoint consolidate`. Exit 0, or 2 with "
+        "the problem on stderr.",
+    )
+    parser.add_argument("checkpoint", metavar="CHECKPOINT")
+    parser.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
+    parser.add_argument("--tokens", type=_positive_int, default=200, help="bytes to generate (default 200)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 is greedy (default 0.8)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    parser.add_argument("--samples", type=_positive_int, default=1, help="how many samples (default 1)")
+    parser.add_argument("--model-json", default=None, metavar="PATH", help="the model description, if not found")
+    parser.set_defaults(handler=_generate)
+
+
+def _env(ns: argparse.Namespace) -> int:
+    from .environment import describe_environment
+
+    print(describe_environment())
+    return 0
+
+
+@command("env")
+def _add_env(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "env", help="print versions, distributed backends, CPU cores and GPUs",
+        description="Print what a bug report needs: Python, shardwise, torch and related versions, "
+        "the distributed backends this torch has, usable CPU cores and GPUs.",
+    )
+    parser.set_defaults(handler=_env)
+
+
+def _plot(ns: argparse.Namespace) -> int:
+    from .trainer.plot import plot_metrics
+
+    out = Path(ns.out) if ns.out else Path(ns.metrics).with_suffix(".png")
+    try:
+        plot_metrics(ns.metrics, out)
+    except (ImportError, ValueError, OSError) as error:
+        print(f"shardwise plot: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+@command("plot")
+def _add_plot(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "plot", help="draw loss and lr curves from a Trainer metrics file",
+        description="Read METRICS (the JSON lines `shardwise.Trainer(metrics_file=...)` writes) and draw "
+        "train/eval loss and learning rate against step into a PNG. Needs matplotlib "
+        "(`pip install 'shardwise[plot]'`). Exit 0, or 2 with the problem on stderr.",
+    )
+    parser.add_argument("metrics", metavar="METRICS")
+    parser.add_argument("-o", "--out", default=None, metavar="PNG", help="output file (default: METRICS with .png)")
+    parser.set_defaults(handler=_plot)
 
 
 # ------------------------------------------------------- shardwise config validate

@@ -287,8 +287,9 @@ class Engine:
         """Every ``steps_per_print`` steps, log lr, loss scale and grad norm (and timings)."""
         if self.global_steps % self.config.steps_per_print or self.comm.rank != 0:
             return
+        who = f"{self.name} " if self.name else ""  # several engines print side by side
         line = (
-            f"step {self.global_steps}: lr={self.get_lr()} loss_scale={self.loss_scale:g} "
+            f"{who}step {self.global_steps}: lr={self.get_lr()} loss_scale={self.loss_scale:g} "
             f"grad_norm={self.get_global_grad_norm() or 0.0:.4g} skipped={self.skipped_steps}"
         )
         if self.config.wall_clock_breakdown:

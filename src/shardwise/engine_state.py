@@ -79,6 +79,10 @@ class EngineState:
         return self._engine.comm
 
     @property
+    def name(self) -> Optional[str]:
+        return self._engine.name
+
+    @property
     def settings(self) -> Any:
         return self._engine.config.checkpoint
 

@@ -61,7 +61,7 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import ModuleType
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 __all__ = ["DistributedTestError", "distributed_test", "run_distributed", "run_subtests"]
 
@@ -395,7 +395,7 @@ def _watch(procs: Sequence[BaseProcess], deadline: float, launch_dir: Path,
     while pending and (remaining := stop - time.monotonic()) > 0:
         by_sentinel = {proc.sentinel: rank for rank, proc in pending.items()}
         for sentinel in multiprocessing.connection.wait(list(by_sentinel), timeout=remaining):
-            rank = by_sentinel[sentinel]
+            rank = by_sentinel[cast(int, sentinel)]  # we waited on sentinels only (ints)
             proc = pending.pop(rank)
             proc.join()
             files = _RankFiles(launch_dir, rank)

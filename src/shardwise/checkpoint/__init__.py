@@ -23,8 +23,10 @@ __all__ = [
     "consolidated_state_dict",
     "describe",
     "load_checkpoint",
+    "load_checkpoints",
     "load_consolidated",
     "save_checkpoint",
+    "save_checkpoints",
 ]
 
 _WHERE = {
@@ -34,12 +36,15 @@ _WHERE = {
     "describe": ".consolidation",
     "load_consolidated": ".consolidation",
     "load_checkpoint": ".load",
+    "load_checkpoints": ".group",
     "save_checkpoint": ".save",
+    "save_checkpoints": ".group",
 }
 
 if TYPE_CHECKING:
     from .consolidation import consolidate, consolidated_state_dict, describe, load_consolidated
     from .errors import CheckpointError
+    from .group import load_checkpoints, save_checkpoints
     from .load import load_checkpoint
     from .save import save_checkpoint
 

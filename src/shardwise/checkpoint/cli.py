@@ -9,6 +9,11 @@ from typing import Any
 __all__ = ["add_checkpoint_commands"]
 
 
+def _one_line(error: BaseException) -> str:
+    """The error as one line: the command refuses a bad checkpoint with a message, not a traceback."""
+    return " ".join(str(error).split())
+
+
 def _inspect(ns: argparse.Namespace) -> int:
     from .consolidation import describe
     from .errors import CheckpointError
@@ -16,7 +21,7 @@ def _inspect(ns: argparse.Namespace) -> int:
     try:
         print(describe(ns.ckpt_dir))
     except (CheckpointError, OSError) as error:
-        print(f"shardwise checkpoint inspect: {error}", file=sys.stderr)
+        print(f"shardwise checkpoint inspect: {_one_line(error)}", file=sys.stderr)
         return 2
     return 0
 
@@ -26,9 +31,9 @@ def _consolidate(ns: argparse.Namespace) -> int:
     from .errors import CheckpointError
 
     try:
-        summary = consolidate(ns.ckpt_dir, ns.out, tag=ns.tag)
+        summary = consolidate(ns.ckpt_dir, ns.out, tag=ns.tag, engine=ns.engine)
     except (CheckpointError, OSError) as error:
-        print(f"shardwise checkpoint consolidate: {error}", file=sys.stderr)
+        print(f"shardwise checkpoint consolidate: {_one_line(error)}", file=sys.stderr)
         return 2
     tied = ", ".join(f"{alias} -> {name}" for alias, name in summary["aliases"].items()) or "none"
     print(
@@ -61,5 +66,6 @@ def add_checkpoint_commands(subparsers: Any) -> None:
     )
     consolidate.add_argument("ckpt_dir", metavar="CKPT_DIR")
     consolidate.add_argument("--tag", help="the checkpoint to export (default: the one `latest` names)")
+    consolidate.add_argument("--engine", help="in a checkpoint of several engines, the one to export")
     consolidate.add_argument("--out", required=True, metavar="FILE", help="output file, .safetensors or .pt")
     consolidate.set_defaults(handler=_consolidate)

@@ -19,13 +19,14 @@ import base64
 import math
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
+from .encoded import DTYPES, Node, check_encoded, expand, leaf_tag, root, tensor_refs, walk
 from .errors import CheckpointError
 
-__all__ = ["Decoder", "Encoder", "refuse_pickles", "tensor_refs"]
+__all__ = ["Decoder", "Encoder", "check_encoded", "refuse_pickles", "tensor_refs"]
 
 _PICKLE_HINT = (
     "set `checkpoint.allow_pickle: true` in the config only if you trust this checkpoint "
@@ -59,7 +60,7 @@ class Encoder:
         if isinstance(value, bytes):
             return {"__bytes__": base64.b64encode(value).decode()}
         if isinstance(value, torch.dtype):
-            return {"__dtype__": str(value).replace("torch.", "")}
+            return self._dtype(value, where)
         if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
             return {"__ndarray__": value.tolist(), "dtype": str(value.dtype)}
         return self._pickle(value, where)
@@ -68,6 +69,12 @@ class Encoder:
         key = f"{self.prefix}/{len(self.tensors)}"
         self.tensors[key] = value.detach()
         return {"__tensor__": key, "shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
+
+    def _dtype(self, value: torch.dtype, where: str) -> dict[str, Any]:
+        name = str(value).replace("torch.", "")
+        if name not in DTYPES:
+            raise CheckpointError(f"`{where}` holds `{value}`, a dtype shardwise checkpoints do not store")
+        return {"__dtype__": name}
 
     def _dict(self, value: dict[Any, Any], where: str) -> Any:
         if all(isinstance(k, str) and not k.startswith("__") for k in value):
@@ -88,42 +95,56 @@ class Encoder:
 
 @dataclass
 class Decoder:
-    """Decodes :class:`Encoder` output; ``tensors`` holds the loaded referenced tensors."""
+    """Decodes :class:`Encoder` output; ``tensors`` holds the loaded referenced tensors.
+
+    Decoding walks the data with an explicit stack (no recursion, nesting at
+    most ``MAX_DEPTH``), and a malformed value is a :class:`CheckpointError`
+    naming where it is: what a checkpoint holds never reaches Python as
+    anything but plain values, tensors it references, torch dtypes and numpy
+    arrays of plain numbers (and, only with ``allow_pickle``, unpickled objects).
+    """
 
     tensors: dict[str, torch.Tensor]
     allow_pickle: bool = False
 
     def decode(self, data: Any, where: str) -> Any:
-        if isinstance(data, list):
-            return [self.decode(v, f"{where}[{i}]") for i, v in enumerate(data)]
-        if not isinstance(data, dict):
+        top = root(data, where)
+        stack = [top]
+        while stack:
+            node = stack[-1]
+            if node.next == len(node.values):
+                stack.pop()
+                if stack:
+                    stack[-1].out.append(node.build())
+                continue
+            i = node.next
+            node.next += 1
+            child = expand(node, i)
+            if child is None:
+                node.out.append(self._leaf(node, i))
+            else:
+                stack.append(child)
+        return top.out[0]
+
+    def _leaf(self, node: Node, i: int) -> Any:
+        data = node.values[i]
+        tag = leaf_tag(node, i)
+        if tag is None:
             return data
-        if not any(k.startswith("__") for k in data):
-            return {k: self.decode(v, f"{where}[{k!r}]") for k, v in data.items()}
-        return self._tagged(data, where)
-
-    def _tagged(self, data: dict[str, Any], where: str) -> Any:
-        if "__tensor__" in data:
-            return self.tensors[data["__tensor__"]]
-        if "__tuple__" in data:
-            return tuple(self.decode(v, where) for v in data["__tuple__"])
-        if "__dict__" in data:
-            return {self.decode(k, where): self.decode(v, where) for k, v in data["__dict__"]}
-        if "__float__" in data:
+        if tag == "__tensor__":
+            key = data["__tensor__"]
+            if key not in self.tensors:
+                raise CheckpointError(f"`{node.child_where(i)}` refers to tensor `{key:.80}`, which this checkpoint does not hold")
+            return self.tensors[key]
+        if tag == "__float__":
             return float(data["__float__"])
-        if "__bytes__" in data:
-            return base64.b64decode(data["__bytes__"])
-        if "__dtype__" in data:
-            return getattr(torch, data["__dtype__"])
-        if "__ndarray__" in data:
-            import numpy
-
-            return numpy.asarray(data["__ndarray__"], dtype=data["dtype"])
-        if "__pickle__" in data:
-            return self._unpickle(data, where)
-        raise CheckpointError(
-            f"`{where}` in the checkpoint has an unknown tag {sorted(data)}; was it written by a newer shardwise?"
-        )
+        if tag == "__bytes__":
+            return base64.b64decode(data["__bytes__"], validate=True)
+        if tag == "__dtype__":
+            return DTYPES[data["__dtype__"]]
+        if tag == "__ndarray__":
+            return _ndarray(data, node.child_where(i))
+        return self._unpickle(data, node.child_where(i))
 
     def _unpickle(self, data: dict[str, Any], where: str) -> Any:
         if not self.allow_pickle:
@@ -134,17 +155,15 @@ class Decoder:
         return pickle.loads(base64.b64decode(data["__pickle__"]))
 
 
-def tensor_refs(data: Any) -> Iterator[dict[str, Any]]:
-    """Every ``__tensor__`` reference inside encoded ``data``."""
-    if isinstance(data, list):
-        for item in data:
-            yield from tensor_refs(item)
-    elif isinstance(data, dict):
-        if "__tensor__" in data:
-            yield data
-            return
-        for value in data.values():
-            yield from tensor_refs(value)
+def _ndarray(data: dict[str, Any], where: str) -> Any:
+    try:
+        import numpy
+    except ImportError:
+        raise CheckpointError(f"`{where}` in the checkpoint is a numpy array, and numpy is not installed") from None
+    try:
+        return numpy.asarray(data["__ndarray__"], dtype=data["dtype"])
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise CheckpointError(f"`{where}` in the checkpoint is not a {data['dtype']} array: {exc}") from None
 
 
 def refuse_pickles(data: Any, where: str, allow_pickle: bool) -> None:
@@ -154,11 +173,7 @@ def refuse_pickles(data: Any, where: str, allow_pickle: bool) -> None:
     """
     if allow_pickle:
         return
-    if isinstance(data, list):
-        for item in data:
-            refuse_pickles(item, where, allow_pickle)
-    elif isinstance(data, dict):
-        if "__pickle__" in data:
-            Decoder({}, allow_pickle=False).decode(data, where)
-        for key, value in data.items():
-            refuse_pickles(value, f"{where}[{key!r}]" if not key.startswith("__") else where, allow_pickle)
+    for node, i in walk(data, where):
+        value = node.values[i]
+        if isinstance(value, dict) and "__pickle__" in value:
+            Decoder({}, allow_pickle=False).decode(value, node.child_where(i))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 import os
 import warnings
 from pathlib import Path
@@ -25,28 +26,38 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..export import ALIASES_KEY, KEYS_KEY, save_state_dict, tied_aliases
+from .encoded import TENSOR_DTYPES
 from .errors import CheckpointError
-from .layout import LATEST, check_complete, list_checkpoints, resolve
+from .formats import foreign_format
+from .group import member_path, read_group
+from .layout import GROUP_MANIFEST, check_complete, list_checkpoints, read_latest, resolve
 from .stateful import TensorState
-from .storage import LoadPlanner, SafeReader
+from .storage import LoadPlanner, SafeReader, dcp_errors, record_is_stored
 
 __all__ = ["consolidate", "consolidated_state_dict", "describe", "load_consolidated"]
 
-def _checkpoint(ckpt_dir: Any, tag: Optional[str]) -> tuple[Path, dict[str, Any]]:
+def _checkpoint(ckpt_dir: Any, tag: Optional[str], engine: Optional[str]) -> tuple[Path, dict[str, Any]]:
     path = resolve(ckpt_dir, tag)
+    if engine is None and (path / GROUP_MANIFEST).is_file():
+        names = read_group(path)
+        engine = names[0] if len(names) == 1 else None  # the one engine there needs no name
+    path = member_path(path, engine)
     return path, check_complete(path)
 
 
-def consolidated_state_dict(ckpt_dir: Any, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
-    """The full fp32 ``state_dict`` saved in ``ckpt_dir`` (a save directory, or one checkpoint)."""
-    path, manifest = _checkpoint(ckpt_dir, tag)
+def consolidated_state_dict(ckpt_dir: Any, tag: Optional[str] = None, engine: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """The full fp32 ``state_dict`` saved in ``ckpt_dir`` (a save directory, or one checkpoint); in a
+    checkpoint of several engines, that of ``engine``."""
+    path, manifest = _checkpoint(ckpt_dir, tag, engine)
     values: dict[str, torch.Tensor] = {}
     tensors: dict[str, torch.Tensor] = {}
+    # Sizes were checked against the index and the bytes on disk, and every chunk
+    # covers its tensor exactly once (`check_complete`): each element is read.
     for name, info in manifest["params"].items():
         values[name] = tensors[f"master/{name}"] = torch.empty(math.prod(info["shape"]), dtype=torch.float32)
     for name, info in manifest["module"].items():
-        values[name] = tensors[f"module/{name}"] = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
-    with warnings.catch_warnings():
+        values[name] = tensors[f"module/{name}"] = torch.empty(info["shape"], dtype=TENSOR_DTYPES[info["dtype"]])
+    with warnings.catch_warnings(), dcp_errors(path):
         warnings.simplefilter("ignore")  # DCP warns that no process group exists: that is the point here
         dcp.load({"model": TensorState(tensors)}, storage_reader=SafeReader(path), planner=LoadPlanner(), no_dist=True)
     for name, info in manifest["params"].items():
@@ -58,13 +69,16 @@ def consolidated_state_dict(ckpt_dir: Any, tag: Optional[str] = None) -> dict[st
     return {key: values[aliases.get(key, key)] for key in manifest["state_dict_keys"]}
 
 
-def consolidate(ckpt_dir: Any, out: Any, tag: Optional[str] = None) -> dict[str, Any]:
-    """Write the full weights of a checkpoint to ``out`` (``.safetensors`` or ``.pt``); returns a summary."""
+def consolidate(ckpt_dir: Any, out: Any, tag: Optional[str] = None, engine: Optional[str] = None) -> dict[str, Any]:
+    """Write the full weights of a checkpoint to ``out`` (``.safetensors`` or ``.pt``); returns a summary.
+
+    In a checkpoint of several engines, ``engine`` names the one to export.
+    """
     out = Path(out)
     suffix = out.suffix.lower()
     if suffix not in (".safetensors", ".pt", ".pth", ".bin"):
         raise CheckpointError(f"output file {out} has suffix `{suffix}`; use `.safetensors` or `.pt`")
-    state = consolidated_state_dict(ckpt_dir, tag)
+    state = consolidated_state_dict(ckpt_dir, tag, engine)
     aliases = tied_aliases(state)
     save_state_dict(state, out)
     distinct = [v for k, v in state.items() if k not in aliases]
@@ -81,6 +95,9 @@ def load_consolidated(path: Any) -> dict[str, torch.Tensor]:
     """A file written by :func:`consolidate`, as a ``state_dict`` (tied names share one tensor)."""
     path = Path(path)
     if path.suffix.lower() != ".safetensors":
+        with open(path, "rb") as stream:  # a deflated file could expand far beyond its size: refuse it
+            if stream.read(4) == b"PK\x03\x04":
+                record_is_stored(stream, 0, os.fstat(stream.fileno()).st_size, str(path))
         return torch.load(path, map_location="cpu", weights_only=True)
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -88,34 +105,54 @@ def load_consolidated(path: Any) -> dict[str, torch.Tensor]:
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
     tensors = load_file(str(path))
-    aliases = json.loads(metadata.get(ALIASES_KEY, "{}"))
-    keys = json.loads(metadata.get(KEYS_KEY, "null")) or [*tensors, *aliases]
-    return {key: tensors[aliases.get(key, key)] for key in keys}
+    try:
+        aliases = json.loads(metadata.get(ALIASES_KEY, "{}"))
+        keys = json.loads(metadata.get(KEYS_KEY, "null")) or [*tensors, *aliases]
+        return {key: tensors[aliases.get(key, key)] for key in keys}
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise CheckpointError(
+            f"{path}: its metadata `{ALIASES_KEY}` / `{KEYS_KEY}` does not match its tensors ({type(exc).__name__}: "
+            f"{exc!s:.100}); it was not written by `consolidate` or was edited: load it with `safetensors.torch.load_file`"
+        ) from None
 
 
 def describe(save_dir: Any) -> str:
     """A human-readable summary of every checkpoint in ``save_dir`` (or of one checkpoint directory)."""
     root = Path(save_dir)
+    latest: Optional[str] = root.name
     if (root / "shardwise.json").is_file():
         entries = [(root.name, root, True)]
-        latest = root.name
     else:
         entries = list_checkpoints(root)
-        latest_file = root / LATEST
-        latest = latest_file.read_text(encoding="utf-8").strip() if latest_file.is_file() else None
+        latest = _latest(root)
         if not entries:
-            raise CheckpointError(f"no checkpoints in {root}")
+            raise CheckpointError(foreign_format(root) or f"no checkpoints in {root}")
     lines = [f"{root}:"]
     for name, path, committed in entries:
         lines.append(_describe_one(name, path, committed, name == latest))
     return "\n".join(lines)
 
 
+def _latest(root: Path) -> Optional[str]:
+    try:
+        return read_latest(root)
+    except (FileNotFoundError, CheckpointError):
+        return None  # a bad `latest` shows as no checkpoint marked latest; loading it says why
+
+
 def _describe_one(name: str, path: Path, committed: bool, is_latest: bool) -> str:
-    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    size = sum(f.lstat().st_size for f in path.iterdir() if not f.is_symlink() and f.is_file())
     mark = "  (latest)" if is_latest else ""
     if not committed:
         return f"  {name}: INCOMPLETE (a save that did not finish; never loaded), {_mb(size)} on disk"
+    if (path / GROUP_MANIFEST).is_file():
+        try:
+            members = read_group(path)
+        except CheckpointError as exc:
+            return f"  {name}{mark}: BROKEN: {exc}"
+        lines = [f"  {name}{mark}: {len(members)} engines"]
+        lines += [textwrap.indent(_describe_one(member, path / member, True, False), "  ") for member in members]
+        return "\n".join(lines)
     try:
         manifest = check_complete(path)
     except CheckpointError as exc:

@@ -28,11 +28,12 @@ from .agreement import Session, join
 from .codec import Decoder, refuse_pickles, tensor_refs
 from .conform import conform
 from .errors import CheckpointError
-from .layout import LATEST, MANIFEST, check_complete, list_checkpoints, rank_file, read_json, resolve
+from .formats import foreign_format
+from .layout import GROUP_MANIFEST, LATEST, MANIFEST, check_complete, list_checkpoints, rank_file, read_rank_file, resolve
 from .protocol import Apply, Checkpointable
 from .rng import capture_rng, restore_rng
 from .stateful import ModelNames, ModelState, OptimizerState, Sources, TensorState, dtype_name
-from .storage import LoadPlanner, SafeReader
+from .storage import LoadPlanner, SafeReader, dcp_errors
 
 __all__ = ["load_checkpoint"]
 
@@ -49,15 +50,18 @@ def load_checkpoint(
     load_module_only: bool = False,
     module_load_fn: Optional[ModuleLoadFn] = None,
     strict: bool = True,
+    member: Optional[str] = None,
 ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
     """Collectively restore ``engine`` from ``load_dir/tag`` (``tag=None``: the one ``latest`` names).
 
     Returns ``(path of the checkpoint loaded, the client_state given to
     save_checkpoint)``, or ``(None, None)`` with a warning when ``tag`` is None
     and ``load_dir`` holds no complete checkpoint.  See ``docs/checkpoints.md``
-    for what each option restores.
+    for what each option restores.  In a checkpoint of several engines, the
+    engine's files are ``TAG/<member>/`` (``member`` defaults to the engine's name).
     """
     config = engine.settings
+    member = member if member is not None else engine.name
     payload = {"op": "load_checkpoint", "dir": str(Path(load_dir).absolute()), "tag": tag}
     session = join(engine.comm, "load_checkpoint", payload, config.timeout)
     session.require_same("op", "checkpoint operations", "call `load_checkpoint` on every rank at the same point")
@@ -71,9 +75,9 @@ def load_checkpoint(
         )
         return None, None
     options = _Options(load_optimizer_states, load_lr_scheduler_states, load_module_only, module_load_fn, strict)
-    wanted = _names_with_saved_state(Path(load_dir), tag)
+    wanted = _names_with_saved_state(Path(load_dir), tag, member)
     with engine.shards(loading=True, wanted=wanted) as shards:
-        result = _Load(engine, shards, session, Path(load_dir), tag, options).run()
+        result = _Load(engine, shards, session, Path(load_dir), tag, member, options).run()
     engine.after_load()
     return result
 
@@ -82,8 +86,9 @@ def _nothing_to_load(load_dir: Path, tag: Optional[str]) -> bool:
     """No tag asked for, and the directory has neither `latest` nor any complete checkpoint."""
     if tag is not None:
         return False
-    if (load_dir / LATEST).is_file() or (load_dir / MANIFEST).is_file():
-        return False
+    if (load_dir / LATEST).is_file() or (load_dir / MANIFEST).is_file() or (load_dir / GROUP_MANIFEST).is_file() \
+            or foreign_format(load_dir) is not None:
+        return False  # (another format is named by the load's error)
     return not any(committed for _, _, committed in list_checkpoints(load_dir))
 
 
@@ -99,13 +104,20 @@ def _agree_nothing_to_load(session: Session, load_dir: Path, tag: Optional[str])
     return bool(views[0])
 
 
-def _names_with_saved_state(load_dir: Path, tag: Optional[str]) -> frozenset[str]:
+def _find(load_dir: Path, tag: Optional[str], member: Optional[str]) -> Path:
+    """The directory of this engine's checkpoint (its own subdirectory in a checkpoint of several)."""
+    from .group import member_path
+
+    return member_path(resolve(load_dir, tag), member)
+
+
+def _names_with_saved_state(load_dir: Path, tag: Optional[str], member: Optional[str]) -> frozenset[str]:
     """Parameters the checkpoint has optimizer state for (a frozen one keeps it for later).
 
     Any problem reading the manifest is left to the load itself to report.
     """
     try:
-        manifest = check_complete(resolve(load_dir, tag))
+        manifest = check_complete(_find(load_dir, tag, member))
         return frozenset(((manifest.get("optimizer") or {}).get("state") or {}).keys())
     except Exception:  # noqa: BLE001 - the load reports it, with context
         return frozenset()
@@ -134,12 +146,13 @@ class _Load:
     """One load, step by step; see the module docstring."""
 
     def __init__(self, engine: Checkpointable, shards: list[ParamShard], session: Session, load_dir: Path,
-                 tag: Optional[str], options: _Options) -> None:
+                 tag: Optional[str], member: Optional[str], options: _Options) -> None:
         self.engine = engine
         self.shards = shards
         self.session = session
         self.load_dir = load_dir
         self.tag = tag
+        self.member = member
         self.options = options
         self.rank = engine.comm.rank
         self.allow_pickle = engine.settings.allow_pickle
@@ -170,7 +183,7 @@ class _Load:
 
     # ------------------------------------------------------------ steps
     def _read_manifest(self) -> dict[str, Any]:
-        self.path = resolve(self.load_dir, self.tag).absolute()
+        self.path = _find(self.load_dir, self.tag, self.member).absolute()
         self.manifest = check_complete(self.path)
         with_master = {s.name: list(s.shape) for s in self.shards}
         return {"path": str(self.path), "with_master": with_master}
@@ -220,7 +233,8 @@ class _Load:
         distributed = dist.is_available() and dist.is_initialized()
         reader = SafeReader(self.path)
         group = self.engine.comm.group
-        dcp.load(states, storage_reader=reader, planner=LoadPlanner(), process_group=group, no_dist=not distributed)
+        with dcp_errors(self.path):
+            dcp.load(states, storage_reader=reader, planner=LoadPlanner(), process_group=group, no_dist=not distributed)
         self._decode()
 
     # ------------------------------------------------------------ checks
@@ -261,7 +275,7 @@ class _Load:
             return None
         if self.manifest["world_size"] != self.engine.comm.world_size:
             return None  # a rank's RNG stream has no counterpart at another world size
-        encoded = read_json(self.path / rank_file(self.rank)).get("rng")
+        encoded = read_rank_file(self.path, self.rank, self.manifest["world_size"]).get("rng")
         if encoded is None:
             return None
         return encoded, self._buffers(encoded, {})

@@ -59,6 +59,10 @@ class Checkpointable(Protocol):
         """The engine's process group: every rank of it takes part in a save or load."""
 
     @property
+    def name(self) -> Optional[str]:
+        """The engine's name: a named engine's files live in ``TAG/<name>/`` (see ``group.py``)."""
+
+    @property
     def settings(self) -> Any:
         """The config's ``checkpoint`` section (timeout, allow_pickle, save_rng_state, async_save)."""
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .._version import __version__
 from ..export import save_state_dict
@@ -60,18 +61,38 @@ def save_checkpoint(
     (plain values and tensors; as passed on rank 0) comes back from
     :func:`~shardwise.checkpoint.load_checkpoint`.
     """
-    config = engine.settings
+    if engine.name is not None:  # a named engine's files live under its name: TAG/<name>/
+        from .group import save_checkpoints
+
+        return save_checkpoints(save_dir, {engine.name: engine}, tag, client_state, comm=engine.comm)
     tag = validate_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     root = Path(save_dir).absolute()
+    session = _join(engine, root, tag)
+    temp = temp_dir(root, tag, session.payloads[0]["nonce"])
+    _write(engine, session, tag, temp, client_state, commit_to=root / tag)
+    return str(root / tag)
+
+
+def write_engine(engine: Checkpointable, root: Path, tag: str, temp: Path, client_state: Optional[dict[str, Any]]) -> None:
+    """Collectively write ``engine``'s checkpoint into the new directory ``temp`` (a checkpoint of
+    several engines commits them all at once)."""
+    _write(engine, _join(engine, root, tag), tag, temp, client_state, commit_to=None)
+
+
+def _join(engine: Checkpointable, root: Path, tag: str) -> Session:
     payload = {"op": "save_checkpoint", "tag": tag, "dir": str(root), "nonce": secrets.token_hex(6)}
-    session = join(engine.comm, "save_checkpoint", payload, config.timeout)
+    session = join(engine.comm, "save_checkpoint", payload, engine.settings.timeout)
     _agree(session)
-    if config.async_save:
-        warnings.warn("`checkpoint.async_save` is not implemented yet: this save is synchronous", stacklevel=3)
+    if engine.settings.async_save:
+        warnings.warn("`checkpoint.async_save` is not implemented yet: this save is synchronous", stacklevel=4)
+    return session
+
+
+def _write(engine: Checkpointable, session: Session, tag: str, temp: Path, client_state: Optional[dict[str, Any]],
+           commit_to: Optional[Path]) -> None:
     # frozen parameters' kept master weights and optimizer state travel too
     with engine.shards(loading=False) as shards:
-        temp = temp_dir(root, tag, session.payloads[0]["nonce"])
-        return _Save(engine, shards, session, root, tag, temp, client_state).run()
+        _Save(engine, shards, session, tag, temp, client_state, commit_to).run()
 
 
 def _agree(session: Session) -> None:
@@ -83,14 +104,15 @@ def _agree(session: Session) -> None:
 class _Save:
     """One save, step by step; see the module docstring."""
 
-    def __init__(self, engine: Checkpointable, shards: list[ParamShard], session: Session, root: Path, tag: str,
-                 temp: Path, client_state: Any) -> None:
+    def __init__(self, engine: Checkpointable, shards: list[ParamShard], session: Session, tag: str, temp: Path,
+                 client_state: Any, commit_to: Optional[Path]) -> None:
         self.engine = engine
         self.shards = shards
         self.session = session
-        self.root = root
-        self.tag = tag
         self.temp = temp
+        #: where the finished directory is renamed (and `latest` pointed); None: left for the caller
+        self.commit_to = commit_to
+        self.tag = tag
         self.client_state = client_state if client_state is not None else {}
         self.rank = engine.comm.rank
         self.extra = Encoder("extra", engine.settings.allow_pickle)
@@ -98,7 +120,7 @@ class _Save:
         self.rank_info: dict[str, Any] = {}
         self.wrote_16bit = False
 
-    def run(self) -> str:
+    def run(self) -> None:
         _, descriptions = self.session.step("describing its parameters", self._describe, share=True)
         with_master = {name for d in descriptions for name in d["params"]}
         names = ModelNames.of(self.engine.module)
@@ -109,21 +131,21 @@ class _Save:
         try:
             states, _ = self.session.step("preparing the checkpoint", lambda: self._prepare(entries))
             self.session.step("writing its shard", lambda: self._write(states, weights_16bit))
-            self.session.step("committing", lambda: self._commit(descriptions) if self.rank == 0 else None)
+            self.session.step("committing", lambda: self._finish(descriptions) if self.rank == 0 else None)
         except BaseException:
             if self.rank == 0:  # every rank is past the failed step: nobody writes there any more
                 shutil.rmtree(self.temp, ignore_errors=True)
             raise
-        return str(self.root / self.tag)
 
     def _describe(self) -> dict[str, Any]:
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            remove_stale_temps(self.root, self.tag)
+            if self.commit_to is not None:
+                self.commit_to.parent.mkdir(parents=True, exist_ok=True)
+                remove_stale_temps(self.commit_to.parent, self.tag)
+            self.temp.mkdir()  # exclusively: nothing may be there before (the name is random)
         return describe_shards(self.shards)
 
     def _prepare(self, entries: dict[str, torch.Tensor]) -> dict[str, TensorState]:
-        self.temp.mkdir(parents=True, exist_ok=True)
         states: dict[str, TensorState] = {"model": ModelState.saving(self.shards, entries)}
         if self.engine.optimizer is not None:
             states["optim"] = OptimizerState.saving(self.shards)
@@ -156,11 +178,15 @@ class _Save:
         writer = _RankWriter(self.temp, self.temp / rank_file(self.rank), self.rank_info)
         distributed = dist.is_available() and dist.is_initialized()
         group = self.engine.comm.group
-        dcp.save(states, storage_writer=writer, planner=SavePlanner(), process_group=group, no_dist=not distributed)
+        try:
+            dcp.save(states, storage_writer=writer, planner=SavePlanner(), process_group=group, no_dist=not distributed)
+        except CheckpointException as exc:  # a BaseException: turn it into an error the steps report
+            detail = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(exc.failures.items()))
+            raise CheckpointError(f"writing the tensors to {self.temp} failed ({detail})") from None
         if weights_16bit is not None and self.rank == 0:
             save_state_dict(weights_16bit, self.temp / WEIGHTS_16BIT)
 
-    def _commit(self, descriptions: list[dict[str, Any]]) -> None:
+    def _finish(self, descriptions: list[dict[str, Any]]) -> None:
         write_json(self.temp / "shardwise.json", self._manifest(descriptions))
         expected = [rank_file(r) for r in range(self.engine.comm.world_size)] + ["shardwise.json", ".metadata"]
         if self.wrote_16bit:
@@ -172,7 +198,8 @@ class _Save:
                 f"rank 0 cannot see {absent} in {self.temp} although every rank reported them written: "
                 "`save_dir` must be one directory shared by all ranks (a shared file system), not a local path"
             )
-        commit(self.temp, self.root / self.tag)
+        if self.commit_to is not None:
+            commit(self.temp, self.commit_to)
 
     def _manifest(self, descriptions: list[dict[str, Any]]) -> dict[str, Any]:
         engine = self.engine

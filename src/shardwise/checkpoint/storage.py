@@ -11,21 +11,29 @@ planners that understand it.  Replicated pieces (stage 0, or scalars such as
 Adam's ``step``) are written once: DCP drops chunks with the same index.
 
 Safety: the planners never write pickled objects (``BYTE_IO`` items) and refuse
-to read them; tensors are read with ``torch.load(weights_only=True)`` by DCP;
-the pickled ``.metadata`` file is read with an unpickler that only builds DCP's
-metadata classes, torch dtypes/sizes and paths.
+to read them; tensors are read with ``torch.load(weights_only=True)`` by DCP,
+each record first checked to be an uncompressed zip; the pickled
+``.metadata`` file is read with an unpickler that only builds DCP's metadata
+classes, torch dtypes/sizes and paths, then checked (``validate_index.py``)
+before DCP plans anything with it.  DCP wraps every error in its own
+``CheckpointException`` (a ``BaseException``); :func:`dcp_errors` turns it
+back into a :class:`CheckpointError`.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -39,8 +47,13 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .errors import CheckpointError
+from .files import read_limited, regular_size
+from .limits import MAX_INDEX_BYTES
+from .validate_index import HINT, check_index, record_ends
 
-__all__ = ["FlatChunks", "LoadPlanner", "SafeReader", "SavePlanner", "flatten", "read_metadata"]
+__all__ = ["FlatChunks", "LoadPlanner", "SafeReader", "SavePlanner", "flatten", "dcp_errors", "read_metadata", "record_is_stored"]
+
+INDEX = ".metadata"
 
 
 @dataclass
@@ -106,7 +119,7 @@ class SavePlanner(DefaultSavePlanner):
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict[index.fqn]
-        return obj.piece_at(index.offset[0]) if isinstance(obj, FlatChunks) else obj
+        return obj.piece_at((index.offset or torch.Size([0]))[0]) if isinstance(obj, FlatChunks) else obj
 
 
 class LoadPlanner(DefaultLoadPlanner):
@@ -128,6 +141,8 @@ class LoadPlanner(DefaultLoadPlanner):
         requests = []
         for fqn, obj in self.state_dict.items():
             md = saved.get(fqn)
+            if md is None and obj.size().numel() == 0:
+                continue  # nothing to read: an empty tensor writes no chunk, so it has no entry
             if md is None:
                 raise CheckpointError(f"the checkpoint's tensor index has no entry `{fqn}`; the checkpoint is damaged")
             if isinstance(md, BytesStorageMetadata):
@@ -145,7 +160,7 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
-        return obj.piece_at(index.offset[0]) if isinstance(obj, FlatChunks) else obj
+        return obj.piece_at((index.offset or torch.Size([0]))[0]) if isinstance(obj, FlatChunks) else obj
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         raise CheckpointError(f"`{read_item.dest_index.fqn}` is a pickled object; shardwise never reads those")
@@ -186,12 +201,98 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: Path) -> Metadata:
-    """DCP's ``.metadata`` index of the checkpoint in ``path``, unpickled safely."""
-    with open(path / ".metadata", "rb") as handle:
-        metadata = _MetadataUnpickler(handle).load()
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{path / '.metadata'} holds a {type(metadata).__name__}, not a DCP index")
-    return metadata
+    """DCP's ``.metadata`` index of the checkpoint in ``path``, unpickled safely and checked
+    (:func:`~.validate_index.check_index`) before anything is read through it.
+
+    A load reads the index twice (to check the checkpoint, then in DCP); the
+    second time the same, unchanged file (same inode, size and mtime) is not
+    unpickled and checked again.
+    """
+    file = path / INDEX
+    try:
+        info = os.lstat(file)
+        key: Optional[tuple[Any, ...]] = (str(file), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+    except OSError:
+        key = None
+    if key is not None and _last_index[0] == key:
+        return _last_index[1]
+    data = read_limited(file, MAX_INDEX_BYTES)
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any way a crafted pickle fails is one answer
+        raise CheckpointError(f"{file} is not a readable DCP index ({type(exc).__name__}: {exc}); {HINT}") from None
+    checked = check_index(metadata, file)
+    _last_index[:] = [key, checked]
+    return checked
+
+
+_last_index: list[Any] = [None, None]  # (file identity, its checked index): the one index last read
+
+
+@contextmanager
+def dcp_errors(path: Path) -> Iterator[None]:
+    """Run a ``dcp.load`` so that any failure is a :class:`CheckpointError` (the first rank's own, if it was one)."""
+    try:
+        yield
+    except CheckpointException as exc:
+        failures = sorted(exc.failures.items())
+        for _, (error, _trace) in failures:
+            if isinstance(error, CheckpointError):
+                raise CheckpointError(str(error)) from None
+        detail = "; ".join(f"rank {rank}: {type(error).__name__}: {error}" for rank, (error, _) in failures)
+        raise CheckpointError(f"reading the tensors of {path} failed ({detail}); {HINT}") from None
+
+
+def record_is_stored(stream: Any, offset: int, length: int, where: str) -> None:
+    """Raise unless the ``torch.save`` record at ``[offset, offset + length)`` is an uncompressed zip.
+
+    A deflated entry could expand a small record into gigabytes when
+    ``torch.load`` reads it; a stored one holds no more than its own bytes.
+    Reads only the zip's central directory.
+    """
+    try:
+        with zipfile.ZipFile(_Window(stream, offset, length)) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+        raise CheckpointError(f"{where} is not a tensor record ({exc}); {HINT}") from None
+    for entry in entries:
+        if entry.compress_type != zipfile.ZIP_STORED or entry.file_size > length:
+            raise CheckpointError(
+                f"{where} holds `{entry.filename}` compressed ({entry.compress_size:,} -> {entry.file_size:,} bytes); "
+                f"shardwise writes tensor records uncompressed and refuses to expand them; {HINT}"
+            )
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of ``stream``, as a seekable file of their own."""
+
+    def __init__(self, stream: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self.stream, self.offset, self.length, self.position = stream, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = min(max(base + offset, 0), self.length)
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        wanted = min(len(buffer), self.length - self.position)
+        self.stream.seek(self.offset + self.position)
+        data = self.stream.read(wanted)
+        buffer[: len(data)] = data
+        self.position += len(data)
+        return len(data)
 
 
 class SafeReader(FileSystemReader):
@@ -201,7 +302,24 @@ class SafeReader(FileSystemReader):
         if kwargs.get("rank") is not None:
             raise CheckpointError(f"{self.path} has no global `.metadata` index; it was not written by shardwise")
         metadata = read_metadata(Path(self.path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        for name, size in record_ends(metadata.storage_data, Path(self.path) / INDEX).items():
+            if (regular_size(Path(self.path) / name) or 0) < size:
+                raise CheckpointError(f"{Path(self.path) / name} is missing or shorter than its index says; {HINT}")
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: Any) -> Any:
+        # DCP reads each record straight into its destination (the engine's own tensors), so every
+        # record this rank will read is checked first: a bad one fails the load before any is read.
+        by_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            by_file.setdefault(info.relative_path, []).append(info)
+        for name, infos in by_file.items():
+            with open(Path(self.path) / name, "rb") as stream:
+                for info in sorted(infos, key=lambda i: i.offset):
+                    where = f"the tensor record at byte {info.offset} of {Path(self.path) / name}"
+                    record_is_stored(stream, info.offset, info.length, where)
+        return super().read_data(plan, planner)

@@ -1,0 +1,209 @@
+"""Checkpoints of several engines: one directory per tag, one subdirectory per engine, one ``latest``.
+
+::
+
+    SAVE_DIR/
+      latest                    the tag of the newest complete checkpoint
+      TAG/
+        engines.json            {"format": "shardwise.engines", "engines": ["student", "teacher"], ...}
+        student/                a complete checkpoint of one engine (see layout.py)
+        teacher/
+
+:func:`save_checkpoints` writes every engine into one temporary directory and
+commits it once, so the tag appears with all of its engines or not at all.
+It is collective over every rank of the default process group (each engine's
+own files are written by the ranks of that engine's group).  A named engine's
+own ``save_checkpoint`` writes the same layout for itself: into a new tag, or
+added to an existing tag of other engines (its subdirectory replaced, the
+others kept), so two named engines saving into one directory never overwrite
+each other.  :func:`load_checkpoints` restores each engine from its
+subdirectory; a named engine's ``load_checkpoint`` finds its own.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch.distributed as dist
+
+from ..distributed import Comm
+from . import files
+from .agreement import Session, join
+from .commit import commit, fsync_dir, remove_stale_temps, write_atomic, write_json
+from .errors import CheckpointError
+from .layout import GROUP_MANIFEST, LATEST, MANIFEST, check_complete, read_json, read_latest, temp_dir, validate_tag
+from .protocol import Checkpointable
+
+__all__ = ["GROUP_MANIFEST", "load_checkpoints", "member_path", "save_checkpoints"]
+
+GROUP_FORMAT = "shardwise.engines"
+_MAX_GROUP_BYTES = 1 << 20
+
+
+def _ranks(comm: Comm) -> list[int]:
+    if not dist.is_initialized():
+        return [0]
+    return list(dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD))
+
+
+def save_checkpoints(save_dir: Any, engines: Mapping[str, Checkpointable], tag: Optional[str] = None,
+                     client_state: Optional[dict[str, Any]] = None, *, comm: Optional[Comm] = None) -> str:
+    """Collectively write the checkpoints of ``engines`` (``{name: engine}``) into ``save_dir/tag/<name>/``
+    and commit them together; returns the tag's directory.
+
+    Every rank of the default process group calls it, passing the engines it
+    holds (an engine on a subgroup is passed by the ranks of that subgroup).
+    ``tag`` defaults to ``global_step{N}`` of the first engine by name;
+    ``client_state`` is stored with every engine.
+    """
+    if not engines:
+        raise CheckpointError("save_checkpoints: no engines given; pass `{name: engine, ...}`")
+    names = sorted(validate_tag(name) for name in engines)
+    comm = comm if comm is not None else Comm(None)
+    first = engines[names[0]]
+    tag = validate_tag(tag if tag is not None else f"global_step{first.global_steps}")
+    root = Path(save_dir).absolute()
+    payload = {"op": "save_checkpoints", "tag": tag, "dir": str(root), "nonce": secrets.token_hex(6),
+               "engines": {name: _ranks(engine.comm) for name, engine in engines.items()}}
+    session = join(comm, "save_checkpoints", payload, first.settings.timeout)
+    session.require_same("op", "checkpoint operations", "call `save_checkpoints` on every rank at the same point")
+    session.require_same("tag", "tags", "pass the same `tag=` on every rank, or none")
+    session.require_same("dir", "directories", "pass the same `save_dir`, on a file system every rank can see")
+    members = _agree_on_engines(session)
+    temp = temp_dir(root, tag, session.payloads[0]["nonce"])
+    session.step("preparing the directory", lambda: _prepare(root, tag, temp) if session.rank == 0 else None)
+    try:
+        from .save import write_engine
+
+        for name in sorted(members):  # the same order on every rank: engines on shared ranks never cross
+            if name in engines:
+                write_engine(engines[name], root, tag, temp / name, client_state)
+        session.step("committing", lambda: _commit(root, tag, temp, sorted(members)) if session.rank == 0 else None)
+    except BaseException:
+        if session.rank == 0:
+            shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return str(root / tag)
+
+
+def _agree_on_engines(session: Session) -> dict[str, list[int]]:
+    """Name -> the ranks that hold it, the same wherever it is named; every such rank names it."""
+    members: dict[str, list[int]] = {}
+    for rank, payload in enumerate(session.payloads):
+        for name, ranks in payload["engines"].items():
+            if members.setdefault(name, ranks) != ranks:
+                raise CheckpointError(
+                    f"rank {session.rank}: engine `{name}` is an engine on ranks {members[name]} for some ranks and "
+                    f"on ranks {ranks} for rank {rank}: these are different engines, give them different names"
+                )
+    for name, ranks in members.items():
+        absent = [r for r in ranks if r < len(session.payloads) and name not in session.payloads[r]["engines"]]
+        if absent:
+            raise CheckpointError(
+                f"rank {session.rank}: engine `{name}` runs on ranks {ranks}, but rank(s) {absent} did not pass it "
+                "to `save_checkpoints`: every rank passes every engine it holds"
+            )
+    return members
+
+
+def _prepare(root: Path, tag: str, temp: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(root, tag)
+    temp.mkdir()  # exclusively: the name is random, nothing may be there
+
+
+def _commit(root: Path, tag: str, temp: Path, names: list[str]) -> None:
+    """Rank 0: every engine is complete; commit the tag (a new one, or this engine added to an existing one)."""
+    for name in names:
+        check_complete(temp / name)
+    final = root / tag
+    if os.path.lexists(final) and files.is_real_dir(final) and (final / GROUP_MANIFEST).is_file():
+        _add_members(final, temp, names)
+        return
+    if os.path.lexists(final) and (final / MANIFEST).is_file() and len(names) == 1:
+        raise CheckpointError(
+            f"{final} holds the checkpoint of an engine without a name, and engine `{names[0]}` keeps its files under "
+            "its name: pass another `tag=`, or save every engine with `shardwise.save_checkpoints`"
+        )
+    write_json(temp / GROUP_MANIFEST, _group_manifest(tag, names))
+    commit(temp, final)
+
+
+def _group_manifest(tag: str, names: list[str]) -> dict[str, Any]:
+    return {"format": GROUP_FORMAT, "version": 1, "tag": tag, "engines": names}
+
+
+def _add_members(final: Path, temp: Path, names: list[str]) -> None:
+    """Move ``temp/<name>`` into the existing multi-engine ``final`` (replacing only those), then ``latest``."""
+    present = read_group(final)
+    for name in names:
+        target, aside = final / name, final / f".replaced-{name}-{secrets.token_hex(4)}"
+        if os.path.lexists(target):
+            os.rename(target, aside)
+        os.rename(temp / name, target)
+        shutil.rmtree(aside, ignore_errors=True)
+    write_json(final / GROUP_MANIFEST, _group_manifest(final.name, sorted(set(present) | set(names))))
+    fsync_dir(final)
+    write_atomic(final.parent / LATEST, final.name.encode())
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def read_group(path: Path) -> list[str]:
+    """The engine names of the multi-engine checkpoint in ``path``, checked."""
+    data = read_json(path / GROUP_MANIFEST, _MAX_GROUP_BYTES)
+    names = data.get("engines") if isinstance(data, dict) and data.get("format") == GROUP_FORMAT else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(f"{path / GROUP_MANIFEST} is not a shardwise list of engines; refusing it")
+    for name in names:
+        validate_tag(name)
+    return names
+
+
+def member_path(path: Path, name: Optional[str]) -> Path:
+    """The checkpoint of engine ``name`` inside ``path``: ``path`` itself for a one-engine checkpoint,
+    ``path/<name>`` for a checkpoint of several engines."""
+    if not (path / GROUP_MANIFEST).is_file():
+        return path
+    names = read_group(path)
+    if name is None:
+        raise CheckpointError(
+            f"{path} holds the checkpoints of several engines {names}; build this engine with "
+            "`shardwise.initialize(..., name=...)` using one of those names, or use `shardwise.load_checkpoints`"
+        )
+    if name not in names:
+        raise CheckpointError(f"{path} holds the checkpoints of engines {names}, not of `{name}`; pass the tag of a "
+                              f"checkpoint that has it, or build the engine with one of those names")
+    member = path / name
+    if not files.is_real_dir(member):
+        raise CheckpointError(f"{member} is not a directory of this checkpoint (a link, or removed); refusing it")
+    return member
+
+
+def load_checkpoints(load_dir: Any, engines: Mapping[str, Checkpointable], tag: Optional[str] = None,
+                     **options: Any) -> tuple[Optional[str], Optional[dict[str, Any]]]:
+    """Collectively restore each engine of ``{name: engine}`` from ``load_dir/tag/<name>/``.
+
+    Returns ``(the tag's directory, the client_state saved with the engines)``,
+    or ``(None, None)`` with a warning when ``tag`` is None and ``load_dir``
+    has no ``latest``.  ``options`` are ``load_checkpoint``'s.
+    """
+    from .load import load_checkpoint
+
+    if not engines:
+        raise CheckpointError("load_checkpoints: no engines given; pass `{name: engine, ...}`")
+    root = Path(load_dir).absolute()
+    if tag is None:
+        if not os.path.lexists(root / LATEST):
+            warnings.warn(f"load_checkpoints: {root} has no `{LATEST}`; nothing was loaded", stacklevel=2)
+            return None, None
+        tag = read_latest(root)
+    client: Optional[dict[str, Any]] = None
+    for name in sorted(engines):
+        _, state = load_checkpoint(engines[name], root, tag, member=name, **options)
+        client = state if client is None else client
+    return str(root / tag), client

@@ -1,0 +1,254 @@
+"""Checks of a checkpoint's manifest and rank files, and of their agreement with the tensor index.
+
+Nothing a checkpoint says is used before it passes here: field types
+(pydantic, strict: ``1`` is not ``true``, ``"3"`` is not ``3``), names that
+must resolve (aliases, ``state_dict`` keys, optimizer state), encoded values
+(``client_state``, scheduler, loss-scaler and RNG state) that must decode,
+and every shape the load will allocate from, which must equal the size of
+the same tensor in the index (itself bounded by the bytes on disk, see
+``validate_index.py``).  Each refusal is a :class:`CheckpointError` that
+names the file and the field.  All of it is O(size of the metadata).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Annotated, Any, Literal, NoReturn, Optional
+
+import torch
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .codec import Decoder
+from .encoded import TENSOR_DTYPES, check_encoded
+from .errors import CheckpointError
+from .limits import MAX_DIMS, MAX_WORLD_SIZE
+from .validate_index import HINT
+
+__all__ = ["check_rank_file", "check_manifest", "check_against_index"]
+
+
+def _tensor_dtype(name: str) -> str:
+    if name not in TENSOR_DTYPES:
+        raise ValueError(f"{name!r:.40} is not a tensor dtype shardwise stores")
+    return name
+
+
+_Count = Annotated[int, Field(ge=0)]
+_Shape = Annotated[list[_Count], Field(max_length=MAX_DIMS)]
+_Dtype = Annotated[str, AfterValidator(_tensor_dtype)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+
+
+class _Param(_Strict):
+    shape: _Shape
+    group: _Count = 0
+
+
+class _ModuleEntry(_Strict):
+    shape: _Shape
+    dtype: _Dtype
+
+
+class _StateEntry(_Strict):
+    kind: Literal["chunked", "tensor", "value"]
+    dtype: Optional[_Dtype] = None
+    shape: Optional[_Shape] = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> "_StateEntry":
+        needed = {"chunked": ("dtype",), "tensor": ("dtype", "shape"), "value": ()}[self.kind]
+        absent = [n for n in needed if getattr(self, n) is None]
+        if self.kind == "value" and "value" not in (self.model_extra or {}):
+            absent.append("value")
+        if absent:
+            raise ValueError(f"a `{self.kind}` entry needs {absent}")
+        return self
+
+
+class _Optimizer(_Strict):
+    cls: str = Field(alias="class")
+    param_groups: Optional[list[Any]] = None
+    state: dict[str, dict[str, _StateEntry]]
+
+
+class _Counters(_Strict):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    global_steps: _Count
+    micro_steps: _Count
+    skipped_steps: _Count
+
+
+class _Manifest(_Strict):
+    tag: str
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)]
+    stage: Annotated[int, Field(ge=0, le=3)]
+    dtype: _Dtype
+    counters: _Counters
+    state_dict_keys: list[str]
+    aliases: dict[str, str]
+    params: dict[str, _Param]
+    module: dict[str, _ModuleEntry]
+    optimizer: Optional[_Optimizer] = None
+    scheduler: Optional[dict[str, Any]] = None
+    precision: dict[str, Any]
+    client_state: Any
+    rng: bool = False
+
+
+class _RankFile(_Strict):
+    rank: _Count
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)]
+    rng: Optional[dict[str, Any]] = None
+
+
+def _fail(file: Path, field: str, problem: str) -> NoReturn:
+    raise CheckpointError(f"{file}: `{field}` {problem}; {HINT}")
+
+
+def _schema(model: type[BaseModel], data: Any, file: Path) -> None:
+    try:
+        model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "the file"
+        more = f" (and {exc.error_count() - 1} more problem(s))" if exc.error_count() > 1 else ""
+        _fail(file, field, f"{first['msg'][0].lower()}{first['msg'][1:]}, found {first.get('input')!r:.80}{more}")
+
+
+def _encoded(data: Any, field: str, file: Path) -> list[dict[str, Any]]:
+    """Tensor references inside encoded ``data``, which must decode."""
+    try:
+        return check_encoded(data, field)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{file}: {exc}; {HINT}") from None
+
+
+def check_manifest(manifest: Any, file: Path) -> list[dict[str, Any]]:
+    """Raise unless ``manifest`` (parsed ``shardwise.json``) is well formed; its tensor references otherwise."""
+    _schema(_Manifest, manifest, file)
+    names = manifest["params"].keys() | manifest["module"].keys()
+    for alias, target in manifest["aliases"].items():
+        if target not in names:
+            _fail(file, f"aliases.{alias}", f"names `{target:.80}`, which is neither a parameter nor a module entry")
+    for key in manifest["state_dict_keys"]:
+        if manifest["aliases"].get(key, key) not in names:
+            _fail(file, "state_dict_keys", f"lists `{key:.80}`, which has no entry in `params` or `module`")
+    refs = []
+    for part in ("client_state", "scheduler", "precision"):
+        refs += _encoded(manifest.get(part), part, file)
+    optimizer = manifest.get("optimizer")
+    if optimizer is not None:
+        refs += _check_optimizer(optimizer, manifest["params"], file)
+    for ref in refs:
+        if not ref["__tensor__"].startswith("extra/"):
+            _fail(file, "tensor reference", f"`{ref['__tensor__']:.80}` is not an `extra/N` key")
+    return refs
+
+
+def _check_optimizer(optimizer: dict[str, Any], params: dict[str, Any], file: Path) -> list[dict[str, Any]]:
+    groups = optimizer.get("param_groups")
+    refs = _encoded(groups, "optimizer.param_groups", file)
+    if groups is not None and not all(isinstance(g, dict) for g in groups):
+        _fail(file, "optimizer.param_groups", "must be a list of dicts (one per param group)")
+    for name, entries in optimizer["state"].items():
+        if name not in params:
+            _fail(file, f"optimizer.state.{name}", "is state of a name that is not a trainable parameter")
+        for key, entry in entries.items():
+            if entry["kind"] == "value" and _encoded(entry["value"], f"optimizer.state.{name}.{key}", file):
+                _fail(file, f"optimizer.state.{name}.{key}", "is a plain value that holds tensors")
+    return refs
+
+
+def check_rank_file(info: Any, rank: int, world_size: int, tensors: dict[str, Any], file: Path) -> None:
+    """Raise unless ``info`` (parsed ``rankR.json``) is rank ``rank``'s, the tensors it refers to have
+    those sizes in the index ``tensors``, and its RNG state can be set."""
+    _schema(_RankFile, info, file)
+    if info["rank"] != rank or info["world_size"] != world_size:
+        _fail(file, "rank", f"says rank {info['rank']} of {info['world_size']}, expected rank {rank} of {world_size}")
+    rng = info.get("rng")
+    if rng is None:
+        return
+    refs = _encoded(rng, "rng", file)
+    for ref in refs:
+        if not ref["__tensor__"].startswith(f"rng/{rank}/"):
+            _fail(file, "rng", f"refers to tensor `{ref['__tensor__']:.80}`, not one of rank {rank}'s")
+    check_against_index({"params": {}, "module": {}}, refs, tensors, file)
+    # Shapes are now bounded by the index; meta tensors stand in for the data, which is read later.
+    meta = {r["__tensor__"]: torch.empty(r["shape"], dtype=TENSOR_DTYPES[r["dtype"]], device="meta") for r in refs}
+    _check_rng(Decoder(meta).decode(rng, "rng"), file)
+
+
+def _check_rng(state: Any, file: Path) -> None:
+    """Set each RNG state on a scratch generator: what fails there would fail in ``restore_rng``."""
+    known = {"python", "torch", "cuda", "numpy"}
+    if not isinstance(state, dict) or not set(state) <= known or "python" not in state or "torch" not in state:
+        _fail(file, "rng", f"has parts {sorted(map(str, state)) if isinstance(state, dict) else state!r:.80}, expected python, torch[, cuda, numpy]")
+    try:
+        version, internal, gauss = state["python"]
+        random.Random().setstate((version, tuple(internal), gauss))
+    except (TypeError, ValueError, OverflowError) as exc:
+        _fail(file, "rng.python", f"is not a Python RNG state ({exc})")
+    expected = torch.get_rng_state()
+    got = state["torch"]
+    if not isinstance(got, torch.Tensor) or got.dtype != expected.dtype or got.shape != expected.shape:
+        found = f"{got.dtype}{list(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+        _fail(file, "rng.torch", f"is {found}, expected a {expected.dtype} tensor of shape {list(expected.shape)}")
+    cuda = state.get("cuda", [])
+    if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in cuda):
+        _fail(file, "rng.cuda", "is not a list of uint8 vectors")
+    if "numpy" in state:
+        _check_numpy_rng(state["numpy"], file)
+
+
+def _check_numpy_rng(state: Any, file: Path) -> None:
+    import numpy
+
+    try:
+        numpy.random.RandomState().set_state(state)
+    except (TypeError, ValueError, OverflowError) as exc:
+        _fail(file, "rng.numpy", f"is not a numpy RNG state ({exc})")
+
+
+def check_against_index(manifest: dict[str, Any], refs: list[dict[str, Any]], tensors: dict[str, Any], file: Path) -> None:
+    """Every tensor the manifest describes has exactly that size (and dtype) in the index ``tensors``.
+
+    The load allocates from these sizes, so this is what bounds its memory.
+    """
+    expect = _Expect(tensors, file)
+    for name, info in manifest["params"].items():
+        expect(f"model/master/{name}", [math.prod(info["shape"])], None)
+    for name, info in manifest["module"].items():
+        expect(f"model/module/{name}", info["shape"], info["dtype"])
+    optimizer = manifest.get("optimizer") or {"state": {}}
+    for name, entries in optimizer["state"].items():
+        numel = math.prod(manifest["params"][name]["shape"])
+        for key, entry in entries.items():
+            if entry["kind"] != "value":
+                expect(f"optim/{name}/{key}", [numel] if entry["kind"] == "chunked" else entry["shape"], entry["dtype"])
+    for ref in refs:
+        key = ref["__tensor__"]  # `extra/3` is stored as `extra/extra/3` (its Stateful is named `extra`)
+        expect(f"{key.split('/', 1)[0]}/{key}", ref["shape"], ref["dtype"])
+
+
+class _Expect:
+    """Compares one described tensor with its index entry."""
+
+    def __init__(self, tensors: dict[str, Any], file: Path) -> None:
+        self.tensors = tensors
+        self.file = file
+
+    def __call__(self, key: str, shape: list[int], dtype: Optional[str]) -> None:
+        entry = self.tensors.get(key)
+        if entry is None:
+            if math.prod(shape) == 0:
+                return  # an empty tensor has no chunk to save
+            _fail(self.file, key, f"is described with shape {shape} but the tensor index (`.metadata`) has no such entry")
+        if list(entry.size) != list(shape):
+            _fail(self.file, key, f"has shape {list(shape)!s:.80} here but {list(entry.size)} in the tensor index")
+        if dtype is not None and entry.properties.dtype != TENSOR_DTYPES[dtype]:
+            _fail(self.file, key, f"has dtype {dtype} here but {entry.properties.dtype} in the tensor index")

@@ -1,0 +1,112 @@
+"""One batch: moving it to the model's device, calling the engine with it, finding the loss.
+
+A batch reaches the model as ``engine(*batch)`` for a tuple or list,
+``engine(**batch)`` for a dict, and ``engine(batch)`` for anything else.  The
+loss is ``loss_fn(output, batch)`` when a ``loss_fn`` is given, otherwise the
+output itself (a scalar tensor), ``output["loss"]`` or ``output.loss``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["BatchError", "LossFn", "Size", "compute_loss", "describe", "forward", "measure", "to_device"]
+
+#: ``loss_fn(output, batch) -> scalar loss tensor``
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class BatchError(TypeError):
+    """The model rejected a batch, or its output holds no loss; the message shows the batch's structure."""
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor inside (tuples, lists, dicts, nested) moved to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch
+
+
+def describe(batch: Any) -> str:
+    """The batch's structure: keys or positions, with each tensor's shape and dtype."""
+    if isinstance(batch, torch.Tensor):
+        return f"tensor{tuple(batch.shape)} {str(batch.dtype).replace('torch.', '')}"
+    if isinstance(batch, Mapping):
+        return "{" + ", ".join(f"{key!r}: {describe(value)}" for key, value in batch.items()) + "}"
+    if isinstance(batch, (tuple, list)):
+        inner = ", ".join(describe(value) for value in batch)
+        return f"({inner},)" if isinstance(batch, tuple) and len(batch) == 1 else f"{type(batch).__name__}[{inner}]"
+    return type(batch).__name__
+
+
+def forward(engine: Any, batch: Any) -> Any:
+    """``engine`` called with ``batch`` unpacked by its type; an error names the batch's structure."""
+    try:
+        if isinstance(batch, Mapping):
+            return engine(**batch)
+        if isinstance(batch, (tuple, list)):
+            return engine(*batch)
+        return engine(batch)
+    except (TypeError, ValueError, RuntimeError, IndexError, KeyError) as error:
+        how = "engine(**batch)" if isinstance(batch, Mapping) else "engine(*batch)" if isinstance(batch, (tuple, list)) else "engine(batch)"
+        raise BatchError(
+            f"the model's forward failed on a batch {describe(batch)}, called as `{how}`: "
+            f"{type(error).__name__}: {error}. A tuple/list batch is passed as positional arguments, a dict as "
+            "keyword arguments: shape the batch for the model's `forward` (e.g. with `collate_fn=`)"
+        ) from error
+
+
+def compute_loss(output: Any, batch: Any, loss_fn: Optional[LossFn]) -> torch.Tensor:
+    """The scalar loss of one forward: ``loss_fn(output, batch)``, the output, ``output["loss"]`` or ``output.loss``."""
+    loss: Any
+    if loss_fn is not None:
+        loss = loss_fn(output, batch)
+    elif isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, Mapping) and "loss" in output:
+        loss = output["loss"]
+    else:
+        loss = getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise BatchError(
+            f"no scalar loss in the model's output {describe(output)} (batch {describe(batch)}): the trainer "
+            "takes the output itself, `output['loss']` or `output.loss`; pass `loss_fn=lambda output, batch: ...` "
+            "to compute it"
+        )
+    return loss.reshape(())
+
+
+@dataclass(frozen=True)
+class Size:
+    """How much data a batch holds: samples, and tokens when it is token ids (None otherwise)."""
+
+    samples: int
+    tokens: Optional[int]
+
+
+def measure(batch: Any) -> Size:
+    """Samples (first dim of the first tensor) and tokens (its elements, when it holds integer ids of rank >= 2)."""
+    first = _first_tensor(batch)
+    if first is None or first.dim() == 0:
+        return Size(1, None)
+    tokens = first.numel() if first.dim() >= 2 and not first.is_floating_point() else None
+    return Size(first.shape[0], tokens)
+
+
+def _first_tensor(batch: Any) -> Optional[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else ()
+    for value in values:
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None

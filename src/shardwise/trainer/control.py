@@ -1,0 +1,78 @@
+"""Decisions every rank takes together: small all-reduces through the engine's ``Comm``.
+
+A callback may ask for a stop or a save on one rank only; if that rank acted
+alone, the others would wait forever in the next collective (or save without
+it).  So requests are local, and the trainer turns them into one agreed
+decision per step: any rank asking is every rank doing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Agreement", "Decision", "Requests"]
+
+
+class Agreement:
+    """Reductions of a few numbers over the data-parallel ranks (no-ops on one rank)."""
+
+    def __init__(self, comm: Any, device: torch.device) -> None:
+        self.comm = comm
+        self.device = device
+
+    def _reduce(self, values: Sequence[float], op: Any) -> list[float]:
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        self.comm.all_reduce(tensor, op=op)
+        return [float(v) for v in tensor.tolist()]
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def min(self, values: Sequence[float]) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.MIN)
+
+    def broadcast(self, value: Any, src: int) -> Any:
+        """``value`` as rank ``src`` has it (a small Python object), on every rank."""
+        return self.comm.broadcast_object(value, src=src)
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (small Python objects), in rank order."""
+        return list(self.comm.all_gather_object(value))
+
+
+@dataclass
+class Decision:
+    """What the ranks agreed on after a step: stop (and which rank asked first), save."""
+
+    stop: bool = False
+    save: bool = False
+    asked_by: Optional[int] = None
+    reason: Optional[str] = None
+
+
+@dataclass
+class Requests:
+    """This rank's pending requests (from callbacks), cleared once decided."""
+
+    stop_reason: Optional[str] = None
+    save: bool = False
+
+    def decide(self, agreement: Agreement, rank: int) -> Decision:
+        """The agreed decision; collective (every rank calls it once per step)."""
+        # rank + 1 marks a stop request: the max names one rank that asked (0: nobody did)
+        stop_by, save = agreement.max([rank + 1 if self.stop_reason is not None else 0, float(self.save)])
+        self.save = False
+        if not stop_by:
+            return Decision(save=save > 0)
+        asked_by = int(stop_by) - 1
+        # Every rank reports the same reason: the asking rank's.
+        self.stop_reason = agreement.broadcast(self.stop_reason, src=asked_by)
+        return Decision(stop=True, save=save > 0, asked_by=asked_by, reason=self.stop_reason)

@@ -1,0 +1,479 @@
+"""``Trainer``: the training loop on top of an :class:`~shardwise.Engine`.
+
+Per step: ``gradient_accumulation_steps`` micro-batches through
+``engine(...)``, ``engine.backward`` and ``engine.step`` (:meth:`Trainer.train_step`,
+the one method a pipeline variant would override), then one all-reduce of the
+step's loss and data counts, evaluation when due, the callbacks, and one
+all-reduce of the callbacks' stop/save requests.  Saves happen on every rank
+at the same step by construction.  The data position (epoch, step within it)
+travels in the checkpoint's ``client_state``, so a resumed run continues with
+the very next batch and ends bit-for-bit where an uninterrupted run ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+
+from .batch import LossFn, compute_loss, forward, measure, to_device
+from .callbacks import CallbackList
+from .checkpoints import Checkpoints
+from .control import Agreement, Decision, Requests
+from .data import Collate, Source, eval_source, train_source
+from .metrics import Meter, MetricsFile
+from .progress import make_progress
+
+__all__ = ["FitSummary", "StepResult", "Trainer"]
+
+_STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step reports on this rank: its micro-batches' summed loss and data counts."""
+
+    loss_sum: float
+    micro_batches: int
+    samples: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class FitSummary:
+    """What :meth:`Trainer.fit` returns."""
+
+    #: the engine's optimizer steps at the end (``engine.global_steps``)
+    steps: int
+    #: steps trained by this ``fit()`` call (fewer than ``steps`` after a resume)
+    trained_steps: int
+    #: the epoch the data position is in at the end
+    epoch: int
+    #: the last step's loss, averaged over ranks and micro-batches (NaN if no step ever ran)
+    final_loss: float
+    #: the last evaluation's loss (None without ``eval_data``)
+    eval_loss: Optional[float]
+    #: seconds this ``fit()`` took
+    elapsed: float
+    #: training throughput (evaluation and saves left out), over all ranks
+    samples_per_second: float
+    #: None when the batches are not token ids
+    tokens_per_second: Optional[float]
+    #: the reason when a callback stopped the run early
+    stopped: Optional[str]
+    #: the newest checkpoint (None without ``checkpoint_dir``)
+    checkpoint: Optional[str]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _positive(name: str, value: Optional[int]) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"`{name}={value!r}`: expected a positive integer (or None)")
+
+
+def _micro_batch(engine: Any) -> Optional[int]:
+    """The config's micro-batch size, or None when it sets no batch size (fine with a user-built DataLoader)."""
+    try:
+        return int(engine.train_micro_batch_size_per_gpu())
+    except ValueError:
+        return None
+
+
+def _device(engine: Any) -> torch.device:
+    for param in engine.module.parameters():
+        return param.device
+    return torch.device("cpu")
+
+
+class Trainer:
+    """Trains ``engine`` on ``train_data``; see ``docs/trainer.md``.
+
+    ``train_data`` (and ``eval_data``) is a map-style ``Dataset`` (sharded over
+    the ranks like ``DistributedSampler``, shuffled with ``seed + epoch``, in
+    batches of ``train_micro_batch_size_per_gpu``), an ``IterableDataset``, or a
+    ``DataLoader`` you built.  Training runs ``max_steps`` optimizer steps or
+    ``epochs`` epochs, whichever ends first.  With ``checkpoint_dir`` it saves
+    every ``save_every`` steps and at the end (keeping the last ``keep_last``),
+    and with ``resume`` it first continues from the newest checkpoint there.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        train_data: Any,
+        *,
+        max_steps: Optional[int] = None,
+        epochs: Optional[int] = None,
+        eval_data: Any = None,
+        eval_every: Optional[int] = None,
+        checkpoint_dir: Optional[str] = None,
+        save_every: Optional[int] = None,
+        keep_last: Optional[int] = None,
+        resume: bool = True,
+        callbacks: Iterable[Any] = (),
+        log_every: Optional[int] = None,
+        progress: bool = True,
+        loss_fn: Optional[LossFn] = None,
+        collate_fn: Collate = None,
+        num_workers: int = 0,
+        seed: int = 0,
+        metrics_file: Optional[str] = None,
+    ) -> None:
+        _check_arguments(max_steps, epochs, eval_every, eval_data, save_every, keep_last, checkpoint_dir, log_every)
+        self.engine = engine
+        self.max_steps, self.epochs = max_steps, epochs
+        self.eval_every, self.save_every = eval_every, save_every
+        self.resume_enabled = resume
+        self.loss_fn = loss_fn
+        self.seed = seed
+        self.rank, self.world_size = engine.comm.rank, engine.comm.world_size
+        self.device = _device(engine)
+        self.agreement = Agreement(engine.comm, self.device)
+        self.accumulation = engine.gradient_accumulation_steps()
+        self.micro = _micro_batch(engine)
+        where = dict(micro=self.micro, rank=self.rank, world=self.world_size, collate_fn=collate_fn, num_workers=num_workers)
+        self.source = train_source(train_data, seed=seed, **where)
+        self.eval_source: Optional[Source] = eval_source(eval_data, **where) if eval_data is not None else None
+        self._check_size(self.source.batches_per_epoch)
+        self.checkpoints = Checkpoints(engine, checkpoint_dir, keep_last)
+        self.callbacks = CallbackList(callbacks)
+        self.metrics = MetricsFile(metrics_file, self.rank == 0)
+        self.progress = make_progress(self.rank, progress)
+        self.log_every = log_every or engine.config.steps_per_print
+        #: the data position: the epoch, and the optimizer steps already taken in it
+        self.epoch, self.step_in_epoch = 0, 0
+        self.last_loss = math.nan
+        self.last_eval_loss: Optional[float] = None
+        self._requests = Requests()
+        self._steps_per_epoch: Optional[int] = None
+        self._evaluated_at: Optional[int] = None
+        self._logged_at: Optional[int] = None
+
+    # ------------------------------------------------------------ requests
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps so far (``engine.global_steps``, restored on resume)."""
+        return int(self.engine.global_steps)
+
+    def request_stop(self, reason: str = "a callback asked to stop") -> None:
+        """Stop after this step, on every rank (saving first when there is a ``checkpoint_dir``)."""
+        self._requests.stop_reason = reason
+
+    def request_save(self) -> None:
+        """Save a checkpoint after this step, on every rank."""
+        self._requests.save = True
+
+    # ------------------------------------------------------------ checks
+    def _global_batch(self) -> Optional[int]:
+        return self.micro * self.accumulation * self.world_size if self.micro is not None else None
+
+    def _check_size(self, batches: Optional[int]) -> None:
+        if batches is None or batches // self.accumulation > 0:
+            return
+        samples = self.source.samples
+        if self.micro is not None and samples is not None:
+            raise ValueError(
+                f"`train_data` has {samples} samples, fewer than one global batch: `train_batch_size` = micro batch "
+                f"{self.micro} x accumulation {self.accumulation} x {self.world_size} rank(s) = {self._global_batch()} "
+                "(per epoch, each rank drops what does not fill a whole step); use more data or a smaller batch"
+            )
+        raise ValueError(
+            f"`train_data` gives rank {self.rank} {batches} micro-batches per epoch, fewer than the "
+            f"{self.accumulation} one optimizer step needs (`gradient_accumulation_steps`); use more data or "
+            "a smaller batch"
+        )
+
+    # ------------------------------------------------------------ the loop
+    def fit(self) -> FitSummary:
+        """Train until ``max_steps``/``epochs`` (or a stop request); returns a :class:`FitSummary`."""
+        resumed_from = self._resume() if self.resume_enabled else None
+        self._steps_per_epoch = self._agreed_steps_per_epoch()
+        self.metrics.start(resumed_from)
+        self.progress.start(self._total_steps(), self.global_step)
+        self.callbacks.call("on_train_start", self)
+        meter = Meter()
+        decision = Decision()
+        groups = self._batch_groups()
+        try:
+            while not self._finished() and (batches := next(groups, None)) is not None:
+                decision = self._one_step(batches, meter)
+                if decision.stop:
+                    break
+        except BaseException:
+            self.progress.close()  # leave the terminal clean for the traceback
+            raise
+        return self._finish(meter, decision)
+
+    def _one_step(self, batches: list[Any], meter: Meter) -> Decision:
+        result = self.train_step(batches)
+        self.step_in_epoch += 1
+        metrics = self._record_step(result, meter)
+        if self.eval_every and self.global_step % self.eval_every == 0:
+            with meter.paused():
+                self.evaluate()
+        self.callbacks.call("on_step_end", self, metrics)
+        decision = self._requests.decide(self.agreement, self.rank)
+        if decision.stop:
+            self._announce_stop(decision)
+        if self.checkpoints.enabled and (decision.save or decision.stop or self._save_due()):
+            with meter.paused():
+                self.save()
+        return decision
+
+    def train_step(self, batches: list[Any]) -> StepResult:
+        """One optimizer step over ``batches`` (``gradient_accumulation_steps`` micro-batches) on this rank.
+
+        A pipeline engine's variant would override this alone (with ``engine.train_batch``).
+        """
+        losses = []
+        samples = tokens = 0
+        for batch in batches:
+            batch = to_device(batch, self.device)
+            loss = compute_loss(forward(self.engine, batch), batch, self.loss_fn)
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(loss.detach().float())
+            size = measure(batch)
+            samples += size.samples
+            tokens += size.tokens or 0
+        return StepResult(float(torch.stack(losses).sum().item()), len(batches), samples, tokens)
+
+    def _batch_groups(self) -> Iterator[list[Any]]:
+        """Each step's micro-batches, epoch after epoch, from the current data position on."""
+        while self.epochs is None or self.epoch < self.epochs:
+            limit = self._steps_per_epoch
+            batches = self.source.epoch(self.epoch, skip=self.step_in_epoch * self.accumulation)
+            while limit is None or self.step_in_epoch < limit:
+                group = list(itertools.islice(batches, self.accumulation))
+                if limit is None and not self._all_ranks_have(group):
+                    break
+                yield group
+            if self.step_in_epoch == 0:
+                self._check_size(0)  # an iterable source that never filled one step
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+
+    def _all_ranks_have(self, group: list[Any]) -> bool:
+        """Whether every rank got a full step of batches (a source without a length can run dry unevenly)."""
+        return self.agreement.min([float(len(group) == self.accumulation)])[0] > 0
+
+    def _finished(self) -> bool:
+        return self.max_steps is not None and self.global_step >= self.max_steps
+
+    def _save_due(self) -> bool:
+        return self.save_every is not None and self.global_step % self.save_every == 0
+
+    # ------------------------------------------------------------ metrics
+    def _record_step(self, result: StepResult, meter: Meter) -> dict[str, Any]:
+        loss_sum, micro, samples, tokens = self.agreement.sum(
+            [result.loss_sum, result.micro_batches, result.samples, result.tokens])
+        self.last_loss = loss_sum / micro
+        meter.add(int(samples), int(tokens))
+        metrics = {"step": self.global_step, "epoch": self.epoch, "loss": self.last_loss, "lr": self._lr()}
+        self.progress.step(metrics)
+        if self.global_step % self.log_every == 0:
+            self._log(metrics, meter)
+        return metrics
+
+    def _lr(self) -> float:
+        lrs = self.engine.get_lr()
+        return float(lrs[0]) if lrs else math.nan
+
+    def _log(self, metrics: dict[str, Any], meter: Meter) -> None:
+        memory = self.agreement.gather(self.engine.memory_breakdown())  # collective: every rank logs this step
+        record = {
+            **metrics,
+            "grad_norm": self.engine.get_global_grad_norm(),
+            "loss_scale": float(self.engine.loss_scale),
+            **meter.interval(),
+            "memory": memory,
+        }
+        self._logged_at = self.global_step
+        self.metrics.write(record)
+        self.progress.log(record)
+
+    # ------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> Optional[float]:
+        """The loss over all of ``eval_data`` (every rank's share, weighted by samples); collective."""
+        if self.eval_source is None:
+            return None
+        was_training = self.engine.module.training
+        self.engine.eval()
+        try:
+            loss_sum, samples = self._eval_sums(self.eval_source.epoch(0))
+        finally:
+            self.engine.train(was_training)
+        total_loss, total_samples = self.agreement.sum([loss_sum, samples])
+        self.last_eval_loss = total_loss / total_samples
+        self._evaluated_at = self.global_step
+        metrics = {"step": self.global_step, "epoch": self.epoch, "eval_loss": self.last_eval_loss}
+        self.metrics.write(metrics)
+        self.progress.message(f"eval at step {self.global_step}: loss {self.last_eval_loss:.4f}")
+        self.callbacks.call("on_eval_end", self, metrics)
+        return self.last_eval_loss
+
+    def _eval_sums(self, batches: Iterator[Any]) -> tuple[float, float]:
+        """This rank's summed loss x samples and samples; ranks that run dry first repeat a batch at weight 0.
+
+        Every rank runs the same number of forwards, which a stage 3 engine
+        needs (its forward gathers parameters collectively).
+        """
+        loss_sum = samples = 0.0
+        last = None
+        while True:
+            batch = next(batches, None)
+            more, starved = self.agreement.max([float(batch is not None), float(batch is None and last is None)])
+            if not more:
+                return loss_sum, samples
+            if starved:
+                raise ValueError(
+                    f"`eval_data` gives some rank no batch at all while others have some ({self.world_size} ranks); "
+                    "use an eval set of at least one micro-batch per rank"
+                )
+            weight = 1.0 if batch is not None else 0.0
+            batch = to_device(batch if batch is not None else last, self.device)
+            loss = compute_loss(forward(self.engine, batch), batch, self.loss_fn)
+            n = measure(batch).samples * weight
+            loss_sum += float(loss.float().item()) * n
+            samples += n
+            last = batch
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's own state (data position and counters), stored in the checkpoint's ``client_state``."""
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "train_batch_size": self._global_batch(),
+            "seed": self.seed,
+            "last_loss": None if math.isnan(self.last_loss) else self.last_loss,
+            "last_eval_loss": self.last_eval_loss,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; a different global batch size keeps the position in samples."""
+        self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
+        saved_batch, batch = state.get("train_batch_size"), self._global_batch()
+        if saved_batch and batch and saved_batch != batch:
+            samples = self.step_in_epoch * saved_batch
+            self.step_in_epoch = samples // batch
+            if samples % batch:
+                warnings.warn(
+                    f"the checkpoint's global batch was {saved_batch}, this run's is {batch}: {samples % batch} "
+                    f"sample(s) of epoch {self.epoch} are skipped to resume on a step boundary",
+                    stacklevel=3,
+                )
+        if state.get("seed") != self.seed:
+            warnings.warn(f"the checkpoint was trained with seed={state.get('seed')}, this trainer has seed={self.seed}: "
+                          "the data order from here on differs from the saved run's", stacklevel=3)
+        last = state.get("last_loss")
+        self.last_loss = math.nan if last is None else float(last)
+        self.last_eval_loss = state.get("last_eval_loss")
+
+    def save(self) -> Optional[str]:
+        """Save a checkpoint now (collective: every rank calls it); skipped if this step is already saved."""
+        if not self.checkpoints.enabled or self.checkpoints.last_step == self.global_step:
+            return self.checkpoints.last_path
+        path = self.checkpoints.save({"trainer": self.state_dict()})
+        self.progress.message(f"saved {path}")
+        self.callbacks.call("on_save", self, path)
+        return path
+
+    def _resume(self) -> Optional[int]:
+        client_state = self.checkpoints.resume()
+        if client_state is None:
+            return None
+        state = client_state.get("trainer")
+        if state is None:
+            warnings.warn(f"{self.checkpoints.last_path} has no trainer state (it was saved outside the Trainer): "
+                          "the weights are restored, the data starts from the first batch", stacklevel=3)
+        else:
+            self.load_state_dict(state)
+        self.progress.message(
+            f"resumed from {self.checkpoints.last_path}: step {self.global_step}, epoch {self.epoch} "
+            f"(step {self.step_in_epoch} of it)")
+        return self.global_step
+
+    # ------------------------------------------------------------ the end
+    def _agreed_steps_per_epoch(self) -> Optional[int]:
+        batches = self.source.batches_per_epoch
+        if batches is None:
+            return None
+        steps = int(self.agreement.min([batches // self.accumulation])[0])
+        self._check_size(steps * self.accumulation)
+        return steps
+
+    def _total_steps(self) -> Optional[int]:
+        by_epochs = self.epochs * self._steps_per_epoch if self.epochs and self._steps_per_epoch else None
+        candidates = [t for t in (self.max_steps, by_epochs) if t is not None]
+        return min(candidates) if candidates else None
+
+    def _announce_stop(self, decision: Decision) -> None:
+        who = "" if self.world_size == 1 else f" (asked on rank {decision.asked_by})"
+        self.progress.message(f"stopping at step {self.global_step}: {decision.reason}{who}")
+
+    def _finish(self, meter: Meter, decision: Decision) -> FitSummary:
+        if meter.steps and self._logged_at != self.global_step:
+            self._log({"step": self.global_step, "epoch": self.epoch, "loss": self.last_loss, "lr": self._lr()}, meter)
+        self.save()
+        if self.eval_source is not None and self._evaluated_at != self.global_step:
+            self.evaluate()
+        self.progress.close()
+        seconds = meter.training_seconds()
+        summary = FitSummary(
+            steps=self.global_step, trained_steps=meter.total_steps, epoch=self.epoch, final_loss=self.last_loss,
+            eval_loss=self.last_eval_loss, elapsed=meter.elapsed(), samples_per_second=meter.total_samples / seconds,
+            tokens_per_second=meter.total_tokens / seconds if meter.total_tokens else None,
+            stopped=decision.reason if decision.stop else None,
+            checkpoint=self.checkpoints.last_path,
+        )
+        self.progress.message(_describe(summary))
+        self._plot()
+        self.callbacks.call("on_train_end", self, summary)
+        return summary
+
+    def _plot(self) -> None:
+        path = self.metrics.path
+        if path is None or not path.is_file():
+            return
+        try:
+            from .plot import plot_metrics
+
+            plot_metrics(path, path.with_suffix(".png"))
+        except ImportError:
+            return  # matplotlib is an optional extra
+        except ValueError:
+            return  # nothing logged yet (no step trained)
+
+
+def _describe(summary: FitSummary) -> str:
+    rate = (f"{summary.tokens_per_second:,.0f} tokens/s" if summary.tokens_per_second is not None
+            else f"{summary.samples_per_second:,.1f} samples/s")
+    line = f"trained {summary.trained_steps} step(s) in {summary.elapsed:.1f}s (now at step {summary.steps}); final loss {summary.final_loss:.4f}; {rate}"
+    if summary.eval_loss is not None:
+        line += f"; eval loss {summary.eval_loss:.4f}"
+    return line
+
+
+def _check_arguments(max_steps: Optional[int], epochs: Optional[int], eval_every: Optional[int], eval_data: Any,
+                     save_every: Optional[int], keep_last: Optional[int], checkpoint_dir: Optional[str],
+                     log_every: Optional[int]) -> None:
+    if max_steps is None and epochs is None:
+        raise ValueError("the Trainer needs to know when to stop: pass `max_steps=N` (optimizer steps), `epochs=N`, or both")
+    if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 0):
+        raise ValueError(f"`max_steps={max_steps!r}`: expected an integer >= 0")
+    for name, value in (("epochs", epochs), ("eval_every", eval_every), ("save_every", save_every),
+                        ("keep_last", keep_last), ("log_every", log_every)):
+        _positive(name, value)
+    if eval_every is not None and eval_data is None:
+        raise ValueError(f"`eval_every={eval_every}` without `eval_data`: pass the data to evaluate on")
+    if (save_every is not None or keep_last is not None) and checkpoint_dir is None:
+        raise ValueError("`save_every`/`keep_last` need a `checkpoint_dir` to save into")

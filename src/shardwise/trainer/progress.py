@@ -1,0 +1,118 @@
+"""What rank 0 shows while training: a tqdm bar on a terminal, plain log lines otherwise.
+
+Other ranks show nothing.  The bar carries loss, lr, tokens/s (or
+samples/s) and tqdm's ETA; the lines, printed every ``log_every`` steps, carry
+the same and an ETA from the measured step time.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional, TextIO
+
+__all__ = ["Progress", "make_progress"]
+
+
+def _rate(record: dict[str, Any]) -> str:
+    if record.get("tokens_per_s") is not None:
+        return f"{record['tokens_per_s']:,.0f} tokens/s"
+    if record.get("samples_per_s") is not None:
+        return f"{record['samples_per_s']:,.1f} samples/s"
+    return ""
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+class Progress:
+    """Shows nothing (ranks other than 0); the base of the two that do."""
+
+    def start(self, total: Optional[int], initial: int) -> None:
+        """Training begins at step ``initial`` of ``total`` (None: unknown)."""
+
+    def step(self, metrics: dict[str, Any]) -> None:
+        """After every step, with that step's metrics."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        """At a log point, with the full record."""
+
+    def message(self, text: str) -> None:
+        """A line of news (evaluation, save, stop)."""
+
+    def close(self) -> None:
+        """Training ended."""
+
+
+class Lines(Progress):
+    """One plain line per log point, for logs and pipes."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.total: Optional[int] = None
+
+    def start(self, total: Optional[int], initial: int) -> None:
+        self.total = total
+
+    def log(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        width = len(str(self.total)) if self.total else 5
+        parts = [f"step {step:{width}d}" + (f"/{self.total}" if self.total else ""), f"epoch {record['epoch']}",
+                 f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}"]
+        rate = _rate(record)
+        if rate:
+            parts.append(rate)
+        if self.total and record.get("step_time"):
+            parts.append(f"eta {_duration((self.total - step) * record['step_time'])}")
+        self.message(" | ".join(parts))
+
+    def message(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+
+class Bar(Progress):
+    """A tqdm progress bar with loss, lr and throughput; messages print above it."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.bar: Any = None
+        self.rate = ""
+
+    def start(self, total: Optional[int], initial: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, unit="step", file=self.stream, dynamic_ncols=True,
+                        desc="train", smoothing=0.1)
+
+    def step(self, metrics: dict[str, Any]) -> None:
+        postfix = {"loss": f"{metrics['loss']:.4f}", "lr": f"{metrics['lr']:.2e}"}
+        if self.rate:
+            postfix["speed"] = self.rate
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(1)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.rate = _rate(record)
+
+    def message(self, text: str) -> None:
+        if self.bar is None:
+            print(text, file=self.stream, flush=True)
+        else:
+            self.bar.write(text, file=self.stream)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def make_progress(rank: int, progress: bool, stream: Optional[TextIO] = None) -> Progress:
+    """Rank 0's display: a bar when ``progress`` and the stream is a terminal, lines otherwise."""
+    stream = stream if stream is not None else sys.stdout
+    if rank != 0:
+        return Progress()
+    if progress and stream.isatty():
+        return Bar(stream)
+    return Lines(stream)
