@@ -93,17 +93,13 @@ class _Sparse(nn.Module):
         self.w = nn.Parameter(torch.eye(3).to_sparse())
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-@pytest.mark.parametrize("case", list(ERRORS))
-def test_bad_input_is_a_named_error(case: str, stage: int) -> None:
+def _named_error(case: str, stage: int) -> None:
     action, error, pattern = ERRORS[case]
     with pytest.raises(error, match=pattern):
         action(stage)
-    if stage == 0:
-        record_row("misuse", case, "all", f"`{error.__name__}` naming the value and the fix, on the calling rank", None)
 
 
-def test_backward_again_after_zero_grad_or_under_no_sync_is_fine() -> None:
+def _backward_again_is_fine_after_zero_grad_or_under_no_sync() -> None:
     engine = _engine(0)
     engine.backward(_loss(engine))
     engine.zero_grad()  # the reduced gradients are gone: a new backward may reduce again
@@ -113,6 +109,14 @@ def test_backward_again_after_zero_grad_or_under_no_sync_is_fine() -> None:
         engine.backward(_loss(engine, 2))
     engine.backward(_loss(engine, 3))
     assert engine.step()
+
+
+@distributed_test(world_size=1, timeout=120)  # one rank: the checks are local; no process group in pytest's process
+def test_bad_input_is_a_named_error() -> None:
+    run_subtests(_named_error, [{"case": c, "stage": s} for c in ERRORS for s in (0, 3)])
+    _backward_again_is_fine_after_zero_grad_or_under_no_sync()
+    for case, (_, error, _) in ERRORS.items():
+        record_row("misuse", case, "all", f"`{error.__name__}` naming the value and the fix, on the calling rank", None)
 
 
 # ------------------------------------------------------- correct behaviour (two ranks)
