@@ -26,11 +26,11 @@ from .errors import CollectiveMismatchError, CommError, PeerFailedError, RankGon
 from .heartbeat import fault_record, heartbeat, publish_fault, read_record
 from .ledger import Ledger
 
-__all__ = ["AGREE", "Failure", "diagnose", "short_cause"]
+__all__ = ["AGREE", "RESTART", "Failure", "diagnose", "short_cause"]
 
 #: the longest this rank watches the others' heartbeats before deciding who is gone
 _MAX_WATCH_S = 20.0
-_RESTART = ("the job cannot go on without it: let it exit and restart the job (`shardwise run --max-restarts N "
+RESTART = ("the job cannot go on without it: let it exit and restart the job (`shardwise run --max-restarts N "
             "...` restarts every rank), resuming from the last checkpoint")
 AGREE = ("every rank must issue the same collectives in the same order: run the same modules (ZeRO-3 gathers "
           "each module's parameters when it runs), the same number of micro-batches per step, and call "
@@ -168,7 +168,7 @@ def _compose(failure: Failure, peers: list[_Peer]) -> CommError:
         return PeerFailedError(head + tail, **facts)  # type: ignore[arg-type]
     if gone:
         head = (f"rank {me}: rank(s) {gone} are gone (killed, crashed or exited) while this rank was "
-                f"{failure.operation}; {_RESTART}")
+                f"{failure.operation}; {RESTART}")
         return RankGoneError(head + tail, **facts)  # type: ignore[arg-type]
     if _disagree(failure, peers, key):
         head = f"rank {me}: the ranks are in different collectives; {AGREE}"
