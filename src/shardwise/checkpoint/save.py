@@ -29,6 +29,7 @@ directory is removed.
 
 from __future__ import annotations
 
+import math
 import secrets
 import shutil
 from pathlib import Path
@@ -47,6 +48,7 @@ from .dcp_steps import save_through_steps
 from .digests import digest, digests
 from .errors import CheckpointError
 from .oserror import explained as _explained
+from .oserror import need_space
 from .layout import FORMAT, VERSION, rank_file, temp_dir, validate_tag
 from .protocol import Checkpointable
 from .rng import capture_rng
@@ -259,12 +261,23 @@ class _RankWriter(FileSystemWriter):
         self.files: dict[str, Any] = {}
 
     def write_data(self, plan: Any, planner: Any) -> Any:
+        need_space(self.root, _planned_bytes(plan))  # a full disk said up front, not as torch.save's "unexpected pos"
         written = super().write_data(plan, planner)
         written.wait()
         write_json(self.marker, self.info)
         names = {result.storage_data.relative_path for result in written.value()} | {self.marker.name}
         self.files = digests(self.root, names)
         return written
+
+
+def _planned_bytes(plan: Any) -> int:
+    """The tensor bytes a DCP write plan will put on disk (records add a little)."""
+    total = 0
+    for item in plan.items:
+        data = item.tensor_data
+        if data is not None:
+            total += math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+    return total
 
 
 def _order(keys: list[str]) -> Any:
