@@ -50,13 +50,14 @@ class _Control:
     def __init__(self, ledger: Ledger, rank: int, timeout: float) -> None:
         store = dist.distributed_c10d._get_default_store()
         prefix = dist.PrefixStore(f"shardwise/control/{ledger.key}", store)
-        self.group = dist.ProcessGroupGloo(prefix, ledger.ranks.index(rank), len(ledger.ranks),
-                                           timedelta(seconds=timeout))
+        # typed as Any: torch's stubs give ProcessGroupGloo no `allreduce`, which its bindings have
+        self.group: Any = dist.ProcessGroupGloo(prefix, ledger.ranks.index(rank), len(ledger.ranks),
+                                                timedelta(seconds=timeout))
         self.store = store
         self.timeout = timeout
         self.count = 0
         self.options = dist.AllreduceOptions()
-        self.options.reduceOp = dist.ReduceOp.MAX
+        self.options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
         self.options.timeout = timedelta(seconds=timeout)
         self.buffer = torch.zeros(2 * _WIDTH, dtype=torch.int64)
 
