@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
 import torch.distributed as dist
 
 import shardwise
@@ -84,11 +83,3 @@ def record_row(table: str, fault: str, stage: Optional[str], result: str, second
            "seconds": None if seconds is None else round(seconds, 2)}
     with Path(path).open("a") as handle:
         handle.write(json.dumps(row) + "\n")
-
-
-def first_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else ""
-
-
-__all__ = ["COMMS_TIMEOUT", "VICTIM", "die", "fault_config", "first_line", "make_engine", "outcome",
-           "record_row", "torch", "train_step"]

@@ -23,7 +23,7 @@ from shardwise.checkpoint.save import _RankWriter
 from shardwise.checkpoint.storage import SafeReader
 from shardwise.testing import run_distributed
 
-from _faults_common import COMMS_TIMEOUT, VICTIM, die, first_line, make_engine, outcome, record_row, train_step
+from _faults_common import COMMS_TIMEOUT, VICTIM, die, make_engine, outcome, record_row, train_step
 
 STAGES = (0, 1, 2, 3)
 PHASES = ("forward", "backward", "step", "save", "load")
@@ -74,7 +74,7 @@ def test_survivor_names_the_dead_rank(phase: str, stage: int, tmp_path: Path) ->
     assert "rank(s) [1] are gone" in message and "--max-restarts" in message, message
     if phase in ("save", "load"):
         # the checkpoint's store steps name the step and the operation
-        assert "while this rank waited for them to finish" in message and f"_checkpoint`" in message, message
+        assert "while this rank waited for them to finish" in message and "_checkpoint`" in message, message
     else:
         assert "rank 1: gone: its heartbeat stopped" in message, message
         # this rank's own operation is named: the engine call and the collective it waited on

@@ -26,7 +26,7 @@ from torch import nn
 import shardwise
 from shardwise.testing import run_distributed
 
-from _faults_common import COMMS_TIMEOUT, VICTIM, fault_config, first_line, make_engine, outcome, record_row, train_step
+from _faults_common import COMMS_TIMEOUT, VICTIM, fault_config, make_engine, outcome, record_row, train_step
 from _parity import adamw, batch
 
 
@@ -117,7 +117,7 @@ def test_zero3_different_size_modules_without_debug() -> None:
     dead = results.index(None)
     assert alive[0]["error"] == "RankGoneError" and alive[0]["gone"] == [dead], alive
     record_row("disagree", "ranks run different modules of different sizes (default `comms`)", "3",
-               f"gloo aborts the rank receiving the larger message; the other raises `RankGoneError` naming it "
+               "gloo aborts the rank receiving the larger message; the other raises `RankGoneError` naming it "
                "(`comms.debug: true` stops both before data moves)", alive[0]["seconds"])
 
 
@@ -187,7 +187,10 @@ def test_step_on_one_rank_backward_on_the_other(stage: int) -> None:
     for result in results:
         assert result["error"] == "CollectiveMismatchError", result
         assert result["seconds"] < 3 * COMMS_TIMEOUT, result
-    first = results[0]
-    record_row("disagree", "rank 1 skips one `step()` (runs `backward` where rank 0 runs `step`)", str(stage),
-               f"every rank raises; rank 0: `{first['error']}`: {first_line(first['message'])[:120]}",
-               max(r["seconds"] for r in results))
+    at_check = all("in the step check" in r["message"] and "backwards accumulated: rank 0 2, rank 1 3" in r["message"]
+                   for r in results)
+    how = ("at the step check, before the update: backwards accumulated differ (rank 0 2, rank 1 3)" if at_check
+           else "when the differing collectives (a gather against a reduce-scatter) time out, naming both")
+    record_row("disagree", "rank 1 runs 3 micro-batches into a step where rank 0 runs 2 (it skips one `step()`: "
+               "`backward` on one rank while the other runs `step`)", str(stage),
+               f"every rank raises `CollectiveMismatchError` {how}", max(r["seconds"] for r in results))

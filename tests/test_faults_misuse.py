@@ -201,3 +201,21 @@ def test_shapes_and_layouts_that_work_match_ddp() -> None:
                 ("a model with no parameters, or only buffers, and no optimizer",
                  "an inference-only engine: its forward equals the module's")):
             record_row("misuse", fault, "0-3", result, None)
+
+
+def test_keys_the_stage_does_not_use_say_so() -> None:
+    """Implemented keys that the chosen stage ignores get an info line (nothing accepted silently)."""
+    cases = {
+        3: ({"reduce_bucket_size": 1000, "reduce_scatter": False}, "stage 3 reduce-scatters"),
+        2: ({"stage3_prefetch_bucket_size": 10, "stage3_param_persistence_threshold": 0}, "it tunes stage 3"),
+        0: ({"reduce_scatter": False}, "stage 0 all-reduces"),
+    }
+    for stage, (keys, why) in cases.items():
+        notes = [str(n) for n in shardwise.Config.load({"zero_optimization": {"stage": stage, **keys}})
+                 .resolve(world_size=2).notes]
+        for key in keys:
+            assert any(f"`zero_optimization.{key}` changes nothing here: {why}" in n for n in notes), (stage, notes)
+    quiet = shardwise.Config.load({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 10}})
+    assert not [n for n in quiet.resolve(world_size=2).notes if "changes nothing" in str(n)]
+    record_row("misuse", "a key the stage does not use (`reduce_bucket_size` at stage 3, `stage3_*` at 0-2)",
+               "all", "accepted with an info line saying why it changes nothing (DeepSpeed: silently)", None)

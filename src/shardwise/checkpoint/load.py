@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..param_state import ParamShard

@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Callable, Optional, TypeVar
 
 from .errors import CheckpointError
 
