@@ -218,4 +218,4 @@ def test_keys_the_stage_does_not_use_say_so() -> None:
     quiet = shardwise.Config.load({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 10}})
     assert not [n for n in quiet.resolve(world_size=2).notes if "changes nothing" in str(n)]
     record_row("misuse", "a key the stage does not use (`reduce_bucket_size` at stage 3, `stage3_*` at 0-2)",
-               "all", "accepted with an info line saying why it changes nothing (DeepSpeed: silently)", None)
+               "all", "accepted with an info line at `initialize` saying why it changes nothing", None)

@@ -173,7 +173,7 @@ class Comm:
     def _connect(self) -> None:
         self._pg: Any = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
         self.global_rank = dist.get_rank()
-        self.ledger = ledger_for(group_key(self.group), dist.get_process_group_ranks(self._pg))
+        self.ledger = ledger_for(group_key(self.group), dist.get_process_group_ranks(self._pg), self._pg)
         self._limit = timedelta(seconds=self.timeout)
         self._options: dict[Any, Any] = {}
         faults.watch(self.global_rank, self.timeout)

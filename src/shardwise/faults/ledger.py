@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import time
+import weakref
 import zlib
 from typing import Any, Callable, Optional
 
@@ -150,17 +151,20 @@ class Ledger:
         return [entry.describe() for entry in list(self.log)[-count:]]
 
 
-_LEDGERS: dict[str, Ledger] = {}
+_LEDGERS: dict[str, tuple[Ledger, Any]] = {}
 
 
-def ledger_for(key: str, ranks: list[int]) -> Ledger:
-    """The one ledger of the process group named ``key`` (several ``Comm`` objects may share a group)."""
-    ledger = _LEDGERS.get(key)
-    if ledger is None:
-        ledger = _LEDGERS[key] = Ledger(key, ranks)
+def ledger_for(key: str, ranks: list[int], group: Any) -> Ledger:
+    """The one ledger of process group ``group``, named ``key`` (several ``Comm`` objects may share a group;
+    a group of the same name made after ``destroy_process_group`` gets a fresh ledger)."""
+    known = _LEDGERS.get(key)
+    if known is not None and known[1]() is group:
+        return known[0]
+    ledger = Ledger(key, ranks)
+    _LEDGERS[key] = (ledger, weakref.ref(group))
     return ledger
 
 
 def ledgers() -> list[Ledger]:
     """Every ledger of this process."""
-    return list(_LEDGERS.values())
+    return [ledger for ledger, _ in list(_LEDGERS.values())]
