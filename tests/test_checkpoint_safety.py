@@ -19,6 +19,7 @@ from shardwise.checkpoint import CheckpointError, describe
 from shardwise.testing import DistributedTestError, distributed_test, run_distributed, run_subtests
 
 from _checkpoint_common import assert_same, build, full_params, snapshot, train
+from _checkpoint_edits import drop_checksums
 from _parity import batch
 
 _TIMEOUT = 3.0  # seconds ranks wait for each other in these tests
@@ -158,6 +159,7 @@ def _tampered_index(root: str) -> None:
     dist.barrier()
     if dist.get_rank() == 0:
         (path / ".metadata").write_bytes(pickle.dumps(_Exploit()))
+        drop_checksums(path)  # an attacker strips them: the restricted unpickler must still refuse
     dist.barrier()
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
         engine.load_checkpoint(root, tag="tampered")

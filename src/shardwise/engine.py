@@ -19,9 +19,11 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ownership
+from .checks import check_loss, check_model, check_trainable
 from .config import Config
 from .distributed import Comm
 from .engine_state import EngineState
+from .faults import doing
 from .optim import resolve_optimizer
 from .precision import Precision
 from .schedulers import build_scheduler
@@ -60,7 +62,9 @@ class Engine:
         self.config = config
         #: the engine's name (``initialize(..., name=...)``); names its checkpoints among several engines
         self.name = name
-        self.comm = Comm(process_group)
+        self.comm = Comm(process_group, timeout=config.comms.timeout, debug=config.comms.debug)
+        self._label = self._make_label()
+        check_model(module, self.comm.rank)
         ownership.claim(module.named_parameters(), self, self.comm.rank)
         self._agree_on_construction()
         self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
@@ -70,8 +74,14 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self._in_no_sync = False
+        #: backward calls since the last `step()`/`zero_grad()`, and whether one reduced (a boundary)
+        self._backwards = 0
+        self._reduced = False
+        #: backward calls accumulated since the last optimizer step (what the step check compares)
+        self._accumulated = 0
         self._prepare_module()
         params = list(model_parameters) if model_parameters is not None else list(module.parameters())
+        check_trainable(module, params, optimizer is not None or config.optimizer is not None, self.comm.rank)
         inner = resolve_optimizer(optimizer, config, params)
         self.strategy = make_strategy(module, self.comm, self.precision, config.zero_optimization)
         self.strategy.attach(inner, self._initial_values)
@@ -163,7 +173,7 @@ class Engine:
         if self.config.auto_refresh_trainable and self.strategy.trainable_changed():
             self.refresh_trainable()
         args, kwargs = self.precision.cast_inputs((args, kwargs))
-        with self._timed("forward"):
+        with doing("forward", self._label), self._timed("forward"):
             return self.module(*args, **kwargs)
 
     __call__ = forward
@@ -178,42 +188,75 @@ class Engine:
         Gradients are reduced across ranks only at an accumulation boundary and
         outside :meth:`no_sync`.
         """
-        self._require_optimizer("`engine.backward`")
-        sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
-        # One scalar multiply covers loss scaling, accumulation averaging and
-        # (for strategies that sum) the average over ranks.
-        accumulation = self.batch_sizes.gradient_accumulation_steps
-        scale = self.precision.scaler.current / (accumulation * self.strategy.loss_divisor)
-        with self._timed("backward"):
-            self.strategy.start_backward(sync)
-            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-            self.strategy.finish_backward()
-        trained = self.strategy.trained_count()
-        if self.strategy.arrivals == 0 and trained:
+        with doing("backward", self._label):
+            self._require_optimizer("`engine.backward`")
+            sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
+            self._check_backward(loss, sync)
+            # One scalar multiply covers loss scaling, accumulation averaging and
+            # (for strategies that sum) the average over ranks.
+            accumulation = self.batch_sizes.gradient_accumulation_steps
+            scale = self.precision.scaler.current / (accumulation * self.strategy.loss_divisor)
+            with self._timed("backward"):
+                self.strategy.start_backward(sync)
+                (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+                self.strategy.finish_backward()
+            self._backwards += 1
+            self._accumulated += 1
+            self._reduced = self._reduced or sync
+            trained = self.strategy.trained_count()
+            if self.strategy.arrivals == 0 and trained:
+                raise RuntimeError(
+                    f"rank {self.comm.rank}: the loss passed to `backward` of {self.label} reached none of its "
+                    f"{trained} trainable parameter(s); most likely it was computed by another engine (call that "
+                    "engine's `backward`), or without this engine's model"
+                )
+            return loss
+
+    def _check_backward(self, loss: Any, sync: bool) -> None:
+        """What `backward` refuses before touching anything (so a refused call leaves no half-reduced state)."""
+        check_loss(loss, self.comm.rank, self.label)
+        if sync and self._reduced:
             raise RuntimeError(
-                f"rank {self.comm.rank}: the loss passed to `backward` of {self.label} reached none of its "
-                f"{trained} trainable parameter(s); most likely it was computed by another engine (call that "
-                "engine's `backward`), or without this engine's model"
+                f"rank {self.comm.rank}: `engine.backward` was called again at an accumulation boundary without "
+                f"`engine.step()` in between ({self.label}, micro-step {self.micro_steps}); the first call already "
+                "reduced the gradients across ranks, a second would reduce them again. Sum the losses and call "
+                "`backward` once (`engine.backward(loss_a + loss_b)`), or call `engine.step()` after each backward"
             )
-        return loss
 
     @property
     def label(self) -> str:
         """How messages name this engine: ``engine `student` `` or ``engine (stage 2, Net)``."""
+        return self._label
+
+    def _make_label(self) -> str:
         if self.name:
             return f"engine `{self.name}`"
         return f"engine (stage {self.config.zero_optimization.stage}, {type(self.module).__name__})"
 
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary; True if an update was applied."""
+        with doing("step", self._label):
+            return self._step()
+
+    def _step(self) -> bool:
         optimizer = self._require_optimizer("`engine.step`")
         if self._in_no_sync:
             raise RuntimeError(
                 "`engine.step()` was called inside `engine.no_sync()`: gradients there are not "
                 "synchronised across ranks; leave the `no_sync` block and run one backward outside it first"
             )
+        if self._backwards == 0:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: `engine.step()` was called with no `engine.backward(loss)` since the last "
+                f"step ({self.label}, micro-step {self.micro_steps}); every step applies (or accumulates) the "
+                "gradients of at least one backward: call `engine.backward(loss)` first"
+            )
         applied = False
         if self.is_gradient_accumulation_boundary():
+            # Before the update: ranks whose collectives paired up wrongly must not apply what they reduced.
+            self.comm.check(f"`step` of {self._label}", [self.global_steps, self.micro_steps, self._accumulated],
+                            ["global_steps", "micro_steps", "backwards accumulated"])
+            self._accumulated = 0
             with self._timed("step"):
                 applied = optimizer.step()
                 if applied:
@@ -225,6 +268,8 @@ class Engine:
                 self.strategy.zero_grad()
             self._report()
         self.micro_steps += 1
+        self._backwards = 0
+        self._reduced = False
         return applied
 
     @contextlib.contextmanager
@@ -253,8 +298,11 @@ class Engine:
         logger.info(line)
 
     def zero_grad(self) -> None:
-        """Drop all gradients, reduced or not."""
+        """Drop all gradients, reduced or not (the next step needs a new backward)."""
         self.strategy.zero_grad()
+        self._backwards = 0
+        self._reduced = False
+        self._accumulated = 0
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -359,7 +407,8 @@ class Engine:
         """Collectively write a checkpoint (every rank its own shard); returns its path."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self.checkpointable(), save_dir, tag=tag, client_state=client_state)
+        with doing("save_checkpoint", self._label):
+            return save_checkpoint(self.checkpointable(), save_dir, tag=tag, client_state=client_state)
 
     def load_checkpoint(
         self,
@@ -380,16 +429,17 @@ class Engine:
         """
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(
-            self.checkpointable(),
-            load_dir,
-            tag=tag,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only,
-            module_load_fn=module_load_fn,
-            strict=strict,
-        )
+        with doing("load_checkpoint", self._label):
+            return load_checkpoint(
+                self.checkpointable(),
+                load_dir,
+                tag=tag,
+                load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_lr_scheduler_states,
+                load_module_only=load_module_only,
+                module_load_fn=module_load_fn,
+                strict=strict,
+            )
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Write the full weights in the compute dtype to ``save_dir/save_filename`` on rank 0 (collective).

@@ -54,7 +54,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.context import BaseContext
@@ -383,8 +383,12 @@ class _Outcome:
         return not self.failed and not self.timed_out
 
 
-def _watch(procs: Sequence[BaseProcess], deadline: float, launch_dir: Path) -> _Outcome:
-    """Wait for ranks to exit, until all did, shortly after the first failure, or the deadline."""
+def _watch(procs: Sequence[BaseProcess], deadline: float, launch_dir: Path,
+           expect_dead: Collection[int] = ()) -> _Outcome:
+    """Wait for ranks to exit, until all did, shortly after the first failure, or the deadline.
+
+    A rank in `expect_dead` that ends without a traceback counts as finished (its result: None).
+    """
     outcome = _Outcome()
     pending = dict(enumerate(procs))
     stop = deadline
@@ -394,7 +398,9 @@ def _watch(procs: Sequence[BaseProcess], deadline: float, launch_dir: Path) -> _
             rank = by_sentinel[cast(int, sentinel)]  # we waited on sentinels only (ints)
             proc = pending.pop(rank)
             proc.join()
-            succeeded = proc.exitcode == 0 and _RankFiles(launch_dir, rank).result.exists()
+            files = _RankFiles(launch_dir, rank)
+            succeeded = proc.exitcode == 0 and files.result.exists()
+            succeeded = succeeded or (rank in expect_dead and not files.error.exists())
             (outcome.finished if succeeded else outcome.failed).append(rank)
         if outcome.failed and stop == deadline:
             # Peers of a failed rank often fail a moment later (gloo sees the closed
@@ -519,11 +525,9 @@ def _replay_output(world_size: int, launch_dir: Path) -> None:
 
 
 def _read_results(world_size: int, launch_dir: Path) -> list[Any]:
-    """Unpickle every rank's return value, in rank order."""
-    return [
-        pickle.loads(_RankFiles(launch_dir, rank).result.read_bytes())
-        for rank in range(world_size)
-    ]
+    """Unpickle every rank's return value, in rank order (None for a rank that died as expected)."""
+    paths = [_RankFiles(launch_dir, rank).result for rank in range(world_size)]
+    return [pickle.loads(path.read_bytes()) if path.exists() else None for path in paths]
 
 
 def _check_arguments(world_size: int, timeout: float, threads_per_rank: int | None) -> None:
@@ -549,6 +553,7 @@ def run_distributed(
     *,
     threads_per_rank: int | None = 1,
     start_method: str | None = None,
+    expect_dead: Collection[int] = (),
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on `world_size` fresh processes and return their results.
 
@@ -570,6 +575,10 @@ def run_distributed(
 
     `start_method` is ``"forkserver"`` (default where available) or ``"spawn"``; the
     ``SHARDWISE_TEST_START_METHOD`` environment variable sets the default.
+
+    `expect_dead` lists ranks a fault-injection test kills on purpose: such a rank may
+    end without a result (killed by a signal, or exiting) and its result is None; the
+    launch waits for the others as usual. It still fails the launch if it raises.
     """
     _check_arguments(world_size, timeout, threads_per_rank)
     call = _pickle_call(fn, tuple(args), dict(kwargs or {}))
@@ -584,20 +593,20 @@ def run_distributed(
                       backend, timeout, threads_per_rank, environ)
             for rank in range(world_size)
         ]
-        return _launch(ctx, specs, call, launch_dir, timeout)
+        return _launch(ctx, specs, call, launch_dir, timeout, frozenset(expect_dead))
     finally:
         shutil.rmtree(launch_dir, ignore_errors=True)
 
 
 def _launch(ctx: BaseContext, specs: Sequence[_RankSpec], call: bytes, launch_dir: Path,
-            timeout: float) -> list[Any]:
+            timeout: float, expect_dead: Collection[int] = ()) -> list[Any]:
     """Start, watch and always reap the ranks; turn a bad outcome into an error."""
     procs: list[BaseProcess] = []
     try:
         _start_ranks(ctx, specs, call, procs)
         # Counted from here: a forkserver's one-time warm-up is not the ranks' fault.
         deadline = time.monotonic() + timeout
-        outcome = _watch(procs, deadline, launch_dir)
+        outcome = _watch(procs, deadline, launch_dir, expect_dead)
         if outcome.timed_out:
             _dump_stacks(procs, outcome.timed_out, launch_dir)
     finally:

@@ -22,11 +22,18 @@ Protocol, per process group, with no state kept in the process:
 After joining, :meth:`Session.step` gives timeout-bounded, error-propagating
 checkpoints between phases (a rank that fails while preparing makes every rank
 raise instead of leaving the others inside a collective).
+
+Every wait here also watches the other ranks' heartbeats
+(:class:`~shardwise.faults.liveness.PeerWatch`): a rank that was killed or
+crashed makes the others raise :class:`~shardwise.faults.RankGoneError` within a
+few heartbeat intervals, not at ``checkpoint.timeout``.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar
@@ -34,6 +41,9 @@ from typing import Any, Callable, Optional, TypeVar
 import torch.distributed as dist
 
 from ..distributed import Comm
+from ..faults.diagnose import RESTART
+from ..faults.errors import RankGoneError
+from ..faults.liveness import PeerWatch
 from .errors import CheckpointError
 
 __all__ = ["Session", "join"]
@@ -66,6 +76,8 @@ class Session:
     payloads: list[dict[str, Any]]
     store: Any = None
     prefix: str = ""
+    #: the global rank of each group rank (heartbeats are per global rank)
+    global_ranks: list[int] = field(default_factory=list)
     _steps: int = field(default=0)
 
     def require_same(self, key: str, what: str, fix: str) -> Any:
@@ -79,11 +91,12 @@ class Session:
             )
         return values[0]
 
-    def step(self, name: str, fn: Callable[[], _T], share: bool = False) -> tuple[_T, list[Any]]:
+    def step(self, name: str, fn: Callable[[], _T], share: bool = False, objects: bool = False) -> tuple[_T, list[Any]]:
         """Run ``fn`` here, then wait for every rank's outcome of the same step.
 
         Returns ``fn``'s result and, with ``share``, every rank's result (which
-        must then be JSON-able; else a list of None).  If ``fn``
+        must then be JSON-able; else a list of None; with ``objects``, any
+        picklable value, e.g. DCP's plans: the store is the job's own).  If ``fn``
         raised on any rank, every rank raises: the failing rank its own error,
         the others a :class:`CheckpointError` naming it.
         """
@@ -93,11 +106,13 @@ class Session:
             data = fn()
         except Exception as exc:  # noqa: BLE001 - reported to the other ranks, then re-raised
             error = exc
+        share = share or objects
         if self.world_size == 1:
             if error is not None:
                 raise error
             return data, [data if share else None]
-        results = self._exchange(name, data if share else None, error)
+        sent = _pack(data) if objects and error is None else data
+        results = self._exchange(name, sent if share else None, error)
         if error is not None:
             raise error
         failed = [(r, res["error"]) for r, res in enumerate(results) if res["error"] is not None]
@@ -106,7 +121,8 @@ class Session:
             raise CheckpointError(
                 f"rank {self.rank}: `{self.op}` failed on rank(s) {[r for r, _ in failed]} while {name}: {detail}"
             )
-        return data, [res["data"] for res in results]
+        shared = [res["data"] for res in results]
+        return data, [_unpack(d) for d in shared] if objects else shared
 
     def _exchange(self, name: str, data: Any, error: Optional[BaseException]) -> list[dict[str, Any]]:
         self._steps += 1
@@ -114,18 +130,35 @@ class Session:
         message = None if error is None else f"{type(error).__name__}: {error}"
         self.store.set(keys[self.rank], json.dumps({"error": message, "data": data if error is None else None}))
         deadline = time.monotonic() + self.timeout
+        watch = PeerWatch()
         attempt = 0
         while not self.store.check(keys):
+            missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+            self._raise_if_gone(watch, missing, name)
             if time.monotonic() > deadline:
-                missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
                 raise CheckpointError(
                     f"rank {self.rank}: rank(s) {missing} did not finish {name} for `{self.op}` within "
-                    f"`checkpoint.timeout` = {self.timeout:g} s; they crashed or are stuck (their logs say "
-                    "which); raise `checkpoint.timeout` if they are only slow"
+                    f"`checkpoint.timeout` = {self.timeout:g} s; they are stuck (their logs say where); raise "
+                    "`checkpoint.timeout` if they are only slow"
                 )
             _sleep(attempt)
             attempt += 1
         return [json.loads(self.store.get(key)) for key in keys]
+
+    def _raise_if_gone(self, watch: PeerWatch, missing: list[int], name: str) -> None:
+        """Raise when a rank this step waits for stopped beating (killed, crashed, exited)."""
+        if not self.global_ranks:
+            return
+        gone = watch.gone(self.global_ranks[r] for r in missing)
+        if gone:
+            seen = "; ".join(f"rank {r} was last seen in {watch.last_seen(r)}" for r in gone)
+            raise RankGoneError(
+                f"rank {self.rank}: rank(s) {gone} are gone (killed, crashed or exited) while this rank waited "
+                f"for them to finish {name} for `{self.op}` ({seen}); {RESTART}" + (
+                    ". The previous checkpoint and `latest` are untouched (a save is visible only once every rank "
+                    "finished)" if self.op.startswith("save") else ""),
+                rank=self.rank, gone=gone, where={r: watch.last_seen(r) for r in gone},
+            )
 
 
 def _group_key(comm: Comm) -> str:
@@ -151,7 +184,17 @@ def join(comm: Comm, op: str, payload: dict[str, Any], timeout: float) -> Sessio
         # That call was closed before we got there: our partners moved on to a later one.
     _await_everyone(store, f"{prefix}/members", comm, op, timeout, deadline)
     payloads = [json.loads(store.get(f"{prefix}/payload/{r}")) for r in range(comm.world_size)]
-    return Session(op, comm.rank, comm.world_size, timeout, payloads, store, prefix)
+    ranks = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
+    return Session(op, comm.rank, comm.world_size, timeout, payloads, store, prefix, ranks)
+
+
+def _pack(value: Any) -> str:
+    return base64.b64encode(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).decode()
+
+
+def _unpack(text: Any) -> Any:
+    # What the ranks of this job put in their own rendezvous store (as torch's object collectives do).
+    return pickle.loads(base64.b64decode(text)) if text is not None else None
 
 
 def _arrive(store: Any, key: str, rank: int) -> bool:
@@ -168,6 +211,8 @@ def _arrive(store: Any, key: str, rank: int) -> bool:
 
 
 def _await_everyone(store: Any, key: str, comm: Comm, op: str, timeout: float, deadline: float) -> None:
+    watch = PeerWatch()
+    ranks = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
     attempt = 0
     while True:
         value = store.get(key).decode()
@@ -176,13 +221,21 @@ def _await_everyone(store: Any, key: str, comm: Comm, op: str, timeout: float, d
         present = _members(value)
         if len(present) == comm.world_size:
             return
-        if time.monotonic() > deadline:
+        gone = watch.gone(ranks[r] for r in range(comm.world_size) if r not in present)
+        if gone or time.monotonic() > deadline:
             closed = _CLOSED + value
             if store.compare_set(key, value, closed).decode() == closed:
-                raise _not_joined(comm, op, timeout, present)
+                raise _gone(comm, op, gone, watch) if gone else _not_joined(comm, op, timeout, present)
             continue  # someone joined or closed meanwhile: look again
         _sleep(attempt)
         attempt += 1
+
+
+def _gone(comm: Comm, op: str, gone: list[int], watch: PeerWatch) -> RankGoneError:
+    seen = "; ".join(f"rank {r} was last seen in {watch.last_seen(r)}" for r in gone)
+    return RankGoneError(
+        f"rank {comm.rank}: rank(s) {gone} are gone (killed, crashed or exited), so `engine.{op}` cannot start "
+        f"({seen}); {RESTART}", rank=comm.rank, gone=gone, where={r: watch.last_seen(r) for r in gone})
 
 
 def _not_joined(comm: Comm, op: str, timeout: float, present: set[int]) -> CheckpointError:

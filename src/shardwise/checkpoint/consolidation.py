@@ -26,6 +26,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..export import ALIASES_KEY, KEYS_KEY, save_state_dict, tied_aliases
+from .digests import expected_digests
 from .encoded import TENSOR_DTYPES
 from .errors import CheckpointError
 from .formats import foreign_format
@@ -59,7 +60,8 @@ def consolidated_state_dict(ckpt_dir: Any, tag: Optional[str] = None, engine: Op
         values[name] = tensors[f"module/{name}"] = torch.empty(info["shape"], dtype=TENSOR_DTYPES[info["dtype"]])
     with warnings.catch_warnings(), dcp_errors(path):
         warnings.simplefilter("ignore")  # DCP warns that no process group exists: that is the point here
-        dcp.load({"model": TensorState(tensors)}, storage_reader=SafeReader(path), planner=LoadPlanner(), no_dist=True)
+        dcp.load({"model": TensorState(tensors)}, storage_reader=SafeReader(path, expected_digests(manifest)),
+                 planner=LoadPlanner(), no_dist=True)
     for name, info in manifest["params"].items():
         values[name] = values[name].view(info["shape"])
     for name, value in values.items():

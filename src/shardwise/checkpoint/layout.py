@@ -153,6 +153,7 @@ def check_complete(path: Path) -> dict[str, Any]:
     foreign = foreign_format(path)
     if foreign is not None:
         raise CheckpointError(foreign)
+    _verify_index(path)
     metadata = _index(path)
     missing = _missing_files(path, metadata)
     if missing:
@@ -186,16 +187,27 @@ def _checked_manifest(path: Path, metadata: Any) -> dict[str, Any]:
     return manifest
 
 
-def read_rank_file(path: Path, rank: int, world_size: int) -> dict[str, Any]:
-    """Rank ``rank``'s ``rankR.json`` in checkpoint ``path``, checked: its RNG state can be set, and
-    every tensor it refers to has that size in the index."""
+def read_rank_file(path: Path, rank: int, world_size: int, expected: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Rank ``rank``'s ``rankR.json`` in checkpoint ``path``, checked: its checksum (``expected``: the
+    manifest's ``files``), its RNG state can be set, and every tensor it refers to has that size in the index."""
+    from .digests import verify
     from .storage import read_metadata
     from .validate import check_rank_file
 
+    verify(path, rank_file(rank), expected)
     file = path / rank_file(rank)
     info = read_json(file, MAX_RANK_FILE_BYTES)
     check_rank_file(info, rank, world_size, read_metadata(path).state_dict_metadata, file)
     return info
+
+
+def _verify_index(path: Path) -> None:
+    """The ``.metadata`` index has the checksum the manifest recorded, before anything unpickles it."""
+    from .digests import expected_digests, verify
+
+    if files.regular_size(path / INDEX) is None or files.regular_size(path / MANIFEST) is None:
+        return  # reported as missing, with the rest
+    verify(path, INDEX, expected_digests(read_json(path / MANIFEST)))
 
 
 def _index(path: Path) -> Any:

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..param_state import ParamShard
 from .agreement import Session, join
 from .codec import Decoder, refuse_pickles, tensor_refs
 from .conform import conform
+from .digests import expected_digests
 from .errors import CheckpointError
 from .formats import foreign_format
 from .layout import GROUP_MANIFEST, LATEST, MANIFEST, check_complete, list_checkpoints, rank_file, read_rank_file, resolve
@@ -205,7 +205,8 @@ class _Load:
         if self.options.optimizer and self.engine.optimizer is not None and saved_optimizer is not None:
             self._check_groups(saved_optimizer)
             states["optim"] = OptimizerState.loading(self.shards, saved_optimizer["state"], self.manifest["aliases"])
-        states["extra"] = TensorState(dict(self._buffers(self.manifest, self.extra)))
+        described = {k: v for k, v in self.manifest.items() if k != "files"}  # file checksums hold no tensors
+        states["extra"] = TensorState(dict(self._buffers(described, self.extra)))
         rng = self._rng_plan()
         if rng is not None:
             refuse_pickles(rng[0], "RNG state", self.allow_pickle)
@@ -230,11 +231,12 @@ class _Load:
         return model
 
     def _read(self, states: dict[str, TensorState]) -> None:
-        distributed = dist.is_available() and dist.is_initialized()
-        reader = SafeReader(self.path)
-        group = self.engine.comm.group
-        with dcp_errors(self.path):
-            dcp.load(states, storage_reader=reader, planner=LoadPlanner(), process_group=group, no_dist=not distributed)
+        reader = SafeReader(self.path, expected_digests(self.manifest))
+        # Each rank reads what it asked for on its own (`no_dist`): no collective that a rank dying in
+        # the read could leave the others waiting in; the step itself is bounded and watched.
+        with dcp_errors(self.path), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(states, storage_reader=reader, planner=LoadPlanner(), no_dist=True)
         self._decode()
 
     # ------------------------------------------------------------ checks
@@ -275,7 +277,8 @@ class _Load:
             return None
         if self.manifest["world_size"] != self.engine.comm.world_size:
             return None  # a rank's RNG stream has no counterpart at another world size
-        encoded = read_rank_file(self.path, self.rank, self.manifest["world_size"]).get("rng")
+        encoded = read_rank_file(self.path, self.rank, self.manifest["world_size"],
+                                 expected_digests(self.manifest)).get("rng")
         if encoded is None:
             return None
         return encoded, self._buffers(encoded, {})

@@ -11,27 +11,32 @@ Steps (each one timeout-bounded, a failure anywhere raised on every rank):
    ``Stateful`` objects and captures its RNG state; rank 0 encodes
    ``client_state``, scheduler, loss-scaler and counter state (refusing what
    would need pickle, unless allowed);
-4. *write*: ``torch.distributed.checkpoint.save``: each rank writes
+4. *write*: ``torch.distributed.checkpoint`` (DCP) plans and writes, but its
+   plans and results travel through the store steps instead of collectives
+   (:mod:`.dcp_steps`), so a rank that dies or hangs inside DCP makes the others
+   raise within a heartbeat or ``checkpoint.timeout``: each rank writes
    ``__R_0.distcp`` in parallel, fsyncs it, then writes ``rankR.json`` (its
-   "done" marker, with its RNG state); rank 0 writes the ``.metadata`` index
-   once every rank has finished;
-5. *commit*: rank 0 writes the manifest, checks every file is there, renames
-   the directory to its tag and replaces ``latest`` (:mod:`.commit`).
+   "done" marker, with its RNG state) and hashes both (:mod:`.digests`);
+5. *commit*: rank 0 writes the ``.metadata`` index and the manifest (with
+   every file's size and SHA-256), checks every file is there, renames the
+   directory to its tag and replaces ``latest`` (:mod:`.commit`).
+
+A failure in any step (a full disk, a directory that cannot be written) is
+raised on every rank, names the directory and the cause, and leaves the
+previous checkpoint and ``latest`` as they were: only the new temporary
+directory is removed.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 
 from .._version import __version__
 from ..export import save_state_dict
@@ -39,7 +44,11 @@ from ..param_state import ParamShard
 from .agreement import Session, join
 from .codec import Encoder
 from .commit import commit, remove_stale_temps, write_json
+from .dcp_steps import save_through_steps
+from .digests import digest, digests
 from .errors import CheckpointError
+from .oserror import explained as _explained
+from .oserror import need_space
 from .layout import FORMAT, VERSION, rank_file, temp_dir, validate_tag
 from .protocol import Checkpointable
 from .rng import capture_rng
@@ -83,8 +92,6 @@ def _join(engine: Checkpointable, root: Path, tag: str) -> Session:
     payload = {"op": "save_checkpoint", "tag": tag, "dir": str(root), "nonce": secrets.token_hex(6)}
     session = join(engine.comm, "save_checkpoint", payload, engine.settings.timeout)
     _agree(session)
-    if engine.settings.async_save:
-        warnings.warn("`checkpoint.async_save` is not implemented yet: this save is synchronous", stacklevel=4)
     return session
 
 
@@ -129,9 +136,12 @@ class _Save:
         weights_16bit = self.engine.weights_16bit()  # collective when asked for
         self.wrote_16bit = weights_16bit is not None
         try:
-            states, _ = self.session.step("preparing the checkpoint", lambda: self._prepare(entries))
-            self.session.step("writing its shard", lambda: self._write(states, weights_16bit))
-            self.session.step("committing", lambda: self._finish(descriptions) if self.rank == 0 else None)
+            states, _ = self.session.step(
+                "preparing the checkpoint", lambda: _explained(self.temp, lambda: self._prepare(entries)))
+            writer = _RankWriter(self.temp, self.temp / rank_file(self.rank), self.rank_info)
+            written = save_through_steps(self.session, states, writer, SavePlanner(), self.temp)
+            self.session.step("committing", lambda: _explained(
+                self.temp, lambda: self._finish(descriptions, written, weights_16bit) if self.rank == 0 else None))
         except BaseException:
             if self.rank == 0:  # every rank is past the failed step: nobody writes there any more
                 shutil.rmtree(self.temp, ignore_errors=True)
@@ -139,11 +149,14 @@ class _Save:
 
     def _describe(self) -> dict[str, Any]:
         if self.rank == 0:
-            if self.commit_to is not None:
-                self.commit_to.parent.mkdir(parents=True, exist_ok=True)
-                remove_stale_temps(self.commit_to.parent, self.tag)
-            self.temp.mkdir()  # exclusively: nothing may be there before (the name is random)
+            _explained(self.temp, self._make_temp)
         return describe_shards(self.shards)
+
+    def _make_temp(self) -> None:
+        if self.commit_to is not None:
+            self.commit_to.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(self.commit_to.parent, self.tag)
+        self.temp.mkdir()  # exclusively: nothing may be there before (the name is random)
 
     def _prepare(self, entries: dict[str, torch.Tensor]) -> dict[str, TensorState]:
         states: dict[str, TensorState] = {"model": ModelState.saving(self.shards, entries)}
@@ -174,20 +187,13 @@ class _Save:
             "param_groups": encode(groups, "optimizer param_groups") if groups is not None else None,
         }
 
-    def _write(self, states: dict[str, TensorState], weights_16bit: Optional[dict[str, torch.Tensor]]) -> None:
-        writer = _RankWriter(self.temp, self.temp / rank_file(self.rank), self.rank_info)
-        distributed = dist.is_available() and dist.is_initialized()
-        group = self.engine.comm.group
-        try:
-            dcp.save(states, storage_writer=writer, planner=SavePlanner(), process_group=group, no_dist=not distributed)
-        except CheckpointException as exc:  # a BaseException: turn it into an error the steps report
-            detail = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(exc.failures.items()))
-            raise CheckpointError(f"writing the tensors to {self.temp} failed ({detail})") from None
-        if weights_16bit is not None and self.rank == 0:
+    def _finish(self, descriptions: list[dict[str, Any]], written: Any,
+                 weights_16bit: Optional[dict[str, torch.Tensor]]) -> None:
+        files = written.finish()  # the `.metadata` index, from every rank's results
+        if weights_16bit is not None:
             save_state_dict(weights_16bit, self.temp / WEIGHTS_16BIT)
-
-    def _finish(self, descriptions: list[dict[str, Any]]) -> None:
-        write_json(self.temp / "shardwise.json", self._manifest(descriptions))
+            files[WEIGHTS_16BIT] = digest(self.temp / WEIGHTS_16BIT)
+        write_json(self.temp / "shardwise.json", {**self._manifest(descriptions), "files": files})
         expected = [rank_file(r) for r in range(self.engine.comm.world_size)] + ["shardwise.json", ".metadata"]
         if self.wrote_16bit:
             expected.append(WEIGHTS_16BIT)
@@ -243,19 +249,35 @@ class _RankWriter(FileSystemWriter):
     """DCP's file writer (one fsynced file per rank) that then writes ``rankR.json``.
 
     That file is this rank's "done" marker: it exists only if the rank's
-    tensor file was completely written and flushed.
+    tensor file was completely written and flushed.  ``files`` then holds the
+    size and SHA-256 of both.
     """
 
     def __init__(self, path: Path, marker: Path, info: dict[str, Any]) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.root = path
         self.marker = marker
         self.info = info
+        self.files: dict[str, Any] = {}
 
     def write_data(self, plan: Any, planner: Any) -> Any:
+        need_space(self.root, _planned_bytes(plan))  # a full disk said up front, not as torch.save's "unexpected pos"
         written = super().write_data(plan, planner)
         written.wait()
         write_json(self.marker, self.info)
+        names = {result.storage_data.relative_path for result in written.value()} | {self.marker.name}
+        self.files = digests(self.root, names)
         return written
+
+
+def _planned_bytes(plan: Any) -> int:
+    """The tensor bytes a DCP write plan will put on disk (records add a little)."""
+    total = 0
+    for item in plan.items:
+        data = item.tensor_data
+        if data is not None:
+            total += math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+    return total
 
 
 def _order(keys: list[str]) -> Any:

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from .digests import verify
 from .errors import CheckpointError
 from .files import read_limited, regular_size
 from .limits import MAX_INDEX_BYTES
@@ -296,7 +297,12 @@ class _Window(io.RawIOBase):
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader, with the ``.metadata`` index unpickled by :func:`read_metadata`."""
+    """DCP's file reader, with the ``.metadata`` index unpickled by :func:`read_metadata`, and every
+    tensor file this rank reads checked against the manifest's checksums (``expected``) first."""
+
+    def __init__(self, path: Any, expected: Optional[dict[str, Any]] = None) -> None:
+        super().__init__(path)
+        self.expected = expected
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -318,6 +324,7 @@ class SafeReader(FileSystemReader):
             info = self.storage_data[item.storage_index]
             by_file.setdefault(info.relative_path, []).append(info)
         for name, infos in by_file.items():
+            verify(Path(self.path), name, self.expected)
             with open(Path(self.path) / name, "rb") as stream:
                 for info in sorted(infos, key=lambda i: i.offset):
                     where = f"the tensor record at byte {info.offset} of {Path(self.path) / name}"

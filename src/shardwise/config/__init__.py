@@ -24,6 +24,7 @@ from .reading import read_config_file
 from .sections import (
     BF16Config,
     CheckpointConfig,
+    CommsConfig,
     FP16Config,
     OffloadConfig,
     OptimizerConfig,
@@ -32,6 +33,6 @@ from .sections import (
 )
 
 __all__ = [
-    "BF16Config", "BatchSizes", "CheckpointConfig", "Config", "ConfigError", "FP16Config", "Note",
+    "BF16Config", "BatchSizes", "CheckpointConfig", "CommsConfig", "Config", "ConfigError", "FP16Config", "Note",
     "OffloadConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "load_configs", "read_config_file",
 ]

@@ -21,6 +21,7 @@ from .reading import read_config_file
 from .sections import (
     BF16Config,
     CheckpointConfig,
+    CommsConfig,
     FP16Config,
     OptimizerConfig,
     SchedulerConfig,
@@ -58,6 +59,7 @@ class Config(Section):
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    comms: CommsConfig = Field(default_factory=CommsConfig)
     auto_refresh_trainable: bool = True
     steps_per_print: int = Field(default=10, ge=1)
     wall_clock_breakdown: bool = False
@@ -190,6 +192,7 @@ class Config(Section):
         facts = auto.Facts(model, optimizer, lr_scheduler, total_num_steps)
         notes = auto.fill(data, self._pending, facts)
         notes += _check_offload(data, torch.device(device))
+        notes += _stage_notes(self.zero_optimization)
         sizes = self.batch_sizes(world_size)
         data["train_batch_size"] = sizes.train_batch_size
         data["train_micro_batch_size_per_gpu"] = sizes.micro_batch_size
@@ -224,6 +227,25 @@ def _batch_sizes(train: int | None, micro: int | None, gas: int | None, world: i
     if micro is not None:
         return BatchSizes(micro * (gas or 1) * world, micro, gas or 1)
     return BatchSizes(None, None, gas or 1)
+
+
+#: keys that tune only the flat buckets of stages 0-2, and only stage 3's units and gathers
+_FLAT_ONLY = ("reduce_bucket_size", "reduce_scatter")
+_STAGE3_ONLY = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                "stage3_param_persistence_threshold")
+
+
+def _stage_notes(zero: ZeroConfig) -> list[Note]:
+    """An info line for each key the config sets that the chosen stage does not use (nothing accepted silently)."""
+    given = zero.model_fields_set
+    if zero.stage == 3:
+        unused = {k: "stage 3 reduce-scatters each module's gradients as one unit" for k in _FLAT_ONLY if k in given}
+    else:
+        unused = {k: f"it tunes stage 3, and this is stage {zero.stage}" for k in _STAGE3_ONLY if k in given}
+        if zero.stage == 0 and "reduce_scatter" in given:
+            unused["reduce_scatter"] = "stage 0 all-reduces its gradients"
+    return [Note(f"zero_optimization.{key}", f"`zero_optimization.{key}` changes nothing here: {why}")
+            for key, why in unused.items()]
 
 
 def _check_offload(data: dict[str, Any], device: torch.device) -> list[Note]:

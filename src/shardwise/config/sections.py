@@ -17,7 +17,7 @@ from .optimizers import DEEPSPEED_ONLY_OPTIMIZERS, OPTIMIZERS
 from .schedules import DEEPSPEED_ONLY_SCHEDULES, REQUIRED, SCHEDULES, param_problems
 
 __all__ = [
-    "BF16Config", "CheckpointConfig", "FP16Config", "OffloadConfig", "OptimizerConfig", "SchedulerConfig",
+    "BF16Config", "CheckpointConfig", "CommsConfig", "FP16Config", "OffloadConfig", "OptimizerConfig", "SchedulerConfig",
     "Section", "ZeroConfig",
 ]
 
@@ -193,12 +193,38 @@ class ZeroConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """`checkpoint`: collective save/load behaviour (`timeout` in seconds for ranks to agree)."""
+    """`checkpoint`: collective save/load behaviour (`timeout` in seconds for ranks to agree).
+
+    `async_save` is known so that `false` is accepted; `true` is an error: a save always finishes before
+    `save_checkpoint` returns (accepting it and saving synchronously would do silently less than asked).
+    """
 
     timeout: float = Field(default=300.0, gt=0)
     save_rng_state: bool = True
     allow_pickle: bool = False
     async_save: bool = False
+
+    @field_validator("async_save")
+    @classmethod
+    def _synchronous_only(cls, value: bool) -> bool:
+        if value:
+            raise ValueError(
+                "`true` asks for checkpoints written in the background while training goes on, which shardwise "
+                "does not implement (`save_checkpoint` returns once the checkpoint is committed); remove the key "
+                "or set it to false")
+        return value
+
+
+class CommsConfig(Section):
+    """`comms`: how collectives fail (a shardwise section; DeepSpeed has no counterpart).
+
+    `timeout`: seconds any collective may wait for the other ranks before every rank raises an error naming
+    the ranks that are gone, failed or elsewhere (see docs/faults.md). `debug`: before every collective,
+    check that every rank issues the same one (costs one small all-reduce per collective).
+    """
+
+    timeout: float = Field(default=300.0, gt=0)
+    debug: bool = False
 
 
 def field_default(model: type[BaseModel], name: str) -> Any:

@@ -16,6 +16,14 @@ hook, so the entry point does not matter: ``engine(x)``, ``engine.module(x)``,
   function on the call's inputs fires after it and releases them.  A call
   whose inputs need no gradient (the first layer) releases a unit when all of
   its trainable parameters' gradients have arrived, or at the end of backward.
+* **in-place writes**: a write to a parameter while a forward (or backward)
+  holds it (``w.clamp_(...)``, ``w.data.mul_(...)``, ``w.copy_(...)``) changes
+  the gathered copy only; when the call that holds the unit ends, each rank
+  copies its slice of the new values into its shard and fp32 master, so the
+  write persists.  A write through ``param.data`` is found by comparing a
+  checksum of the values from the ``.data`` access to the end of the call.
+  Each write is folded into the group's ledger with a checksum of the new
+  values, so ranks that wrote different values fail the next step check.
 * **prefetch**: the units acquired in a forward are recorded; the next forward
   starts all-gathers for the upcoming units ahead of use
   (``stage3_prefetch_bucket_size`` elements, at most
@@ -34,13 +42,13 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .params import Unit, UnitError, not_gathered_error
+from .params import Unit, UnitError, checksum, not_gathered_error
 
 __all__ = ["Gatherer", "TrainingState"]
 
@@ -114,6 +122,10 @@ class Gatherer:
         self._live: set[Unit] = set()
         self.modified_callback: Callable[[Unit], None] = lambda unit: None
         self.loaded_callback: Callable[[Unit, torch.Tensor, set[int]], None] = lambda unit, values, loaded: None
+        #: the new full values of ``unit`` were written in place: the owner keeps this rank's slice of them
+        self.written_callback: Callable[[Unit], None] = lambda unit: None
+        #: units written in place while gathered -> their checksum before (None: a definite write)
+        self._written: dict[Unit, Optional[int]] = {}
         #: units acquired by forwards with grad enabled since the last backward, first use first
         self.forward_order: dict[Unit, None] = {}
         self.state = TrainingState.IDLE
@@ -217,6 +229,8 @@ class Gatherer:
         if not self._stack or self._stack[-1].module is not module:
             return  # hooks installed while this module was already running
         call = self._stack.pop()
+        if self._written:
+            self._write_back([u for u in call.units if u in self._written])
         for unit, position in zip(call.units, call.positions):
             self.release(unit, keep=self._reused_soon(unit, position))
         if call.units and torch.is_grad_enabled() and output is not None:
@@ -243,6 +257,7 @@ class Gatherer:
         # with grad, the calls armed pre-backward hooks: the backward may follow
         after = TrainingState.PRE_BACKWARD if torch.is_grad_enabled() else TrainingState.IDLE
         self._move(after, (TrainingState.FORWARD,), "a forward ended")
+        self._write_back(list(self._written))  # persistent units, and units written outside their call
         self.free_idle()
         self._last = self._trace
         self._next_use = _next_use(self._last)
@@ -285,6 +300,44 @@ class Gatherer:
     def on_params_modified(self, unit: Unit) -> None:
         """``GatheredParameters(modifier_rank=...)`` wrote new values into ``unit``."""
         self.modified_callback(unit)
+
+    # ----------------------------------------------------- in-place writes
+    def on_write(self, unit: Unit) -> contextlib.AbstractContextManager[None]:
+        """An in-place operation is about to write parameters of the gathered ``unit``."""
+        if self._stack or self._in_backward():
+            self._written[unit] = None  # written back when the call holding it ends
+            return contextlib.nullcontext()
+        if unit.persistent and unit.holders == 0:
+            return self._writing(unit)  # always gathered, no call will end: write back right after
+        return contextlib.nullcontext()  # inside `GatheredParameters`: its `modifier_rank` decides
+
+    def on_gathered_data_access(self, unit: Unit) -> None:
+        """``param.data`` of a gathered unit was taken inside a call: hold it for the call, it may be written."""
+        if not (self._stack or self._in_backward()):
+            return
+        if self.needs(unit):
+            self.on_data_access(unit)  # held for the running call like any read (and a prefetch finishes first)
+        unit.wait()
+        if unit not in self._written:
+            self._written[unit] = checksum(unit.full)
+
+    @contextlib.contextmanager
+    def _writing(self, unit: Unit) -> Iterator[None]:
+        yield
+        self._written[unit] = None
+        self._write_back([unit])
+
+    def _write_back(self, units: list[Unit]) -> None:
+        for unit in units:
+            before = self._written.pop(unit)
+            if not unit.gathered:
+                continue
+            after = checksum(unit.full)
+            if before is not None and before == after:
+                continue  # `.data` was only read
+            self.written_callback(unit)
+            # No collective: the step check compares this note, so different writes on different ranks fail it.
+            unit.comm.ledger.record("in-place write", unit.numel, unit.full.dtype, f"{unit.label}, values {after:x}")
 
     def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
         """``zero.load_state_dict`` gave ``unit`` new fp32 values."""
@@ -360,6 +413,7 @@ class Gatherer:
                 self.release(unit)
 
     def _end_backward(self) -> None:
+        self._write_back(list(self._written))
         for call in self._bw_calls:
             self.post_backward(call)
         extra, self._bw_extra = self._bw_extra, []

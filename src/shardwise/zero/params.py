@@ -34,6 +34,7 @@ from ..distributed import Comm, Work
 
 __all__ = [
     "Unit",
+    "checksum",
     "UnitError",
     "UnitOwner",
     "UnitState",
@@ -134,6 +135,9 @@ class Unit:
         self.shard: torch.Tensor = torch.empty(0)
         self.pristine: Optional[torch.Tensor] = None
         self.state = UnitState.GATHERED  # until `build` keeps its shard and frees the rest
+        #: how fault messages name this unit's collectives (same on every rank)
+        first = f"`{self.names[0]}`" if self.names else f"unit {index}"
+        self.label = first + (f" and {len(self.names) - 1} more" if len(self.names) > 1 else "")
         self._persistent = persistent
         self._holders = 0
         self._work: Optional[Work] = None
@@ -215,7 +219,7 @@ class Unit:
         if self.state is UnitState.SHARDED:
             storage = self.full.untyped_storage()
             storage.resize_(self.padded * self.full.element_size())
-            self._work = self.comm.all_gather(self.full, self.shard, async_op=True)
+            self._work = self.comm.all_gather(self.full, self.shard, async_op=True, label=self.label)
             self.state = UnitState.GATHERING
         if not async_op:
             self.wait()
@@ -244,7 +248,7 @@ class Unit:
         """After the full values changed: optionally take ``src``'s values (collective), update the shard."""
         self._expect_gathered("scatter its full values")
         if src is not None:
-            self.comm.broadcast(self.full, src=src)
+            self.comm.broadcast(self.full, src=src, label=self.label)
         self.shard.copy_(self.local(self.full))
 
     def load_shard(self, values: torch.Tensor) -> None:
@@ -260,7 +264,7 @@ class Unit:
         """Re-gather a gathered unit from the (updated) shards (collective); a freed one needs nothing."""
         if self.gathered:
             self.wait()
-            self.comm.all_gather(self.full, self.shard)
+            self.comm.all_gather(self.full, self.shard, label=self.label)
 
     def _expect_gathered(self, action: str) -> None:
         self.wait()
@@ -418,6 +422,18 @@ def _is_mutating(func: Any, kwargs: dict[str, Any]) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+def _written_units(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Unit]:
+    """The units of the partitioned parameters an in-place operation writes (its ``out=`` or ``self``)."""
+    out = kwargs.get("out")
+    targets = out if out is not None else (args[0] if args else None)
+    found: list[Unit] = []
+    for value in targets if isinstance(targets, (list, tuple)) else (targets,):
+        unit = unit_of(value)
+        if unit is not None and unit not in found:
+            found.append(unit)
+    return found
+
+
 def _partitioned_in(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
     found: list[Any] = []
     for value in (*args, *kwargs.values()):
@@ -435,6 +451,8 @@ def _torch_function(cls: type, func: Any, types: Any, args: Sequence[Any] = (), 
             unit = unit_of(args[0])
             if unit is not None and not unit.gathered:
                 unit.owner.on_data_access(unit)
+            if unit is not None and (watch := getattr(unit.owner, "on_gathered_data_access", None)) is not None:
+                watch(unit)  # `param.data.mul_(...)` writes through a plain tensor: look at the values later
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     units: list[Unit] = []
@@ -442,7 +460,8 @@ def _torch_function(cls: type, func: Any, types: Any, args: Sequence[Any] = (), 
         unit = param.__dict__[_UNIT_ATTR]
         if unit not in units and unit.owner.needs(unit):
             units.append(unit)
-    if not units:
+    written = _written_units(args, kwargs) if _is_mutating(func, kwargs) else []
+    if not units and not written:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     if func in _CASTS and len(units) == 1 and args and unit_of(args[0]) is units[0] and not units[0].gathered:
@@ -455,8 +474,25 @@ def _torch_function(cls: type, func: Any, types: Any, args: Sequence[Any] = (), 
         for owner in owners.values():
             stack.enter_context(owner.on_demand([u for u in units if u.owner is owner], func,
                                                 _is_mutating(func, kwargs)))
+        for unit in written:  # entered after the gathers: exits (writes back) before they are released
+            track = getattr(unit.owner, "on_write", None)
+            if track is not None:
+                stack.enter_context(track(unit))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+def checksum(flat: torch.Tensor) -> int:
+    """A number that changes when bits of ``flat`` change or move (same on every rank for the same values).
+
+    A position-weighted sum of the bit patterns (wrapping in int64): exact, unlike a float sum,
+    and cheap enough for the rare write it looks at.
+    """
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[flat.element_size()]
+    with torch._C.DisableTorchFunctionSubclass():
+        values = flat.reshape(-1).view(bits).to(torch.int64)
+        weights = torch.arange(values.numel(), dtype=torch.int64, device=values.device) % 1021 + 1
+        return int(torch.sum(values * weights))
 
 
 def gather_units(units: Sequence[Unit]) -> None:

@@ -92,6 +92,7 @@ class Stage3(Strategy):
         self.gatherer = Gatherer(self.module, self.units, {}, self.zero_config)
         self.gatherer.modified_callback = self._on_params_modified
         self.gatherer.loaded_callback = self._on_values_loaded
+        self.gatherer.written_callback = self._on_written
         #: masters and optimizer state of frozen pieces, kept until they train again
         self.frozen = FrozenStore()
         self._pieces: list[_Piece] = []
@@ -340,7 +341,7 @@ class Stage3(Strategy):
                     param.grad = None
                     had_grad.add(index)
         output = torch.empty(unit.shard_numel, dtype=torch.float32, device=source.device)
-        work = self.comm.reduce_scatter(output, source, async_op=True)
+        work = self.comm.reduce_scatter(output, source, async_op=True, label=unit.label)
         self._works.append((work, unit, source, output, had_grad))
         while len(self._works) > _MAX_IN_FLIGHT:
             self._complete(self._works.pop(0))
@@ -431,6 +432,40 @@ class Stage3(Strategy):
                 master = kept.master
             if master is not None:
                 master.copy_(piece.local(unit.shard))
+
+    def _on_written(self, unit: Unit) -> None:
+        """A forward wrote ``unit``'s gathered values in place: this rank's slice becomes its shard and masters.
+
+        Only the parameters whose slice changed are copied, so the fp32 masters of the others keep
+        their exact values (a copy from the compute dtype would round them).
+        """
+        with torch._C.DisableTorchFunctionSubclass():
+            fresh = unit.local(unit.full)
+            if torch.equal(fresh, unit.shard):
+                return
+            for index in range(len(unit.params)):
+                start, end = self._slice_of(unit, index)
+                if start < end and not torch.equal(fresh[start:end], unit.shard[start:end]):
+                    self._write_piece(unit, index, fresh[start:end])
+            unit.shard.copy_(fresh)
+
+    def _slice_of(self, unit: Unit, index: int) -> tuple[int, int]:
+        """Where parameter ``index`` of ``unit`` lies in this rank's shard (empty when it lies elsewhere)."""
+        lo = self.comm.rank * unit.shard_numel
+        offset = unit.offsets[index]
+        start = max(lo, offset)
+        end = min(lo + unit.shard_numel, offset + unit.shapes[index].numel())
+        return start - lo, max(start, end) - lo
+
+    def _write_piece(self, unit: Unit, index: int, values: torch.Tensor) -> None:
+        for piece in self._pieces_by_unit().get(unit, ()):
+            if piece.index != index:
+                continue
+            master = piece.master
+            if master is None and (kept := self.frozen.get(piece.param)) is not None:
+                master = kept.master
+            if master is not None and master.data_ptr() != piece.local(unit.shard).data_ptr():
+                master.copy_(values)
 
     def _on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
         """``zero.load_state_dict`` gave ``unit`` fp32 values: masters (kept ones too) take them exactly."""

@@ -1,0 +1,181 @@
+"""Liveness records in the c10d store: a heartbeat per rank, and a note from a rank that failed.
+
+A daemon thread per process writes ``alive/<rank>`` every ``interval``
+seconds: a beat counter, what the process is doing (the engine call, and per
+process group the collective it last issued and the one it waits on).  A
+rank blocked inside a collective still beats (the collective releases the
+GIL); a rank that was killed, crashed or exited stops.  So when a collective
+fails, the other ranks can tell *gone* (the counter stands still) from
+*alive but elsewhere* (it moves, and says where).
+
+A rank that raises (inside an engine call, or a collective it saw fail)
+writes ``fault/<rank>`` first, so its peers name its error instead of only
+its silence.
+
+Nothing here is on the training path: the thread wakes every ``interval``
+(``comms.timeout / 30``, between 0.05 and 5 seconds) and performs one store
+``set``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any, Optional
+
+from .ledger import current_activity, ledgers
+
+__all__ = ["Heartbeat", "clear_fault", "fault_record", "heartbeat", "publish_fault", "published", "read_record", "start"]
+
+_ROOT = "shardwise/faults"
+MIN_INTERVAL = 0.05
+MAX_INTERVAL = 5.0
+
+
+def interval_for(timeout: float) -> float:
+    """The beat interval that lets a peer be judged gone well within ``timeout``."""
+    return min(max(timeout / 30.0, MIN_INTERVAL), MAX_INTERVAL)
+
+
+def _alive_key(rank: int) -> str:
+    return f"{_ROOT}/alive/{rank}"
+
+
+def _fault_key(rank: int) -> str:
+    return f"{_ROOT}/fault/{rank}"
+
+
+def snapshot() -> dict[str, Any]:
+    """What this process is doing now, as the records carry it."""
+    return {"doing": current_activity(), "groups": {ledger.key: ledger.status() for ledger in ledgers()}}
+
+
+class Heartbeat:
+    """The beating thread of this process (one per process, whatever the number of groups)."""
+
+    def __init__(self, store: Any, rank: int, interval: float) -> None:
+        self.store = store
+        self.rank = rank
+        self.interval = interval
+        self.beats = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shardwise-heartbeat", daemon=True)
+        self._host = socket.gethostname()
+
+    def start(self) -> None:
+        self._beat()  # the first record exists before any collective can fail
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+            except Exception:  # noqa: BLE001 - the store is gone (group destroyed, host down): stop beating
+                return
+
+    def _beat(self) -> None:
+        self.beats += 1
+        record = {"beat": self.beats, "interval": self.interval, "pid": os.getpid(), "host": self._host,
+                  **snapshot()}
+        self.store.set(_alive_key(self.rank), json.dumps(record))
+
+
+_CURRENT: Optional[Heartbeat] = None
+_LOCK = threading.Lock()
+
+
+def heartbeat() -> Optional[Heartbeat]:
+    """This process's heartbeat, if one runs."""
+    return _CURRENT
+
+
+def start(store: Any, rank: int, timeout: float) -> Heartbeat:
+    """Make sure this process beats into ``store`` at least as often as ``timeout`` needs."""
+    global _CURRENT
+    wanted = interval_for(timeout)
+    with _LOCK:
+        current = _CURRENT
+        if current is not None and current.store is store and current.rank == rank and current.running:
+            current.interval = min(current.interval, wanted)
+            return current
+        if current is not None:
+            current.stop()
+        _CURRENT = Heartbeat(store, rank, wanted)
+        _CURRENT.start()
+        return _CURRENT
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    # A daemon thread inside a store call while the interpreter tears down can crash the exit.
+    if _CURRENT is not None:
+        _CURRENT.stop()
+
+
+_PUBLISHED: list[str] = []
+
+
+def publish_fault(error: str, comm: bool, doing: Optional[str] = None) -> None:
+    """Tell the other ranks this rank failed and why (``comm``: it only saw a collective fail).
+
+    ``doing`` names the engine call the error left (the activity has been popped by then).
+    """
+    beat = _CURRENT
+    if beat is None:
+        return
+    record = {"error": error, "comm": comm, "time": time.time(), **snapshot()}
+    if doing is not None:
+        record["doing"] = doing
+    try:
+        beat.store.set(_fault_key(beat.rank), json.dumps(record))
+        _PUBLISHED[:] = [error]
+    except Exception:  # noqa: BLE001 - the store is unreachable: the peers will see this rank as gone
+        pass
+
+
+def published() -> Optional[str]:
+    """The error this process published last, until a later engine call succeeds."""
+    return _PUBLISHED[0] if _PUBLISHED else None
+
+
+def clear_fault() -> None:
+    """A later engine call succeeded: the error published earlier was handled, it no longer explains anything."""
+    beat = _CURRENT
+    if not _PUBLISHED or beat is None:
+        return
+    _PUBLISHED.clear()
+    try:
+        beat.store.delete_key(_fault_key(beat.rank))
+    except Exception:  # noqa: BLE001 - best effort: a stale note only adds a line to a peer's message
+        pass
+
+
+def read_record(store: Any, rank: int) -> Optional[dict[str, Any]]:
+    """``rank``'s latest heartbeat record (None if it never beat)."""
+    return _read(store, _alive_key(rank))
+
+
+def fault_record(store: Any, rank: int) -> Optional[dict[str, Any]]:
+    """What ``rank`` published when it failed (None if nothing)."""
+    return _read(store, _fault_key(rank))
+
+
+def _read(store: Any, key: str) -> Optional[dict[str, Any]]:
+    # `get` would block until the key exists: ask first
+    if not store.check([key]):
+        return None
+    value: dict[str, Any] = json.loads(store.get(key))
+    return value

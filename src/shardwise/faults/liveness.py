@@ -1,0 +1,59 @@
+"""While a rank waits on others through the c10d store, tell which of them stopped beating.
+
+The checkpoint layer's steps wait in store polls, not collectives, so no
+backend error ever says a peer died: :class:`PeerWatch` reads the peers'
+heartbeat records now and then (every half interval at most) and reports a
+peer whose beat counter has not moved for 2.5 of its intervals.  A rank that
+never beat (no heartbeat thread: a single process, or the peer never got that
+far) is never reported: the caller's own timeout covers it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Optional
+
+from .heartbeat import heartbeat, read_record
+
+__all__ = ["PeerWatch"]
+
+
+class PeerWatch:
+    """Watches global ranks' heartbeats; :meth:`gone` lists those that stopped."""
+
+    def __init__(self) -> None:
+        beat = heartbeat()
+        self.store: Optional[Any] = beat.store if beat is not None else None
+        self.interval = beat.interval if beat is not None else 1.0
+        self._seen: dict[int, tuple[Any, float, float]] = {}  # rank -> (beat, since when unchanged, its interval)
+        self._next = 0.0
+        #: the last record read of each rank (what it was doing when it stopped)
+        self.records: dict[int, dict[str, Any]] = {}
+
+    def gone(self, ranks: Iterable[int]) -> list[int]:
+        """The ranks among ``ranks`` whose heartbeat stood still long enough to call them gone."""
+        now = time.monotonic()
+        if self.store is None or now < self._next:
+            return []
+        self._next = now + self.interval / 2
+        stopped = []
+        for rank in ranks:
+            try:
+                record = read_record(self.store, rank)
+            except Exception:  # noqa: BLE001 - an unreachable store says nothing about this peer
+                continue
+            if record is None:
+                continue
+            self.records[rank] = record
+            beat, interval = record.get("beat"), float(record.get("interval", self.interval))
+            seen = self._seen.get(rank)
+            if seen is None or seen[0] != beat:
+                self._seen[rank] = (beat, now, interval)
+            elif now - seen[1] > 2.5 * interval + 0.2:
+                stopped.append(rank)
+        return stopped
+
+    def last_seen(self, rank: int) -> str:
+        """What ``rank``'s last heartbeat said it was doing."""
+        record = self.records.get(rank, {})
+        return str(record.get("doing", "an unknown place"))
