@@ -72,7 +72,7 @@ class DDPHarness:
         self.state: dict[str, int] = {}
 
     def step(self, x: torch.Tensor, y: torch.Tensor, measure: bool) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             _, loss = self.ddp(x, y)
         loss.backward()
         grads = _grad_bytes(self.model) if measure else 0
