@@ -32,11 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import shardwise
-
 # The model and data live next to this script (its folder is on sys.path when run).
 from data import TextWindows, decode, encode, load_bytes, split_text
 from gpt import GPT, gpt_config, preset_names
+
+import shardwise
 
 HERE = Path(__file__).resolve().parent
 

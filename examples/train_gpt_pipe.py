@@ -28,14 +28,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
-import shardwise
-from shardwise.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 # The model and data live next to this script (its folder is on sys.path when run).
 from data import batches, load_bytes
 from gpt import GPTBlock, GPTConfig, PositionEmbedding, TokenEmbedding, gpt_config, lm_head, lm_loss, preset_names
+from torch import nn
+
+import shardwise
+from shardwise.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 
 def gpt_layers(cfg: GPTConfig) -> list[Any]:

@@ -6,11 +6,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _parity import adamw, batch, make_model
 from torch import nn
 
 import shardwise
-
-from _parity import adamw, batch, make_model
 
 
 def config(stage: int, **sections: Any) -> dict[str, Any]:

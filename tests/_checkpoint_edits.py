@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-
 from _checkpoint_common import build, tied_model, train
 
 TAG = "step2"

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
+from _parity import adamw, batch, make_model
 
 import shardwise
 from shardwise.faults import CommError
-
-from _parity import adamw, batch, make_model
 
 #: seconds any collective may wait in the fault tests (production default: 300)
 COMMS_TIMEOUT = 3.0

@@ -19,11 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _trainer_common import dataset, engine, full_weights  # noqa: E402
 
 import shardwise  # noqa: E402
 from shardwise.trainer import Callback, Trainer  # noqa: E402
-
-from _trainer_common import dataset, engine, full_weights  # noqa: E402
 
 
 class KillOnce(Callback):

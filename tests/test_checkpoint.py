@@ -12,11 +12,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _checkpoint_common import TiedNet, assert_same, build, snapshot, tied_model, train
 
 from shardwise.checkpoint import consolidate, load_consolidated
 from shardwise.testing import distributed_test, run_distributed, run_subtests
-
-from _checkpoint_common import TiedNet, assert_same, build, snapshot, tied_model, train
 
 _FP16 = {"fp16": {"enabled": True, "initial_scale_power": 24, "loss_scale_window": 2, "hysteresis": 1}}
 
@@ -134,9 +133,9 @@ def _train_gpt(engine: Any, steps: int) -> None:
 
 
 def _save_for_export(root: str) -> dict[str, Any]:
-    import shardwise
-
     from _checkpoint_common import config
+
+    import shardwise
 
     exported = {}
     for stage in (0, 3):

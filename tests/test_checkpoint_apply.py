@@ -14,13 +14,12 @@ from typing import Any, Callable
 
 import pytest
 import torch.distributed as dist
+from _checkpoint_common import assert_same, snapshot, train
+from _parity import adamw, make_model
 
 import shardwise
 from shardwise.checkpoint import CheckpointError
 from shardwise.testing import distributed_test, run_subtests
-
-from _checkpoint_common import assert_same, snapshot, train
-from _parity import adamw, make_model
 
 
 def _engine(stage: int) -> Any:

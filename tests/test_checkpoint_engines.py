@@ -8,13 +8,12 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from _checkpoint_common import assert_same, full_params, snapshot, train
+from _parity import adamw, make_model
 
 import shardwise
 from shardwise.checkpoint import CheckpointError
 from shardwise.testing import distributed_test, run_subtests
-
-from _checkpoint_common import assert_same, full_params, snapshot, train
-from _parity import adamw, make_model
 
 
 def _student(seed: int = 0, name: str = "student", group: Any = None, stage: int = 2) -> Any:

@@ -7,11 +7,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _parity import batch, make_model, params_of
 
 import shardwise
 from shardwise.testing import distributed_test, run_subtests
-
-from _parity import batch, make_model, params_of
 
 
 def _engine(stage: int, bf16: bool, frozen: bool) -> Any:

@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from _checkpoint_common import build, full_params, tied_model
+from _checkpoint_edits import TAG, copy_save_dir, read_index, save_base, write_index
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from shardwise.checkpoint import CheckpointError, consolidated_state_dict
@@ -25,9 +27,6 @@ from shardwise.checkpoint.codec import Decoder
 from shardwise.checkpoint.layout import read_rank_file
 from shardwise.checkpoint.rng import capture_rng, restore_rng
 from shardwise.testing import run_distributed
-
-from _checkpoint_common import build, full_params, tied_model
-from _checkpoint_edits import TAG, copy_save_dir, read_index, save_base, write_index
 
 _VALUES: list[Any] = [
     None, True, False, -1, 0, 1, 3, 2**31, 2**63, 10**30, 1.5, float("inf"), "", "x", "../x", "/etc/passwd",

@@ -14,13 +14,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
-from shardwise.checkpoint import CheckpointError, describe
-from shardwise.testing import DistributedTestError, distributed_test, run_distributed, run_subtests
-
 from _checkpoint_common import assert_same, build, full_params, snapshot, train
 from _checkpoint_edits import drop_checksums
 from _parity import batch
+
+from shardwise.checkpoint import CheckpointError, describe
+from shardwise.testing import DistributedTestError, distributed_test, run_distributed, run_subtests
 
 _TIMEOUT = 3.0  # seconds ranks wait for each other in these tests
 _SLACK = 20.0  # scheduling noise on a busy 2-core machine

@@ -17,13 +17,6 @@ from typing import Any, Callable, Optional
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata
-
-from shardwise.checkpoint import CheckpointError, consolidated_state_dict, describe, load_consolidated
-from shardwise.checkpoint.layout import validate_tag
-from shardwise.cli import main
-from shardwise.testing import distributed_test, run_distributed, run_subtests
-
 from _checkpoint_common import assert_same, build, full_params, tied_model, train
 from _checkpoint_edits import (
     TAG,
@@ -36,6 +29,12 @@ from _checkpoint_edits import (
     save_base,
     storage_of,
 )
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata
+
+from shardwise.checkpoint import CheckpointError, consolidated_state_dict, describe, load_consolidated
+from shardwise.checkpoint.layout import validate_tag
+from shardwise.cli import main
+from shardwise.testing import distributed_test, run_distributed, run_subtests
 
 RSS_LIMIT_MB = 200.0
 MB = 2**20

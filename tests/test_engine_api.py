@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _parity import adamw, batch, make_model
 
 import shardwise
 from shardwise.checkpoint import load_consolidated
 from shardwise.testing import distributed_test, run_subtests
-
-from _parity import adamw, batch, make_model
 
 
 @distributed_test(world_size=2, timeout=120)

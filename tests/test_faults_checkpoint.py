@@ -25,13 +25,12 @@ from typing import Any, Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from _faults_common import VICTIM, make_engine, record_row, train_step
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 import shardwise
 from shardwise.checkpoint import CheckpointError
 from shardwise.testing import distributed_test, run_subtests
-
-from _faults_common import VICTIM, make_engine, record_row, train_step
 
 TAG = "good"
 

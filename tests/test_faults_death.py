@@ -17,13 +17,12 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from _faults_common import COMMS_TIMEOUT, VICTIM, die, make_engine, outcome, record_row, train_step
 
 from shardwise.checkpoint.layout import check_complete, read_latest
 from shardwise.checkpoint.save import _RankWriter
 from shardwise.checkpoint.storage import SafeReader
 from shardwise.testing import run_distributed
-
-from _faults_common import COMMS_TIMEOUT, VICTIM, die, make_engine, outcome, record_row, train_step
 
 STAGES = (0, 1, 2, 3)
 PHASES = ("forward", "backward", "step", "save", "load")

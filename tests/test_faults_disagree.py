@@ -21,13 +21,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _faults_common import COMMS_TIMEOUT, VICTIM, fault_config, make_engine, outcome, record_row, train_step
+from _parity import adamw, batch
 from torch import nn
 
 import shardwise
 from shardwise.testing import run_distributed
-
-from _faults_common import COMMS_TIMEOUT, VICTIM, fault_config, make_engine, outcome, record_row, train_step
-from _parity import adamw, batch
 
 
 class TwoBranches(nn.Module):

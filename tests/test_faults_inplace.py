@@ -16,13 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _faults_common import fault_config, outcome, record_row
+from _parity import assert_close_params, params_of
 from torch import nn
 
 import shardwise
 from shardwise.testing import distributed_test, run_subtests
-
-from _faults_common import fault_config, outcome, record_row
-from _parity import assert_close_params, params_of
 
 
 class SelfEditing(nn.Module):

@@ -15,13 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _faults_common import record_row
+from _parity import adamw, batch, make_model, params_of
 from torch import nn
 
 import shardwise
 from shardwise.testing import distributed_test, run_subtests
-
-from _faults_common import record_row
-from _parity import adamw, batch, make_model, params_of
 
 STAGES = (0, 1, 2, 3)
 ATOL = 1e-5

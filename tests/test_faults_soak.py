@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `benchmarks` is a top-level package next to src/
 
+from _faults_common import record_row  # noqa: E402
+
 from benchmarks.soak import soak_stages_in_rank, summarize  # noqa: E402
 from shardwise.testing import run_distributed  # noqa: E402
-
-from _faults_common import record_row  # noqa: E402
 
 STEPS = 100
 WARMUP = 0.4

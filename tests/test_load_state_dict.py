@@ -10,14 +10,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _checkpoint_common import TiedNet, tied_model
 from torch import nn
 
 import shardwise
 from shardwise.export import save_state_dict
 from shardwise.testing import distributed_test, run_subtests
 from shardwise.zero import GatheredParameters
-
-from _checkpoint_common import TiedNet, tied_model
 
 _STAGE3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 

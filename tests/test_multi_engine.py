@@ -8,13 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _parity import adamw, assert_close_params, batch, full_params_everywhere, make_model, params_of
 from torch import nn
 
 import shardwise
 from shardwise.checkpoint import CheckpointError
 from shardwise.testing import distributed_test, run_subtests
-
-from _parity import adamw, assert_close_params, batch, full_params_everywhere, make_model, params_of
 
 
 def _step(engine: Any, step: int, offset: int) -> float:

@@ -13,13 +13,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _pipe_models import Shift, assert_close, micro_batches, pipeline, tied_layers
 
 import shardwise
 from shardwise.checkpoint import consolidated_state_dict
 from shardwise.pipe import LayerSpec
 from shardwise.testing import distributed_test
-
-from _pipe_models import Shift, assert_close, micro_batches, pipeline, tied_layers
 
 ATOL = 1e-5
 LAYERS_AT = [0, 3, 8]  # stage 0: embedding, pool, Linear; stage 1: ..., Shift (the buffer), tied head

@@ -13,16 +13,22 @@ from typing import Any, Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from _pipe_models import (
+    DIM,
+    assert_close,
+    micro_batch,
+    micro_batches,
+    pipeline,
+    reference_run,
+    tied_layers,
+    tuple_layers,
+)
 from torch import nn
 
 import shardwise
 from shardwise.pipe import PipelineModule, TiedLayerSpec
 from shardwise.pipe.p2p import HEADER_SLOTS
 from shardwise.testing import distributed_test, run_subtests
-
-from _pipe_models import (
-    DIM, assert_close, micro_batch, micro_batches, pipeline, reference_run, tied_layers, tuple_layers,
-)
 
 ATOL = 1e-5
 

@@ -18,9 +18,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 def test_gpt_pipeline_and_sequential() -> None:
     sys.path.insert(0, str(EXAMPLES))
     import train_gpt_pipe as example
-    from gpt import gpt_config
-
     from data import load_bytes
+    from gpt import gpt_config
 
     common = ["--size", "tiny", "--steps", "6", "--log-every", "3", "--micro-batch", "4", "--data-bytes", "200000"]
     data = load_bytes(None, 200_000)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _pipe_models import DIM, VOCAB, Scale, cross_entropy, micro_batch, pipeline, pool, tied_layers
 from torch import nn
 
 import shardwise
@@ -16,9 +17,6 @@ from shardwise.pipe import LayerSpec, PipelineModule, PipelineSequential, TiedLa
 from shardwise.pipe.p2p import _decode, _encode
 from shardwise.pipe.partition import balanced, partition, uniform
 from shardwise.pipe.schedule import Phase, bubble_fraction, forward_only, one_f_one_b, simulate
-
-from _pipe_models import DIM, VOCAB, Scale, cross_entropy, micro_batch, pipeline, pool, tied_layers
-
 
 # ------------------------------------------------------------------ to_sequential
 

@@ -12,11 +12,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _pipe_models import assert_close, micro_batches, pipeline, reference_run, tied_layers
 
 import shardwise
 from shardwise.testing import distributed_test, run_subtests
-
-from _pipe_models import assert_close, micro_batches, pipeline, reference_run, tied_layers
 
 ATOL = 1e-5
 

@@ -260,7 +260,7 @@ def test_pass_through_to_module() -> None:
     assert torch.equal(engine.generate(idx, steps=3), model.generate(idx, steps=3))
     assert engine.fc1 is model.fc1
     with pytest.raises(AttributeError, match="Engine.*ParityNet.*no_such_thing"):
-        engine.no_such_thing
+        _ = engine.no_such_thing
     assert engine.train() is engine and model.training
     engine.eval()
     assert not model.training

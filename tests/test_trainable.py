@@ -7,12 +7,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _parity import assert_close_params, batch, full_params_everywhere, make_model, params_of
 from torch import nn
 
 import shardwise
 from shardwise.testing import distributed_test, run_subtests
-
-from _parity import full_params_everywhere, assert_close_params, batch, make_model, params_of
 
 STAGES = (0, 1, 2, 3)
 STEPS = 5

@@ -10,13 +10,12 @@ from typing import Any, Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from _trainer_common import TinyNet, config, dataset, engine, full_weights
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from shardwise.testing import run_distributed, run_subtests
 from shardwise.trainer import BatchError, Callback, ResumeError, TensorBoardCallback, Trainer, read_metrics
 from shardwise.trainer.progress import make_progress
-
-from _trainer_common import TinyNet, config, dataset, engine, full_weights
 
 QUIET = dict(progress=False, log_every=100)
 

@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 
 import torch
+from _trainer_job import train_job
 
 from shardwise.testing import run_distributed
-
-from _trainer_job import train_job
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).resolve().parent / "_trainer_job.py"

@@ -132,7 +132,7 @@ def _uneven_case() -> dict[str, Any]:
         ref_opt.step()
         ref_opt.zero_grad()
     want = params_of(ref)
-    for stage, (got, _, _) in results.items():
+    for got, _, _ in results.values():
         assert_close_params(got, want, atol=1e-6)
     layout = results[1][2]
     adam = results[1][1]["optimizer_state"] - 4 * len(layout.pieces)  # minus the scalar `step` tensors

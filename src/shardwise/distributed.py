@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from . import exit as _exit
 from . import faults
 from .faults import control
 from .faults.ledger import Entry, Ledger, ledger_for
@@ -218,6 +219,8 @@ class Comm:
             raise self.fault(f"starting {entry.describe()}", exc, entry.seq) from exc
         watched = _Watched(work, self, entry)
         if async_op:
+            for raw in getattr(work, "works", [work]):  # a _Group is several broadcasts
+                _exit.track(raw)  # so the process's exit can wait for it (shardwise.exit)
             return watched
         watched.wait()
         return _DONE

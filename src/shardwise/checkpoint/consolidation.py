@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import math
-import textwrap
 import os
+import textwrap
 import warnings
 from pathlib import Path
 from typing import Any, Optional

@@ -29,7 +29,16 @@ from .conform import conform
 from .digests import expected_digests
 from .errors import CheckpointError
 from .formats import foreign_format
-from .layout import GROUP_MANIFEST, LATEST, MANIFEST, check_complete, list_checkpoints, rank_file, read_rank_file, resolve
+from .layout import (
+    GROUP_MANIFEST,
+    LATEST,
+    MANIFEST,
+    check_complete,
+    list_checkpoints,
+    rank_file,
+    read_rank_file,
+    resolve,
+)
 from .protocol import Apply, Checkpointable
 from .rng import capture_rng, restore_rng
 from .stateful import ModelNames, ModelState, OptimizerState, Sources, TensorState, dtype_name

@@ -47,9 +47,9 @@ from .commit import commit, remove_stale_temps, write_json
 from .dcp_steps import save_through_steps
 from .digests import digest, digests
 from .errors import CheckpointError
+from .layout import FORMAT, VERSION, rank_file, temp_dir, validate_tag
 from .oserror import explained as _explained
 from .oserror import need_space
-from .layout import FORMAT, VERSION, rank_file, temp_dir, validate_tag
 from .protocol import Checkpointable
 from .rng import capture_rng
 from .stateful import ModelNames, ModelState, OptimizerState, TensorState, describe_shards, dtype_name

@@ -14,9 +14,9 @@ import contextlib
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any, Optional
 
 __all__ = ["Meter", "MetricsFile", "read_metrics"]
