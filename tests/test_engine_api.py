@@ -18,7 +18,8 @@ from shardwise.testing import distributed_test, run_subtests
 
 @distributed_test(world_size=2, timeout=120)
 def test_deepspeed_getters() -> None:
-    config = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "bf16": {"enabled": True}}
+    config = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}
     model = make_model()
     engine = shardwise.initialize(model, adamw(model.parameters()), config, name="student")
     assert engine.name == "student"
@@ -28,17 +29,33 @@ def test_deepspeed_getters() -> None:
     assert engine.train_batch_size() == 12
     assert engine.bfloat16_enabled() and not engine.fp16_enabled()
     assert engine.get_global_grad_norm() is None, "no step yet: no norm"
+    assert (engine.zero_optimization_stage(), engine.gradient_clipping()) == (2, 0.5)
+    assert not engine.was_step_applied(), "no step yet"
     for micro in range(2):
         engine.backward(engine(*batch(micro, dist.get_rank())))
         engine.step()
     norm = engine.get_global_grad_norm()
     assert norm is not None and math.isfinite(norm) and norm > 0, norm
+    assert engine.was_step_applied()
     engine.destroy()
 
     bare = shardwise.initialize(make_model(), None, {})  # inference-only, no batch sizes
     with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu"):
         bare.train_batch_size()
     assert bare.gradient_accumulation_steps() == 1 and bare.get_global_grad_norm() is None
+    assert bare.zero_optimization_stage() == 0 and bare.gradient_clipping() == 0.0
+
+
+@distributed_test(world_size=2, timeout=120)
+def test_was_step_applied_is_false_after_an_fp16_overflow() -> None:
+    model = make_model()
+    config = {"fp16": {"enabled": True, "initial_scale_power": 4}, "zero_optimization": {"stage": 1}}
+    engine = shardwise.initialize(model, adamw(model.parameters()), config)
+    engine.backward(engine(*batch(0, dist.get_rank())) * float("inf"))  # every rank overflows
+    assert engine.step() is False and not engine.was_step_applied()
+    engine.backward(engine(*batch(1, dist.get_rank())))
+    assert engine.step() is True and engine.was_step_applied()
+    engine.destroy()
 
 
 @distributed_test(world_size=2, timeout=120)

@@ -73,6 +73,7 @@ class Engine:
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self._step_applied = False
         self._in_no_sync = False
         #: backward calls since the last `step()`/`zero_grad()`, and whether one reduced (a boundary)
         self._backwards = 0
@@ -259,6 +260,7 @@ class Engine:
             self._accumulated = 0
             with self._timed("step"):
                 applied = optimizer.step()
+                self._step_applied = applied
                 if applied:
                     if self.lr_scheduler is not None:
                         self.lr_scheduler.step()
@@ -392,6 +394,18 @@ class Engine:
     def get_global_grad_norm(self) -> Optional[float]:
         """L2 norm of all (unscaled) gradients at the last step (inf on overflow); None before any step."""
         return self.optimizer.last_grad_norm if self.optimizer is not None else None
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage this engine runs (0-3), as DeepSpeed's getter."""
+        return self.config.zero_optimization.stage
+
+    def gradient_clipping(self) -> float:
+        """The configured gradient-norm clip (0.0: off)."""
+        return self.config.gradient_clipping
+
+    def was_step_applied(self) -> bool:
+        """Whether the last optimizer update at a boundary changed the weights (False after an fp16 overflow)."""
+        return self._step_applied
 
     # ------------------------------------------------------------ pipelines
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
