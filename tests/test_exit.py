@@ -29,46 +29,52 @@ class _FakeWork:
 
 @pytest.fixture(autouse=True)
 def _empty() -> Any:
-    saved = list(shardwise_exit._UNWAITED)
+    saved = dict(shardwise_exit._UNWAITED)
     shardwise_exit._UNWAITED.clear()
     yield
-    shardwise_exit._UNWAITED[:] = saved
+    shardwise_exit._UNWAITED.clear()
+    shardwise_exit._UNWAITED.update(saved)
 
 
-def test_finished_collectives_are_forgotten_when_the_next_is_tracked() -> None:
-    done, running = _FakeWork(True), _FakeWork(False)
-    shardwise_exit.track(done)
-    shardwise_exit.track(running)
-    shardwise_exit.track(_FakeWork(False))
-    assert done not in shardwise_exit._UNWAITED and running in shardwise_exit._UNWAITED
+def test_waited_collectives_are_forgotten_and_the_memory_is_bounded() -> None:
+    waited, abandoned = _FakeWork(False), _FakeWork(False)
+    shardwise_exit.track(waited)
+    shardwise_exit.track(abandoned)
+    shardwise_exit.forget(waited)
+    assert list(shardwise_exit._UNWAITED.values()) == [abandoned]
+    many = [_FakeWork(False) for _ in range(shardwise_exit._MAX_TRACKED + 10)]
+    for work in many:
+        shardwise_exit.track(work)
+    assert len(shardwise_exit._UNWAITED) == shardwise_exit._MAX_TRACKED
+    assert abandoned not in shardwise_exit._UNWAITED.values(), "the oldest go first"
 
 
 def test_exit_waits_for_unwaited_collectives_with_a_bound_and_swallows_failures() -> None:
-    running, dead_peer, done = _FakeWork(False), _FakeWork(False, fails=True), _FakeWork(True)
-    for work in (running, dead_peer, done):
-        shardwise_exit._UNWAITED.append(work)
+    running, dead_peer = _FakeWork(False), _FakeWork(False, fails=True)
+    for work in (running, dead_peer):
+        shardwise_exit.track(work)
     shardwise_exit._settle()  # must not raise: the process is exiting
     assert running.waited == [timedelta(seconds=shardwise_exit._WAIT_S)]
     assert dead_peer.waited == [timedelta(seconds=shardwise_exit._WAIT_S)]
-    assert done.waited == []
-    assert shardwise_exit._UNWAITED == []
+    assert shardwise_exit._UNWAITED == {}
 
 
-def _async_gather_is_tracked() -> list[bool]:
+def _collectives_are_tracked_until_waited() -> list[bool]:
     import torch
 
     from shardwise.distributed import Comm
 
     comm = Comm(timeout=30)
-    full = torch.zeros(8)
-    handle = comm.all_gather(full, torch.full((4,), float(comm.rank)), async_op=True)
-    tracked = len(shardwise_exit._UNWAITED) >= 1
-    handle.wait()
-    shardwise_exit._settle()
-    return [tracked, shardwise_exit._UNWAITED == [], full.tolist() == [0.0] * 4 + [1.0] * 4]
+    full, grads = torch.zeros(8), torch.ones(8)
+    gather = comm.all_gather(full, torch.full((4,), float(comm.rank)), async_op=True)
+    reduce = comm.reduce_scatter(torch.zeros(4), grads, async_op=True)
+    tracked = len(shardwise_exit._UNWAITED) == 2
+    gather.wait()
+    reduce.wait()  # gloo's reduce-scatter says is_completed() False even now: forgetting must not rely on it
+    return [tracked, shardwise_exit._UNWAITED == {}, full.tolist() == [0.0] * 4 + [1.0] * 4]
 
 
-def test_comm_tracks_its_asynchronous_collectives_for_exit() -> None:
+def test_comm_tracks_its_asynchronous_collectives_until_they_are_waited() -> None:
     from shardwise.testing import run_distributed
 
-    assert run_distributed(_async_gather_is_tracked, world_size=2) == [[True, True, True]] * 2
+    assert run_distributed(_collectives_are_tracked_until_waited, world_size=2) == [[True, True, True]] * 2

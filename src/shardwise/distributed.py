@@ -59,6 +59,7 @@ class _Group:
     def wait(self) -> bool:
         for work in self.works:
             work.wait()
+            _exit.forget(work)
         return True
 
 
@@ -136,6 +137,7 @@ class _Watched:
             raise self.comm.fault(f"waiting on {self.entry.describe()}", exc, self.entry.seq) from exc
         finally:
             ledger.waiting = None
+        _exit.forget(self.work)
         self.work = None
         return True
 

@@ -33,28 +33,30 @@ __all__ = ["track"]
 
 #: how long exit waits for one unwaited collective (seconds)
 _WAIT_S = 5.0
+#: at most this many unwaited collectives are remembered (the oldest are long finished)
+_MAX_TRACKED = 1024
 
-_UNWAITED: list[Any] = []
+# Keyed by id(): a collective is forgotten when its waiter returns.  Work.is_completed()
+# cannot prune this: gloo's reduce-scatter reports False even after a successful wait.
+_UNWAITED: dict[int, Any] = {}
 
 
 def track(work: Any) -> None:
-    """Remember an asynchronous collective until it is seen finished (called by ``Comm``)."""
-    _UNWAITED[:] = [w for w in _UNWAITED if not _finished(w)]
-    _UNWAITED.append(work)
+    """Remember an asynchronous collective until it is waited for (called by ``Comm``)."""
+    _UNWAITED[id(work)] = work
+    if len(_UNWAITED) > _MAX_TRACKED:
+        del _UNWAITED[next(iter(_UNWAITED))]
 
 
-def _finished(work: Any) -> bool:
-    try:
-        return bool(work.is_completed())
-    except Exception:  # a failed or foreign work: nothing to wait for
-        return True
+def forget(work: Any) -> None:
+    """The collective was waited for: exit need not."""
+    _UNWAITED.pop(id(work), None)
 
 
 def _settle() -> None:
-    for work in list(_UNWAITED):
+    for work in list(_UNWAITED.values()):
         try:
-            if not work.is_completed():
-                work.wait(timedelta(seconds=_WAIT_S))
+            work.wait(timedelta(seconds=_WAIT_S))
         except Exception:  # a peer died or the group is gone: exit anyway
             pass
     _UNWAITED.clear()
