@@ -27,7 +27,21 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        # bf16 figures depend on it by an order of magnitude: said next to each of them
+        "bf16_support": _bf16_support(),
     }
+
+
+def _bf16_support() -> str:
+    from shardwise.hardware import native_bf16
+
+    return {True: "native bf16", False: "no native bf16", None: "bf16 support unknown"}[native_bf16()]
+
+
+def _dtype_cell(dtype: str, machine: dict[str, Any]) -> str:
+    """A table's dtype cell: bf16 carries the CPU's bf16 support (results from before it was recorded: plain)."""
+    support = machine.get("bf16_support")
+    return f"bf16 ({support})" if dtype == "bf16" and support else dtype
 
 
 def _cpu_model() -> str:
@@ -89,11 +103,12 @@ def comparison_markdown(result: dict[str, Any]) -> str:
     """The whole comparison report: header, ratios, every system, goals, losses."""
     lines = _header(result)
     lines += ["", "### shardwise against its torch peer", ""]
-    lines += _ratio_table(result["comparisons"], {s["name"]: s for s in result["systems"]})
+    lines += _ratio_table(result["comparisons"], {s["name"]: s for s in result["systems"]}, result["machine"])
     lines += ["", _RATIO_NOTE]
     if result.get("deepspeed_comparisons"):
         lines += ["", "### shardwise against DeepSpeed (same stage)", ""]
-        lines += _ratio_table(result["deepspeed_comparisons"], {s["name"]: s for s in result["systems"]})
+        lines += _ratio_table(result["deepspeed_comparisons"], {s["name"]: s for s in result["systems"]},
+                              result["machine"])
     lines += ["", "### Every system", ""]
     lines += _systems_table(result["systems"], result["loss_check"])
     lines += ["", "### Goals", ""]
@@ -121,7 +136,8 @@ def _header(result: dict[str, Any]) -> list[str]:
     return [
         f"## GPT {w['size']} ({result['numel'] / 1e6:.2f}M parameters) on {w['world_size']} gloo ranks",
         "",
-        (f"- date: {m['date']}; machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB;"
+        (f"- date: {m['date']}; machine: {m['cpu']} ({m.get('bf16_support', 'bf16 support not recorded')}),"
+         f" {m['cores']} cores, {m['memory_gib']} GiB;"
          f" torch {m['torch']}; {result['threads']} thread(s) per rank"),
         f"- command: `{result['command']}`",
         (f"- workload: micro-batch {w['micro_batch']} × {result['seq_len']} tokens per rank, AdamW lr {w['lr']},"
@@ -135,12 +151,12 @@ def _load(load: Any) -> str:
     return "—" if not load else ", ".join(f"{v:.1f}" for v in load)
 
 
-def _ratio_table(rows: list[dict[str, Any]], by_name: dict[str, dict[str, Any]]) -> list[str]:
+def _ratio_table(rows: list[dict[str, Any]], by_name: dict[str, dict[str, Any]], machine: dict[str, Any]) -> list[str]:
     header = ["stage", "dtype", "peer", "step ms (shardwise / peer)", "time × (paired)",
               "state MiB/rank (shardwise / peer)", "state ×", "RSS growth MiB (shardwise / peer)", "RSS ×"]
     body = []
     for row in rows:
-        lead = [str(row["stage"]), row["dtype"], row["peer"]]
+        lead = [str(row["stage"]), _dtype_cell(row["dtype"], machine), row["peer"]]
         if "error" in row:
             body.append(lead + [f"error: {row['error'].splitlines()[0][:80]}"] + [""] * 5)
             continue

@@ -82,6 +82,8 @@ def test_names_are_case_insensitive_and_canonical() -> None:
     assert (cfg.optimizer.type, cfg.scheduler.type) == ("AdamW", "WarmupDecayLR")  # type: ignore[union-attr]
     assert cfg.scheduler.params["total_num_steps"] == 2000  # type: ignore[union-attr]
     assert cfg.communication_data_type == "fp32"
+    assert Config.load({"communication_data_type": "bfp16"}).communication_data_type == "bf16"  # DeepSpeed's name
+    assert Config.load({"communication_data_type": "Half"}).communication_data_type == "fp16"
 
 
 def test_unknown_top_level_key_suggests_closest() -> None:

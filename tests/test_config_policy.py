@@ -102,7 +102,6 @@ def test_real_patterns_are_accepted_with_notes() -> None:
     ({"zero_optimization": {"zero_quantized_weights": True}}, "ZeRO++ quantized weights"),
     ({"tensorboard": {"enabled": True, "output_path": "x"}}, "the TensorBoard monitor"),
     ({"gradient_allreduce_op": "sum"}, "summing gradients"),
-    ({"communication_data_type": "bf16"}, "gradient reduction in bf16"),
     ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "1-bit Adam"),
     ({"scheduler": {"type": "OneCycle", "params": {}}}, "OneCycle"),
 ])

@@ -8,11 +8,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _parity import FairseqStyleOptimizer, adamw, assert_close_params, batch, ddp_reference, make_model, params_of
 
 import shardwise
 from shardwise.testing import distributed_test, run_subtests
-
-from _parity import FairseqStyleOptimizer, adamw, assert_close_params, batch, ddp_reference, make_model, params_of
 
 
 def _train(engine: Any, steps: int, size: int = 4, micro: int = 1) -> list[float]:

@@ -15,13 +15,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _parity import (
+    FairseqStyleOptimizer,
+    adamw,
+    assert_close_params,
+    batch,
+    ddp_reference,
+    full_params_everywhere,
+    make_model,
+    params_of,
+)
 from torch import nn
 
 import shardwise
 from shardwise.testing import distributed_test, run_subtests
 from shardwise.zero.params import is_partitioned
-
-from _parity import full_params_everywhere, FairseqStyleOptimizer, adamw, assert_close_params, batch, ddp_reference, make_model, params_of
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, gpt_config  # noqa: E402

@@ -6,12 +6,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _parity import assert_close_params, batch, make_model, params_of
 from torch import nn
 
 import shardwise
 from shardwise.testing import distributed_test, run_distributed, run_subtests
-
-from _parity import assert_close_params, batch, make_model, params_of
 
 
 def _groups(model: nn.Module, split: bool) -> Any:

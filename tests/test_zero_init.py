@@ -10,14 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _parity import adamw, assert_close_params, full_params_everywhere, params_of
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
 import shardwise
 from shardwise.testing import distributed_test, run_subtests
 from shardwise.zero.params import is_partitioned
-
-from _parity import full_params_everywhere, adamw, assert_close_params, params_of
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, gpt_config  # noqa: E402

@@ -168,7 +168,9 @@ class Comm:
         self.calls: Counter[str] = Counter()
         self.timeout = float(timeout)
         self.debug = debug
-        self._gloo = self.world_size > 1 and dist.get_backend(group) == "gloo"
+        #: the process group's backend ("gloo", "nccl"; "none" with no group)
+        self.backend = str(dist.get_backend(group)) if dist.is_available() and dist.is_initialized() else "none"
+        self._gloo = self.world_size > 1 and self.backend == "gloo"
         self.ledger = Ledger("local", [0])
         if self.world_size > 1:
             self._connect()

@@ -24,6 +24,7 @@ from .config import Config
 from .distributed import Comm
 from .engine_state import EngineState
 from .faults import doing
+from .hardware import warn_if_slow_bf16
 from .optim import resolve_optimizer
 from .precision import Precision
 from .schedulers import build_scheduler
@@ -55,7 +56,6 @@ class Engine:
         process_group: Optional[dist.ProcessGroup] = None,
         name: Optional[str] = None,
     ) -> None:
-        _check_supported(config)
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.module = module
@@ -81,11 +81,17 @@ class Engine:
         #: backward calls accumulated since the last optimizer step (what the step check compares)
         self._accumulated = 0
         self._prepare_module()
+        first = next(iter(module.parameters()), None)
+        warn_if_slow_bf16(self.precision.dtype, first.device if first is not None else torch.device("cpu"),
+                          self.comm.rank)
         params = list(model_parameters) if model_parameters is not None else list(module.parameters())
         check_trainable(module, params, optimizer is not None or config.optimizer is not None, self.comm.rank)
         inner = resolve_optimizer(optimizer, config, params)
         self.strategy = make_strategy(module, self.comm, self.precision, config.zero_optimization)
         self.strategy.attach(inner, self._initial_values)
+        reduction = self.strategy.describe_reduction()
+        if reduction is not None and self.comm.distributed and self.comm.rank == 0:
+            logger.info("%s: %s", self._label, reduction)
         del self._initial_values
         self.optimizer: Optional[ZeroOptimizer] = None
         if inner is not None:
@@ -532,14 +538,6 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"Engine(stage={self.strategy.stage}, dtype={self.precision.dtype}, module={type(self.module).__name__})"
-
-
-def _check_supported(config: Config) -> None:
-    if config.communication_data_type not in (None, "fp32"):
-        raise ValueError(
-            f"communication_data_type `{config.communication_data_type}` is not supported: shardwise always "
-            "reduces gradients in fp32 (more accurate, same result as DDP); remove the key or set it to `fp32`"
-        )
 
 
 def _not_a_pipeline(call: str) -> str:

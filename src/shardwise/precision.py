@@ -83,20 +83,32 @@ class LossScaler:
             setattr(self, key, value)
 
 
+_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 class Precision:
     """The compute dtype of the model and its loss scaler.
 
     The module computes in ``dtype``; the optimizer always updates fp32 master
-    weights (the strategies keep them), and gradients are reduced in fp32.
+    weights (the strategies keep them).  Gradients travel between ranks in
+    ``reduce_dtype`` (fp32 unless ``communication_data_type`` says bf16/fp16)
+    and are averaged into fp32.
     """
 
-    def __init__(self, dtype: torch.dtype, scaler: LossScaler) -> None:
+    def __init__(self, dtype: torch.dtype, scaler: LossScaler, reduce_dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
         self.scaler = scaler
+        self.reduce_dtype = reduce_dtype
 
     @classmethod
     def from_config(cls, config: Any) -> "Precision":
-        """Build from a :class:`shardwise.Config` (``fp16`` / ``bf16`` sections)."""
+        """Build from a :class:`shardwise.Config` (``fp16`` / ``bf16`` sections, ``communication_data_type``)."""
+        made = cls._compute(config)
+        made.reduce_dtype = _REDUCE_DTYPES[config.communication_data_type or "fp32"]
+        return made
+
+    @classmethod
+    def _compute(cls, config: Any) -> "Precision":
         fp16 = config.fp16
         if fp16.enabled:
             dynamic = fp16.loss_scale == 0

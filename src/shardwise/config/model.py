@@ -101,15 +101,12 @@ class Config(Section):
 
     @field_validator("communication_data_type")
     @classmethod
-    def _fp32_reduction(cls, value: str | None) -> str | None:
+    def _reduce_dtype(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        name = canonical(value, ("fp32", "fp16", "bf16"))
-        if name != "fp32":
-            raise ValueError(
-                f"`{name}` turns on gradient reduction in {name}, which shardwise does not implement (it always "
-                "reduces in fp32: more accurate, same result as DDP); remove the key or set it to `fp32`")
-        return name
+        # DeepSpeed also reads `bfp16`; torch's dtype names are accepted too
+        aliases = {"bfp16": "bf16", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32"}
+        return canonical(aliases.get(str(value).lower(), value), ("fp32", "fp16", "bf16"))
 
     def __eq__(self, other: object) -> bool:
         # Settings and pending `auto`s make a config; its info lines are only about how it was written.

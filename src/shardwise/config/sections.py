@@ -181,7 +181,9 @@ class ZeroConfig(Section):
 
     stage: int = Field(default=0, ge=0, le=3)
     reduce_bucket_size: int = Field(default=5_000_000, gt=0)
-    reduce_scatter: bool = True
+    #: stages 1-2: average gradients with a reduce-scatter (true) or an all-reduce (false); unset: by
+    #: backend, an all-reduce on gloo (measured faster there) and a reduce-scatter otherwise
+    reduce_scatter: bool | None = None
     stage3_prefetch_bucket_size: int = Field(default=5_000_000, ge=0)
     stage3_max_live_parameters: int = Field(default=1_000_000_000, ge=0)
     stage3_max_reuse_distance: int = Field(default=1_000_000_000, ge=0)

@@ -155,11 +155,13 @@ class Strategy(ABC):
 
         Replicated everywhere, so rank 0 writes them all, as DDP keeps rank 0's buffers.
         """
+        self.settle()
         return {name: tensor.detach() for name, tensor in live.items()} if self.comm.rank == 0 else {}
 
     def load_entries(self, live: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Apply]:
         """Fresh full-size tensors to read the module entries ``live`` into, and what puts the values
         read into the model (collective where values must be scattered)."""
+        self.settle()
         buffers = {name: torch.empty(t.shape, dtype=t.dtype, device=t.device) for name, t in live.items()}
 
         def apply() -> None:
@@ -171,6 +173,7 @@ class Strategy(ABC):
 
     def writable_full_params(self) -> contextlib.AbstractContextManager[None]:
         """Inside, every parameter holds its full value, and what rank 0 leaves in them is kept (collective)."""
+        self.settle()
         return contextlib.nullcontext()
 
     def sync_params_from_master(self) -> None:
@@ -191,6 +194,13 @@ class Strategy(ABC):
     def has_pending_grads(self) -> bool:
         """Whether gradients were accumulated but not yet reduced and stepped."""
         return False
+
+    def describe_reduction(self) -> Optional[str]:
+        """A line for the log at ``initialize`` when how gradients are averaged was chosen, not given."""
+        return None
+
+    def settle(self) -> None:
+        """Finish anything still in flight that leaves parameters stale (stages 1-2 gather after a step)."""
 
     def close(self) -> None:
         """Remove hooks and restore anything the stage changed on the module."""

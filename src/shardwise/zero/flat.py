@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import abstractmethod
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -64,9 +64,8 @@ class FlatStrategy(Strategy):
         self._groups: list[list[nn.Parameter]] = []
         self._order: list[nn.Parameter] = []
         self._mask: tuple[bool, ...] = ()
-        # in flight: (work, bucket, its full-size fp32 source, the owned slice to fill after the
-        # wait when an all-reduce stands in for a reduce-scatter)
-        self._works: list[tuple[Work, Bucket, torch.Tensor, Optional[torch.Tensor]]] = []
+        # in flight: (work, what to do once it is done)
+        self._works: list[tuple[Work, Callable[[], None]]] = []
         self._dirty = False
 
     def _num_shards(self) -> int:
@@ -113,8 +112,10 @@ class FlatStrategy(Strategy):
             self.reduced = ReducedGrads.separate(layout, self.device)
 
     def _restore_grad_views(self) -> None:
-        for param, view in zip(self.layout.params, self._grad_views):
-            param.grad = view
+        # Setting `.grad` is no use of the values: it must not wait for a gather in flight.
+        with torch._C.DisableTorchFunctionSubclass():
+            for param, view in zip(self.layout.params, self._grad_views):
+                param.grad = view
 
     def _register_hooks(self) -> None:
         for index, param in enumerate(self.layout.params):
@@ -134,6 +135,7 @@ class FlatStrategy(Strategy):
         self._works = []
 
     def start_backward(self, sync: bool) -> None:
+        self.settle()  # parameters no forward used, and masters the next step writes
         super().start_backward(sync)
         self._dirty = True
         self._reset_backward()
@@ -181,8 +183,30 @@ class FlatStrategy(Strategy):
 
     def _launch(self, bucket: Bucket) -> None:
         source = self._comm_input(bucket)
-        work, pending = self._reduce(source, self.reduced.slices[bucket.index])
-        self._works.append((work, bucket, source, pending))
+        output = self.reduced.slices[bucket.index]
+        wire = self.precision.reduce_dtype
+        if wire == source.dtype:
+            work, pending = self._reduce(source, output)
+            self._works.append((work, lambda: self._keep_owned(bucket, source, pending)))
+            return
+        # `communication_data_type`: half the bytes on the wire, the result averaged back into fp32
+        low = source.to(wire)
+        low_out = torch.empty(output.numel(), dtype=wire, device=output.device)
+        work, pending = self._reduce(low, low_out)
+
+        def finish() -> None:
+            self._keep_owned(bucket, low, pending)
+            output.copy_(low_out)
+
+        self._works.append((work, finish))
+
+    def _keep_owned(self, bucket: Bucket, source: torch.Tensor, pending: Optional[torch.Tensor]) -> None:
+        """After an all-reduce that stood in for a reduce-scatter: copy this rank's slice where it belongs."""
+        if pending is None:
+            return
+        owned = source.narrow(0, self.layout.rank * bucket.shard_numel, bucket.shard_numel)
+        if owned.data_ptr() != pending.data_ptr():
+            pending.copy_(owned)
 
     @abstractmethod
     def _reduce(self, source: torch.Tensor, output: torch.Tensor) -> tuple[Work, Optional[torch.Tensor]]:
@@ -200,12 +224,9 @@ class FlatStrategy(Strategy):
             self._flush(bucket)
             self._launch(bucket)
         self._next = len(self.layout.buckets)
-        for work, bucket, source, pending in self._works:
+        for work, finish in self._works:
             work.wait()
-            if pending is not None:
-                owned = source.narrow(0, self.layout.rank * bucket.shard_numel, bucket.shard_numel)
-                if owned.data_ptr() != pending.data_ptr():
-                    pending.copy_(owned)
+            finish()
         self._works = []
 
     # ------------------------------------------------------------------- step
@@ -236,7 +257,9 @@ class FlatStrategy(Strategy):
 
     # ------------------------------------------------------------ trainability
     def trainable_changed(self) -> bool:
-        return self.inner is not None and tuple(p.requires_grad for p in self._order) != self._mask
+        # Reading flags is not a use of the values: it must not wait for a gather in flight.
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.inner is not None and tuple(p.requires_grad for p in self._order) != self._mask
 
     def refresh_trainable(self) -> None:
         """Rebuild layout, buffers, hooks and optimizer pieces for the current ``requires_grad`` flags.
@@ -246,6 +269,7 @@ class FlatStrategy(Strategy):
         """
         if self.inner is None:
             return
+        self.settle()
         carried = self.masters.export(self.inner.state, self.steps, self.comm, self.gather_flat)
         self.close()
         for param in self.layout.params:
@@ -265,6 +289,7 @@ class FlatStrategy(Strategy):
     # -------------------------------------------------------------- checkpoint
     @contextlib.contextmanager
     def checkpoint_shards(self, loading: bool, wanted: frozenset[str] = frozenset()) -> Iterator[list[ParamShard]]:
+        self.settle()
         if self.inner is None:
             yield []
             return
@@ -302,6 +327,7 @@ class FlatStrategy(Strategy):
         }
 
     def full_master_weights(self) -> dict[int, torch.Tensor]:
+        self.settle()
         if self.inner is None:
             return {}
         result = self.masters.full(self.gather_flat)
@@ -323,6 +349,7 @@ class FlatStrategy(Strategy):
         return full
 
     def close(self) -> None:
+        self.settle()
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

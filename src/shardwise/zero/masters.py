@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Callable, Mapping, MutableMapping, Optional
 
 import torch
+
 from ..distributed import Comm
 from ..param_state import KeptSlot, OptimizerSlot
 from .carry import export_state, import_state

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional
 
-
 from ..distributed import Comm
 from ..optim import ShardwiseOptimizer
 from ..precision import Precision

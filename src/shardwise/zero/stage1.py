@@ -8,14 +8,26 @@ and all-gathers the updated parameters.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from ..distributed import Work
 from .flat import FlatStrategy
+from .pending import PendingGathers
 
-__all__ = ["Stage1"]
+__all__ = ["Stage1", "uses_reduce_scatter"]
+
+
+def uses_reduce_scatter(setting: Optional[bool], backend: str) -> bool:
+    """How stages 1-2 average gradients: DeepSpeed's ``reduce_scatter`` when set, else by backend.
+
+    gloo's reduce-scatter on CPU takes ~1.8x its all-reduce of the same bucket (measured at 40M
+    parameters, docs/benchmarks.md), so there the all-reduce wins despite sending twice the bytes.
+    """
+    if setting is not None:
+        return setting
+    return backend != "gloo"
 
 
 class Stage1(FlatStrategy):
@@ -23,15 +35,34 @@ class Stage1(FlatStrategy):
 
     stage = 1
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reduce_scatter = uses_reduce_scatter(self.zero_config.reduce_scatter, self.comm.backend)
+        #: updated parameters still being gathered; waited for on first use (:mod:`.pending`)
+        self.pending = PendingGathers()
+
+    def describe_reduction(self) -> str:
+        how = "reduce-scatter" if self.reduce_scatter else "all-reduce, keeping this rank's slice"
+        why = "as configured" if self.zero_config.reduce_scatter is not None else f"chosen for {self.comm.backend}"
+        return f"gradients averaged by {how} ({why}: `zero_optimization.reduce_scatter`)"
+
     def _reduce(self, source: torch.Tensor, output: torch.Tensor) -> tuple[Work, Optional[torch.Tensor]]:
-        if not self.zero_config.reduce_scatter:
-            # DeepSpeed's `reduce_scatter: false`: average with an all-reduce (twice the bytes, but
-            # faster than gloo's reduce-scatter on CPU), then keep the owned slice.
+        if not self.reduce_scatter:
+            # Twice the bytes of a reduce-scatter, then the owned slice is kept.
             return self.comm.all_reduce(source, async_op=True), output
         return self.comm.reduce_scatter(output, source, async_op=True), None
 
     def _regather(self) -> None:
-        # in fp32 each source is a slice of its output: the gather runs in place
-        works = [self.comm.all_gather(region, master, async_op=True) for region, master in self.masters.gather_pairs()]
-        for work in works:
-            work.wait()
+        """Start the all-gather of every bucket's updated slices, in forward order, and return.
+
+        The last bucket holds the first layers (buckets follow backward order), so it goes first.
+        """
+        self.pending.wait_all()
+        pairs = self.masters.gather_pairs()  # empty where the optimizer updated the parameters themselves
+        params = self.layout.params
+        for bucket, (region, master) in reversed(list(zip(self.layout.buckets, pairs))):
+            work = self.comm.all_gather(region, master, async_op=True, label=f"parameters, bucket {bucket.index}")
+            self.pending.start(bucket.index, work, [params[i] for i in bucket.params])
+
+    def settle(self) -> None:
+        self.pending.wait_all()

@@ -331,7 +331,9 @@ class Stage3(Strategy):
             self._next += 1
 
     def _launch(self, unit: Unit) -> None:
-        source = torch.zeros(unit.padded, dtype=torch.float32, device=unit.shard.device)
+        # fp32 unless `communication_data_type` halves the bytes on the wire; averaged into fp32 below
+        wire = self.precision.reduce_dtype
+        source = torch.zeros(unit.padded, dtype=wire, device=unit.shard.device)
         had_grad = set()
         with torch._C.DisableTorchFunctionSubclass():
             for index in self._trainable[unit]:
@@ -340,7 +342,7 @@ class Stage3(Strategy):
                     unit.param_view(source, index).copy_(param.grad)
                     param.grad = None
                     had_grad.add(index)
-        output = torch.empty(unit.shard_numel, dtype=torch.float32, device=source.device)
+        output = torch.empty(unit.shard_numel, dtype=wire, device=source.device)
         work = self.comm.reduce_scatter(output, source, async_op=True, label=unit.label)
         self._works.append((work, unit, source, output, had_grad))
         while len(self._works) > _MAX_IN_FLIGHT:
@@ -358,7 +360,7 @@ class Stage3(Strategy):
             if piece.index not in had_grad and not bool(reduced.any()):
                 continue  # no rank produced a gradient: stays None, skipped like torch skips grad=None
             if piece.grad is None:
-                piece.grad = reduced.mul(scale)
+                piece.grad = reduced.float().mul(scale)
             else:
                 piece.grad.add_(reduced, alpha=scale)
             piece.master.grad = piece.grad

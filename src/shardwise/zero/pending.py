@@ -1,0 +1,95 @@
+"""Stages 1-2: the all-gather of updated parameters runs behind the next forward.
+
+After ``step()`` each rank holds updated values only for its own slice of
+every bucket; one all-gather per bucket brings the others'.  torch's
+``ZeroRedundancyOptimizer`` waits for its broadcasts inside ``step()``.  Here
+the gathers are started in forward order and ``step()`` returns at once; a
+bucket is waited for only when one of its parameters is first used, so the
+first layers compute while the later layers' values are still arriving.
+
+"Used" means any torch function applied to the parameter: the module's own
+forward, a parent reading a child's weight through ``F.linear``, ``state_dict()``,
+a user's ``p.norm()`` in a callback, ``.data``.  While its bucket is in
+flight a parameter's class is :class:`GatheringParameter`, whose
+``__torch_function__`` waits for the bucket and turns the bucket's parameters
+back into plain ``nn.Parameter`` before the function runs, so code that reads
+parameters between ``step()`` and the next forward sees the updated values,
+as with DDP.  Once every bucket has been waited for, no parameter is special
+and the hot path costs nothing.  The strategy waits for everything itself
+before anything that writes parameters or master weights (backward, the next
+step, loading, changing the trainable set, closing).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from ..distributed import Work
+
+__all__ = ["GatheringParameter", "PendingGathers"]
+
+#: where a parameter in flight keeps (its PendingGathers, its bucket index)
+_KEY = "_shardwise_gathering"
+
+
+class GatheringParameter(nn.Parameter):
+    """A parameter whose bucket's all-gather is still in flight (see the module docstring)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        for param in _in_flight(args, kwargs):
+            entry = param.__dict__.get(_KEY)
+            if entry is not None:
+                entry[0].wait_bucket(entry[1])
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _in_flight(args: Any, kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    stack = [*args, *kwargs.values()]
+    while stack:
+        item = stack.pop()
+        if type(item) is GatheringParameter:
+            yield item
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+
+
+class PendingGathers:
+    """The buckets whose all-gather was started and not yet waited for, with their parameters."""
+
+    def __init__(self) -> None:
+        self._works: dict[int, tuple[Work, list[torch.Tensor]]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._works)
+
+    def start(self, index: int, work: Work, params: list[torch.Tensor]) -> None:
+        """Bucket ``index`` is being gathered by ``work`` into ``params``: guard them until it is done."""
+        if any(type(p) is not nn.Parameter for p in params):
+            work.wait()  # a Parameter subclass of the user's keeps its class: no overlap for its bucket
+            return
+        self._works[index] = (work, params)
+        for param in params:
+            param.__dict__[_KEY] = (self, index)
+            param.__class__ = GatheringParameter
+
+    def wait_bucket(self, index: int) -> None:
+        """Finish bucket ``index``'s gather (nothing if it is done); its parameters become plain again."""
+        entry = self._works.pop(index, None)
+        if entry is None:
+            return
+        work, params = entry
+        for param in params:
+            param.__class__ = nn.Parameter
+            param.__dict__.pop(_KEY, None)
+        work.wait()
+
+    def wait_all(self) -> None:
+        """Finish every gather in flight, in the order they were started."""
+        for index in list(self._works):
+            self.wait_bucket(index)
