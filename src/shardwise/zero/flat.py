@@ -67,6 +67,9 @@ class FlatStrategy(Strategy):
         # in flight: (work, what to do once it is done)
         self._works: list[tuple[Work, Callable[[], None]]] = []
         self._dirty = False
+        #: per parameter: its view of the gradient buffer holds an old gradient, to be overwritten
+        #: (not added to) by the next one; a view still stale at the reduction is zeroed first
+        self._stale: list[bool] = []
 
     def _num_shards(self) -> int:
         return self.comm.world_size
@@ -106,6 +109,7 @@ class FlatStrategy(Strategy):
         # each parameter's gradient view, built once: the hooks compare against it every backward
         self._grad_views = [layout.param_slice(self.grad_flat, i).view_as(p) for i, p in enumerate(layout.params)]
         self._restore_grad_views()
+        self._stale = [False] * len(layout.params)  # a zeroed buffer: adding to it is right
         if self.precision.dtype == torch.float32:
             self.reduced = ReducedGrads.in_buffer(layout, self.grad_flat)
         else:
@@ -129,6 +133,8 @@ class FlatStrategy(Strategy):
 
     # --------------------------------------------------------------- backward
     def _reset_backward(self) -> None:
+        if len(self._stale) != len(self.layout.params):
+            self._stale = [False] * len(self.layout.params)
         self._pending = [len(b.params) for b in self.layout.buckets]
         self._seen = [False] * len(self.layout.params)
         self._next = 0
@@ -160,15 +166,26 @@ class FlatStrategy(Strategy):
         allocated a fresh tensor: fold it back into the buffer.
         """
         view = self._grad_views[index]
-        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-            view.add_(param.grad)
+        grad = param.grad
+        if grad is not None and grad.data_ptr() != view.data_ptr():
+            # After `zero_grad` autograd hands over a fresh gradient: copying it spares zeroing the
+            # whole buffer every step and an add (as DDP's reducer copies into its buckets).
+            if self._stale[index]:
+                view.copy_(grad)
+            else:
+                view.add_(grad)
             param.grad = view
+        self._stale[index] = False
 
     def _capture(self, index: int, param: torch.Tensor) -> None:
         """At a boundary, take ``param``'s finished gradient for its bucket (stage 2 copies it)."""
 
     def _flush(self, bucket: Bucket) -> None:
-        """Capture gradients whose hooks did not fire (unused parameters) before ``bucket`` is reduced."""
+        """Before ``bucket`` is reduced: parameters that got no gradient since ``zero_grad`` count as zero."""
+        for index in bucket.params:
+            if self._stale[index]:
+                self._grad_views[index].zero_()
+                self._stale[index] = False
 
     def _comm_input(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's summed local gradients as a full-size fp32 tensor."""
@@ -245,9 +262,12 @@ class FlatStrategy(Strategy):
         """Make the model's parameters equal to the updated masters (collective when sharded)."""
 
     def zero_grad(self) -> None:
+        """Gradients become None, as torch's default; the buffer is overwritten, not zeroed (see `_accumulate`)."""
         self._dirty = False
-        self.grad_flat.zero_()
-        self._restore_grad_views()
+        with torch._C.DisableTorchFunctionSubclass():  # not a use of the values (see .pending)
+            for param in self.layout.params:
+                param.grad = None
+        self._stale = [True] * len(self.layout.params)
 
     def has_pending_grads(self) -> bool:
         return self._dirty
