@@ -130,14 +130,36 @@ class FlatLayout:
         return flat.narrow(0, bucket.flat_offset + offset, self.params[param].numel())
 
 
+#: elements of the first and the last bucket reduced: 1 MiB of fp32, as DDP's first bucket. The first
+#: starts communication early in backward; the last is what backward's end must still wait for.
+EDGE_BUCKET = 1 << 18
+
+
 def _make_buckets(params: Sequence[torch.Tensor], bucket_numel: int) -> list[Bucket]:
+    """Buckets in reverse registration order; the first and the last hold at most ``EDGE_BUCKET`` elements
+    (or one parameter, when a parameter alone is larger)."""
+    edge = min(EDGE_BUCKET, bucket_numel)
+    tail = _leading(params, edge)  # registered first: their gradients are the last to arrive
     buckets: list[Bucket] = []
     for index in reversed(range(len(params))):
         param = params[index]
         current = buckets[-1] if buckets else None
-        fits = current is not None and current.numel + param.numel() <= bucket_numel
+        limit = edge if len(buckets) == 1 else bucket_numel
+        fits = current is not None and current.numel + param.numel() <= limit and (index < tail) == (
+            current.params[-1] < tail)
         if current is None or not fits or current.dtype != param.dtype:
             current = Bucket(index=len(buckets), dtype=param.dtype)
             buckets.append(current)
         current.add(index, param.numel())
     return buckets
+
+
+def _leading(params: Sequence[torch.Tensor], budget: int) -> int:
+    """How many parameters from the front fit in ``budget`` elements (at least one)."""
+    total, count = 0, 0
+    for param in params:
+        if count and total + param.numel() > budget:
+            break
+        total += param.numel()
+        count += 1
+    return count
