@@ -7,6 +7,7 @@ Small buckets make several gathers, to show a forward waits bucket by bucket.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from _parity import adamw, assert_close_params, batch, make_model, params_of
@@ -81,4 +82,25 @@ def test_reduction_by_backend_is_said_and_counted() -> None:
         # the gradients' reduction dominates (a few bytes of all-reduce carry the norm and overflow flags)
         assert max(("all_reduce", "reduce_scatter"), key=lambda k: sent.get(k, 0)) == kind, (setting, sent)
         assert ("chosen for gloo" in engine.strategy.describe_reduction()) == (setting is None)
+        engine.destroy()
+
+
+@distributed_test(world_size=2, timeout=120)
+def test_gradient_norm_follows_writes_between_backward_and_step() -> None:
+    """The norm is summed per bucket while the reduction is waited for; a write to the gradients after
+    backward (a user's own scaling) must still be seen by clipping and by get_global_grad_norm()."""
+    for stage in (0, 1, 2):
+        model = make_model()
+        config = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 500}}
+        engine = shardwise.initialize(model, adamw(model.parameters()), config)
+        engine.backward(engine(*batch(0, dist.get_rank())))
+        first = float(engine.strategy.grad_sq())
+        assert first == pytest.approx(float(engine.strategy.reduced.sq()), rel=1e-5)
+        for grad in engine.strategy.reduced.slices:
+            grad.mul_(0.5)  # as a user scaling gradients in place before step()
+        total = torch.tensor(first)
+        if stage > 0:  # each rank summed its own slices
+            dist.all_reduce(total)
+        engine.step()
+        assert engine.get_global_grad_norm() == pytest.approx(0.5 * float(total) ** 0.5, rel=1e-5), stage
         engine.destroy()

@@ -70,6 +70,8 @@ class FlatStrategy(Strategy):
         #: per parameter: its view of the gradient buffer holds an old gradient, to be overwritten
         #: (not added to) by the next one; a view still stale at the reduction is zeroed first
         self._stale: list[bool] = []
+        #: (sum of squared reduced gradients, the gradients' tensor versions when it was taken)
+        self._sq_parts: Optional[tuple[torch.Tensor, tuple[int, ...]]] = None
 
     def _num_shards(self) -> int:
         return self.comm.world_size
@@ -142,6 +144,7 @@ class FlatStrategy(Strategy):
 
     def start_backward(self, sync: bool) -> None:
         self.settle()  # parameters no forward used, and masters the next step writes
+        self._sq_parts = None
         super().start_backward(sync)
         self._dirty = True
         self._reset_backward()
@@ -241,13 +244,22 @@ class FlatStrategy(Strategy):
             self._flush(bucket)
             self._launch(bucket)
         self._next = len(self.layout.buckets)
+        parts = []
         for work, finish in self._works:
             work.wait()
             finish()
+            # This bucket's share of the gradient norm, while later buckets are still in flight.
+            parts.append(self.reduced.bucket_sq(len(parts)))
         self._works = []
+        self._sq_parts = (torch.stack(parts).sum() if parts else torch.zeros(()), self.reduced.versions())
 
     # ------------------------------------------------------------------- step
     def grad_sq(self) -> torch.Tensor:
+        """This rank's sum of squared reduced gradients: the per-bucket sums ``finish_backward`` took while
+        waiting on the reduction, unless something wrote to the gradients since (then computed afresh)."""
+        parts = self._sq_parts
+        if parts is not None and parts[1] == self.reduced.versions():
+            return parts[0]
         return self.reduced.sq()
 
     def scale_grads(self, factor: float) -> None:

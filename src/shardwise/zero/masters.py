@@ -246,6 +246,15 @@ class ReducedGrads:
         shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
         return cls([layout.shard_slice(shard, b) for b in layout.buckets], shard, owned=True)
 
+    def bucket_sq(self, index: int) -> torch.Tensor:
+        """Sum of squares of bucket ``index``'s slice (this rank's part)."""
+        grad = self.slices[index].float()
+        return torch.dot(grad, grad) if grad.numel() else grad.new_zeros(())
+
+    def versions(self) -> tuple[int, ...]:
+        """The slices' in-place write counters: a change means the gradients were written to."""
+        return tuple(s._version for s in self.slices)
+
     def sq(self) -> torch.Tensor:
         """Sum of squares (this rank's part)."""
         if self.contiguous is not None:
