@@ -244,7 +244,7 @@ class FlatStrategy(Strategy):
             self._flush(bucket)
             self._launch(bucket)
         self._next = len(self.layout.buckets)
-        parts = []
+        parts: list[torch.Tensor] = []
         for work, finish in self._works:
             work.wait()
             finish()
