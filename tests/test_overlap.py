@@ -7,6 +7,9 @@ Small buckets make several gathers, to show a forward waits bucket by bucket.
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -57,6 +60,13 @@ def test_gathers_run_behind_the_next_forward_and_reads_see_updated_values() -> N
 
         engine.backward(engine(*batch(1, dist.get_rank())))
         engine.step()
+        # A copy or a pickle of the model made now holds the arrived values, in plain Parameters.
+        clone = copy.deepcopy(model)
+        restored = pickle.loads(pickle.dumps(model))
+        assert _in_flight(model) == set() and _in_flight(clone) == set() and _in_flight(restored) == set()
+        assert all(type(p) is torch.nn.Parameter for p in [*clone.parameters(), *restored.parameters()])
+        assert_close_params(params_of(clone), want[1], atol=0)
+        assert_close_params(params_of(restored), want[1], atol=0)
         # A forward waits as it goes: after it, nothing is in flight.
         engine(*batch(2, dist.get_rank()))
         assert _in_flight(model) == set()

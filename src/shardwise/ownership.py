@@ -20,9 +20,31 @@ __all__ = ["claim", "owner_label", "release"]
 _ATTR = "_shardwise_engine"
 
 
+class _Mark:
+    """A weak reference to the owning engine that copies and pickles as no owner at all.
+
+    A copy of a parameter (``copy.deepcopy(model)``, ``torch.save(model)``) is not trained by the
+    engine, and a bare weak reference could be neither pickled nor deep-copied.
+    """
+
+    __slots__ = ("ref",)
+
+    def __init__(self, engine: Any = None) -> None:
+        self.ref = weakref.ref(engine) if engine is not None else None
+
+    def __call__(self) -> Optional[Any]:
+        return self.ref() if self.ref is not None else None
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_Mark, ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_Mark":
+        return _Mark()
+
+
 def _owner(tensor: torch.Tensor) -> Optional[Any]:
-    ref = tensor.__dict__.get(_ATTR)
-    return ref() if ref is not None else None
+    mark = tensor.__dict__.get(_ATTR)
+    return mark() if mark is not None else None
 
 
 def owner_label(tensor: Any) -> Optional[str]:
@@ -43,7 +65,7 @@ def claim(named: Iterable[tuple[str, torch.Tensor]], engine: Any, rank: int) -> 
                 "or call `destroy()` on the other engine first"
             )
     for _, param in named:
-        param.__dict__[_ATTR] = weakref.ref(engine)
+        param.__dict__[_ATTR] = _Mark(engine)
 
 
 def release(params: Iterable[torch.Tensor], engine: Any) -> None:

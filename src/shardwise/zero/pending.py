@@ -48,6 +48,20 @@ class GatheringParameter(nn.Parameter):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
+    def _arrive(self) -> None:
+        entry = self.__dict__.get(_KEY)
+        if entry is not None:
+            entry[0].wait_bucket(entry[1])
+
+    # A copy or a pickle of a parameter in flight is of the arrived value, and a plain Parameter.
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
+        self._arrive()
+        return nn.Parameter.__deepcopy__(self, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        self._arrive()
+        return nn.Parameter.__reduce_ex__(self, protocol)
+
 
 def _in_flight(args: Any, kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
     stack = [*args, *kwargs.values()]
