@@ -133,7 +133,11 @@ def test_peak_memory_is_about_one_unit(tmp_path: Path) -> None:
         model = _Wide()
     full_mib = sum(p.numel() for p in model.parameters()) * 4 / 2**20  # 32.1 MiB in fp32
     shardwise.zero.load_state_dict(model, tmp_path / "wide.safetensors")  # first: one-time costs (arenas, gloo)
-    growth = _peak_anon_growth_mib(lambda: shardwise.zero.load_state_dict(model, tmp_path / "wide.safetensors"))
+    # The lower of two loads: on a loaded machine one load's peak can catch transient buffers (up to
+    # ~10 MiB on rank 0 seen while another launch ran); a load that materialised the model would
+    # show its 32 MiB in both.
+    growth = min(_peak_anon_growth_mib(lambda: shardwise.zero.load_state_dict(model, tmp_path / "wide.safetensors"))
+                 for _ in range(2))
     unit_mib = full_mib / 32
     print(f"rank {dist.get_rank()}: peak anonymous memory growth {growth:.1f} MiB while loading a {full_mib:.1f} MiB model "
           f"(one unit {unit_mib:.1f} MiB)")
