@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from shardwise.hardware import bf16_support, cpu_model
+
 __all__ = ["comparison_markdown", "machine", "scaling_markdown", "write_json"]
 
 _MIB = float(1 << 20)
@@ -20,7 +22,7 @@ def machine() -> dict[str, Any]:
     """Where the numbers were taken: CPU, cores, memory, torch, load."""
     return {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "memory_gib": round(_meminfo_kib("MemTotal") / (1 << 20), 1),
         "platform": platform.platform(),
@@ -28,30 +30,14 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         # bf16 figures depend on it by an order of magnitude: said next to each of them
-        "bf16_support": _bf16_support(),
+        "bf16_support": bf16_support(),
     }
-
-
-def _bf16_support() -> str:
-    from shardwise.hardware import native_bf16
-
-    return {True: "native bf16", False: "no native bf16", None: "bf16 support unknown"}[native_bf16()]
 
 
 def _dtype_cell(dtype: str, machine: dict[str, Any]) -> str:
     """A table's dtype cell: bf16 carries the CPU's bf16 support (results from before it was recorded: plain)."""
     support = machine.get("bf16_support")
     return f"bf16 ({support})" if dtype == "bf16" and support else dtype
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _meminfo_kib(field: str) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["bf16_slowdown", "cpu_description", "native_bf16", "warn_if_slow_bf16"]
+__all__ = ["bf16_slowdown", "bf16_support", "cpu_description", "cpu_model", "native_bf16", "warn_if_slow_bf16"]
 
 logger = logging.getLogger("shardwise")
 
@@ -26,41 +26,40 @@ _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 _SLOW = 2.0
 
 
-def _cpu_flags() -> set[str]:
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` line's value in /proc/cpuinfo (None where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
     except OSError:
-        return set()
+        return None
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        if line.startswith(field):
+            return line.split(":", 1)[1].strip()
+    return None
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def cpu_model() -> str:
+    """The CPU's model name."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine() or "unknown"
 
 
 @functools.lru_cache(maxsize=1)
 def native_bf16() -> bool | None:
     """Whether this x86 CPU has native bf16 (``avx512_bf16`` / AMX); None where the flags cannot be read."""
-    flags = _cpu_flags()
+    flags = set((_cpuinfo("flags") or "").split())
     if not flags:
         return None
     return any(flag in flags for flag in _BF16_FLAGS)
 
 
+def bf16_support() -> str:
+    """``native bf16``, ``no native bf16`` or ``bf16 support unknown``: what benchmark reports print by bf16 figures."""
+    return {True: "native bf16", False: "no native bf16", None: "bf16 support unknown"}[native_bf16()]
+
+
 def cpu_description() -> str:
-    """The CPU model and its bf16 support, as benchmark reports print next to bf16 figures."""
-    native = native_bf16()
-    support = {True: "native bf16", False: "no native bf16 (no avx512_bf16/AMX)", None: "bf16 support unknown"}
-    return f"{_cpu_model()}, {support[native]}"
+    """The CPU model and its bf16 support."""
+    return f"{cpu_model()}, {bf16_support()}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -94,4 +93,4 @@ def warn_if_slow_bf16(dtype: torch.dtype, device: torch.device, rank: int) -> No
     logger.warning(
         "bf16 is enabled on a CPU without native bf16 (%s): a bf16 matrix product measured %.1fx the time of "
         "an fp32 one here, so this run will likely be slower than fp32; set `bf16.enabled: false` on this machine "
-        "or run on a CPU with avx512_bf16/AMX or a GPU", _cpu_model(), factor)
+        "or run on a CPU with avx512_bf16/AMX or a GPU", cpu_model(), factor)

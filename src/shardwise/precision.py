@@ -103,12 +103,7 @@ class Precision:
     @classmethod
     def from_config(cls, config: Any) -> "Precision":
         """Build from a :class:`shardwise.Config` (``fp16`` / ``bf16`` sections, ``communication_data_type``)."""
-        made = cls._compute(config)
-        made.reduce_dtype = _REDUCE_DTYPES[config.communication_data_type or "fp32"]
-        return made
-
-    @classmethod
-    def _compute(cls, config: Any) -> "Precision":
+        reduce_dtype = _REDUCE_DTYPES[config.communication_data_type or "fp32"]
         fp16 = config.fp16
         if fp16.enabled:
             dynamic = fp16.loss_scale == 0
@@ -121,9 +116,9 @@ class Precision:
                 min_scale=fp16.min_loss_scale,
                 consecutive_hysteresis=fp16.consecutive_hysteresis,
             )
-            return cls(torch.float16, scaler)
+            return cls(torch.float16, scaler, reduce_dtype)
         dtype = torch.bfloat16 if config.bf16.enabled else torch.float32
-        return cls(dtype, LossScaler(initial_scale=1.0, dynamic=False))
+        return cls(dtype, LossScaler(initial_scale=1.0, dynamic=False), reduce_dtype)
 
     @property
     def low_precision(self) -> bool:

@@ -135,8 +135,6 @@ class FlatStrategy(Strategy):
 
     # --------------------------------------------------------------- backward
     def _reset_backward(self) -> None:
-        if len(self._stale) != len(self.layout.params):
-            self._stale = [False] * len(self.layout.params)
         self._pending = [len(b.params) for b in self.layout.buckets]
         self._seen = [False] * len(self.layout.params)
         self._next = 0
@@ -245,11 +243,11 @@ class FlatStrategy(Strategy):
             self._launch(bucket)
         self._next = len(self.layout.buckets)
         parts: list[torch.Tensor] = []
-        for work, finish in self._works:
+        for index, (work, finish) in enumerate(self._works):  # one per bucket, in bucket order
             work.wait()
             finish()
             # This bucket's share of the gradient norm, while later buckets are still in flight.
-            parts.append(self.reduced.bucket_sq(len(parts)))
+            parts.append(self.reduced.bucket_sq(index))
         self._works = []
         self._sq_parts = (torch.stack(parts).sum() if parts else torch.zeros(()), self.reduced.versions())
 

@@ -261,8 +261,8 @@ class ReducedGrads:
             grad = self.contiguous.float()
             return torch.dot(grad, grad) if grad.numel() else grad.new_zeros(())
         total = torch.zeros((), dtype=torch.float32)
-        for grad in self.slices:
-            total += torch.dot(grad, grad)
+        for index in range(len(self.slices)):
+            total += self.bucket_sq(index)
         return total
 
     def scale(self, factor: float) -> None:

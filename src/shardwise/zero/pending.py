@@ -42,13 +42,12 @@ class GatheringParameter(nn.Parameter):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
         for param in _in_flight(args, kwargs):
-            entry = param.__dict__.get(_KEY)
-            if entry is not None:
-                entry[0].wait_bucket(entry[1])
+            param._arrive()
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
     def _arrive(self) -> None:
+        """Wait for this parameter's bucket (it and its bucket become plain Parameters)."""
         entry = self.__dict__.get(_KEY)
         if entry is not None:
             entry[0].wait_bucket(entry[1])
@@ -63,7 +62,7 @@ class GatheringParameter(nn.Parameter):
         return nn.Parameter.__reduce_ex__(self, protocol)
 
 
-def _in_flight(args: Any, kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+def _in_flight(args: Any, kwargs: dict[str, Any]) -> Iterator[GatheringParameter]:
     stack = [*args, *kwargs.values()]
     while stack:
         item = stack.pop()
@@ -78,9 +77,6 @@ class PendingGathers:
 
     def __init__(self) -> None:
         self._works: dict[int, tuple[Work, list[torch.Tensor]]] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self._works)
 
     def start(self, index: int, work: Work, params: list[torch.Tensor]) -> None:
         """Bucket ``index`` is being gathered by ``work`` into ``params``: guard them until it is done."""
