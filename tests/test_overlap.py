@@ -51,6 +51,9 @@ def test_gathers_run_behind_the_next_forward_and_reads_see_updated_values() -> N
         engine.backward(engine(*batch(0, dist.get_rank())))
         engine.step()
         assert _in_flight(model) == {n for n, _ in model.named_parameters()}, "every bucket is in flight"
+        # Reading `.grad` or `.requires_grad` is not a use of the values: nothing waits.
+        assert all(p.grad is None and p.requires_grad for p in model.parameters())
+        assert _in_flight(model) == {n for n, _ in model.named_parameters()}
         # A torch function on one parameter waits for its bucket only.
         got = model.fc2.weight.detach().clone()
         assert torch.equal(got, want[0]["fc2.weight"])

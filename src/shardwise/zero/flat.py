@@ -118,10 +118,8 @@ class FlatStrategy(Strategy):
             self.reduced = ReducedGrads.separate(layout, self.device)
 
     def _restore_grad_views(self) -> None:
-        # Setting `.grad` is no use of the values: it must not wait for a gather in flight.
-        with torch._C.DisableTorchFunctionSubclass():
-            for param, view in zip(self.layout.params, self._grad_views):
-                param.grad = view
+        for param, view in zip(self.layout.params, self._grad_views):
+            param.grad = view  # not a use of the values: no wait for a gather in flight (see .pending)
 
     def _register_hooks(self) -> None:
         for index, param in enumerate(self.layout.params):
@@ -274,9 +272,8 @@ class FlatStrategy(Strategy):
     def zero_grad(self) -> None:
         """Gradients become None, as torch's default; the buffer is overwritten, not zeroed (see `_accumulate`)."""
         self._dirty = False
-        with torch._C.DisableTorchFunctionSubclass():  # not a use of the values (see .pending)
-            for param in self.layout.params:
-                param.grad = None
+        for param in self.layout.params:
+            param.grad = None  # not a use of the values: no wait for a gather in flight (see .pending)
         self._stale = [True] * len(self.layout.params)
 
     def has_pending_grads(self) -> bool:
@@ -287,9 +284,8 @@ class FlatStrategy(Strategy):
 
     # ------------------------------------------------------------ trainability
     def trainable_changed(self) -> bool:
-        # Reading flags is not a use of the values: it must not wait for a gather in flight.
-        with torch._C.DisableTorchFunctionSubclass():
-            return self.inner is not None and tuple(p.requires_grad for p in self._order) != self._mask
+        # Reading flags is not a use of the values: it does not wait for a gather in flight (see .pending).
+        return self.inner is not None and tuple(p.requires_grad for p in self._order) != self._mask
 
     def refresh_trainable(self) -> None:
         """Rebuild layout, buffers, hooks and optimizer pieces for the current ``requires_grad`` flags.

@@ -14,14 +14,16 @@ flight a parameter's class is :class:`GatheringParameter`, whose
 ``__torch_function__`` waits for the bucket and turns the bucket's parameters
 back into plain ``nn.Parameter`` before the function runs, so code that reads
 parameters between ``step()`` and the next forward sees the updated values,
-as with DDP.  Once every bucket has been waited for, no parameter is special
-and the hot path costs nothing.  The strategy waits for everything itself
+as with DDP.  Reading or setting ``.grad`` and reading ``.requires_grad``
+are not uses: they touch no values and do not wait.  Once every bucket has
+been waited for, no parameter is special and the hot path costs nothing.  The strategy waits for everything itself
 before anything that writes parameters or master weights (backward, the next
 step, loading, changing the trainable set, closing).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Iterator, Optional
 
 import torch
@@ -35,14 +37,25 @@ __all__ = ["GatheringParameter", "PendingGathers"]
 _KEY = "_shardwise_gathering"
 
 
+def _attribute(name: str) -> Any:
+    """The descriptor behind ``Tensor.<name>``: what ``__torch_function__`` receives as ``func``."""
+    return inspect.getattr_static(torch.Tensor, name)
+
+
+#: what reads or sets a parameter's bookkeeping, not its values: these run without waiting
+#: (``zero_grad`` and the trainable-set check touch every parameter while gathers are in flight)
+_NOT_A_USE = frozenset({_attribute("grad").__get__, _attribute("grad").__set__, _attribute("requires_grad").__get__})
+
+
 class GatheringParameter(nn.Parameter):
     """A parameter whose bucket's all-gather is still in flight (see the module docstring)."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
-        for param in _in_flight(args, kwargs):
-            param._arrive()
+        if func not in _NOT_A_USE:
+            for param in _in_flight(args, kwargs):
+                param._arrive()
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 

@@ -68,9 +68,8 @@ class Stage2(Stage1):
 
     def zero_grad(self) -> None:
         self._dirty = False
-        with torch._C.DisableTorchFunctionSubclass():  # not a use of the values (see .pending)
-            for param in self.layout.params:
-                param.grad = None
+        for param in self.layout.params:
+            param.grad = None  # not a use of the values: no wait for a gather in flight (see .pending)
 
     def memory_breakdown(self) -> dict[str, int]:
         counts = super().memory_breakdown()
