@@ -103,7 +103,8 @@ def _memory(runs: list[list[dict[str, Any]]], system: System, workload: Workload
 
 
 def _traffic(runs: list[list[dict[str, Any]]], system: System, workload: Workload, numel: int) -> dict[str, Any]:
-    theory = comm_bytes(system, numel, workload.world_size)
+    transport = next((r["transport"] for r in runs[0] if r.get("transport")), "gloo") if runs else "gloo"
+    theory = comm_bytes(system, numel, workload.world_size, transport)
     sent = _bytes_sent(runs, workload.steps)
     ratio: float | None = None
     if sent is not None:

@@ -97,6 +97,10 @@ class ShardwiseHarness:
     def bytes_sent(self) -> int | None:
         return int(sum(self.engine.comm.bytes_sent.values()))
 
+    @property
+    def transport(self) -> str:
+        return self.engine.comm.transport_name
+
     def reset_counters(self) -> None:
         self.engine.comm.reset_counters()
 

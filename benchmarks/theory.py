@@ -36,18 +36,20 @@ def state_bytes(stage: int, dtype: str, numel: int, world_size: int) -> dict[str
     }
 
 
-def comm_bytes(system: System, numel: int, world_size: int, backend: str = "gloo") -> float:
+def comm_bytes(system: System, numel: int, world_size: int, transport: str = "gloo") -> float:
     """Bytes one rank sends through collectives in one optimizer step of ``system``.
 
-    shardwise stages 1-2 average gradients with an all-reduce on gloo (faster there than its
-    reduce-scatter: ``zero_optimization.reduce_scatter`` unset), which sends twice the reduction bytes.
+    ``transport``: how shardwise's collectives travel (``Comm.transport_name``).  Over gloo's sockets
+    shardwise stages 1-2 average gradients with an all-reduce (faster there than its reduce-scatter:
+    ``zero_optimization.reduce_scatter`` unset), which sends twice the reduction bytes; through shared
+    memory and on NCCL, with a reduce-scatter.
     """
     if world_size == 1:
         return 0.0
     f = (world_size - 1) / world_size
     reduce = f * numel * _REDUCE_BYTES
     gather = f * numel * _PARAM_BYTES[system.dtype]
-    if system.family == "shardwise" and system.stage in (1, 2) and backend == "gloo":
+    if system.family == "shardwise" and system.stage in (1, 2) and transport == "gloo":
         return 2 * reduce + gather
     if system.family in ("shardwise", "deepspeed", "fsdp2"):
         if system.stage == 0:

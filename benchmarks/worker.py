@@ -103,6 +103,8 @@ class _Run:
             "rss_clean": self.rss_clean,
             "state": self.harness.state,
             "bytes_sent": self.harness.bytes_sent(),
+            # how a shardwise engine's collectives travel (theory counts stages 1-2's reduction by it)
+            "transport": getattr(self.harness, "transport", None),
             "threads": torch.get_num_threads(),
         }
 

@@ -95,8 +95,9 @@ def test_theory_matches_zero_paper() -> None:
     for stage in (0, 1, 2):
         assert comm_bytes(System("shardwise", stage, "fp32"), psi, n, "nccl") == pytest.approx(2 * psi * f * 4)
     assert comm_bytes(System("shardwise", 3, "fp32"), psi, n) == pytest.approx(3 * psi * f * 4)
-    # gloo: stages 1-2 all-reduce (2 reductions' worth) and then gather
+    # gloo's sockets: stages 1-2 all-reduce (2 reductions' worth) and then gather; shared memory: reduce-scatter
     assert comm_bytes(System("shardwise", 1, "fp32"), psi, n) == pytest.approx(3 * psi * f * 4)
+    assert comm_bytes(System("shardwise", 1, "fp32"), psi, n, "shared memory") == pytest.approx(2 * psi * f * 4)
     assert comm_bytes(System("shardwise", 1, "fp32"), psi, 1) == 0.0
     assert sum(state_bytes(0, "fp32", psi, n).values()) == 16 * psi
     assert sum(state_bytes(3, "fp32", psi, n).values()) == 16 * psi / n

@@ -45,12 +45,13 @@ class TwoBranches(nn.Module):
         return self.head(h)
 
 
-def _branch_engine(debug: bool, wide_b: bool) -> Any:
+def _branch_engine(debug: bool, wide_b: bool, shared: bool = True) -> Any:
     torch.manual_seed(0)
     model = TwoBranches(wide_b)
     # No prefetch: each rank gathers exactly the modules it runs, so same-size gathers pair up silently
     # (with prefetch, a mispredicted unit adds a collective on one rank and the sizes soon differ).
-    config = fault_config(3, comms={"debug": debug}, zero_optimization={"stage3_prefetch_bucket_size": 0})
+    config = fault_config(3, comms={"debug": debug, "shared_memory": shared},
+                          zero_optimization={"stage3_prefetch_bucket_size": 0})
     return shardwise.initialize(model, adamw(model.parameters()), config)
 
 
@@ -61,8 +62,8 @@ def _branch_step(engine: Any, branch: str) -> None:
     engine.step()
 
 
-def _different_modules(debug: bool, wide_b: bool) -> dict[str, Any]:
-    engine = _branch_engine(debug, wide_b)
+def _different_modules(debug: bool, wide_b: bool, shared: bool = True) -> dict[str, Any]:
+    engine = _branch_engine(debug, wide_b, shared)
     _branch_step(engine, "a")  # both ranks agree once
     before = _local_masters(engine)
     mine = "a" if dist.get_rank() == 0 else "b"
@@ -109,15 +110,31 @@ HANG_TIMEOUT = 1.5
 
 
 def test_zero3_different_size_modules_without_debug() -> None:
+    """Through shared memory (the default on one host) the ranks' collectives stop pairing up: after
+    `comms.timeout` every rank raises before the optimizer applies anything, saying where each rank was."""
+    results = run_distributed(_different_modules, 2, args=(False, True), timeout=90)
+    errors = sorted(r["error"] for r in results)
+    # the rank that reached the step check sees the mismatch; the other, still in a collective, names it
+    assert "CollectiveMismatchError" in errors and set(errors) <= {"CollectiveMismatchError", "CommError"}, results
+    for rank, result in enumerate(results):
+        assert "Where each rank of process group" in result["message"], result["message"]
+        assert result["unchanged"], f"rank {rank}: the optimizer applied gradients of mismatched collectives"
+    record_row("disagree", "ranks run different modules of different sizes (default `comms`)", "3",
+               "after `comms.timeout` every rank raises before the update: `CollectiveMismatchError` where the step "
+               "check saw it, `CommError` naming that rank on the other (`comms.debug: true` stops both before "
+               "data moves)", max(r["seconds"] for r in results))
+
+
+def test_zero3_different_size_modules_over_gloo_sockets() -> None:
     """gloo aborts the rank that receives a larger message than it posted; the other names it gone."""
-    results = run_distributed(_different_modules, 2, args=(False, True), timeout=90, expect_dead=(0, 1))
+    results = run_distributed(_different_modules, 2, args=(False, True, False), timeout=90, expect_dead=(0, 1))
     alive = [r for r in results if r is not None]
     assert len(alive) == 1, results
     dead = results.index(None)
     assert alive[0]["error"] == "RankGoneError" and alive[0]["gone"] == [dead], alive
-    record_row("disagree", "ranks run different modules of different sizes (default `comms`)", "3",
-               "gloo aborts the rank receiving the larger message; the other raises `RankGoneError` naming it "
-               "(`comms.debug: true` stops both before data moves)", alive[0]["seconds"])
+    record_row("disagree", "ranks run different modules of different sizes (`comms.shared_memory: false`)", "3",
+               "gloo aborts the rank receiving the larger message; the other raises `RankGoneError` naming it",
+               alive[0]["seconds"])
 
 
 def _hang_in_forward(stage: int) -> dict[str, Any]:

@@ -81,20 +81,25 @@ def test_gathers_run_behind_the_next_forward_and_reads_see_updated_values() -> N
 
 
 @distributed_test(world_size=2, timeout=120)
-def test_reduction_by_backend_is_said_and_counted() -> None:
-    for setting, kind in ((None, "all_reduce"), (True, "reduce_scatter"), (False, "all_reduce")):
+def test_reduction_by_transport_is_said_and_counted() -> None:
+    cases = ((None, True, "reduce_scatter", "chosen for shared memory"), (None, False, "all_reduce", "chosen for gloo"),
+             (True, True, "reduce_scatter", "as configured"), (False, True, "all_reduce", "as configured"),
+             (True, False, "reduce_scatter", "as configured"))
+    for setting, shared, kind, why in cases:
         model = make_model()
         zero: dict[str, object] = {"stage": 2}
         if setting is not None:
             zero["reduce_scatter"] = setting
-        engine = shardwise.initialize(model, adamw(model.parameters()), {"zero_optimization": zero})
+        config = {"zero_optimization": zero, "comms": {"shared_memory": shared}}
+        engine = shardwise.initialize(model, adamw(model.parameters()), config)
+        assert engine.comm.shared_memory == shared
         engine.comm.reset_counters()
         engine.backward(engine(*batch(0, dist.get_rank())))
         engine.step()
         sent = engine.comm.bytes_sent
         # the gradients' reduction dominates (a few bytes of all-reduce carry the norm and overflow flags)
         assert max(("all_reduce", "reduce_scatter"), key=lambda k: sent.get(k, 0)) == kind, (setting, sent)
-        assert ("chosen for gloo" in engine.strategy.describe_reduction()) == (setting is None)
+        assert why in engine.strategy.describe_reduction(), (setting, shared)
         engine.destroy()
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from . import exit as _exit
 from . import faults
+from . import shm as _shm
 from .faults import control
 from .faults.ledger import Entry, Ledger, ledger_for
 
@@ -172,6 +173,10 @@ class Comm:
         self.backend = str(dist.get_backend(group)) if dist.is_available() and dist.is_initialized() else "none"
         self._gloo = self.world_size > 1 and self.backend == "gloo"
         self.ledger = Ledger("local", [0])
+        #: where gloo's all-reduce, reduce-scatter and all-gather of CPU tensors go instead (:mod:`.shm`)
+        self._shm: Optional[_shm.SharedSegment] = None
+        #: how this group's data collectives travel, in words (logged by the engine)
+        self.transport = self.backend
         if self.world_size > 1:
             self._connect()
 
@@ -182,6 +187,54 @@ class Comm:
         self._limit = timedelta(seconds=self.timeout)
         self._options: dict[Any, Any] = {}
         faults.watch(self.global_rank, self.timeout)
+
+    def open_shared_memory(self) -> None:
+        """Collective: on gloo, map a shared segment on every rank for the data collectives of CPU tensors, or
+        keep gloo (the reason goes in ``transport``).  Nothing to do for one rank or another backend."""
+        if not self._gloo or self._shm is not None:
+            return
+        def share(offer: bytes) -> bytes:
+            buffer = torch.zeros(512, dtype=torch.uint8)
+            if offer:
+                buffer[: len(offer)] = torch.frombuffer(bytearray(offer), dtype=torch.uint8)
+            self._raw(lambda: self._pg.broadcast([buffer], self._opts(dist.BroadcastOptions, rootRank=0,
+                                                                          rootTensor=0)), "sharing its name")
+            return bytes(buffer.tolist()).rstrip(b"\0")
+
+        def agree(ok: bool) -> bool:
+            flag = torch.tensor([int(ok)], dtype=torch.int64)
+            self._raw(lambda: self._pg.allreduce([flag], self._opts(dist.AllreduceOptions, reduceOp=dist.ReduceOp.MIN)),
+                      "agreeing to use it")
+            return bool(flag.item())
+
+        ranks = dist.get_process_group_ranks(self._pg)
+        self._shm, reason = _shm.open_segment(self.rank, self.world_size, ranks, self.timeout, share, agree)
+        self.transport = "shared memory (gloo for the rest)" if self._shm is not None else f"gloo ({reason})"
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether data collectives of CPU tensors go through shared memory (:meth:`open_shared_memory`)."""
+        return self._shm is not None
+
+    @property
+    def transport_name(self) -> str:
+        """``shared memory`` or the backend's name."""
+        return "shared memory" if self._shm is not None else self.backend
+
+    def _raw(self, start: Callable[[], Any], what: str) -> None:
+        """A setup collective outside the ledger (every rank issues it at the same point)."""
+        try:
+            start().wait()
+        except RuntimeError as exc:
+            raise self.fault(f"setting up shared-memory collectives ({what})", exc) from exc
+
+    def _in_shm(self, *tensors: torch.Tensor, summed: bool = False) -> Optional[_shm.SharedSegment]:
+        """The shared segment, when it can carry a collective of ``tensors`` (the same answer on every rank)."""
+        if self._shm is None or any(t.device.type != "cpu" for t in tensors):
+            return None
+        if summed and any(t.dtype in (torch.bool, torch.complex64, torch.complex128) for t in tensors):
+            return None
+        return self._shm
 
     @property
     def distributed(self) -> bool:
@@ -248,6 +301,9 @@ class Comm:
         if not self.distributed:
             return _DONE
         self._count("all_reduce", 2 * _ring_share(self.world_size) * _nbytes(tensor))
+        segment = self._in_shm(tensor, summed=True) if op in (None, dist.ReduceOp.SUM) else None
+        if segment is not None:
+            return self._issue("all_reduce", tensor, label, lambda: segment.all_reduce(tensor), async_op)
         opts = self._opts(dist.AllreduceOptions, reduceOp=op or dist.ReduceOp.SUM)
         return self._issue("all_reduce", tensor, label, lambda: self._pg.allreduce([tensor], opts), async_op)
 
@@ -259,6 +315,9 @@ class Comm:
                 output.copy_(input)
             return _DONE
         self._count("reduce_scatter", _ring_share(self.world_size) * _nbytes(input))
+        segment = self._in_shm(output, input, summed=True)
+        if segment is not None:
+            return self._issue("reduce_scatter", input, label, lambda: segment.reduce_scatter(output, input), async_op)
         opts = self._opts(dist.ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
         return self._issue("reduce_scatter", input, label, lambda: _RS(self._pg, output, input, opts), async_op)
 
@@ -269,6 +328,9 @@ class Comm:
                 output.copy_(input)
             return _DONE
         self._count("all_gather", _ring_share(self.world_size) * _nbytes(output))
+        segment = self._in_shm(output, input)
+        if segment is not None:
+            return self._issue("all_gather", output, label, lambda: segment.all_gather(output, input), async_op)
         if self._gloo and output.numel() >= GLOO_BROADCAST_GATHER_MIN:
             start: Callable[[], Any] = lambda: self._gather_by_broadcast(output, input)  # noqa: E731
         else:

@@ -67,6 +67,8 @@ class Engine:
         check_model(module, self.comm.rank)
         ownership.claim(module.named_parameters(), self, self.comm.rank)
         self._agree_on_construction()
+        if config.comms.shared_memory:
+            self.comm.open_shared_memory()
         self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.batch_sizes = config.batch_sizes(self.comm.world_size)
         self.precision = Precision.from_config(config)
@@ -91,7 +93,7 @@ class Engine:
         self.strategy.attach(inner, self._initial_values)
         reduction = self.strategy.describe_reduction()
         if reduction is not None and self.comm.distributed and self.comm.rank == 0:
-            logger.info("%s: %s", self._label, reduction)
+            logger.info("%s: %s; collectives through %s", self._label, reduction, self.comm.transport)
         del self._initial_values
         self.optimizer: Optional[ZeroOptimizer] = None
         if inner is not None:
@@ -112,7 +114,8 @@ class Engine:
 
         params = list(self.module.parameters())
         payload = {"op": "initialize", "name": self.name, "stage": self.config.zero_optimization.stage,
-                   "params": len(params), "elements": sum(p.numel() for p in params)}
+                   "params": len(params), "elements": sum(p.numel() for p in params),
+                   "shared_memory": self.config.comms.shared_memory}
         session = join(self.comm, "initialize", payload, self.config.checkpoint.timeout)
         fix = ("every rank must build the same engines in the same order: the k-th `shardwise.initialize` "
                "of each rank wraps the same model with the same config")
@@ -121,6 +124,7 @@ class Engine:
         session.require_same("stage", "ZeRO stages", fix)
         session.require_same("params", "parameter counts", fix)
         session.require_same("elements", "model sizes (elements)", fix)
+        session.require_same("shared_memory", "`comms.shared_memory` settings", fix)
 
     def _prepare_module(self) -> None:
         """Move to the process group's device, cast, and make all ranks start identical."""

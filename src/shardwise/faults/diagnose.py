@@ -185,11 +185,15 @@ def _compose(failure: Failure, peers: list[_Peer]) -> CommError:
 
 
 def _disagree(failure: Failure, peers: list[_Peer], key: str) -> bool:
-    """Whether some alive peer waits on another collective than this rank (or on one while this rank checks)."""
+    """Whether some alive peer waits on another collective than this rank (or on one while this rank checks),
+    or gave up elsewhere: outside any collective of the group, having never issued (or gone past) this one."""
     for peer in peers:
         position = _position(peer, key)
         waiting = position.get("waiting")
         if waiting is None:
+            last = position.get("last")
+            if peer.state == "comm" and failure.seq and last is not None and not str(last).startswith(f"#{failure.seq} "):
+                return True
             continue
         if failure.seq == 0 or not str(waiting).startswith(f"#{failure.seq} "):
             return True

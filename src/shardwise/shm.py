@@ -1,0 +1,307 @@
+"""Collectives through shared memory, for the CPU ranks of one host.
+
+gloo moves every byte of a collective through a loopback TCP socket: a copy
+into the kernel, a copy out, and the kernel's network stack in between, all on
+the cores training needs.  Ranks on one host can read each other's data where
+it lies instead.  Measured on a 2-core Xeon, 2 ranks, a 20 MB fp32 all-reduce:
+gloo 12-19 ms, this module 6-8 ms, with bit-identical results.
+
+How.  The ranks of a group map one segment under ``/dev/shm``: a header of
+per-rank flags and, per rank, two slots of :data:`CHUNK` bytes.  A collective
+runs chunk by chunk, each chunk with the group's next sequence number ``s``.
+A rank copies its part of the chunk into its slot ``s % 2``, publishes
+``s + 1`` in its flag, waits until every rank's flag reads at least ``s + 1``,
+then reads what it needs from every slot: a sum taken in rank order (the same
+bits on every rank), or the pieces of an all-gather.  Two slots suffice: a
+rank writes slot ``s % 2`` again only at ``s + 2``, after it saw every flag
+reach ``s + 1``, which a rank publishes only once it has read chunk ``s``.
+
+Collectives run on one worker thread per segment, in the order they were
+issued (the order every rank issues them), so an asynchronous one overlaps
+backward as gloo's does (torch kernels release the GIL).  A rank waits for
+its peers by polling their flags with a growing sleep; it gives up after
+``comms.timeout``, or as soon as a peer's heartbeat stops (a dead peer never
+publishes), with a ``RuntimeError`` the fault layer turns into an error that
+names the rank (:mod:`shardwise.faults`).
+
+Set up once per :class:`~shardwise.distributed.Comm` that asks for it, a
+collective step of its own: rank 0 creates the file, every rank maps it and
+checks a random token, and the segment is used only if every rank succeeded;
+rank 0 then removes the file, so nothing is left behind even if a process is
+killed.  Otherwise (ranks on several hosts, no ``/dev/shm``, no room) the
+group keeps gloo.  x86-64 only: there stores become visible to other cores in
+program order, so a peer that reads a flag also sees the data written before.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import queue
+import secrets
+import struct
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+
+from .faults.liveness import PeerWatch
+
+__all__ = ["CHUNK", "ShmWork", "SharedSegment", "open_segment", "supported"]
+
+#: bytes per rank per step (measured: 4 MiB beat 1, 2, 8 and 16 MiB for a 20 MB all-reduce)
+CHUNK = 4 << 20
+_HEADER = 4096  # bytes: int64 words, [0] the token, [8 + r] rank r's flag
+_TOKEN, _FLAGS = 0, 8
+_MAX_RANKS = _HEADER // 8 - _FLAGS
+_DIRECTORY = "/dev/shm"
+_FIRST_SLEEP, _LAST_SLEEP = 2e-5, 5e-4  # seconds between polls of a flag, doubling up to the last
+
+
+def supported(world: int) -> str:
+    """Why this process cannot use shared memory for a ``world``-rank group ('' when it can)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the CPU is {platform.machine()}, not x86-64"
+    if world > _MAX_RANKS:
+        return f"{world} ranks is more than {_MAX_RANKS}"
+    if not os.path.isdir(_DIRECTORY):
+        return f"there is no {_DIRECTORY}"
+    return ""
+
+
+class ShmWork:
+    """An issued shared-memory collective: ``wait`` returns once the worker finished it, or raises its error."""
+
+    def __init__(self, worker: threading.Thread) -> None:
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._worker = worker
+
+    def finish(self, error: Optional[BaseException]) -> None:
+        self._error = error
+        self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        # The worker bounds every wait on a peer by itself; a bound here only stops a caller (exit) early.
+        limit = timeout.total_seconds() if timeout is not None else None
+        start = time.monotonic()
+        while not self._done.wait(1.0):
+            if not self._worker.is_alive():
+                raise RuntimeError("the shared-memory collective worker thread has ended")
+            if limit is not None and time.monotonic() - start > limit:
+                raise RuntimeError(f"shared-memory collective not finished within {limit:g} s")
+        if self._error is not None:
+            raise RuntimeError(str(self._error)) from self._error
+        return True
+
+
+class SharedSegment:
+    """A mapped segment and the worker thread that runs one group's collectives through it."""
+
+    def __init__(self, mapped: mmap.mmap, rank: int, world: int, peers: list[int], timeout: float) -> None:
+        self.rank, self.world = rank, world
+        self._words = memoryview(mapped)[:_HEADER].cast("q")
+        data = torch.frombuffer(mapped, dtype=torch.uint8, offset=_HEADER, count=2 * world * CHUNK)
+        self._slots = data.view(2, world, CHUNK)
+        self._seq = 0
+        self._peers = [p for i, p in enumerate(peers) if i != rank]  # global ranks, for the heartbeat watch
+        self._timeout = timeout
+        self._watch = PeerWatch()
+        self._broken: Optional[BaseException] = None
+        self._queue: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...], ShmWork]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="shardwise-shm", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ the API
+    def all_reduce(self, tensor: torch.Tensor) -> ShmWork:
+        """Sum ``tensor`` across ranks, in place."""
+        return self._submit(self._all_reduce, tensor)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> ShmWork:
+        """Every rank's ``input`` concatenated, in rank order, into ``output``."""
+        return self._submit(self._all_gather, output, input)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> ShmWork:
+        """The sum across ranks of chunk ``rank`` of ``input`` (N equal chunks), into ``output``."""
+        return self._submit(self._reduce_scatter, output, input)
+
+    def _submit(self, run: Callable[..., None], *args: Any) -> ShmWork:
+        work = ShmWork(self._thread)
+        self._queue.put((run, args, work))
+        return work
+
+    def _run(self) -> None:
+        while True:
+            run, args, work = self._queue.get()
+            if self._broken is None:
+                try:
+                    run(*args)
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiter; later collectives fail too
+                    self._broken = exc
+            work.finish(self._broken)
+
+    # ----------------------------------------------------------- one step
+    def _mine(self) -> torch.Tensor:
+        """This rank's slot for the next step (write its part there, then :meth:`_publish`)."""
+        return self._slots[self._seq % 2, self.rank]
+
+    def _publish(self) -> torch.Tensor:
+        """Say this rank's slot is written; return every rank's slot of this step once all are."""
+        seq = self._seq
+        self._seq += 1
+        self._words[_FLAGS + self.rank] = seq + 1
+        self._await(seq + 1)
+        return self._slots[seq % 2]
+
+    def _await(self, value: int) -> None:
+        words = self._words
+        start = time.monotonic()
+        for r in range(self.world):
+            delay = _FIRST_SLEEP
+            while words[_FLAGS + r] < value:
+                time.sleep(delay)
+                if delay < _LAST_SLEEP:
+                    delay *= 2
+                    continue
+                self._check_peers(r, start)
+
+    def _check_peers(self, waiting_for: int, start: float) -> None:
+        gone = self._watch.gone(self._peers)
+        if gone:
+            raise RuntimeError(f"shared-memory collective: rank(s) {gone} stopped beating (gone) while this rank "
+                               f"waited for group rank {waiting_for}")
+        if time.monotonic() - start > self._timeout:
+            raise RuntimeError(f"shared-memory collective timed out after {self._timeout:g} s waiting for group "
+                               f"rank {waiting_for}")
+
+    # -------------------------------------------------------- collectives
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        with _contiguous(tensor) as flat:
+            per = CHUNK // flat.element_size()
+            for start in range(0, flat.numel(), per):
+                part = flat[start : start + per]
+                count = part.numel()
+                self._mine().view(flat.dtype)[:count].copy_(part)
+                self._sum(self._publish().view(flat.dtype)[:, :count], part)
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        with _contiguous(output) as out, _contiguous(input, copy_back=False) as inp:
+            source, target = inp.view(torch.uint8), out.view(torch.uint8)
+            size = source.numel()
+            for start in range(0, size, CHUNK):
+                count = min(CHUNK, size - start)
+                self._mine()[:count].copy_(source[start : start + count])
+                slots = self._publish()
+                for r in range(self.world):
+                    target[r * size + start : r * size + start + count].copy_(slots[r, :count])
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        with _contiguous(output) as out, _contiguous(input, copy_back=False) as inp:
+            world, size = self.world, out.numel()
+            rows = inp.view(world, size)  # row q: what this rank adds to rank q's result
+            per = CHUNK // (world * out.element_size())
+            for start in range(0, size, per):
+                count = min(per, size - start)
+                mine = self._mine().view(out.dtype)[: world * per].view(world, per)
+                mine[:, :count].copy_(rows[:, start : start + count])
+                pieces = self._publish().view(out.dtype)[:, : world * per].view(world, world, per)
+                self._sum(pieces[:, self.rank, :count], out[start : start + count])
+
+    @staticmethod
+    def _sum(rows: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` = rows[0] + rows[1] + ..., in rank order: the same bits on every rank."""
+        torch.add(rows[0], rows[1], out=out)
+        for r in range(2, rows.shape[0]):
+            out.add_(rows[r])
+
+
+class _contiguous:
+    """``tensor`` as a flat contiguous view, or a flat copy written back on exit (``copy_back``)."""
+
+    def __init__(self, tensor: torch.Tensor, copy_back: bool = True) -> None:
+        self.tensor = tensor
+        self.copy = not tensor.is_contiguous()
+        self.copy_back = copy_back
+
+    def __enter__(self) -> torch.Tensor:
+        self.flat = (self.tensor.contiguous() if self.copy else self.tensor).view(-1)
+        return self.flat
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.copy and self.copy_back and exc[0] is None:
+            self.tensor.copy_(self.flat.view_as(self.tensor))
+
+
+# ------------------------------------------------------------------ setting up
+def open_segment(rank: int, world: int, peers: list[int], timeout: float,
+                 share: Callable[[bytes], bytes], agree: Callable[[bool], bool]) -> tuple[Optional[SharedSegment], str]:
+    """Map one segment on every rank of a group, or none (then with the reason).
+
+    Collective: ``share(name)`` returns rank 0's bytes on every rank (a
+    broadcast); ``agree(ok)`` is True only if it is True on every rank.
+    """
+    size = _HEADER + 2 * world * CHUNK
+    reason = supported(world)
+    offer = b""
+    if rank == 0 and not reason:
+        offer, reason = _create(size)
+    offer = share(offer)
+    mapped: Optional[mmap.mmap] = None
+    if offer and not reason:
+        mapped, reason = _attach(offer, size)
+    elif not offer and not reason:
+        reason = "rank 0 could not create the segment"
+    usable = agree(not reason)
+    if rank == 0 and offer:
+        _remove(offer)
+    if not usable:
+        return None, reason or "another rank could not map the segment"
+    assert mapped is not None
+    return SharedSegment(mapped, rank, world, peers, timeout), ""
+
+
+def _create(size: int) -> tuple[bytes, str]:
+    """Rank 0: a new file of ``size`` bytes, with room reserved (no SIGBUS later), and a token in it."""
+    path = os.path.join(_DIRECTORY, f"shardwise-{os.getpid()}-{secrets.token_hex(8)}")
+    token = secrets.randbits(62)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            with mmap.mmap(fd, _HEADER) as header:
+                struct.pack_into("q", header, 8 * _TOKEN, token)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        _remove(path.encode())
+        return b"", f"cannot create {path} ({size} bytes): {exc.strerror}"
+    return f"{path}\n{token}".encode(), ""
+
+
+def _attach(offer: bytes, size: int) -> tuple[Optional[mmap.mmap], str]:
+    path, token = offer.decode().split("\n")
+    try:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mapped = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return None, f"cannot map {path}: {exc.strerror} (ranks on several hosts?)"
+    if struct.unpack_from("q", mapped, 8 * _TOKEN)[0] != int(token):
+        return None, f"{path} holds another segment (ranks on several hosts?)"
+    return mapped, ""
+
+
+def _remove(offer: bytes) -> None:
+    path = offer.decode().split("\n")[0]
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
