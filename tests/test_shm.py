@@ -1,5 +1,8 @@
 """Collectives through shared memory (``shardwise.shm``) against gloo's own, on 2 and 3 ranks.
 
+Both paths: tensors of the process's own, staged through the segment's slots,
+and regions of a buffer every rank maps (``Comm.shared_zeros``), read in place.
+
 2 ranks: bit-identical to gloo (one addition per element either way).  3 ranks:
 integers exact, floats within 1e-6 of gloo (the order of the additions differs),
 and identical on every rank (the sum is taken in rank order everywhere).  Also:
@@ -54,6 +57,7 @@ def _against_gloo(exact: bool) -> None:
             if dtype == torch.bfloat16 and not exact:
                 continue  # 3 ranks: bf16 rounds after each addition, in another order than gloo's
             x = _values(n, dtype, 1)
+            _in_place(comm, x, exact)
             got, want = x.clone(), x.clone()
             comm.all_reduce(got)
             dist.all_reduce(want)
@@ -73,6 +77,28 @@ def _against_gloo(exact: bool) -> None:
             comm.reduce_scatter(out, full)
             dist.reduce_scatter_tensor(want_out, full.clone())
             _same(out, want_out, exact)
+
+
+def _in_place(comm: Comm, x: torch.Tensor, exact: bool) -> None:
+    """The same collectives over regions of a buffer every rank maps, at an offset, next to other data."""
+    world, n = dist.get_world_size(), x.numel()
+    buffer = comm.shared_zeros(3 + 2 * world * n, x.dtype, torch.device("cpu"))
+    assert comm._shm is not None and (comm._shm._copies(buffer) is not None or not buffer.numel())
+    around = _values(buffer.numel(), x.dtype, 3)
+    buffer.copy_(around)
+    region = buffer[3 : 3 + n]
+    region.copy_(x)
+    want = x.clone()
+    dist.all_reduce(want)
+    comm.all_reduce(region)
+    _same(region, want, exact)
+    scattered = buffer[3 + n : 3 + n + world * n]
+    want_out = torch.empty(n, dtype=x.dtype)
+    dist.reduce_scatter_tensor(want_out, scattered.clone())
+    out = scattered[dist.get_rank() * n : (dist.get_rank() + 1) * n]  # in place, as the flat stages do
+    comm.reduce_scatter(out, scattered)
+    _same(out, want_out, exact)
+    assert torch.equal(buffer[:3], around[:3]), "nothing outside the regions changed"
 
 
 @distributed_test(world_size=2, timeout=120)

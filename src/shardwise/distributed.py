@@ -193,23 +193,49 @@ class Comm:
         keep gloo (the reason goes in ``transport``).  Nothing to do for one rank or another backend."""
         if not self._gloo or self._shm is not None:
             return
-        def share(offer: bytes) -> bytes:
-            buffer = torch.zeros(512, dtype=torch.uint8)
-            if offer:
-                buffer[: len(offer)] = torch.frombuffer(bytearray(offer), dtype=torch.uint8)
-            self._raw(lambda: self._pg.broadcast([buffer], self._opts(dist.BroadcastOptions, rootRank=0,
-                                                                          rootTensor=0)), "sharing its name")
-            return bytes(buffer.tolist()).rstrip(b"\0")
-
-        def agree(ok: bool) -> bool:
-            flag = torch.tensor([int(ok)], dtype=torch.int64)
-            self._raw(lambda: self._pg.allreduce([flag], self._opts(dist.AllreduceOptions, reduceOp=dist.ReduceOp.MIN)),
-                      "agreeing to use it")
-            return bool(flag.item())
-
         ranks = dist.get_process_group_ranks(self._pg)
-        self._shm, reason = _shm.open_segment(self.rank, self.world_size, ranks, self.timeout, share, agree)
+        self._shm, reason = _shm.open_segment(self.rank, self.world_size, ranks, self.timeout, self._share,
+                                              self._agree)
         self.transport = "shared memory (gloo for the rest)" if self._shm is not None else f"gloo ({reason})"
+
+    def shared_zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Collective: a zeroed flat tensor every rank of the group maps, when collectives go through shared
+        memory (a collective over a region of it then reads the peers' copies in place); else a private one."""
+        if self._shm is not None and device.type == "cpu":
+            tensor = self._shm.allocate(numel, dtype, self._exchange, self._agree)
+            if tensor is not None:
+                return tensor
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    # setup collectives of shared memory: outside the ledger, every rank issues them at the same point
+    _OFFER = 512  # bytes: a segment's path and token
+
+    def _offer_tensor(self, offer: bytes) -> torch.Tensor:
+        buffer = torch.zeros(self._OFFER, dtype=torch.uint8)
+        if offer:
+            buffer[: len(offer)] = torch.frombuffer(bytearray(offer), dtype=torch.uint8)
+        return buffer
+
+    def _share(self, offer: bytes) -> bytes:
+        """Rank 0's ``offer`` on every rank."""
+        buffer = self._offer_tensor(offer)
+        opts = self._opts(dist.BroadcastOptions, rootRank=0, rootTensor=0)
+        self._raw(lambda: self._pg.broadcast([buffer], opts), "sharing a segment's name")
+        return bytes(buffer.tolist()).rstrip(b"\0")
+
+    def _exchange(self, offer: bytes) -> list[bytes]:
+        """Every rank's ``offer``, in rank order."""
+        buffer = self._offer_tensor(offer)
+        every = torch.zeros(self.world_size * self._OFFER, dtype=torch.uint8)
+        self._raw(lambda: _AG(self._pg, every, buffer, self._opts(_AllgatherOptions)), "exchanging segment names")
+        return [bytes(row.tolist()).rstrip(b"\0") for row in every.view(self.world_size, self._OFFER)]
+
+    def _agree(self, ok: bool) -> bool:
+        """True only if ``ok`` on every rank."""
+        flag = torch.tensor([int(ok)], dtype=torch.int64)
+        opts = self._opts(dist.AllreduceOptions, reduceOp=dist.ReduceOp.MIN)
+        self._raw(lambda: self._pg.allreduce([flag], opts), "agreeing to use shared memory")
+        return bool(flag.item())
 
     @property
     def shared_memory(self) -> bool:

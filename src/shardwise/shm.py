@@ -24,6 +24,15 @@ its peers by polling their flags with a growing sleep; it gives up after
 publishes), with a ``RuntimeError`` the fault layer turns into an error that
 names the rank (:mod:`shardwise.faults`).
 
+Buffers every rank maps (:meth:`SharedSegment.allocate`; the flat stages keep
+their gradients in one) need no staging: a collective over a region of one
+reads the peers' copies where they lie.  For an all-reduce each rank sums its
+1/N of the region across the N copies (in rank order) and writes the result
+into all N; for a reduce-scatter, its own slice only.  Two flags fence it:
+"my region is written" before anyone reads, "I am done with yours" before
+anyone writes that region again.  That moves a fifth of the bytes the staged
+path moves at 2 ranks (measured: see docs/benchmarks.md).
+
 Set up once per :class:`~shardwise.distributed.Comm` that asks for it, a
 collective step of its own: rank 0 creates the file, every rank maps it and
 checks a random token, and the segment is used only if every rank succeeded;
@@ -43,6 +52,7 @@ import secrets
 import struct
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -114,6 +124,8 @@ class SharedSegment:
         self._timeout = timeout
         self._watch = PeerWatch()
         self._broken: Optional[BaseException] = None
+        #: buffers every rank maps: this rank's base address -> (bytes, every rank's copy as uint8, None for this rank)
+        self._shared: dict[int, tuple[int, list[Optional[torch.Tensor]]]] = {}
         self._queue: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...], ShmWork]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="shardwise-shm", daemon=True)
         self._thread.start()
@@ -121,6 +133,9 @@ class SharedSegment:
     # ------------------------------------------------------------ the API
     def all_reduce(self, tensor: torch.Tensor) -> ShmWork:
         """Sum ``tensor`` across ranks, in place."""
+        copies = self._copies(tensor)
+        if copies is not None:
+            return self._submit(self._all_reduce_shared, tensor, copies)
         return self._submit(self._all_reduce, tensor)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> ShmWork:
@@ -129,6 +144,9 @@ class SharedSegment:
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> ShmWork:
         """The sum across ranks of chunk ``rank`` of ``input`` (N equal chunks), into ``output``."""
+        copies = self._copies(input)
+        if copies is not None:
+            return self._submit(self._reduce_scatter_shared, output, input, copies)
         return self._submit(self._reduce_scatter, output, input)
 
     def _submit(self, run: Callable[..., None], *args: Any) -> ShmWork:
@@ -213,12 +231,95 @@ class SharedSegment:
                 pieces = self._publish().view(out.dtype)[:, : world * per].view(world, world, per)
                 self._sum(pieces[:, self.rank, :count], out[start : start + count])
 
+    def _all_reduce_shared(self, tensor: torch.Tensor, copies: list[torch.Tensor]) -> None:
+        """In a buffer every rank maps: sum this rank's 1/N of the region over all copies, write it into all."""
+        self._publish()  # this rank's region is written: peers may read it
+        count = tensor.numel()
+        lo, hi = count * self.rank // self.world, count * (self.rank + 1) // self.world
+        step = CHUNK // tensor.element_size()
+        for start in range(lo, hi, step):  # a chunk at a time: the sum is still in cache when it is copied out
+            end = min(start + step, hi)
+            rows = [copy[start:end] for copy in copies]
+            mine = rows[self.rank]
+            self._sum(rows, mine)
+            for q, row in enumerate(rows):
+                if q != self.rank:
+                    row.copy_(mine)
+        self._publish()  # this rank's part is in every copy, and it reads no copy any more
+
+    def _reduce_scatter_shared(self, output: torch.Tensor, input: torch.Tensor, copies: list[torch.Tensor]) -> None:
+        """In a buffer every rank maps: this rank's slice summed over all copies, into its own copy and ``output``."""
+        self._publish()
+        size = output.numel()
+        lo, step = self.rank * size, CHUNK // output.element_size()
+        for start in range(lo, lo + size, step):  # a chunk at a time: bounds _sum's scratch tensor
+            end = min(start + step, lo + size)
+            rows = [copy[start:end] for copy in copies]
+            self._sum(rows, rows[self.rank])
+        mine = copies[self.rank][lo : lo + size]
+        if output.data_ptr() != mine.data_ptr():
+            output.copy_(mine.view_as(output))
+        self._publish()  # done reading the peers' slices: they may write their buffers again
+
     @staticmethod
-    def _sum(rows: torch.Tensor, out: torch.Tensor) -> None:
-        """``out`` = rows[0] + rows[1] + ..., in rank order: the same bits on every rank."""
-        torch.add(rows[0], rows[1], out=out)
-        for r in range(2, rows.shape[0]):
-            out.add_(rows[r])
+    def _sum(rows: Any, out: torch.Tensor) -> None:
+        """``out`` = rows[0] + rows[1] + ..., in rank order: the same bits on every rank.
+
+        ``out`` may be one of the rows; past the first two, that row is read last, so the partial sum
+        goes to a scratch tensor first.
+        """
+        late = any(row.data_ptr() == out.data_ptr() for row in rows[2:])
+        total = torch.add(rows[0], rows[1]) if late else torch.add(rows[0], rows[1], out=out)
+        for r in range(2, len(rows)):
+            total.add_(rows[r])
+        if late:
+            out.copy_(total)
+
+    # ------------------------------------------------- buffers every rank maps
+    def allocate(self, numel: int, dtype: torch.dtype, exchange: Callable[[bytes], list[bytes]],
+                 agree: Callable[[bool], bool]) -> Optional[torch.Tensor]:
+        """Collective: a zeroed flat tensor in memory every rank maps, or None (then allocate privately).
+
+        ``exchange(offer)`` returns every rank's bytes (an all-gather); ``agree(ok)`` as for
+        :func:`open_segment`.
+        """
+        nbytes = max(numel * torch.empty(0, dtype=dtype).element_size(), 1)
+        offer, reason = _create(_HEADER + nbytes)
+        offers = exchange(offer)
+        mappings: list[Optional[mmap.mmap]] = []
+        for peer in offers:
+            mapped, why = _attach(peer, _HEADER + nbytes) if peer else (None, "no segment")
+            reason = reason or why
+            mappings.append(mapped)
+        usable = agree(not reason)
+        if offer:
+            _remove(offer)
+        own = mappings[self.rank]
+        if not usable or own is None:
+            return None
+        mine = torch.frombuffer(own, dtype=torch.uint8, offset=_HEADER, count=nbytes)
+        copies: list[Optional[torch.Tensor]] = [
+            None if r == self.rank or mapped is None else
+            torch.frombuffer(mapped, dtype=torch.uint8, offset=_HEADER, count=nbytes)
+            for r, mapped in enumerate(mappings)]
+        self._shared[mine.data_ptr()] = (nbytes, copies)
+        # When the last view of this rank's buffer is freed, its mapping goes, and with it the peers' copies.
+        # (A tensor's Python object is no handle on its lifetime: torch makes a new one for every `_base`.)
+        weakref.finalize(own, self._shared.pop, mine.data_ptr(), None)
+        return mine.view(dtype)[:numel]
+
+    def _copies(self, tensor: torch.Tensor) -> Optional[list[torch.Tensor]]:
+        """Every rank's copy of ``tensor``'s region (this rank's: ``tensor``), when it lies in a shared buffer."""
+        if not self._shared or not tensor.is_contiguous():
+            return None
+        address = tensor.data_ptr()
+        for base, (nbytes, copies) in self._shared.items():
+            offset = address - base
+            if 0 <= offset and offset + tensor.numel() * tensor.element_size() <= nbytes:
+                count = tensor.numel() * tensor.element_size()
+                return [tensor.view(-1) if copy is None else copy[offset : offset + count].view(tensor.dtype)
+                        for copy in copies]
+        return None
 
 
 class _contiguous:

@@ -107,7 +107,8 @@ class FlatStrategy(Strategy):
     def _make_grad_storage(self) -> None:
         """One flat gradient buffer that ``param.grad`` views into; fp32 averages land in it in place."""
         layout = self.layout
-        self.grad_flat = torch.zeros(layout.padded_numel, dtype=self.precision.dtype, device=self.device)
+        # every rank maps it when collectives go through shared memory: the reduction then reads in place
+        self.grad_flat = self.comm.shared_zeros(layout.padded_numel, self.precision.dtype, self.device)
         # each parameter's gradient view, built once: the hooks compare against it every backward
         self._grad_views = [layout.param_slice(self.grad_flat, i).view_as(p) for i, p in enumerate(layout.params)]
         self._restore_grad_views()
