@@ -3,10 +3,22 @@
 * α, β of gloo on loopback: all-reduce of 16 KiB to 64 MiB on 2 ranks (1 torch
   thread each, as the benchmark runs), median of 5 per size; a least-squares
   line t = a + b·S gives α = a / (2(N−1)) and β = b / (2(N−1)/N).
+* The same through shardwise's shared memory (what its engine uses on one
+  host, ``shardwise.shm``): ``Comm.all_reduce`` of a region of a buffer every
+  rank maps, as the flat stages reduce their gradients; and an all-gather of a
+  private tensor, staged through the segment's slots, as parameters are
+  gathered. Comm's own host work per collective is in the figures.
+* Host work per parameter tensor: one rank trains the ``tiny`` GPT (a preset
+  the validation does not use) through a stage-0 engine; what its step time
+  has beyond the compute and optimizer terms, divided by its parameter tensors.
 * Sustained FLOP/s of one rank: forward + backward of the benchmark's GPT
-  (``--size``, fp32, micro-batch 1), counted as :meth:`Transformer.flops_per_token`.
+  (``--size``, fp32, micro-batch 1), counted as :meth:`Transformer.flops_per_token`;
+  and the same for each preset the validation uses (the bare model, no engine:
+  a device figure for that shape, as a datasheet's rate is for a GPU), alone
+  and with both ranks measuring at once (2 ranks share the caches and memory bus).
 * Memory bandwidth as the optimizer sees it: one AdamW step over 8M fp32
-  parameters, counted as the model counts it (2 × 16 bytes per parameter).
+  parameters, counted as the model counts it (2 × 16 bytes per parameter);
+  alone and with both ranks at once.
 
 Writes ``benchmarks/calibration.json`` (``--out`` to write elsewhere).
 """
@@ -25,6 +37,8 @@ import torch
 __all__ = ["main", "measure_collectives"]
 
 _SIZES = [1 << k for k in range(14, 27, 2)]  # 16 KiB .. 64 MiB
+#: the presets whose compute rate is measured on its own (matrix size sets a CPU's FLOP rate)
+_FLOP_SIZES = ("small", "10m", "40m")
 
 
 def measure_collectives(sizes: list[int], repeats: int = 5) -> list[tuple[int, float]]:
@@ -45,13 +59,72 @@ def measure_collectives(sizes: list[int], repeats: int = 5) -> list[tuple[int, f
     return timings
 
 
-def _fit(points: list[tuple[int, float]], n: int) -> tuple[float, float]:
-    """α, β from all-reduce timings: t = 2(N−1)α + 2(N−1)/N·S·β, fitted by least squares."""
+def measure_shared_memory(sizes: list[int], repeats: int = 5, gather: bool = False) -> list[tuple[int, float]]:
+    """On every rank: (bytes, median seconds) of an fp32 all-reduce through shared memory of a region of a
+    shared buffer, or (``gather``) an all-gather of a private tensor into ``bytes`` (collective)."""
+    import torch.distributed as dist
+
+    from shardwise.distributed import Comm
+
+    comm = Comm(None)
+    comm.open_shared_memory()
+    if not comm.shared_memory:
+        return []
+    buffer = comm.shared_zeros(max(sizes) // 4, torch.float32, torch.device("cpu"))
+    timings = []
+    for nbytes in sizes:
+        region = buffer[: nbytes // 4]
+        output, part = torch.zeros(nbytes // 4), torch.ones(nbytes // 4 // comm.world_size)
+        samples = []
+        for attempt in range(repeats + 1):  # the first is a warm-up
+            dist.barrier()
+            start = time.perf_counter()
+            comm.all_gather(output, part) if gather else comm.all_reduce(region)
+            if attempt:
+                samples.append(time.perf_counter() - start)
+        timings.append((nbytes, statistics.median(samples)))
+    return timings
+
+
+def measure_host_overhead(flops: float, bandwidth: float, size: str = "tiny") -> float:
+    """Seconds per parameter tensor per step beyond the model's compute and optimizer terms (one rank)."""
+    import shardwise
+
+    from .collectives import Link
+    from .model import GB, Cluster, Device, Job, gpt_preset, step_time
+    from .workload import gpt_module
+
+    gpt = gpt_module()
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.gpt_config(size))
+    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {})
+    shape = gpt_preset(size)
+    x = torch.randint(0, shape.vocab, (1, shape.seq))
+    samples = []
+    for step in range(12):
+        start = time.perf_counter()
+        _, loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+        if step >= 2:  # the first steps pay for allocations
+            samples.append(time.perf_counter() - start)
+    engine.destroy()
+    bare = Device("bare", flops, 24 * GB, bandwidth, "calibration")
+    none = Link("none", 0.0, 0.0, "calibration")
+    job = Job(shape, param_bytes=4, grad_bytes=4, state_bytes=8, checkpointing=False)
+    modelled = step_time(job, 0, 1, Cluster("one rank", bare, 1, none, none, overlaps=False))["total"]
+    return max(statistics.median(samples) - modelled, 0.0) / shape.tensors
+
+
+
+def _fit(points: list[tuple[int, float]], n: int, hops: int = 2) -> tuple[float, float]:
+    """α, β from all-reduce timings: t = 2(N−1)α + 2(N−1)/N·S·β, fitted by least squares (``hops=1``: an
+    all-gather's (N−1)α + (N−1)/N·S·β)."""
     xs, ys = [float(s) for s, _ in points], [t for _, t in points]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     intercept = max(my - slope * mx, 0.0)
-    return intercept / (2 * (n - 1)), slope / (2 * (n - 1) / n)
+    return intercept / (hops * (n - 1)), slope / (hops * (n - 1) / n)
 
 
 def measure_flops(size: str) -> float:
@@ -88,9 +161,12 @@ def measure_bandwidth(numel: int = 8_000_000) -> float:
     return numel * 16 * 2 / statistics.median(samples)
 
 
-def _rank_measure() -> list[tuple[int, float]]:
+def _rank_measure() -> tuple[Any, ...]:
     torch.set_num_threads(1)
-    return measure_collectives(_SIZES)
+    collectives = measure_collectives(_SIZES), measure_shared_memory(_SIZES), measure_shared_memory(_SIZES, gather=True)
+    # Both ranks at once, as in a 2-rank run: they share the cores' caches and the memory bus.
+    together = {size: measure_flops(size) for size in _FLOP_SIZES}, measure_bandwidth()
+    return (*collectives, *together)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,17 +178,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="10m", help="GPT preset timed for FLOP/s")
     parser.add_argument("--out", type=Path, default=HERE)
     args = parser.parse_args(argv)
-    points = run_distributed(_rank_measure, world_size=2, timeout=300)[0]
+    points, shared, gathered, flops_together, bandwidth_together = run_distributed(
+        _rank_measure, world_size=2, timeout=600)[0]
     alpha, beta = _fit(points, 2)
     torch.set_num_threads(1)
+    flops, bandwidth = measure_flops(args.size), measure_bandwidth()
     result: dict[str, Any] = {
-        "alpha": alpha, "beta": beta, "flops": measure_flops(args.size), "bandwidth": measure_bandwidth(),
+        "alpha": alpha, "beta": beta, "flops": flops, "bandwidth": bandwidth,
+        "flops_by_size": {size: measure_flops(size) for size in _FLOP_SIZES},
+        "flops_by_size_2_ranks": flops_together, "bandwidth_2_ranks": bandwidth_together,
+        "host_per_tensor": measure_host_overhead(flops, bandwidth),
         "all_reduce_points": points, "flops_size": args.size,
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "torch": torch.__version__,
     }
+    if shared:
+        result["shm_alpha"], result["shm_beta"] = _fit(shared, 2)
+        result["shm_gather_alpha"], result["shm_gather_beta"] = _fit(gathered, 2, hops=1)
+        result["shm_all_reduce_points"], result["shm_all_gather_points"] = shared, gathered
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"alpha {alpha * 1e6:.1f} us, beta {1 / beta / 1e9:.2f} GB/s, {result['flops'] / 1e9:.1f} GFLOP/s, "
-          f"optimizer bandwidth {result['bandwidth'] / 1e9:.2f} GB/s -> {args.out}")
+    print(f"gloo: alpha {alpha * 1e6:.1f} us, beta {1 / beta / 1e9:.2f} GB/s; shared memory: "
+          + (f"alpha {result['shm_alpha'] * 1e6:.1f} us, beta {1 / result['shm_beta'] / 1e9:.2f} GB/s; " if shared
+             else "not available; ")
+          + f"{flops / 1e9:.1f} GFLOP/s, optimizer bandwidth {bandwidth / 1e9:.2f} GB/s, "
+          f"host {result['host_per_tensor'] * 1e6:.0f} us per tensor -> {args.out}")
     return 0
 
 

@@ -5,7 +5,7 @@
 ``python -m benchmarks.model --zero-paper`` the ZeRO paper's memory figures, reproduced
 
 **Step time** = compute + optimizer + the part of each collective not hidden
-behind compute.  Compute is training FLOPs at a sustained rate: 6Ψ per token
+behind compute, plus host work per parameter tensor where it is measured.  Compute is training FLOPs at a sustained rate: 6Ψ per token
 for the weights plus 12·L·s·h per token for attention scores (Kaplan et al.
 2020; Narayanan et al. 2021), one third forward, two thirds backward.  The
 optimizer is memory-bound: bytes touched per owned parameter over memory
@@ -13,7 +13,7 @@ bandwidth.  Collectives follow :mod:`benchmarks.collectives` (ring α-β) and
 what each stage does (``docs/zero.md``):
 
 * stage 0: all-reduce the fp32 gradients during backward;
-* stages 1-2: reduce-scatter (NCCL) or all-reduce (gloo) the fp32 gradients
+* stages 1-2: reduce-scatter (NCCL, shared memory) or all-reduce (gloo's sockets) the fp32 gradients
   during backward, then all-gather the updated 16-bit parameters, which
   shardwise overlaps with the next forward;
 * stage 3: all-gather the parameters in forward and again in backward, and
@@ -21,8 +21,8 @@ what each stage does (``docs/zero.md``):
 
 Where a device computes while its links move data (GPUs: NCCL runs on its own
 stream) a collective is hidden up to the compute it runs beside, and the last
-bucket is always exposed.  Where it cannot (the gloo ranks of this machine
-share its 2 cores with the compute) every collective is exposed.
+bucket is always exposed.  Where it cannot (the ranks of this machine share
+its 2 cores with the compute) every collective is exposed.
 
 **Memory** per GPU: the ZeRO paper's model states (mixed precision with Adam:
 2Ψ parameters + 2Ψ gradients + 12Ψ fp32 master, momentum and variance;
@@ -40,7 +40,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from .collectives import Link, all_gather, all_reduce, reduce_scatter
 
@@ -60,6 +60,12 @@ class Transformer:
     seq: int
     vocab: int = 50257
     params: int = 0  # 0: 12·L·h² + V·h (+ positions); set for a model counted exactly
+    parameter_tensors: int = 0  # 0: 12 per block (6 weights, 6 biases and LayerNorm vectors) + 4
+
+    @property
+    def tensors(self) -> int:
+        """Parameter tensors: what per-tensor host work (hooks, the optimizer's loop) scales with."""
+        return self.parameter_tensors or 12 * self.layers + 4
 
     @property
     def units(self) -> int:
@@ -87,6 +93,10 @@ class Device:
     memory: float
     bandwidth: float
     source: str
+    #: seconds of host work per parameter tensor per step that FLOPs and bytes do not explain (Python hooks,
+    #: the optimizer's per-tensor loop, small kernels); measured here, 0 for the GPU presets, where it runs
+    #: ahead of the device
+    host_per_tensor: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,13 @@ class Cluster:
     inter: Link
     #: whether collectives run beside compute (a GPU's own stream) or take its cores (gloo on CPU)
     overlaps: bool
+    #: what an all-gather costs where it differs from the reductions' link (shared memory on this machine
+    #: reads the peers' gradients in place but stages parameters through its slots); None: the same
+    gather: Optional[Link] = None
+
+    def gather_link(self, n: int) -> Link:
+        """The link all-gathers over ``n`` ranks see."""
+        return self.gather if self.gather is not None and n <= self.per_node else self.link(n)
 
     def link(self, n: int) -> Link:
         """A ring over ``n`` ranks: bandwidth of its slowest hop; latency of a two-level ring.
@@ -204,7 +221,7 @@ def model_states(psi: float, stage: int, n: int, k: int = 12) -> float:
 # ---------------------------------------------------------------- time
 def step_time(job: Job, stage: int, n: int, cluster: Cluster) -> dict[str, float]:
     """Seconds per optimizer step at ``stage`` on ``n`` devices, by part (see the module docstring)."""
-    psi, link, buckets = job.model.numel, cluster.link(n), job.buckets
+    psi, link, glink, buckets = job.model.numel, cluster.link(n), cluster.gather_link(n), job.buckets
     compute = job.model.flops_per_token() * job.sequences * job.model.seq / cluster.device.flops
     forward, backward = compute / 3, 2 * compute / 3
     owned = psi if stage == 0 else psi / n
@@ -217,17 +234,18 @@ def step_time(job: Job, stage: int, n: int, cluster: Cluster) -> dict[str, float
     if stage == 0:
         exposed = _hidden_behind(reduce, backward, buckets, cluster)
     elif stage in (1, 2):
-        gather = all_gather(params, n, link, buckets)
+        gather = all_gather(params, n, glink, buckets)
         exposed = _hidden_behind(reduce, backward, buckets, cluster) + _hidden_behind(gather, forward, buckets, cluster)
     else:
         units = job.model.units
-        forward_gather = all_gather(params, n, link, units)
-        backward_comm = all_gather(params, n, link, units) + reduce_scatter(grads, n, link, units)
+        forward_gather = all_gather(params, n, glink, units)
+        backward_comm = all_gather(params, n, glink, units) + reduce_scatter(grads, n, link, units)
         exposed = _hidden_behind(forward_gather, forward, units, cluster) + \
             _hidden_behind(backward_comm, backward, units, cluster)
     copies = _copied_bytes(job, stage) / cluster.device.bandwidth
-    return {"compute": compute, "optimizer": optimizer, "copies": copies, "exposed_comm": exposed,
-            "total": compute + optimizer + copies + exposed}
+    host = job.model.tensors * cluster.device.host_per_tensor
+    return {"compute": compute, "optimizer": optimizer, "copies": copies, "host": host, "exposed_comm": exposed,
+            "total": compute + optimizer + copies + host + exposed}
 
 
 def _copied_bytes(job: Job, stage: int) -> float:
@@ -298,28 +316,40 @@ def zero_paper_markdown() -> str:
 
 
 # ---------------------------------------------------------------- this machine
-def here_cluster(calibration: dict[str, Any]) -> Cluster:
-    """This machine as measured by ``benchmarks.calibrate``: gloo on loopback, collectives take the cores."""
-    cpu = Device("this CPU (1 thread per rank)", calibration["flops"], 24 * GB, calibration["bandwidth"],
-                 "measured by benchmarks.calibrate")
-    loop = Link("gloo on loopback", calibration["alpha"], calibration["beta"], "measured by benchmarks.calibrate")
-    return Cluster("this machine", cpu, 2, loop, loop, overlaps=False)
+def here_cluster(calibration: dict[str, Any], size: str = "", n: int = 1) -> Cluster:
+    """This machine as measured by ``benchmarks.calibrate``: collectives through shared memory (what the
+    engine uses on one host; gloo on loopback where the calibration has no such figures) take the cores.
+    The compute rate is the one measured for the GPT ``size`` where the calibration has it (small matrices
+    run slower than large ones on a CPU), and for ``n`` > 1 ranks the rate and bandwidth measured with both
+    ranks running at once (they share the caches and the memory bus)."""
+    together = n > 1 and "flops_by_size_2_ranks" in calibration
+    flops = calibration.get("flops_by_size_2_ranks" if together else "flops_by_size", {}).get(size, calibration["flops"])
+    bandwidth = calibration["bandwidth_2_ranks" if together else "bandwidth"]
+    cpu = Device("this CPU (1 thread per rank)", flops, 24 * GB, bandwidth,
+                 "measured by benchmarks.calibrate", calibration.get("host_per_tensor", 0.0))
+    source = "measured by benchmarks.calibrate"
+    if "shm_alpha" not in calibration:
+        link = Link("gloo on loopback", calibration["alpha"], calibration["beta"], source)
+        return Cluster("this machine", cpu, 2, link, link, overlaps=False)
+    link = Link("shared memory", calibration["shm_alpha"], calibration["shm_beta"], source)
+    gather = Link("shared memory, staged", calibration["shm_gather_alpha"], calibration["shm_gather_beta"], source)
+    return Cluster("this machine", cpu, 2, link, link, overlaps=False, gather=gather)
 
 
 def gpt_preset(size: str) -> Transformer:
     """An ``examples/gpt.py`` preset as a :class:`Transformer`, counted exactly."""
-    from .workload import gpt_module, model_numel
+    from .workload import gpt_module, model_numel, model_tensors
 
     cfg = gpt_module().gpt_config(size)
     return Transformer(size, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size, cfg.vocab_size,
-                       params=model_numel(size))
+                       params=model_numel(size), parameter_tensors=model_tensors(size))
 
 
 def predict_here(size: str, n: int, stage: int, calibration: dict[str, Any], sequences: int = 1) -> float:
     """Predicted fp32 step seconds of the benchmark's GPT ``size`` at ``stage`` on ``n`` gloo ranks here."""
     job = Job(gpt_preset(size), sequences=sequences, param_bytes=4, grad_bytes=4, state_bytes=8,
-              checkpointing=False, all_reduce_for_scatter=True)
-    return step_time(job, stage, n, here_cluster(calibration))["total"]
+              checkpointing=False, all_reduce_for_scatter="shm_alpha" not in calibration)
+    return step_time(job, stage, n, here_cluster(calibration, size, n))["total"]
 
 
 def validate(measured: dict[str, Any], calibration: dict[str, Any]) -> list[dict[str, Any]]:

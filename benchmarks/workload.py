@@ -17,7 +17,7 @@ from torch import nn
 
 from .configs import Workload
 
-__all__ = ["batch", "build_model", "gpt_module", "model_numel", "seq_len", "synthetic_stream"]
+__all__ = ["batch", "build_model", "gpt_module", "model_numel", "model_tensors", "seq_len", "synthetic_stream"]
 
 _EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 _VOCAB = 256
@@ -49,6 +49,14 @@ def model_numel(size: str) -> int:
     with torch.device("meta"):
         model = gpt.GPT(gpt.gpt_config(size))
     return sum(p.numel() for p in model.parameters())
+
+
+def model_tensors(size: str) -> int:
+    """Distinct parameter tensors of the preset ``size``."""
+    gpt = gpt_module()
+    with torch.device("meta"):
+        model = gpt.GPT(gpt.gpt_config(size))
+    return len({id(p) for p in model.parameters()})
 
 
 def seq_len(workload: Workload) -> int:

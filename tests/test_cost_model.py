@@ -45,7 +45,9 @@ def test_step_time_parts_and_overlap() -> None:
     cluster = CLUSTERS["h100-ib400"]
     job = Job(MODELS["1.3B"], sequences=4)
     parts = step_time(job, 3, 64, cluster)
-    assert parts["total"] == pytest.approx(parts["compute"] + parts["optimizer"] + parts["copies"] + parts["exposed_comm"])
+    assert parts["total"] == pytest.approx(parts["compute"] + parts["optimizer"] + parts["copies"] + parts["host"]
+                                           + parts["exposed_comm"])
+    assert parts["host"] == 0.0, "no host term for the GPU presets"
     # more GPUs: no less exposed communication for stage 0 (its all-reduce does not shrink)
     assert step_time(job, 0, 1024, cluster)["exposed_comm"] >= step_time(job, 0, 8, cluster)["exposed_comm"]
     # the 13B model does not fit at stage 0 anywhere, and fits at stage 3 from 8 GPUs on
@@ -77,15 +79,20 @@ def test_calibration_fit_recovers_alpha_and_beta() -> None:
     assert got_alpha == pytest.approx(alpha, rel=1e-6) and got_beta == pytest.approx(beta, rel=1e-6)
 
 
-def _collectives_here() -> list[tuple[int, float]]:
-    from benchmarks.calibrate import measure_collectives
+def _collectives_here() -> list[list[tuple[int, float]]]:
+    from benchmarks.calibrate import measure_collectives, measure_shared_memory
 
-    return measure_collectives([1 << 12, 1 << 16], repeats=2)
+    return [measure_collectives([1 << 12, 1 << 16], repeats=2), measure_shared_memory([1 << 12, 1 << 16], repeats=2)]
 
 
 def test_calibration_measures_on_two_ranks() -> None:
+    """gloo's sockets and shared memory, on every rank; and the host term from one rank's engine."""
+    from benchmarks.calibrate import measure_host_overhead
     from shardwise.testing import run_distributed
 
-    for points in run_distributed(_collectives_here, world_size=2, timeout=120):
-        assert [size for size, _ in points] == [1 << 12, 1 << 16]
-        assert all(seconds > 0 for _, seconds in points)
+    for both in run_distributed(_collectives_here, world_size=2, timeout=120):
+        for points in both:
+            assert [size for size, _ in points] == [1 << 12, 1 << 16]
+            assert all(seconds > 0 for _, seconds in points)
+    # at an absurd FLOP rate and bandwidth nothing is explained by the model: all of the step is host work
+    assert measure_host_overhead(1e30, 1e30) > 0

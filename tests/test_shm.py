@@ -13,6 +13,7 @@ left in /dev/shm, and a peer that dies mid-collective named within seconds.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -20,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import shardwise
 from shardwise import shm
 from shardwise.distributed import Comm
 from shardwise.faults import RankGoneError
@@ -130,6 +132,26 @@ def test_non_contiguous_and_in_flight_together() -> None:
     # the segment's file is gone from /dev/shm once every rank mapped it
     if rank == 0:  # rank 0 made it, named after its process id
         assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"shardwise-{os.getpid()}-")]
+    # a segment nobody holds is freed, and its worker thread ends
+    assert comm._shm is not None
+    worker = comm._shm._thread
+    del comm, works, work  # `work` too: each waited collective still names its Comm
+    gc.collect()
+    worker.join(5.0)
+    assert not worker.is_alive()
+
+
+@distributed_test(world_size=2, timeout=120)
+def test_destroying_an_engine_ends_its_worker() -> None:
+    model = torch.nn.Linear(4, 4)
+    engine = shardwise.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})
+    assert engine.comm.shared_memory and engine.comm._shm is not None
+    worker = engine.comm._shm._thread
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    engine.destroy()
+    worker.join(5.0)
+    assert not worker.is_alive() and not engine.comm.shared_memory
 
 
 def _one_rank_cannot_map() -> str:

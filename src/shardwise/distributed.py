@@ -198,6 +198,13 @@ class Comm:
                                               self._agree)
         self.transport = "shared memory (gloo for the rest)" if self._shm is not None else f"gloo ({reason})"
 
+    def close_shared_memory(self) -> None:
+        """Stop using shared memory (its worker thread ends once the collectives in flight are done)."""
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+            self.transport = self.backend
+
     def shared_zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Collective: a zeroed flat tensor every rank of the group maps, when collectives go through shared
         memory (a collective over a region of it then reads the peers' copies in place); else a private one."""

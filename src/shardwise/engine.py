@@ -525,6 +525,7 @@ class Engine:
     def destroy(self) -> None:
         """Remove every hook shardwise put on the module, and let go of its parameters."""
         self.strategy.close()
+        self.comm.close_shared_memory()
         ownership.release(self.module.parameters(), self)
 
     def __getattr__(self, name: str) -> Any:

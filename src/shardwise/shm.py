@@ -126,9 +126,15 @@ class SharedSegment:
         self._broken: Optional[BaseException] = None
         #: buffers every rank maps: this rank's base address -> (bytes, every rank's copy as uint8, None for this rank)
         self._shared: dict[int, tuple[int, list[Optional[torch.Tensor]]]] = {}
-        self._queue: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...], ShmWork]] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="shardwise-shm", daemon=True)
+        self._queue: queue.SimpleQueue[Optional[_Job]] = queue.SimpleQueue()
+        # The thread holds the segment only weakly: a segment nobody uses any more is freed, and its thread ends.
+        self._thread = threading.Thread(target=_serve, args=(self._queue, weakref.ref(self)), name="shardwise-shm",
+                                        daemon=True)
         self._thread.start()
+
+    def close(self) -> None:
+        """End the worker thread once the collectives already issued are done."""
+        self._queue.put(None)
 
     # ------------------------------------------------------------ the API
     def all_reduce(self, tensor: torch.Tensor) -> ShmWork:
@@ -154,15 +160,14 @@ class SharedSegment:
         self._queue.put((run, args, work))
         return work
 
-    def _run(self) -> None:
-        while True:
-            run, args, work = self._queue.get()
-            if self._broken is None:
-                try:
-                    run(*args)
-                except BaseException as exc:  # noqa: BLE001 - handed to the waiter; later collectives fail too
-                    self._broken = exc
-            work.finish(self._broken)
+    def _run(self, job: "_Job") -> None:
+        run, args, work = job
+        if self._broken is None:
+            try:
+                run(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter; later collectives fail too
+                self._broken = exc
+        work.finish(self._broken)
 
     # ----------------------------------------------------------- one step
     def _mine(self) -> torch.Tensor:
@@ -320,6 +325,25 @@ class SharedSegment:
                 return [tensor.view(-1) if copy is None else copy[offset : offset + count].view(tensor.dtype)
                         for copy in copies]
         return None
+
+
+_Job = tuple[Callable[..., None], tuple[Any, ...], ShmWork]
+
+
+def _serve(jobs: "queue.SimpleQueue[Optional[_Job]]", segment: "weakref.ref[SharedSegment]") -> None:
+    """The worker thread: run the segment's collectives in order until it is closed or freed."""
+    while True:
+        try:
+            job = jobs.get(timeout=1.0)
+        except queue.Empty:
+            if segment() is None:
+                return
+            continue
+        owner = segment()
+        if job is None or owner is None:
+            return
+        owner._run(job)
+        del owner, job  # hold nothing between jobs
 
 
 class _contiguous:
