@@ -100,21 +100,30 @@ def measure_host_overhead(flops: float, bandwidth: float, size: str = "tiny") ->
     engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {})
     shape = gpt_preset(size)
     x = torch.randint(0, shape.vocab, (1, shape.seq))
-    samples = []
-    for step in range(12):
-        start = time.perf_counter()
+
+    def train_step() -> None:
         _, loss = engine(x, x)
         engine.backward(loss)
         engine.step()
-        if step >= 2:  # the first steps pay for allocations
-            samples.append(time.perf_counter() - start)
+
+    measured = _median_seconds(train_step, steps=10, warmup=2)
     engine.destroy()
     bare = Device("bare", flops, 24 * GB, bandwidth, "calibration")
     none = Link("none", 0.0, 0.0, "calibration")
     job = Job(shape, param_bytes=4, grad_bytes=4, state_bytes=8, checkpointing=False)
     modelled = step_time(job, 0, 1, Cluster("one rank", bare, 1, none, none, overlaps=False))["total"]
-    return max(statistics.median(samples) - modelled, 0.0) / shape.tensors
+    return max(measured - modelled, 0.0) / shape.tensors
 
+
+def _median_seconds(step: Any, steps: int, warmup: int) -> float:
+    """Median wall time of ``step()`` over ``steps`` calls after ``warmup`` (which pay for allocations)."""
+    samples = []
+    for index in range(warmup + steps):
+        start = time.perf_counter()
+        step()
+        if index >= warmup:
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
 
 
 def _fit(points: list[tuple[int, float]], n: int, hops: int = 2) -> tuple[float, float]:
@@ -137,14 +146,12 @@ def measure_flops(size: str) -> float:
     model = gpt.GPT(gpt.gpt_config(size))
     shape = gpt_preset(size)
     x = torch.randint(0, shape.vocab, (1, shape.seq))
-    samples = []
-    for step in range(4):
-        start = time.perf_counter()
+
+    def train_step() -> None:
         _, loss = model(x, x)
         loss.backward()
-        if step:  # the first step pays for allocations
-            samples.append(time.perf_counter() - start)
-    return shape.flops_per_token() * shape.seq / statistics.median(samples)
+
+    return shape.flops_per_token() * shape.seq / _median_seconds(train_step, steps=3, warmup=1)
 
 
 def measure_bandwidth(numel: int = 8_000_000) -> float:

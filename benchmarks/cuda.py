@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .configs import System, Workload, peer_of
-from .systems import ShardwiseHarness, build_harness
+from .systems import Harness, ShardwiseHarness, build_harness
 from .workload import batch, gpt_module, synthetic_stream
 
 __all__ = ["main"]
@@ -103,19 +103,20 @@ def _pair(args: argparse.Namespace, system: System, overrides: dict[str, int]) -
 
 
 def _checkpoint_round_trip(
-    harness: ShardwiseHarness, stream: torch.Tensor, workload: Workload, overrides: dict[str, int],
+    harness: Harness, stream: torch.Tensor, workload: Workload, overrides: dict[str, int],
     args: argparse.Namespace,
 ) -> bool:
     """Save, load into a fresh engine at the same stage, and compare the next step's loss exactly."""
+    assert isinstance(harness, ShardwiseHarness), "the first harness of a pair is shardwise's"
     engine = harness.engine
     system = System("shardwise", engine.config.zero_optimization.stage, "bf16" if engine.bfloat16_enabled() else "fp32")
     with tempfile.TemporaryDirectory() as tmp:
         engine.save_checkpoint(tmp, tag="t")
         fresh = ShardwiseHarness(_model(args, overrides), system, workload)
         path, _ = fresh.engine.load_checkpoint(tmp, tag="t")
-        xy = tuple(t.to(args.device) for t in batch(stream, workload, 0, workload.total_steps))
-        a = float(harness.step(*xy, False))  # type: ignore[arg-type]
-        b = float(fresh.step(*xy, False))  # type: ignore[arg-type]
+        x, y = (t.to(args.device) for t in batch(stream, workload, 0, workload.total_steps))
+        a = float(harness.step(x, y, False))
+        b = float(fresh.step(x, y, False))
         del fresh
     return path is not None and a == b
 
