@@ -13,8 +13,8 @@ lazily built buffers), every rank samples at ``--samples`` evenly spaced steps:
   warm-up to the largest later sample, in percent (a leak grows with steps;
   the bar is 2%);
 * **live tensors**: Python tensor objects the garbage collector tracks (a
-  collection first), at the end of the warm-up and at the end (the bar: no
-  growth);
+  collection first, and the collectives in flight finished), at the end of
+  the warm-up and at the end (the bar: no growth);
 * **step time**: median of the first and of the last tenth of the steps after
   warm-up, and their ratio (stable: near 1; this shared machine swings ±15%).
 
@@ -65,6 +65,13 @@ def resident_bytes() -> int:
         return int(handle.read().split()[1]) * _PAGE
 
 
+def _settled_tensors(engine: Any) -> int:
+    """Live tensors once the collectives in flight are done (stages 1-2 gather behind the next forward, and
+    a shared-memory collective holds its tensors until its worker has run it): the same point every time."""
+    engine.strategy.settle()
+    return live_tensors()
+
+
 def live_tensors() -> int:
     """Tensor objects alive in this process, after a full collection."""
     gc.collect()
@@ -107,10 +114,10 @@ def soak_in_rank(stage: int, steps: int, warmup: float, samples: int, size: str,
         if step > first:
             times.append(elapsed)
         if step == first:
-            tensors_after_warmup = live_tensors()
+            tensors_after_warmup = _settled_tensors(engine)
         if step in marks or step == steps:
             rss.append((step, resident_bytes()))
-    tensors_at_end = live_tensors()
+    tensors_at_end = _settled_tensors(engine)
     engine.destroy()
     return {"stage": stage, "rank": dist.get_rank(), "steps": steps, "warmup_steps": first, "rss": rss,
             "tensors": [tensors_after_warmup, tensors_at_end], "times": times}
