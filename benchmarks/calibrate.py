@@ -8,17 +8,19 @@
   rank maps, as the flat stages reduce their gradients; and an all-gather of a
   private tensor, staged through the segment's slots, as parameters are
   gathered. Comm's own host work per collective is in the figures.
-* Host work per parameter tensor: one rank trains the ``tiny`` GPT (a preset
-  the validation does not use) through a stage-0 engine; what its step time
-  has beyond the compute and optimizer terms, divided by its parameter tensors.
 * Sustained FLOP/s of one rank: forward + backward of the benchmark's GPT
   (``--size``, fp32, micro-batch 1), counted as :meth:`Transformer.flops_per_token`;
-  and the same for each preset the validation uses (the bare model, no engine:
-  a device figure for that shape, as a datasheet's rate is for a GPU), alone
-  and with both ranks measuring at once (2 ranks share the caches and memory bus).
+  and, for each preset the validation uses, the bare model's FLOP/s and
+  AdamW's bandwidth over its own parameters (device figures for that shape, as
+  a datasheet's are for a GPU: small matrices run slower on a CPU, AdamW's
+  passes over small tensors stay in cache), alone and with both ranks
+  measuring at once (2 ranks share the caches and the memory bus).
 * Memory bandwidth as the optimizer sees it: one AdamW step over 8M fp32
-  parameters, counted as the model counts it (2 × 16 bytes per parameter);
-  alone and with both ranks at once.
+  parameters, counted as the model counts it (2 × 16 bytes per parameter).
+* Host work per parameter tensor, per stage: one rank trains the ``tiny`` GPT
+  (a preset the validation does not use) through an engine at that stage;
+  what its step time has beyond the compute and optimizer terms (with tiny's
+  own device figures), divided by its parameter tensors.
 
 Writes ``benchmarks/calibration.json`` (``--out`` to write elsewhere).
 """
@@ -86,18 +88,25 @@ def measure_shared_memory(sizes: list[int], repeats: int = 5, gather: bool = Fal
     return timings
 
 
-def measure_host_overhead(flops: float, bandwidth: float, size: str = "tiny") -> float:
-    """Seconds per parameter tensor per step beyond the model's compute and optimizer terms (one rank)."""
+def measure_host_overhead(stage: int = 0, size: str = "tiny", device: dict[str, float] | None = None) -> float:
+    """Seconds per parameter tensor per step beyond the model's compute and optimizer terms (one rank, ZeRO
+    ``stage``).
+
+    The compute and optimizer terms use the bare ``size`` model's own FLOP rate and AdamW bandwidth
+    (measured here unless ``device`` gives them), so what remains is the engine's host work: hooks, unit
+    bookkeeping at stage 3, the optimizer's loop."""
     import shardwise
 
     from .collectives import Link
     from .model import GB, Cluster, Device, Job, gpt_preset, step_time
     from .workload import gpt_module
 
+    device = device or {"flops": measure_flops(size), "bandwidth": measure_bandwidth(size=size)}
     gpt = gpt_module()
     torch.manual_seed(0)
     model = gpt.GPT(gpt.gpt_config(size))
-    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {})
+    config = {"zero_optimization": {"stage": stage}}
+    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
     shape = gpt_preset(size)
     x = torch.randint(0, shape.vocab, (1, shape.seq))
 
@@ -108,10 +117,10 @@ def measure_host_overhead(flops: float, bandwidth: float, size: str = "tiny") ->
 
     measured = _median_seconds(train_step, steps=10, warmup=2)
     engine.destroy()
-    bare = Device("bare", flops, 24 * GB, bandwidth, "calibration")
+    bare = Device("bare", device["flops"], 24 * GB, device["bandwidth"], "calibration")
     none = Link("none", 0.0, 0.0, "calibration")
     job = Job(shape, param_bytes=4, grad_bytes=4, state_bytes=8, checkpointing=False)
-    modelled = step_time(job, 0, 1, Cluster("one rank", bare, 1, none, none, overlaps=False))["total"]
+    modelled = step_time(job, stage, 1, Cluster("one rank", bare, 1, none, none, overlaps=False))["total"]
     return max(measured - modelled, 0.0) / shape.tensors
 
 
@@ -154,26 +163,34 @@ def measure_flops(size: str) -> float:
     return shape.flops_per_token() * shape.seq / _median_seconds(train_step, steps=3, warmup=1)
 
 
-def measure_bandwidth(numel: int = 8_000_000) -> float:
-    """Bytes/s an fp32 AdamW step moves, counting 2 × 16 bytes per parameter (as the model does)."""
-    param = torch.nn.Parameter(torch.zeros(numel))
-    param.grad = torch.ones(numel)
-    opt = torch.optim.AdamW([param], lr=1e-3)
-    opt.step()
-    samples = []
-    for _ in range(3):
-        start = time.perf_counter()
-        opt.step()
-        samples.append(time.perf_counter() - start)
-    return numel * 16 * 2 / statistics.median(samples)
+def measure_bandwidth(numel: int = 8_000_000, size: str = "") -> float:
+    """Bytes/s an fp32 AdamW step moves, counting 2 × 16 bytes per parameter (as the model does): over one
+    tensor of ``numel``, or over the parameters of the GPT ``size`` (its tensors' sizes set how much of
+    each stays in cache between AdamW's passes)."""
+    if size:
+        from .workload import gpt_module
+
+        gpt = gpt_module()
+        params = list(gpt.GPT(gpt.gpt_config(size)).parameters())
+    else:
+        params = [torch.nn.Parameter(torch.zeros(numel))]
+    for param in params:
+        param.grad = torch.ones_like(param)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    seconds = _median_seconds(opt.step, steps=3, warmup=1)
+    return sum(p.numel() for p in params) * 16 * 2 / seconds
+
+
+def measure_devices() -> dict[str, dict[str, float]]:
+    """Per preset: the bare model's FLOP/s and AdamW's bandwidth over its parameters (this thread)."""
+    return {size: {"flops": measure_flops(size), "bandwidth": measure_bandwidth(size=size)} for size in _FLOP_SIZES}
 
 
 def _rank_measure() -> tuple[Any, ...]:
     torch.set_num_threads(1)
     collectives = measure_collectives(_SIZES), measure_shared_memory(_SIZES), measure_shared_memory(_SIZES, gather=True)
     # Both ranks at once, as in a 2-rank run: they share the cores' caches and the memory bus.
-    together = {size: measure_flops(size) for size in _FLOP_SIZES}, measure_bandwidth()
-    return (*collectives, *together)
+    return (*collectives, measure_devices())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,16 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="10m", help="GPT preset timed for FLOP/s")
     parser.add_argument("--out", type=Path, default=HERE)
     args = parser.parse_args(argv)
-    points, shared, gathered, flops_together, bandwidth_together = run_distributed(
-        _rank_measure, world_size=2, timeout=600)[0]
+    points, shared, gathered, together = run_distributed(_rank_measure, world_size=2, timeout=600)[0]
     alpha, beta = _fit(points, 2)
     torch.set_num_threads(1)
     flops, bandwidth = measure_flops(args.size), measure_bandwidth()
     result: dict[str, Any] = {
         "alpha": alpha, "beta": beta, "flops": flops, "bandwidth": bandwidth,
-        "flops_by_size": {size: measure_flops(size) for size in _FLOP_SIZES},
-        "flops_by_size_2_ranks": flops_together, "bandwidth_2_ranks": bandwidth_together,
-        "host_per_tensor": measure_host_overhead(flops, bandwidth),
+        "by_size": measure_devices(), "by_size_2_ranks": together,
+        "host_per_tensor_by_stage": {str(stage): measure_host_overhead(stage) for stage in range(4)},
         "all_reduce_points": points, "flops_size": args.size,
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "torch": torch.__version__,
     }
@@ -207,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
           + (f"alpha {result['shm_alpha'] * 1e6:.1f} us, beta {1 / result['shm_beta'] / 1e9:.2f} GB/s; " if shared
              else "not available; ")
           + f"{flops / 1e9:.1f} GFLOP/s, optimizer bandwidth {bandwidth / 1e9:.2f} GB/s, "
-          f"host {result['host_per_tensor'] * 1e6:.0f} us per tensor -> {args.out}")
+          "host us per tensor, stages 0-3: "
+          + " / ".join(f"{v * 1e6:.0f}" for v in result["host_per_tensor_by_stage"].values()) + f" -> {args.out}")
     return 0
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -110,13 +111,14 @@ class Cluster:
     inter: Link
     #: whether collectives run beside compute (a GPU's own stream) or take its cores (gloo on CPU)
     overlaps: bool
-    #: what an all-gather costs where it differs from the reductions' link (shared memory on this machine
-    #: reads the peers' gradients in place but stages parameters through its slots); None: the same
-    gather: Optional[Link] = None
+    #: what a collective staged through a copy costs where that differs from ``intra`` (shared memory on
+    #: this machine reads stages 0-1's shared gradient buffer in place, but stages every all-gather and
+    #: stages 2-3's reductions through its slots); None: the same
+    staged: Optional[Link] = None
 
-    def gather_link(self, n: int) -> Link:
-        """The link all-gathers over ``n`` ranks see."""
-        return self.gather if self.gather is not None and n <= self.per_node else self.link(n)
+    def staged_link(self, n: int) -> Link:
+        """The link staged collectives over ``n`` ranks see."""
+        return self.staged if self.staged is not None and n <= self.per_node else self.link(n)
 
     def link(self, n: int) -> Link:
         """A ring over ``n`` ranks: bandwidth of its slowest hop; latency of a two-level ring.
@@ -221,7 +223,8 @@ def model_states(psi: float, stage: int, n: int, k: int = 12) -> float:
 # ---------------------------------------------------------------- time
 def step_time(job: Job, stage: int, n: int, cluster: Cluster) -> dict[str, float]:
     """Seconds per optimizer step at ``stage`` on ``n`` devices, by part (see the module docstring)."""
-    psi, link, glink, buckets = job.model.numel, cluster.link(n), cluster.gather_link(n), job.buckets
+    psi, glink, buckets = job.model.numel, cluster.staged_link(n), job.buckets
+    link = cluster.link(n) if stage < 2 else glink  # stages 2-3 reduce from buffers of their own
     compute = job.model.flops_per_token() * job.sequences * job.model.seq / cluster.device.flops
     forward, backward = compute / 3, 2 * compute / 3
     owned = psi if stage == 0 else psi / n
@@ -242,21 +245,23 @@ def step_time(job: Job, stage: int, n: int, cluster: Cluster) -> dict[str, float
         backward_comm = all_gather(params, n, glink, units) + reduce_scatter(grads, n, link, units)
         exposed = _hidden_behind(forward_gather, forward, units, cluster) + \
             _hidden_behind(backward_comm, backward, units, cluster)
-    copies = _copied_bytes(job, stage) / cluster.device.bandwidth
+    copies = _copied_bytes(job, stage, n) / cluster.device.bandwidth
     host = job.model.tensors * cluster.device.host_per_tensor
     return {"compute": compute, "optimizer": optimizer, "copies": copies, "host": host, "exposed_comm": exposed,
             "total": compute + optimizer + copies + host + exposed}
 
 
-def _copied_bytes(job: Job, stage: int) -> float:
-    """Bytes a stage copies per step beside the math: stage 2 stages gradients into its buckets; stage 3
-    writes every unit's full parameters twice (forward, backward) and its gradients into a flat buffer."""
+def _copied_bytes(job: Job, stage: int, n: int = 1) -> float:
+    """Bytes a stage moves per step beside the math: stages 0-1 copy each gradient into the flat buffer
+    (as DDP copies into its buckets); stage 2 stages gradients into its buckets; stage 3 writes every unit's
+    full parameters twice (forward, backward) and its gradients into a flat buffer; every stage reads the
+    gradients it owns once more for their norm (clipping, the overflow check, ``get_global_grad_norm()``)."""
     psi = job.model.numel
-    if stage == 2:
-        return job.grad_bytes * psi
+    owned = psi if stage == 0 else psi / n
+    norm = job.grad_bytes * owned
     if stage == 3:
-        return (2 * job.param_bytes + job.grad_bytes) * psi
-    return 0.0
+        return (2 * job.param_bytes + job.grad_bytes) * psi + norm
+    return job.grad_bytes * psi + norm
 
 
 def _hidden_behind(comm: float, compute: float, pieces: int, cluster: Cluster) -> float:
@@ -298,12 +303,18 @@ def scale_markdown(cluster: Cluster, sequences: int = 4) -> str:
         for n in (8, 64, 1024):
             mine = [r for r in rows if r["model"] == model and r["gpus"] == n]
             fitting = [r for r in mine if r["fits"]]
-            best = min(fitting, key=lambda r: r["step_s"])["stage"] if fitting else "none"
+            best = _fastest(fitting) if fitting else "none"
             memory = " / ".join(f"{r['memory_gb']:.1f}" for r in mine)
             times = " / ".join(f"{r['step_s']:.3f}" for r in mine)
             fits = ", ".join(str(r["stage"]) for r in fitting) or "none"
             lines.append(f"| {model} | {n:,} | {memory} | {times} | {fits} | {best} |")
     return "\n".join(lines) + "\n"
+
+
+def _fastest(fitting: list[dict[str, Any]]) -> str:
+    """The stages within 1% of the fastest (a model this coarse cannot order them more finely)."""
+    quickest = min(r["step_s"] for r in fitting)
+    return ", ".join(str(r["stage"]) for r in fitting if r["step_s"] <= quickest * 1.01)
 
 
 def zero_paper_markdown() -> str:
@@ -316,24 +327,25 @@ def zero_paper_markdown() -> str:
 
 
 # ---------------------------------------------------------------- this machine
-def here_cluster(calibration: dict[str, Any], size: str = "", n: int = 1) -> Cluster:
+def here_cluster(calibration: dict[str, Any], size: str = "", n: int = 1, stage: int = 0) -> Cluster:
     """This machine as measured by ``benchmarks.calibrate``: collectives through shared memory (what the
     engine uses on one host; gloo on loopback where the calibration has no such figures) take the cores.
-    The compute rate is the one measured for the GPT ``size`` where the calibration has it (small matrices
-    run slower than large ones on a CPU), and for ``n`` > 1 ranks the rate and bandwidth measured with both
-    ranks running at once (they share the caches and the memory bus)."""
-    together = n > 1 and "flops_by_size_2_ranks" in calibration
-    flops = calibration.get("flops_by_size_2_ranks" if together else "flops_by_size", {}).get(size, calibration["flops"])
-    bandwidth = calibration["bandwidth_2_ranks" if together else "bandwidth"]
-    cpu = Device("this CPU (1 thread per rank)", flops, 24 * GB, bandwidth,
-                 "measured by benchmarks.calibrate", calibration.get("host_per_tensor", 0.0))
+    The compute rate and the optimizer's bandwidth are the ones measured for the GPT ``size`` where the
+    calibration has them (small matrices run slower than large ones on a CPU; AdamW's passes over small
+    tensors stay in cache), for ``n`` > 1 ranks with both ranks running at once (they share the caches and
+    the memory bus); the host work per tensor is the one measured at ``stage``."""
+    measured = calibration.get("by_size_2_ranks" if n > 1 else "by_size", {}).get(size, {})
+    flops = measured.get("flops", calibration["flops"])
+    bandwidth = measured.get("bandwidth", calibration["bandwidth"])
+    host = calibration.get("host_per_tensor_by_stage", {}).get(str(stage), 0.0)
+    cpu = Device("this CPU (1 thread per rank)", flops, 24 * GB, bandwidth, "measured by benchmarks.calibrate", host)
     source = "measured by benchmarks.calibrate"
     if "shm_alpha" not in calibration:
         link = Link("gloo on loopback", calibration["alpha"], calibration["beta"], source)
         return Cluster("this machine", cpu, 2, link, link, overlaps=False)
     link = Link("shared memory", calibration["shm_alpha"], calibration["shm_beta"], source)
-    gather = Link("shared memory, staged", calibration["shm_gather_alpha"], calibration["shm_gather_beta"], source)
-    return Cluster("this machine", cpu, 2, link, link, overlaps=False, gather=gather)
+    staged = Link("shared memory, staged", calibration["shm_gather_alpha"], calibration["shm_gather_beta"], source)
+    return Cluster("this machine", cpu, 2, link, link, overlaps=False, staged=staged)
 
 
 def gpt_preset(size: str) -> Transformer:
@@ -349,7 +361,7 @@ def predict_here(size: str, n: int, stage: int, calibration: dict[str, Any], seq
     """Predicted fp32 step seconds of the benchmark's GPT ``size`` at ``stage`` on ``n`` gloo ranks here."""
     job = Job(gpt_preset(size), sequences=sequences, param_bytes=4, grad_bytes=4, state_bytes=8,
               checkpointing=False, all_reduce_for_scatter="shm_alpha" not in calibration)
-    return step_time(job, stage, n, here_cluster(calibration, size, n))["total"]
+    return step_time(job, stage, n, here_cluster(calibration, size, n, stage))["total"]
 
 
 def validate(measured: dict[str, Any], calibration: dict[str, Any]) -> list[dict[str, Any]]:
@@ -370,8 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--table", action="store_true", help="the scale table for each cluster preset")
     parser.add_argument("--zero-paper", action="store_true", help="the ZeRO paper's memory figures, reproduced")
-    parser.add_argument("--validate", type=Path, metavar="SCALING_JSON",
-                        help="compare with a `benchmarks.run --scaling-only` result (scaling.json)")
+    parser.add_argument("--validate", type=Path, nargs="+", metavar="SCALING_JSON",
+                        help="compare with `benchmarks.run --scaling-only` results (scaling.json; several: the "
+                             "median of each cell, as one sweep on a shared machine can catch a burst of load)")
     parser.add_argument("--calibration", type=Path, default=HERE, help="this machine's measured α, β, FLOP/s")
     parser.add_argument("--sequences", type=int, default=4, help="sequences per GPU per step in the table")
     args = parser.parse_args(argv)
@@ -387,12 +400,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _measured_from_scaling(path: Path) -> dict[str, Any]:
-    """The rows of a scaling.json: size, world size, stage, median step seconds."""
-    data = json.loads(path.read_text())
-    rows = [{"size": p["size"], "world_size": p["world_size"], "stage": p["stage"],
-             "measured_s": p["step_s"]["median"]} for p in data["points"] if "step_s" in p]
-    return {"rows": rows, "micro_batch": data.get("micro_batch", 1)}
+def _measured_from_scaling(paths: list[Path]) -> dict[str, Any]:
+    """The rows of scaling.json files: size, world size, stage, median step seconds (the median over the
+    files of each cell's median)."""
+    cells: dict[tuple[str, int, int], list[float]] = {}
+    micro_batch = 1
+    for path in paths:
+        data = json.loads(path.read_text())
+        micro_batch = data.get("micro_batch", 1)
+        for p in data["points"]:
+            if "step_s" in p:
+                cells.setdefault((p["size"], p["world_size"], p["stage"]), []).append(p["step_s"]["median"])
+    rows = [{"size": size, "world_size": n, "stage": stage, "measured_s": statistics.median(times), "sweeps": len(times)}
+            for (size, n, stage), times in cells.items()]
+    return {"rows": rows, "micro_batch": micro_batch}
 
 
 def validation_markdown(rows: list[dict[str, Any]]) -> str:

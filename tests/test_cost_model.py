@@ -95,4 +95,4 @@ def test_calibration_measures_on_two_ranks() -> None:
             assert [size for size, _ in points] == [1 << 12, 1 << 16]
             assert all(seconds > 0 for _, seconds in points)
     # at an absurd FLOP rate and bandwidth nothing is explained by the model: all of the step is host work
-    assert measure_host_overhead(1e30, 1e30) > 0
+    assert measure_host_overhead(3, device={"flops": 1e30, "bandwidth": 1e30}) > 0
