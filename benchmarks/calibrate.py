@@ -20,7 +20,9 @@
 * Host work per parameter tensor, per stage: one rank trains the ``tiny`` GPT
   (a preset the validation does not use) through an engine at that stage;
   what its step time has beyond the compute and optimizer terms (with tiny's
-  own device figures), divided by its parameter tensors.
+  own device figures), divided by its parameter tensors.  And the same with 2
+  ranks beyond everything the model predicts for them with the links measured
+  above (the ranks waiting for each other at every collective, on top).
 
 Writes ``benchmarks/calibration.json`` (``--out`` to write elsewhere).
 """
@@ -88,25 +90,32 @@ def measure_shared_memory(sizes: list[int], repeats: int = 5, gather: bool = Fal
     return timings
 
 
-def measure_host_overhead(stage: int = 0, size: str = "tiny", device: dict[str, float] | None = None) -> float:
-    """Seconds per parameter tensor per step beyond the model's compute and optimizer terms (one rank, ZeRO
-    ``stage``).
+def measure_host_overhead(stage: int = 0, size: str = "tiny", cluster: Any = None) -> float:
+    """Seconds per parameter tensor per step beyond what ``cluster`` predicts for ``size`` at ``stage``
+    (every rank of the current group trains; a collective with 2 ranks).
 
-    The compute and optimizer terms use the bare ``size`` model's own FLOP rate and AdamW bandwidth
-    (measured here unless ``device`` gives them), so what remains is the engine's host work: hooks, unit
-    bookkeeping at stage 3, the optimizer's loop."""
+    Without ``cluster``: one rank, with the bare ``size`` model's own FLOP rate and AdamW bandwidth, so what
+    remains is the engine's host work (hooks, unit bookkeeping at stage 3, the optimizer's loop).  With 2
+    ranks and a cluster of the measured links, what remains is also the ranks waiting for each other."""
+    import torch.distributed as dist
+
     import shardwise
 
     from .collectives import Link
     from .model import GB, Cluster, Device, Job, gpt_preset, step_time
     from .workload import gpt_module
 
-    device = device or {"flops": measure_flops(size), "bandwidth": measure_bandwidth(size=size)}
+    if cluster is None:
+        bare = Device("bare", measure_flops(size), 24 * GB, measure_bandwidth(size=size), "calibration")
+        none = Link("none", 0.0, 0.0, "calibration")
+        cluster = Cluster("one rank", bare, 1, none, none, overlaps=False)
     gpt = gpt_module()
     torch.manual_seed(0)
     model = gpt.GPT(gpt.gpt_config(size))
-    config = {"zero_optimization": {"stage": stage}}
-    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    # every tensor its own gathered unit at stage 3 (tiny's are all below the default persistence threshold,
+    # which would leave the unit machinery out of the figure)
+    zero: dict[str, Any] = {"stage": stage} | ({"stage3_param_persistence_threshold": 0} if stage == 3 else {})
+    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {"zero_optimization": zero})
     shape = gpt_preset(size)
     x = torch.randint(0, shape.vocab, (1, shape.seq))
 
@@ -117,11 +126,21 @@ def measure_host_overhead(stage: int = 0, size: str = "tiny", device: dict[str, 
 
     measured = _median_seconds(train_step, steps=10, warmup=2)
     engine.destroy()
-    bare = Device("bare", device["flops"], 24 * GB, device["bandwidth"], "calibration")
-    none = Link("none", 0.0, 0.0, "calibration")
+    n = dist.get_world_size() if dist.is_initialized() else 1
     job = Job(shape, param_bytes=4, grad_bytes=4, state_bytes=8, checkpointing=False)
-    modelled = step_time(job, stage, 1, Cluster("one rank", bare, 1, none, none, overlaps=False))["total"]
+    modelled = step_time(job, stage, n, cluster)["total"]
     return max(measured - modelled, 0.0) / shape.tensors
+
+
+def _rank_host(calibration: dict[str, Any]) -> dict[str, float]:
+    """On 2 ranks: the host work per tensor per stage beyond the one-rank figure and the measured links."""
+    from .model import here_cluster
+
+    torch.set_num_threads(1)
+    tiny = {"flops": measure_flops("tiny"), "bandwidth": measure_bandwidth(size="tiny")}
+    known = {**calibration, "by_size_2_ranks": {"tiny": tiny}}
+    return {str(stage): measure_host_overhead(stage, cluster=here_cluster(known, "tiny", 2, stage))
+            for stage in range(4)}
 
 
 def _median_seconds(step: Any, steps: int, warmup: int) -> float:
@@ -217,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         result["shm_alpha"], result["shm_beta"] = _fit(shared, 2)
         result["shm_gather_alpha"], result["shm_gather_beta"] = _fit(gathered, 2, hops=1)
         result["shm_all_reduce_points"], result["shm_all_gather_points"] = shared, gathered
+    # on top of the one-rank host work: what 2 ranks of the tiny preset add beyond the measured links
+    result["host_per_tensor_by_stage_2_ranks"] = run_distributed(_rank_host, world_size=2, args=(result,),
+                                                                 timeout=600)[0]
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"gloo: alpha {alpha * 1e6:.1f} us, beta {1 / beta / 1e9:.2f} GB/s; shared memory: "
           + (f"alpha {result['shm_alpha'] * 1e6:.1f} us, beta {1 / result['shm_beta'] / 1e9:.2f} GB/s; " if shared

@@ -338,6 +338,8 @@ def here_cluster(calibration: dict[str, Any], size: str = "", n: int = 1, stage:
     flops = measured.get("flops", calibration["flops"])
     bandwidth = measured.get("bandwidth", calibration["bandwidth"])
     host = calibration.get("host_per_tensor_by_stage", {}).get(str(stage), 0.0)
+    if n > 1:
+        host += calibration.get("host_per_tensor_by_stage_2_ranks", {}).get(str(stage), 0.0)
     cpu = Device("this CPU (1 thread per rank)", flops, 24 * GB, bandwidth, "measured by benchmarks.calibrate", host)
     source = "measured by benchmarks.calibrate"
     if "shm_alpha" not in calibration:

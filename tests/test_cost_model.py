@@ -95,4 +95,9 @@ def test_calibration_measures_on_two_ranks() -> None:
             assert [size for size, _ in points] == [1 << 12, 1 << 16]
             assert all(seconds > 0 for _, seconds in points)
     # at an absurd FLOP rate and bandwidth nothing is explained by the model: all of the step is host work
-    assert measure_host_overhead(3, device={"flops": 1e30, "bandwidth": 1e30}) > 0
+    from benchmarks.collectives import Link
+    from benchmarks.model import Cluster, Device
+
+    instant = Link("instant", 0.0, 0.0, "test")
+    cluster = Cluster("instant", Device("instant", 1e30, 1e12, 1e30, "test"), 1, instant, instant, overlaps=False)
+    assert measure_host_overhead(3, cluster=cluster) > 0
