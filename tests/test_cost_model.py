@@ -79,25 +79,25 @@ def test_calibration_fit_recovers_alpha_and_beta() -> None:
     assert got_alpha == pytest.approx(alpha, rel=1e-6) and got_beta == pytest.approx(beta, rel=1e-6)
 
 
-def _collectives_here() -> list[list[tuple[int, float]]]:
-    from benchmarks.calibrate import measure_collectives, measure_shared_memory
-
-    return [measure_collectives([1 << 12, 1 << 16], repeats=2), measure_shared_memory([1 << 12, 1 << 16], repeats=2)]
-
-
-def test_calibration_measures_on_two_ranks() -> None:
-    """gloo's sockets and shared memory, on every rank; and the host term from one rank's engine."""
-    from benchmarks.calibrate import measure_host_overhead
-    from shardwise.testing import run_distributed
-
-    for both in run_distributed(_collectives_here, world_size=2, timeout=120):
-        for points in both:
-            assert [size for size, _ in points] == [1 << 12, 1 << 16]
-            assert all(seconds > 0 for _, seconds in points)
-    # at an absurd FLOP rate and bandwidth nothing is explained by the model: all of the step is host work
+def _measured_here() -> tuple[list[list[tuple[int, float]]], float]:
+    from benchmarks.calibrate import measure_collectives, measure_host_overhead, measure_shared_memory
     from benchmarks.collectives import Link
     from benchmarks.model import Cluster, Device
 
+    collectives = [measure_collectives([1 << 12, 1 << 16], repeats=2),
+                   measure_shared_memory([1 << 12, 1 << 16], repeats=2)]
+    # at an absurd FLOP rate, bandwidth and link speed the model explains nothing: all of the step is host work
     instant = Link("instant", 0.0, 0.0, "test")
-    cluster = Cluster("instant", Device("instant", 1e30, 1e12, 1e30, "test"), 1, instant, instant, overlaps=False)
-    assert measure_host_overhead(3, cluster=cluster) > 0
+    cluster = Cluster("instant", Device("instant", 1e30, 1e12, 1e30, "test"), 2, instant, instant, overlaps=False)
+    return collectives, measure_host_overhead(3, cluster=cluster)
+
+
+def test_calibration_measures_on_two_ranks() -> None:
+    """gloo's sockets and shared memory, on every rank; and the host term from an engine on the ranks."""
+    from shardwise.testing import run_distributed
+
+    for both, host in run_distributed(_measured_here, world_size=2, timeout=120):
+        for points in both:
+            assert [size for size, _ in points] == [1 << 12, 1 << 16]
+            assert all(seconds > 0 for _, seconds in points)
+        assert host > 0
