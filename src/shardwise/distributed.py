@@ -13,6 +13,11 @@ timeout passed) becomes a :class:`~shardwise.faults.CommError` that names every
 rank and the collective it was in (:mod:`shardwise.faults`).  Every collective
 is recorded in its group's ledger: a sequence number, a rolling fingerprint the
 engine's step check compares across ranks, and a short log for the messages.
+
+On gloo, an engine's ``Comm`` also carries its all-reduce, reduce-scatter and
+all-gather of CPU tensors through shared memory when every rank is on one host
+(:meth:`Comm.open_shared_memory`, :mod:`.shm`); the ledger, the byte counts and
+the failures are the same whichever way a collective travels.
 """
 
 from __future__ import annotations
