@@ -181,10 +181,15 @@ class FlatStrategy(Strategy):
         """At a boundary, take ``param``'s finished gradient for its bucket (stage 2 copies it)."""
 
     def _flush(self, bucket: Bucket) -> None:
-        """Before ``bucket`` is reduced: parameters that got no gradient since ``zero_grad`` count as zero."""
+        """Before ``bucket`` is reduced: parameters that got no gradient since ``zero_grad`` count as zero.
+
+        Their ``.grad`` becomes the zeroed view again, so an optimizer that steps the parameters
+        themselves (stage 0) sees the zero too, as the masters of stages 1-2 do."""
         for index in bucket.params:
             if self._stale[index]:
-                self._grad_views[index].zero_()
+                view = self._grad_views[index]
+                view.zero_()
+                self.layout.params[index].grad = view  # not a use of the values (see .pending)
                 self._stale[index] = False
 
     def _comm_input(self, bucket: Bucket) -> torch.Tensor:

@@ -42,15 +42,21 @@ class Stage2(Stage1):
     def _stage(self, bucket: Bucket) -> torch.Tensor:
         staging = self._staging.get(bucket.index)
         if staging is None:
-            staging = torch.zeros(bucket.padded, dtype=torch.float32, device=self.device)
+            # `_capture` writes every parameter's slice (its gradient, or zeros) before the bucket is
+            # reduced, so only the padding is zeroed here: no memset of the whole bucket every step
+            staging = torch.empty(bucket.padded, dtype=torch.float32, device=self.device)
+            staging[bucket.numel :].zero_()
             self._staging[bucket.index] = staging
         return staging
 
     def _capture(self, index: int, param: torch.Tensor) -> None:
         bucket, offset = self.layout.bucket_of[index]
-        if param.grad is not None:
-            self._stage(bucket).narrow(0, offset, param.numel()).copy_(param.grad.reshape(-1))
-            param.grad = None  # the full-size gradient is no longer needed
+        target = self._stage(bucket).narrow(0, offset, param.numel())
+        if param.grad is None:
+            target.zero_()  # no gradient since the last step: it counts as zero
+            return
+        target.copy_(param.grad.reshape(-1))
+        param.grad = None  # the full-size gradient is no longer needed
 
     def _flush(self, bucket: Bucket) -> None:
         for index in bucket.params:
