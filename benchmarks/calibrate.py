@@ -90,25 +90,20 @@ def measure_shared_memory(sizes: list[int], repeats: int = 5, gather: bool = Fal
     return timings
 
 
-def measure_host_overhead(stage: int = 0, size: str = "tiny", cluster: Any = None) -> float:
+def measure_host_overhead(stage: int, cluster: Any, size: str = "tiny") -> float:
     """Seconds per parameter tensor per step beyond what ``cluster`` predicts for ``size`` at ``stage``
     (every rank of the current group trains; a collective with 2 ranks).
 
-    Without ``cluster``: one rank, with the bare ``size`` model's own FLOP rate and AdamW bandwidth, so what
+    With one rank and :func:`bare_cluster` of the ``size`` model's own FLOP rate and AdamW bandwidth, what
     remains is the engine's host work (hooks, unit bookkeeping at stage 3, the optimizer's loop).  With 2
     ranks and a cluster of the measured links, what remains is also the ranks waiting for each other."""
     import torch.distributed as dist
 
     import shardwise
 
-    from .collectives import Link
-    from .model import GB, Cluster, Device, Job, gpt_preset, step_time
+    from .model import Job, gpt_preset, step_time
     from .workload import gpt_module
 
-    if cluster is None:
-        bare = Device("bare", measure_flops(size), 24 * GB, measure_bandwidth(size=size), "calibration")
-        none = Link("none", 0.0, 0.0, "calibration")
-        cluster = Cluster("one rank", bare, 1, none, none, overlaps=False)
     gpt = gpt_module()
     torch.manual_seed(0)
     model = gpt.GPT(gpt.gpt_config(size))
@@ -132,14 +127,27 @@ def measure_host_overhead(stage: int = 0, size: str = "tiny", cluster: Any = Non
     return max(measured - modelled, 0.0) / shape.tensors
 
 
+def bare_cluster(device: dict[str, float]) -> Any:
+    """One rank with ``device``'s FLOP rate and bandwidth, and no links."""
+    from .collectives import Link
+    from .model import GB, Cluster, Device
+
+    bare = Device("bare", device["flops"], 24 * GB, device["bandwidth"], "calibration")
+    none = Link("none", 0.0, 0.0, "calibration")
+    return Cluster("one rank", bare, 1, none, none, overlaps=False)
+
+
+def _tiny_device() -> dict[str, float]:
+    return {"flops": measure_flops("tiny"), "bandwidth": measure_bandwidth(size="tiny")}
+
+
 def _rank_host(calibration: dict[str, Any]) -> dict[str, float]:
     """On 2 ranks: the host work per tensor per stage beyond the one-rank figure and the measured links."""
     from .model import here_cluster
 
     torch.set_num_threads(1)
-    tiny = {"flops": measure_flops("tiny"), "bandwidth": measure_bandwidth(size="tiny")}
-    known = {**calibration, "by_size_2_ranks": {"tiny": tiny}}
-    return {str(stage): measure_host_overhead(stage, cluster=here_cluster(known, "tiny", 2, stage))
+    known = {**calibration, "by_size_2_ranks": {"tiny": _tiny_device()}}
+    return {str(stage): measure_host_overhead(stage, here_cluster(known, "tiny", 2, stage))
             for stage in range(4)}
 
 
@@ -225,10 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     alpha, beta = _fit(points, 2)
     torch.set_num_threads(1)
     flops, bandwidth = measure_flops(args.size), measure_bandwidth()
+    alone = bare_cluster(_tiny_device())
     result: dict[str, Any] = {
         "alpha": alpha, "beta": beta, "flops": flops, "bandwidth": bandwidth,
         "by_size": measure_devices(), "by_size_2_ranks": together,
-        "host_per_tensor_by_stage": {str(stage): measure_host_overhead(stage) for stage in range(4)},
+        "host_per_tensor_by_stage": {str(stage): measure_host_overhead(stage, alone) for stage in range(4)},
         "all_reduce_points": points, "flops_size": args.size,
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "torch": torch.__version__,
     }

@@ -43,20 +43,21 @@ def build_model(workload: Workload) -> nn.Module:
     return gpt.GPT(gpt.gpt_config(workload.size))
 
 
-def model_numel(size: str) -> int:
-    """Distinct parameters of the preset ``size`` (Ψ in ZeRO's formulas)."""
+def _meta_parameters(size: str) -> list[torch.nn.Parameter]:
+    """The distinct parameters of the preset ``size``, on the meta device (shapes only, no memory)."""
     gpt = gpt_module()
     with torch.device("meta"):
-        model = gpt.GPT(gpt.gpt_config(size))
-    return sum(p.numel() for p in model.parameters())
+        return list(gpt.GPT(gpt.gpt_config(size)).parameters())
+
+
+def model_numel(size: str) -> int:
+    """Distinct parameters of the preset ``size`` (Ψ in ZeRO's formulas)."""
+    return sum(p.numel() for p in _meta_parameters(size))
 
 
 def model_tensors(size: str) -> int:
     """Distinct parameter tensors of the preset ``size``."""
-    gpt = gpt_module()
-    with torch.device("meta"):
-        model = gpt.GPT(gpt.gpt_config(size))
-    return len({id(p) for p in model.parameters()})
+    return len(_meta_parameters(size))
 
 
 def seq_len(workload: Workload) -> int:

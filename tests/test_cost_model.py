@@ -89,7 +89,7 @@ def _measured_here() -> tuple[list[list[tuple[int, float]]], float]:
     # at an absurd FLOP rate, bandwidth and link speed the model explains nothing: all of the step is host work
     instant = Link("instant", 0.0, 0.0, "test")
     cluster = Cluster("instant", Device("instant", 1e30, 1e12, 1e30, "test"), 2, instant, instant, overlaps=False)
-    return collectives, measure_host_overhead(3, cluster=cluster)
+    return collectives, measure_host_overhead(3, cluster)
 
 
 def test_calibration_measures_on_two_ranks() -> None:

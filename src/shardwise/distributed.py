@@ -180,8 +180,8 @@ class Comm:
         self.ledger = Ledger("local", [0])
         #: where gloo's all-reduce, reduce-scatter and all-gather of CPU tensors go instead (:mod:`.shm`)
         self._shm: Optional[_shm.SharedSegment] = None
-        #: how this group's data collectives travel, in words (logged by the engine)
-        self.transport = self.backend
+        #: why shared memory is not used, when it was asked for and could not be
+        self._shm_refused = ""
         if self.world_size > 1:
             self._connect()
 
@@ -195,20 +195,18 @@ class Comm:
 
     def open_shared_memory(self) -> None:
         """Collective: on gloo, map a shared segment on every rank for the data collectives of CPU tensors, or
-        keep gloo (the reason goes in ``transport``).  Nothing to do for one rank or another backend."""
+        keep gloo (:attr:`transport` says why).  Nothing to do for one rank or another backend."""
         if not self._gloo or self._shm is not None:
             return
         ranks = dist.get_process_group_ranks(self._pg)
-        self._shm, reason = _shm.open_segment(self.rank, self.world_size, ranks, self.timeout, self._share,
-                                              self._agree)
-        self.transport = "shared memory (gloo for the rest)" if self._shm is not None else f"gloo ({reason})"
+        self._shm, self._shm_refused = _shm.open_segment(self.rank, self.world_size, ranks, self.timeout,
+                                                         self._share, self._agree)
 
     def close_shared_memory(self) -> None:
         """Stop using shared memory (its worker thread ends once the collectives in flight are done)."""
         if self._shm is not None:
             self._shm.close()
             self._shm = None
-            self.transport = self.backend
 
     def shared_zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Collective: a zeroed flat tensor every rank of the group maps, when collectives go through shared
@@ -253,6 +251,13 @@ class Comm:
     def shared_memory(self) -> bool:
         """Whether data collectives of CPU tensors go through shared memory (:meth:`open_shared_memory`)."""
         return self._shm is not None
+
+    @property
+    def transport(self) -> str:
+        """How this group's data collectives travel, in words (logged by the engine)."""
+        if self._shm is not None:
+            return f"shared memory ({self.backend} for the rest)"
+        return f"{self.backend} ({self._shm_refused})" if self._shm_refused else self.backend
 
     @property
     def transport_name(self) -> str:

@@ -155,7 +155,7 @@ class SharedSegment:
         """The sum across ranks of chunk ``rank`` of ``input`` (N equal chunks), into ``output``."""
         copies = self._copies(input)
         if copies is not None:
-            return self._submit(self._reduce_scatter_shared, output, input, copies)
+            return self._submit(self._reduce_scatter_shared, output, copies)
         return self._submit(self._reduce_scatter, output, input)
 
     def _submit(self, run: Callable[..., None], *args: Any) -> ShmWork:
@@ -257,7 +257,7 @@ class SharedSegment:
                     row.copy_(mine)
         self._publish()  # this rank's part is in every copy, and it reads no copy any more
 
-    def _reduce_scatter_shared(self, output: torch.Tensor, input: torch.Tensor, copies: list[torch.Tensor]) -> None:
+    def _reduce_scatter_shared(self, output: torch.Tensor, copies: list[torch.Tensor]) -> None:
         """In a buffer every rank maps: this rank's slice summed over all copies, into its own copy and ``output``."""
         self._publish()
         size = output.numel()
@@ -322,11 +322,10 @@ class SharedSegment:
         """Every rank's copy of ``tensor``'s region (this rank's: ``tensor``), when it lies in a shared buffer."""
         if not self._shared or not tensor.is_contiguous():
             return None
-        address = tensor.data_ptr()
+        address, count = tensor.data_ptr(), tensor.numel() * tensor.element_size()
         for base, (nbytes, copies) in self._shared.items():
             offset = address - base
-            if 0 <= offset and offset + tensor.numel() * tensor.element_size() <= nbytes:
-                count = tensor.numel() * tensor.element_size()
+            if 0 <= offset and offset + count <= nbytes:
                 return [tensor.view(-1) if copy is None else copy[offset : offset + count].view(tensor.dtype)
                         for copy in copies]
         return None
