@@ -5,7 +5,7 @@
 ``python -m benchmarks.model --zero-paper`` the ZeRO paper's memory figures, reproduced
 
 **Step time** = compute + optimizer + the part of each collective not hidden
-behind compute, plus host work per parameter tensor where it is measured.  Compute is training FLOPs at a sustained rate: 6Ψ per token
+behind compute, plus host work per parameter tensor and per gradient byte where it is measured.  Compute is training FLOPs at a sustained rate: 6Ψ per token
 for the weights plus 12·L·s·h per token for attention scores (Kaplan et al.
 2020; Narayanan et al. 2021), one third forward, two thirds backward.  The
 optimizer is memory-bound: bytes touched per owned parameter over memory
@@ -62,6 +62,7 @@ class Transformer:
     vocab: int = 50257
     params: int = 0  # 0: 12·L·h² + V·h (+ positions); set for a model counted exactly
     parameter_tensors: int = 0  # 0: 12 per block (6 weights, 6 biases and LayerNorm vectors) + 4
+    gathered_units: int = 0  # 0: 4 per block + 2 (see ``units``)
 
     @property
     def tensors(self) -> int:
@@ -72,7 +73,7 @@ class Transformer:
     def units(self) -> int:
         """Stage-3 gathers per pass: four weight matrices per block and the two embeddings (LayerNorms and
         biases stay whole under ``stage3_param_persistence_threshold``)."""
-        return 4 * self.layers + 2
+        return self.gathered_units or 4 * self.layers + 2
 
     @property
     def numel(self) -> int:
@@ -98,6 +99,14 @@ class Device:
     #: the optimizer's per-tensor loop, small kernels); measured here, 0 for the GPU presets, where it runs
     #: ahead of the device
     host_per_tensor: float = 0.0
+    #: seconds per gradient byte per step beyond the modelled copies (passes over memory a stage makes that
+    #: the model does not list: stage 2 stages and divides its gradients, stage 3 allocates fresh buffers;
+    #: with 2 ranks also their contention for the cores and the memory bus); measured here, 0 for the GPU
+    #: presets
+    host_per_byte: float = 0.0
+    #: seconds per stage-3 unit per step that ranks spend waiting for each other at its collectives (the
+    #: unit's gathers and reduce-scatter); measured here for 2 ranks, 0 for the GPU presets
+    host_per_unit: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -246,7 +255,9 @@ def step_time(job: Job, stage: int, n: int, cluster: Cluster) -> dict[str, float
         exposed = _hidden_behind(forward_gather, forward, units, cluster) + \
             _hidden_behind(backward_comm, backward, units, cluster)
     copies = _copied_bytes(job, stage, n) / cluster.device.bandwidth
-    host = job.model.tensors * cluster.device.host_per_tensor
+    host = job.model.tensors * cluster.device.host_per_tensor + grads * cluster.device.host_per_byte
+    if stage == 3:
+        host += job.model.units * cluster.device.host_per_unit
     return {"compute": compute, "optimizer": optimizer, "copies": copies, "host": host, "exposed_comm": exposed,
             "total": compute + optimizer + copies + host + exposed}
 
@@ -333,14 +344,21 @@ def here_cluster(calibration: dict[str, Any], size: str = "", n: int = 1, stage:
     The compute rate and the optimizer's bandwidth are the ones measured for the GPT ``size`` where the
     calibration has them (small matrices run slower than large ones on a CPU; AdamW's passes over small
     tensors stay in cache), for ``n`` > 1 ranks with both ranks running at once (they share the caches and
-    the memory bus); the host work per tensor is the one measured at ``stage``."""
+    the memory bus); the host work per tensor and per gradient byte is the one measured at ``stage``, plus
+    what 2 ranks add to it for ``n`` > 1."""
     measured = calibration.get("by_size_2_ranks" if n > 1 else "by_size", {}).get(size, {})
     flops = measured.get("flops", calibration["flops"])
     bandwidth = measured.get("bandwidth", calibration["bandwidth"])
     host = calibration.get("host_per_tensor_by_stage", {}).get(str(stage), 0.0)
     if n > 1:
         host += calibration.get("host_per_tensor_by_stage_2_ranks", {}).get(str(stage), 0.0)
-    cpu = Device("this CPU (1 thread per rank)", flops, 24 * GB, bandwidth, "measured by benchmarks.calibrate", host)
+    per_byte = calibration.get("host_per_byte_by_stage", {}).get(str(stage), 0.0)
+    per_unit = 0.0
+    if n > 1:
+        per_byte += calibration.get("host_per_byte_by_stage_2_ranks", {}).get(str(stage), 0.0)
+        per_unit = calibration.get("host_per_unit_2_ranks", 0.0)
+    cpu = Device("this CPU (1 thread per rank)", flops, 24 * GB, bandwidth, "measured by benchmarks.calibrate",
+                 host, per_byte, per_unit)
     source = "measured by benchmarks.calibrate"
     if "shm_alpha" not in calibration:
         link = Link("gloo on loopback", calibration["alpha"], calibration["beta"], source)
@@ -350,13 +368,15 @@ def here_cluster(calibration: dict[str, Any], size: str = "", n: int = 1, stage:
     return Cluster("this machine", cpu, 2, link, link, overlaps=False, staged=staged)
 
 
-def gpt_preset(size: str) -> Transformer:
-    """An ``examples/gpt.py`` preset as a :class:`Transformer`, counted exactly."""
-    from .workload import gpt_module, model_numel, model_tensors
+def gpt_preset(size: str, **overrides: int) -> Transformer:
+    """An ``examples/gpt.py`` preset (with ``overrides`` of its config) as a :class:`Transformer`, counted
+    exactly."""
+    from .workload import gpt_module, model_numel, model_tensors, model_units
 
-    cfg = gpt_module().gpt_config(size)
+    cfg = gpt_module().gpt_config(size, **overrides)
     return Transformer(size, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size, cfg.vocab_size,
-                       params=model_numel(size), parameter_tensors=model_tensors(size))
+                       params=model_numel(size, **overrides), parameter_tensors=model_tensors(size, **overrides),
+                       gathered_units=model_units(size, **overrides))
 
 
 def predict_here(size: str, n: int, stage: int, calibration: dict[str, Any], sequences: int = 1) -> float:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.collectives import Link, all_gather, all_reduce, reduce_scatter
 from benchmarks.model import CLUSTERS, MODELS, Job, memory_per_gpu, model_states, scale_rows, step_time
@@ -77,6 +78,83 @@ def test_calibration_fit_recovers_alpha_and_beta() -> None:
     points = [(s, 2 * (n - 1) * alpha + 2 * (n - 1) / n * s * beta) for s in (1 << 14, 1 << 18, 1 << 22, 1 << 26)]
     got_alpha, got_beta = _fit(points, n)
     assert got_alpha == pytest.approx(alpha, rel=1e-6) and got_beta == pytest.approx(beta, rel=1e-6)
+
+
+def test_host_work_splits_into_tensors_and_bytes() -> None:
+    from benchmarks.calibrate import _WIDE, split_host
+    from benchmarks.model import gpt_preset
+
+    shapes = gpt_preset("tiny"), gpt_preset("tiny", **_WIDE)
+    assert shapes[0].tensors == shapes[1].tensors and shapes[1].numel > 10 * shapes[0].numel
+    per_tensor, per_byte = 20e-6, 0.3e-9
+    extra = tuple(per_tensor * s.tensors + per_byte * 4 * s.numel for s in shapes)
+    assert split_host(extra, shapes) == pytest.approx((per_tensor, per_byte), rel=1e-9)  # type: ignore[arg-type]
+    # a wide shape measured faster than the narrow one (load) gives no negative term
+    assert split_host((1e-3, 0.5e-3), shapes) == (pytest.approx(1e-3 / shapes[0].tensors), 0.0)
+
+
+def test_calibration_passes_merge_figure_by_figure() -> None:
+    from benchmarks.calibrate import median_of
+
+    passes = [{"alpha": a, "by_size": {"small": {"flops": f}}, "points": [[16, t], [64, 2 * t]], "date": d}
+              for a, f, t, d in ((1.0, 5.0, 0.1, "x"), (9.0, 7.0, 0.3, "y"), (2.0, 6.0, 0.2, "z"))]
+    assert median_of(passes) == {"alpha": 2.0, "by_size": {"small": {"flops": 6.0}},
+                                 "points": [[16, 0.2], [64, 0.4]], "date": "x"}
+
+
+def test_stage3_units_and_host_terms_enter_the_step() -> None:
+    from benchmarks.collectives import Link
+    from benchmarks.model import Cluster, Device, Job, gpt_preset, step_time
+
+    shape = gpt_preset("10m")
+    none = Link("none", 0.0, 0.0, "test")
+
+    def total(stage: int, **host: float) -> float:
+        device = Device("cpu", 1e11, 1e12, 1e10, "test", **host)
+        cluster = Cluster("c", device, 2, none, none, overlaps=False)
+        return step_time(Job(shape, param_bytes=4, grad_bytes=4, state_bytes=8), stage, 2, cluster)["total"]
+
+    assert total(2, host_per_byte=1e-9) - total(2) == pytest.approx(4 * shape.numel * 1e-9)
+    assert total(2, host_per_unit=1e-3) == total(2)  # units exist at stage 3 only
+    assert total(3, host_per_unit=1e-3) - total(3) == pytest.approx(shape.units * 1e-3)
+
+
+def test_two_rank_host_terms_apply_to_two_ranks_only() -> None:
+    """What 2 ranks add (per tensor, per gradient byte, per stage-3 unit) is on top of the one-rank figures,
+    and only in predictions for more than one rank."""
+    from benchmarks.model import here_cluster
+
+    calibration = {"alpha": 1e-4, "beta": 1e-9, "flops": 1e10, "bandwidth": 1e10,
+                   "host_per_tensor_by_stage": {"2": 1e-5}, "host_per_byte_by_stage": {"2": 1e-11},
+                   "host_per_tensor_by_stage_2_ranks": {"2": 3e-5}, "host_per_byte_by_stage_2_ranks": {"2": 2e-10},
+                   "host_per_unit_2_ranks": 4e-4}
+    one, two = (here_cluster(calibration, "10m", n, 2).device for n in (1, 2))
+    assert (one.host_per_tensor, one.host_per_byte, one.host_per_unit) == (1e-5, 1e-11, 0.0)
+    assert two.host_per_tensor == pytest.approx(4e-5) and two.host_per_byte == pytest.approx(2.1e-10)
+    assert two.host_per_unit == 4e-4
+
+
+def _units_of_engine(threshold: int) -> int:
+    import shardwise
+    from benchmarks.workload import gpt_module
+
+    gpt = gpt_module()
+    model = gpt.GPT(gpt.gpt_config("tiny"))
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold}}
+    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters()), config)
+    units = sum(not unit.persistent for unit in engine.strategy.units)
+    engine.destroy()
+    return units
+
+
+def test_units_counted_as_the_engine_forms_them() -> None:
+    """The model's stage-3 gathers per pass are the engine's own units, with and without persistence."""
+    from benchmarks.workload import model_units
+    from shardwise.testing import run_distributed
+
+    for threshold in (0, 10_000):
+        assert run_distributed(_units_of_engine, world_size=2, args=(threshold,), timeout=120) == \
+            [model_units("tiny", threshold)] * 2
 
 
 def _measured_here() -> tuple[list[list[tuple[int, float]]], float]:
