@@ -145,14 +145,24 @@ def measure_host_overhead(stage: int, cluster: Any, size: str = "tiny", **overri
     return max(measured - modelled, 0.0)
 
 
+def _shapes() -> tuple[Any, Any]:
+    """The tiny preset and the tiny preset made wider (:data:`_WIDE`), as :class:`Transformer` shapes."""
+    from .model import gpt_preset
+
+    return gpt_preset("tiny"), gpt_preset("tiny", **_WIDE)
+
+
+def _extra_of_shapes(stage: int, narrow: Any, wide: Any) -> tuple[float, float]:
+    """Seconds per step beyond the model of tiny (against cluster ``narrow``) and of :data:`_WIDE` tiny
+    (against ``wide``) at ``stage``."""
+    return measure_host_overhead(stage, narrow), measure_host_overhead(stage, wide, "tiny", **_WIDE)
+
+
 def host_terms(stage: int, narrow: Any, wide: Any) -> tuple[float, float]:
     """One rank at ``stage``: (seconds per parameter tensor, seconds per gradient byte) of host work, from
     the tiny preset and the tiny preset made wider (:data:`_WIDE`: the same tensors, more bytes), each
     against :func:`bare_cluster` of its own measured device figures (``narrow``, ``wide``)."""
-    from .model import gpt_preset
-
-    extra = measure_host_overhead(stage, narrow), measure_host_overhead(stage, wide, "tiny", **_WIDE)
-    return split_host(extra, (gpt_preset("tiny"), gpt_preset("tiny", **_WIDE)))
+    return split_host(_extra_of_shapes(stage, narrow, wide), _shapes())
 
 
 def split_host(extra: tuple[float, float], shapes: tuple[Any, Any]) -> tuple[float, float]:
@@ -182,27 +192,29 @@ def _rank_host(calibration: dict[str, Any]) -> tuple[dict[str, tuple[float, floa
     """On 2 ranks: beyond the one-rank figures and the measured links, the host work per tensor and per
     gradient byte at stages 0-2 (from tiny and :data:`_WIDE` tiny, as :func:`host_terms` splits them), and
     per gathered unit at stage 3 (whose ranks meet at every unit's collectives)."""
-    from .model import gpt_preset, here_cluster
+    from .model import here_cluster
     from .workload import model_units
 
     torch.set_num_threads(1)
     wide = "tiny (wide)"
     known = {**calibration, "by_size_2_ranks": {"tiny": _device("tiny"), wide: _device("tiny", **_WIDE)}}
 
-    def one_pass() -> list[tuple[float, float]]:
-        narrow = [measure_host_overhead(stage, here_cluster(known, "tiny", 2, stage)) for stage in range(4)]
-        wider = [measure_host_overhead(stage, here_cluster(known, wide, 2, stage), "tiny", **_WIDE)
-                 for stage in range(3)]
-        return list(zip(narrow, [*wider, 0.0]))
+    def one_pass() -> tuple[list[tuple[float, float]], float]:
+        flat = [_extra_of_shapes(stage, here_cluster(known, "tiny", 2, stage), here_cluster(known, wide, 2, stage))
+                for stage in range(3)]
+        return flat, measure_host_overhead(3, here_cluster(known, "tiny", 2, 3))
 
     # What 2 ranks add is mostly the ranks waiting for each other and contending for the cores and the
     # memory bus (which grows with the bytes each step moves); it swings with the machine's load more than
     # anything else measured here: the median of three passes over the stages, taken in turn.
     passes = [one_pass() for _ in range(_HOST_PASSES)]
-    extra = [tuple(statistics.median(p[stage][i] for p in passes) for i in range(2)) for stage in range(4)]
-    shapes = gpt_preset("tiny"), gpt_preset("tiny", **_WIDE)
-    per_stage = {str(stage): split_host(extra[stage], shapes) for stage in range(3)}  # type: ignore[arg-type]
-    return per_stage, extra[3][0] / model_units("tiny", threshold=0)
+    per_stage = {str(stage): split_host(_median_pair([flat[stage] for flat, _ in passes]), _shapes())
+                 for stage in range(3)}
+    return per_stage, statistics.median(stage3 for _, stage3 in passes) / model_units("tiny", threshold=0)
+
+
+def _median_pair(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
 
 
 def _median_seconds(step: Any, steps: int, warmup: int, slowest_rank: bool = False,
@@ -307,9 +319,7 @@ def calibrate(size: str) -> dict[str, Any]:
     host = {str(stage): host_terms(stage, narrow, wide) for stage in range(4)}
     result: dict[str, Any] = {
         "alpha": alpha, "beta": beta, "flops": measure_flops(size), "bandwidth": measure_bandwidth(),
-        "by_size": measure_devices(), "by_size_2_ranks": together,
-        "host_per_tensor_by_stage": {stage: terms[0] for stage, terms in host.items()},
-        "host_per_byte_by_stage": {stage: terms[1] for stage, terms in host.items()},
+        "by_size": measure_devices(), "by_size_2_ranks": together, **_host_keys(host, ""),
         "all_reduce_points": points, "flops_size": size,
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "torch": torch.__version__,
     }
@@ -319,10 +329,13 @@ def calibrate(size: str) -> dict[str, Any]:
         result["shm_all_reduce_points"], result["shm_all_gather_points"] = shared, gathered
     # on top of the one-rank host work: what 2 ranks of the tiny preset add beyond the measured links
     per_stage, per_unit = run_distributed(_rank_host, world_size=2, args=(result,), timeout=900)[0]
-    result["host_per_tensor_by_stage_2_ranks"] = {stage: terms[0] for stage, terms in per_stage.items()}
-    result["host_per_byte_by_stage_2_ranks"] = {stage: terms[1] for stage, terms in per_stage.items()}
-    result["host_per_unit_2_ranks"] = per_unit
-    return result
+    return result | _host_keys(per_stage, "_2_ranks") | {"host_per_unit_2_ranks": per_unit}
+
+
+def _host_keys(terms: dict[str, tuple[float, float]], suffix: str) -> dict[str, dict[str, float]]:
+    """calibration.json's keys for (per tensor, per byte) host terms by stage."""
+    return {f"host_per_tensor_by_stage{suffix}": {stage: t[0] for stage, t in terms.items()},
+            f"host_per_byte_by_stage{suffix}": {stage: t[1] for stage, t in terms.items()}}
 
 
 def median_of(passes: list[Any]) -> Any:

@@ -349,13 +349,15 @@ def here_cluster(calibration: dict[str, Any], size: str = "", n: int = 1, stage:
     measured = calibration.get("by_size_2_ranks" if n > 1 else "by_size", {}).get(size, {})
     flops = measured.get("flops", calibration["flops"])
     bandwidth = measured.get("bandwidth", calibration["bandwidth"])
-    host = calibration.get("host_per_tensor_by_stage", {}).get(str(stage), 0.0)
-    if n > 1:
-        host += calibration.get("host_per_tensor_by_stage_2_ranks", {}).get(str(stage), 0.0)
-    per_byte = calibration.get("host_per_byte_by_stage", {}).get(str(stage), 0.0)
+
+    def measured_at_stage(key: str) -> float:
+        return calibration.get(key, {}).get(str(stage), 0.0)
+
+    host, per_byte = measured_at_stage("host_per_tensor_by_stage"), measured_at_stage("host_per_byte_by_stage")
     per_unit = 0.0
     if n > 1:
-        per_byte += calibration.get("host_per_byte_by_stage_2_ranks", {}).get(str(stage), 0.0)
+        host += measured_at_stage("host_per_tensor_by_stage_2_ranks")
+        per_byte += measured_at_stage("host_per_byte_by_stage_2_ranks")
         per_unit = calibration.get("host_per_unit_2_ranks", 0.0)
     cpu = Device("this CPU (1 thread per rank)", flops, 24 * GB, bandwidth, "measured by benchmarks.calibrate",
                  host, per_byte, per_unit)

@@ -43,12 +43,17 @@ def build_model(workload: Workload) -> nn.Module:
     return gpt.GPT(gpt.gpt_config(workload.size))
 
 
-def _meta_parameters(size: str, **overrides: int) -> list[torch.nn.Parameter]:
-    """The distinct parameters of the preset ``size`` (with ``overrides`` of its config), on the meta
-    device (shapes only, no memory)."""
+def _meta_model(size: str, **overrides: int) -> nn.Module:
+    """The preset ``size`` (with ``overrides`` of its config) on the meta device (shapes only, no memory)."""
     gpt = gpt_module()
     with torch.device("meta"):
-        return list(gpt.GPT(gpt.gpt_config(size, **overrides)).parameters())
+        return gpt.GPT(gpt.gpt_config(size, **overrides))
+
+
+def _meta_parameters(size: str, **overrides: int) -> list[torch.nn.Parameter]:
+    """The distinct parameters of the preset ``size`` (with ``overrides`` of its config), on the meta
+    device."""
+    return list(_meta_model(size, **overrides).parameters())
 
 
 def model_numel(size: str, **overrides: int) -> int:
@@ -62,18 +67,12 @@ def model_tensors(size: str, **overrides: int) -> int:
 
 
 def model_units(size: str, threshold: int = 10_000, **overrides: int) -> int:
-    """Units stage 3 gathers for the preset ``size``: modules whose direct parameters hold more than
-    ``threshold`` elements (``stage3_param_persistence_threshold``; smaller ones stay gathered)."""
-    gpt = gpt_module()
-    with torch.device("meta"):
-        model = gpt.GPT(gpt.gpt_config(size, **overrides))
-    seen: set[int] = set()
-    units = 0
-    for module in model.modules():
-        fresh = [p for p in module._parameters.values() if p is not None and id(p) not in seen]
-        seen.update(id(p) for p in fresh)
-        units += sum(p.numel() for p in fresh) > threshold
-    return units
+    """Units stage 3 gathers for the preset ``size``, formed as the engine forms them: modules whose direct
+    parameters hold more than ``threshold`` elements (``stage3_param_persistence_threshold``; smaller ones
+    stay gathered)."""
+    from shardwise.zero.stage3 import unit_specs
+
+    return sum(not persistent for _, _, persistent in unit_specs(_meta_model(size, **overrides), threshold))
 
 
 def seq_len(workload: Workload) -> int:

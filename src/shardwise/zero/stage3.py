@@ -145,29 +145,7 @@ class Stage3(Strategy):
                 )
 
     def _unit_specs(self) -> list[tuple[list[nn.Parameter], list[str], bool]]:
-        """Which parameters form which unit: per module, direct parameters, small ones merged."""
-        threshold = int(self.zero_config.stage3_param_persistence_threshold)
-        taken: set[int] = set()
-        specs: list[tuple[list[nn.Parameter], list[str], bool]] = []
-        small: tuple[list[nn.Parameter], list[str]] = ([], [])
-        for prefix, module in self.module.named_modules():
-            params, names = [], []
-            for name, param in module._parameters.items():
-                if param is None or id(param) in taken or not param.is_floating_point():
-                    continue
-                taken.add(id(param))
-                params.append(param)
-                names.append(f"{prefix}.{name}" if prefix else name)
-            if not params:
-                continue
-            if sum(p.numel() for p in params) <= threshold:
-                small[0].extend(params)
-                small[1].extend(names)
-            else:
-                specs.append((params, names, False))
-        if small[0]:
-            specs.append((small[0], small[1], True))
-        return specs
+        return unit_specs(self.module, int(self.zero_config.stage3_param_persistence_threshold))
 
     def _build_units(self) -> None:
         dtype = self.precision.dtype
@@ -616,3 +594,30 @@ def _gather_fp32(unit: Unit) -> torch.Tensor:
     gathered = torch.empty(unit.padded, dtype=source.dtype, device=source.device)
     unit.comm.all_gather(gathered, source)
     return gathered.float()
+
+
+def unit_specs(module: nn.Module, threshold: int) -> list[tuple[list[nn.Parameter], list[str], bool]]:
+    """Which parameters of ``module`` form which unit, with their names and whether the unit is persistent:
+    per module, its direct floating-point parameters not taken by an earlier module; modules holding at most
+    ``threshold`` elements (``stage3_param_persistence_threshold``) merged into one persistent unit, last."""
+    taken: set[int] = set()
+    specs: list[tuple[list[nn.Parameter], list[str], bool]] = []
+    small: tuple[list[nn.Parameter], list[str]] = ([], [])
+    for prefix, child in module.named_modules():
+        params, names = [], []
+        for name, param in child._parameters.items():
+            if param is None or id(param) in taken or not param.is_floating_point():
+                continue
+            taken.add(id(param))
+            params.append(param)
+            names.append(f"{prefix}.{name}" if prefix else name)
+        if not params:
+            continue
+        if sum(p.numel() for p in params) <= threshold:
+            small[0].extend(params)
+            small[1].extend(names)
+        else:
+            specs.append((params, names, False))
+    if small[0]:
+        specs.append((small[0], small[1], True))
+    return specs
