@@ -121,6 +121,11 @@ class Strategy(ABC):
     def scale_grads(self, factor: float) -> None:
         """Multiply the reduced gradients by ``factor`` (unscale and clip)."""
 
+    def leaving_unused_alone(self) -> contextlib.AbstractContextManager[None]:
+        """Around the optimizer step: parameters no rank had a gradient for are left alone, as torch's
+        optimizers leave a parameter whose ``.grad`` is None (stage 3's pieces are None already)."""
+        return contextlib.nullcontext()
+
     @abstractmethod
     def after_step(self) -> None:
         """Copy updated master weights into the model's parameters."""

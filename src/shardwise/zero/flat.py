@@ -67,9 +67,11 @@ class FlatStrategy(Strategy):
         # in flight: (work, what to do once it is done)
         self._works: list[tuple[Work, Callable[[], None]]] = []
         self._dirty = False
-        #: per parameter: its view of the gradient buffer holds an old gradient, to be overwritten
-        #: (not added to) by the next one; a view still stale at the reduction is zeroed first
-        self._stale: list[bool] = []
+        #: per parameter, at the last reduction: whether any rank had a gradient for it (see `_count_used`)
+        self._used: list[bool] = []
+        #: indices of the parameters no rank had a gradient for at the last reduction: the step leaves them alone
+        self._unused: list[int] = []
+        self._used_work: Optional[tuple[Work, torch.Tensor]] = None
         #: (sum of squared reduced gradients, the gradients' tensor versions when it was taken)
         self._sq_parts: Optional[tuple[torch.Tensor, tuple[int, ...]]] = None
 
@@ -100,6 +102,7 @@ class FlatStrategy(Strategy):
             group["params"] = [self.steps[id(p)] for p in originals if id(p) in self.steps]
         self._register_hooks()
         self._reset_backward()
+        self._unused = []
 
     #: whether ``param.grad`` holds the full-size gradient in a flat buffer (stages 0 and 1)
     grads_in_params = True
@@ -111,16 +114,10 @@ class FlatStrategy(Strategy):
         self.grad_flat = self.comm.shared_zeros(layout.padded_numel, self.precision.dtype, self.device)
         # each parameter's gradient view, built once: the hooks compare against it every backward
         self._grad_views = [layout.param_slice(self.grad_flat, i).view_as(p) for i, p in enumerate(layout.params)]
-        self._restore_grad_views()
-        self._stale = [False] * len(layout.params)  # a zeroed buffer: adding to it is right
         if self.precision.dtype == torch.float32:
             self.reduced = ReducedGrads.in_buffer(layout, self.grad_flat)
         else:
             self.reduced = ReducedGrads.separate(layout, self.device)
-
-    def _restore_grad_views(self) -> None:
-        for param, view in zip(self.layout.params, self._grad_views):
-            param.grad = view  # not a use of the values: no wait for a gather in flight (see .pending)
 
     def _register_hooks(self) -> None:
         for index, param in enumerate(self.layout.params):
@@ -136,6 +133,7 @@ class FlatStrategy(Strategy):
     def _reset_backward(self) -> None:
         self._pending = [len(b.params) for b in self.layout.buckets]
         self._seen = [False] * len(self.layout.params)
+        self._used = [True] * len(self.layout.params)
         self._next = 0
         self._works = []
 
@@ -162,35 +160,43 @@ class FlatStrategy(Strategy):
     def _accumulate(self, index: int, param: torch.Tensor) -> None:
         """Keep the gradient in the flat buffer the reduction reads.
 
-        A user's ``model.zero_grad()`` sets ``.grad`` to None, so autograd
-        allocated a fresh tensor: fold it back into the buffer.
+        ``param.grad`` is the truth, as in plain PyTorch: when it is not this
+        parameter's view of the buffer, whatever cleared it (the engine's
+        ``zero_grad``, a user's ``module.zero_grad()`` or ``p.grad = None``)
+        discarded what the view held, and autograd handed over a fresh tensor
+        holding everything since.  Copying it (as DDP's reducer copies into its
+        buckets) spares zeroing the whole buffer every step.
         """
+        self._adopt_grad(index, param)
+
+    def _adopt_grad(self, index: int, param: torch.Tensor) -> bool:
+        """Make ``param.grad`` this parameter's view of the buffer, holding what ``.grad`` held (zeros when it was
+        None: other ranks may have a gradient to average with); whether it had one."""
         view = self._grad_views[index]
         grad = param.grad
-        if grad is not None and grad.data_ptr() != view.data_ptr():
-            # After `zero_grad` autograd hands over a fresh gradient: copying it spares zeroing the
-            # whole buffer every step and an add (as DDP's reducer copies into its buckets).
-            if self._stale[index]:
-                view.copy_(grad)
-            else:
-                view.add_(grad)
-            param.grad = view
-        self._stale[index] = False
+        if grad is not None and grad.data_ptr() == view.data_ptr():
+            return True
+        if grad is None:
+            view.zero_()
+        else:
+            view.copy_(grad)
+        param.grad = view  # not a use of the values: no wait for a gather in flight (see .pending)
+        return grad is not None
 
     def _capture(self, index: int, param: torch.Tensor) -> None:
         """At a boundary, take ``param``'s finished gradient for its bucket (stage 2 copies it)."""
 
     def _flush(self, bucket: Bucket) -> None:
-        """Before ``bucket`` is reduced: parameters that got no gradient since ``zero_grad`` count as zero.
-
-        Their ``.grad`` becomes the zeroed view again, so an optimizer that steps the parameters
-        themselves (stage 0) sees the zero too, as the masters of stages 1-2 do."""
+        """Before ``bucket`` is reduced: take the gradients of the parameters whose hook did not fire in this
+        backward (accumulated earlier, or none since they were cleared: zeros, and not used here)."""
         for index in bucket.params:
-            if self._stale[index]:
-                view = self._grad_views[index]
-                view.zero_()
-                self.layout.params[index].grad = view  # not a use of the values (see .pending)
-                self._stale[index] = False
+            if not self._seen[index]:
+                self._seen[index] = True
+                self._used[index] = self._take_unseen(index, self.layout.params[index])
+
+    def _take_unseen(self, index: int, param: torch.Tensor) -> bool:
+        """Put an unseen parameter's gradient where the reduction reads it; whether it had one."""
+        return self._adopt_grad(index, param)
 
     def _comm_input(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's summed local gradients as a full-size fp32 tensor."""
@@ -246,6 +252,7 @@ class FlatStrategy(Strategy):
             self._flush(bucket)
             self._launch(bucket)
         self._next = len(self.layout.buckets)
+        self._count_used()
         parts: list[torch.Tensor] = []
         for index, (work, finish) in enumerate(self._works):  # one per bucket, in bucket order
             work.wait()
@@ -254,6 +261,45 @@ class FlatStrategy(Strategy):
             parts.append(self.reduced.bucket_sq(index))
         self._works = []
         self._sq_parts = (torch.stack(parts).sum() if parts else torch.zeros(()), self.reduced.versions())
+        self._find_unused()
+
+    def _count_used(self) -> None:
+        """Start summing, over the ranks, which parameters had a gradient (DDP's ``find_unused_parameters``).
+
+        One small all-reduce per step, in flight with the buckets: torch's optimizers leave a parameter
+        whose ``.grad`` is None alone (no momentum, no weight decay), and so does the step here for a
+        parameter no rank had a gradient for, at every stage alike.
+        """
+        used = torch.tensor(self._used, dtype=torch.float32, device=self.device)
+        self._used_work = (self.comm.all_reduce(used, async_op=True, label="which parameters had gradients"), used)
+
+    def _find_unused(self) -> None:
+        if self._used_work is None:
+            return
+        work, used = self._used_work
+        self._used_work = None
+        work.wait()
+        self._unused = (used == 0).nonzero().view(-1).tolist()
+
+    @contextlib.contextmanager
+    def leaving_unused_alone(self) -> Iterator[None]:
+        """While the optimizer steps: the parameters no rank had a gradient for have ``.grad`` None.
+
+        The model's own ``.grad`` stays None afterwards, as DDP leaves a globally unused parameter's.
+        """
+        hidden: list[tuple[torch.Tensor, Optional[torch.Tensor]]] = []
+        for index in self._unused:
+            param = self.layout.params[index]
+            param.grad = None  # not a use of the values (see .pending)
+            step = self.steps.get(id(param))
+            if step is not None and step is not param:
+                hidden.append((step, step.grad))
+                step.grad = None
+        try:
+            yield
+        finally:
+            for step, grad in hidden:
+                step.grad = grad
 
     # ------------------------------------------------------------------- step
     def grad_sq(self) -> torch.Tensor:
@@ -280,7 +326,6 @@ class FlatStrategy(Strategy):
         self._dirty = False
         for param in self.layout.params:
             param.grad = None  # not a use of the values: no wait for a gather in flight (see .pending)
-        self._stale = [True] * len(self.layout.params)
 
     def has_pending_grads(self) -> bool:
         return self._dirty

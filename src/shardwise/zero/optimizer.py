@@ -63,7 +63,8 @@ class ZeroOptimizer(ShardwiseOptimizer):
             # torch.nn.utils.clip_grad_norm_'s rule, so results match it exactly
             factor *= min(1.0, self.clip / (self.last_grad_norm + 1e-6))
         self.strategy.scale_grads(factor)
-        self.inner.step()
+        with self.strategy.leaving_unused_alone():
+            self.inner.step()
         self.strategy.after_step()
         self.precision.scaler.update(overflow=False)
         return True

@@ -50,19 +50,17 @@ class Stage2(Stage1):
         return staging
 
     def _capture(self, index: int, param: torch.Tensor) -> None:
+        self._take_unseen(index, param)
+
+    def _take_unseen(self, index: int, param: torch.Tensor) -> bool:
         bucket, offset = self.layout.bucket_of[index]
         target = self._stage(bucket).narrow(0, offset, param.numel())
         if param.grad is None:
-            target.zero_()  # no gradient since the last step: it counts as zero
-            return
+            target.zero_()  # no gradient since it was cleared: zeros for the sum, and not used here
+            return False
         target.copy_(param.grad.reshape(-1))
         param.grad = None  # the full-size gradient is no longer needed
-
-    def _flush(self, bucket: Bucket) -> None:
-        for index in bucket.params:
-            if not self._seen[index]:
-                self._seen[index] = True
-                self._capture(index, self.layout.params[index])
+        return True
 
     def _comm_input(self, bucket: Bucket) -> torch.Tensor:
         return self._stage(bucket)
