@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _parity import adamw, batch, make_model
+from _parity import ParityNet, adamw, batch, make_model
 from torch import nn
 
 import shardwise
@@ -115,3 +115,22 @@ class TiedNet(nn.Module):
 def tied_model(seed: int = 0) -> TiedNet:
     torch.manual_seed(seed)
     return TiedNet()
+
+
+class NoisyNet(ParityNet):
+    """ParityNet with dropout: how it trains depends on each rank's RNG state, which a resume must restore."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, idx: torch.Tensor, target: torch.Tensor | None = None) -> Any:
+        h = self.drop(self.embed(idx).mean(dim=1))
+        h = self.drop(torch.tanh(self.fc1(h)))
+        out = self.head(torch.tanh(self.fc2(h)))
+        return out if target is None else nn.functional.mse_loss(out.float(), target)
+
+
+def noisy_model(seed: int = 0) -> NoisyNet:
+    torch.manual_seed(seed)
+    return NoisyNet()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -71,6 +72,21 @@ def outcome(action: Callable[[], Any]) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - reported, the test decides
         return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
     return {"error": None, "seconds": time.monotonic() - start}
+
+
+def bounded_outcome(action: Callable[[], Any], limit: float) -> dict[str, Any]:
+    """:func:`outcome`, given up after ``limit`` seconds: a wait that never ends becomes a result
+    (``error`` "still waiting") the test can assert on, instead of a hang until the launch timeout.
+
+    The action runs in a daemon thread; one still waiting is left behind (the rank should then
+    return at once: the process's exit ends the thread)."""
+    result: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: result.update(outcome(action)), daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        return {"error": "still waiting", "seconds": limit}
+    return result
 
 
 def record_row(table: str, fault: str, stage: Optional[str], result: str, seconds: Optional[float]) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _checkpoint_common import TiedNet, assert_same, build, snapshot, tied_model, train
+from _checkpoint_common import TiedNet, assert_same, build, noisy_model, snapshot, tied_model, train
 
 from shardwise.checkpoint import consolidate, load_consolidated
 from shardwise.testing import distributed_test, run_distributed, run_subtests
@@ -30,7 +30,8 @@ def _reinit(rendezvous: Path) -> None:
 def _resume_case(root: str, stage: int, fp16: bool = False, frozen: tuple[str, ...] = ()) -> None:
     sections: dict[str, Any] = {**(_FP16 if fp16 else {}), "frozen": frozen}
     where = Path(root) / f"stage{stage}{'-fp16' if fp16 else ''}{'-frozen' if frozen else ''}"
-    reference = build(stage, **sections)
+    # Dropout: the losses after the resume match only if each rank's RNG state was restored as well
+    reference = build(stage, model=noisy_model(), **sections)
     want_losses = train(reference, 0, 6)
     want = snapshot(reference)
     want_scaler = reference.precision.scaler.state_dict()
@@ -39,14 +40,15 @@ def _resume_case(root: str, stage: int, fp16: bool = False, frozen: tuple[str, .
     if fp16:
         assert reference.skipped_steps > 0, "the fp16 case must exercise the loss scaler (no overflow happened)"
 
-    first = build(stage, **sections)
+    first = build(stage, model=noisy_model(), **sections)
     losses = train(first, 0, 3)
     client = {"epoch": 1, "note": "resume", "pair": (1, 2.5), "seen": torch.arange(4)}
     saved = first.save_checkpoint(where, client_state=client)
     first.destroy()
     _reinit(where.with_suffix(".rendezvous"))
 
-    second = build(stage, seed=7, **sections)  # another init: everything must come from the checkpoint
+    # another init (and RNG state): everything must come from the checkpoint
+    second = build(stage, model=noisy_model(seed=7), **sections)
     loaded_path, loaded = second.load_checkpoint(where)
     assert loaded_path == saved, f"loaded {loaded_path}, saved {saved}"
     losses += train(second, 3, 3)
@@ -62,7 +64,8 @@ def _resume_case(root: str, stage: int, fp16: bool = False, frozen: tuple[str, .
 def test_resume_is_bit_exact(tmp_path: Path) -> None:
     """6 steps == 3 steps, save, new process group, load into a fresh engine, 3 steps; fp16 scaler too.
 
-    The fresh engine starts from other random weights, so everything must come from the checkpoint.
+    The fresh engine starts from other random weights and another RNG state, and the model has dropout,
+    so everything (each rank's RNG state included) must come from the checkpoint.
     """
     cases: list[dict[str, Any]] = [{"stage": s} for s in (0, 1, 2, 3)]
     cases += [{"stage": 1, "fp16": True}, {"stage": 3, "fp16": True}]

@@ -6,7 +6,6 @@ import fractions
 import os
 import pickle
 import signal
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ from shardwise.checkpoint import CheckpointError, describe
 from shardwise.testing import DistributedTestError, distributed_test, run_distributed, run_subtests
 
 _TIMEOUT = 3.0  # seconds ranks wait for each other in these tests
-_SLACK = 20.0  # scheduling noise on a busy 2-core machine
 
 
 def _quick(stage: int = 1, seed: int = 0, **checkpoint: Any) -> Any:
@@ -36,27 +34,6 @@ def _step(engine: Any, step: int) -> None:
 
 
 # ------------------------------------------------------------ ranks disagree
-
-
-def _lone_save(root: str) -> None:
-    """Rank 0 alone saves; rank 1 goes on to its next step (its gradient all-reduce waits for rank 0)."""
-    engine = _quick()
-    _step(engine, 0)
-    if dist.get_rank() == 0:
-        start = time.monotonic()
-        with pytest.raises(CheckpointError) as caught:
-            engine.save_checkpoint(root, tag="lonely")
-        elapsed = time.monotonic() - start
-        message = str(caught.value)
-        assert "collective" in message and "rank(s) [1] did not call it" in message, message
-        assert "checkpoint.timeout" in message and "if rank == 0" in message, message
-        assert _TIMEOUT <= elapsed < _TIMEOUT + _SLACK, f"raised after {elapsed:.1f} s"
-        assert not (Path(root) / "lonely").exists() and not (Path(root) / "latest").exists()
-    _step(engine, 1)  # rank 0 now joins the step rank 1 is waiting in: nothing was mixed up
-    # The store-based call counter realigned: a proper collective save works now.
-    path = engine.save_checkpoint(root, tag="together")
-    assert Path(path).name == "together" and (Path(root) / "latest").read_text() == "together"
-    engine.destroy()
 
 
 def _mismatched_tags(root: str) -> None:
@@ -75,7 +52,7 @@ def _mismatched_tags(root: str) -> None:
 
 @distributed_test(world_size=2, timeout=180)
 def test_ranks_that_disagree_raise_instead_of_hanging(tmp_path: Path) -> None:
-    run_subtests(_lone_save, [{"root": str(tmp_path / "lone")}])
+    # a rank that skips the save: tests/test_faults_checkpoint.py (bounded, so a regression fails fast)
     run_subtests(_mismatched_tags, [{"root": str(tmp_path / "tags")}])
 
 

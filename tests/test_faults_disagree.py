@@ -1,7 +1,8 @@
 """Ranks that disagree, or one that stops answering: every rank raises, naming where each rank was.
 
 * a rank that hangs (alive, stuck in its forward) makes the others raise a
-  `CommError` within `comms.timeout` saying it is alive and busy;
+  `CommError` within `comms.timeout` saying it is alive and busy, through shared
+  memory and over gloo's sockets (`comms.shared_memory: false`);
 * at ZeRO-3, ranks running different modules of the same size pair their
   gathers silently: the step check raises `CollectiveMismatchError` on every
   rank before the optimizer applies anything (the weights stay as they were);
@@ -137,10 +138,12 @@ def test_zero3_different_size_modules_over_gloo_sockets() -> None:
                alive[0]["seconds"])
 
 
-def _hang_in_forward(stage: int) -> dict[str, Any]:
-    engine = make_engine(stage, comms={"timeout": HANG_TIMEOUT})
+def _hang_in_forward(stage: int, shared: bool = True) -> dict[str, Any]:
+    engine = make_engine(stage, comms={"timeout": HANG_TIMEOUT, "shared_memory": shared})
     train_step(engine, 0)
     if dist.get_rank() == VICTIM:
+        # Stuck longer than the timeout allows: a survivor that waited the peer out would finish its
+        # step without error (after HANG_TIMEOUT + 1 s), and fail the checks.
         engine.module.fc2.register_forward_pre_hook(lambda module, args: time.sleep(HANG_TIMEOUT + 1.0))
     return outcome(lambda: train_step(engine, 1))
 
@@ -157,6 +160,22 @@ def test_a_hung_rank_is_named_alive_and_busy(stage: int) -> None:
     record_row("disagree", "rank 1 hangs in `forward` (alive, stuck)", str(stage),
                "rank 0 raises `CommError` at `comms.timeout`: rank 1 is alive and busy in `forward`",
                survivor["seconds"])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_hung_rank_is_named_over_gloo_sockets(stage: int) -> None:
+    """`comms.shared_memory: false`: gloo's own collectives carry `comms.timeout`, so the survivor gives up
+    at the timeout instead of waiting out the stuck peer (gloo's default wait is 30 minutes)."""
+    survivor, stuck = run_distributed(_hang_in_forward, 2, args=(stage, False), timeout=90)
+    assert survivor["error"] == "CommError", f"rank 0 waited out the stuck rank 1 instead of raising: {survivor}"
+    message = survivor["message"]
+    assert f"within `comms.timeout` = {HANG_TIMEOUT:g} s" in message, message
+    assert "rank 1: busy in `forward` of engine" in message, message
+    assert HANG_TIMEOUT <= survivor["seconds"] < 2 * HANG_TIMEOUT, survivor
+    assert stuck["error"] is not None, "rank 1 cannot finish its step once rank 0 gave up"
+    record_row("disagree", "rank 1 hangs in `forward` (alive, stuck; `comms.shared_memory: false`)", str(stage),
+               "rank 0 raises `CommError` at `comms.timeout` (gloo's own timeout): rank 1 is alive and busy in "
+               "`forward`", survivor["seconds"])
 
 
 def _raise_on_one_rank(stage: int) -> dict[str, Any]:
