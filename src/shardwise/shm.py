@@ -471,7 +471,7 @@ def sweep() -> list[str]:
     else knows it); without this, such files would pile up under ``--max-restarts``.  A file lives only for
     the seconds of one set-up, so one whose creator is gone is never in use.
     """
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(_DIRECTORY)
     except OSError:
