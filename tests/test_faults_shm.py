@@ -191,12 +191,10 @@ def test_a_creator_killed_before_it_shared_the_name_is_swept_by_the_next_set_up(
     results = run_distributed(_killed_after_create, 2, timeout=90, expect_dead=(0,))
     pids = results[1]["pids"]
     assert len(segment_files(pids)) == 1, segment_files(pids)  # the one file nobody else could know
-    start = time.monotonic()
     segment, reason = shm.open_segment(0, 1, [0], TIMEOUT, lambda offer: offer, lambda ok: ok)  # the next set-up
-    seconds = time.monotonic() - start
     assert segment is not None, reason
     segment.close()
     assert segment_files([*pids, os.getpid()]) == []
     record_row("death", "rank 0 killed between creating the segment file and sharing its name", "0-3",
                "its file is removed by the next shared-memory set-up on the host (a restart's), which removes "
-               "this user's segment files whose creating process is gone", seconds)
+               "this user's segment files whose creating process is gone (rank 1's error: another row)", None)
