@@ -83,9 +83,11 @@ def _set_up(step: str, comm: Comm) -> None:
 
 def _one_case(step: str, point: str, victim: int) -> dict[str, Any]:
     comm = Comm(dist.new_group([0, 1]), timeout=TIMEOUT)
+    dist.barrier()  # both ranks start each step together: only the rank that leaves makes a collective wait
     if step == "allocate":
         comm.open_shared_memory()
         assert comm.shared_memory, comm.transport
+        dist.barrier()
     undo = _arm(point, _raise) if dist.get_rank() == victim else (lambda: None)
     start = time.monotonic()
     try:
