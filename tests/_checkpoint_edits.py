@@ -19,6 +19,8 @@ from typing import Any, Callable
 import torch
 from _checkpoint_common import build, tied_model, train
 
+from shardwise.checkpoint.digests import digest
+
 TAG = "step2"
 CLIENT_STATE = {"epoch": 3, "t": torch.arange(4.0), "nested": {"a": (1, 2)}}
 
@@ -36,13 +38,14 @@ def copy_save_dir(src: Path, dst: Path) -> Path:
     return dst
 
 
-def drop_checksums(ckpt: Path) -> None:
-    """Remove the manifest's file checksums, as an attacker editing the other files would (so the
-    checks behind them are what refuses the edit; `test_faults_checkpoint.py` tests the checksums)."""
+def rehash(ckpt: Path) -> None:
+    """Record the edited files' new checksums in the manifest, as an attacker editing the other files would
+    (so the checks behind the checksums are what refuses the edit; `test_faults_checkpoint.py` tests the
+    checksums, `test_faults_manifest.py` a manifest that lost them)."""
     manifest = ckpt / "shardwise.json"
     data = json.loads(manifest.read_text())
-    if data.pop("files", None) is not None:
-        manifest.write_text(json.dumps(data))
+    data["files"] = {name: digest(ckpt / name) for name in data["files"] if (ckpt / name).is_file()}
+    manifest.write_text(json.dumps(data))
 
 
 def edit_json(path: Path, fn: Callable[[Any], Any]) -> None:
@@ -50,7 +53,7 @@ def edit_json(path: Path, fn: Callable[[Any], Any]) -> None:
     result = fn(data)
     path.write_text(json.dumps(data if result is None else result))
     if path.name != "shardwise.json":
-        drop_checksums(path.parent)
+        rehash(path.parent)
 
 
 def edit_manifest(ckpt: Path, fn: Callable[[Any], Any]) -> None:
@@ -63,7 +66,7 @@ def read_index(ckpt: Path) -> Any:
 
 def write_index(ckpt: Path, metadata: Any) -> None:
     (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
-    drop_checksums(ckpt)
+    rehash(ckpt)
 
 
 def edit_index(ckpt: Path, fn: Callable[[Any], Any]) -> None:

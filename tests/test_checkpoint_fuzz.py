@@ -19,7 +19,7 @@ from typing import Any, Callable
 import pytest
 import torch
 from _checkpoint_common import build, full_params, tied_model
-from _checkpoint_edits import TAG, copy_save_dir, read_index, save_base, write_index
+from _checkpoint_edits import TAG, copy_save_dir, read_index, rehash, save_base, write_index
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from shardwise.checkpoint import CheckpointError, consolidated_state_dict
@@ -154,8 +154,10 @@ def test_rank_file_checks_mean_the_rng_can_be_restored(base: Path, tmp_path: Pat
             info = json.loads(rank_file.read_text())
             edit = _mutate_json(info, rng, lambda node, key: isinstance(node, dict) and key == "__tuple__" and len(node[key]) > 600)
             rank_file.write_text(json.dumps(info))
+            rehash(save / TAG)  # the checks behind the checksum are under test here
+            files = json.loads((save / TAG / "shardwise.json").read_text())["files"]
             try:
-                kind, checked = _outcome(functools.partial(read_rank_file, save / TAG, 0, 2))
+                kind, checked = _outcome(functools.partial(read_rank_file, save / TAG, 0, 2, files))
                 if kind == "loaded" and checked.get("rng") is not None:
                     tensors = {"rng/0/0": torch.get_rng_state()}  # stands in for the tensor read from disk
                     restore_rng(Decoder(tensors).decode(checked["rng"], "rng"))

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _checkpoint_common import assert_same, build, full_params, snapshot, train
-from _checkpoint_edits import drop_checksums
+from _checkpoint_edits import rehash
 from _parity import batch
 
 from shardwise.checkpoint import CheckpointError, describe
@@ -135,7 +135,7 @@ def _tampered_index(root: str) -> None:
     dist.barrier()
     if dist.get_rank() == 0:
         (path / ".metadata").write_bytes(pickle.dumps(_Exploit()))
-        drop_checksums(path)  # an attacker strips them: the restricted unpickler must still refuse
+        rehash(path)  # an attacker rewrites them: the restricted unpickler must still refuse
     dist.barrier()
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
         engine.load_checkpoint(root, tag="tampered")

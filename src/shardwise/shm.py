@@ -36,10 +36,16 @@ path moves at 2 ranks (measured: see docs/benchmarks.md).
 
 Set up once per :class:`~shardwise.distributed.Comm` that asks for it, a
 collective step of its own: rank 0 creates the file, every rank maps it and
-checks a random token, and the segment is used only if every rank succeeded;
-rank 0 then removes the file, so nothing is left behind even if a process is
-killed.  Otherwise (ranks on several hosts, no ``/dev/shm``, no room) the
-group keeps gloo.  x86-64 only: there stores become visible to other cores in
+checks a random token, and the segment is used only if every rank succeeded.
+No file outlives its set-up: every rank that knows a file's name removes it
+on every way out of the set-up (right after the vote that says every rank
+mapped it, or when a collective of the set-up raises: a peer raised, was
+killed or timed out), so a peer killed with ``SIGKILL``, whose own clean-up
+never runs, leaves nothing either.  The one gap, a creator killed before its
+peers learnt the name, is closed by the next set-up on the host: a file of
+this user named after a process that no longer exists is removed
+(:func:`sweep`).  Otherwise (ranks on several hosts, no ``/dev/shm``, no
+room) the group keeps gloo.  x86-64 only: there stores become visible to other cores in
 program order, so a peer that reads a flag also sees the data written before.
 """
 
@@ -49,6 +55,7 @@ import mmap
 import os
 import platform
 import queue
+import re
 import secrets
 import struct
 import threading
@@ -61,7 +68,7 @@ import torch
 
 from .faults.liveness import PeerWatch
 
-__all__ = ["CHUNK", "ShmWork", "SharedSegment", "open_segment", "supported"]
+__all__ = ["CHUNK", "ShmWork", "SharedSegment", "open_segment", "supported", "sweep"]
 
 #: bytes per rank per step (measured: 4 MiB beat 1, 2, 8 and 16 MiB for a 20 MB all-reduce)
 CHUNK = 4 << 20
@@ -69,6 +76,9 @@ _HEADER = 4096  # bytes: int64 words, [0] the token, [8 + r] rank r's flag
 _TOKEN, _FLAGS = 0, 8
 _MAX_RANKS = _HEADER // 8 - _FLAGS
 _DIRECTORY = "/dev/shm"
+#: a segment file's name: the prefix, the creating process's id, a random part
+_PREFIX = "shardwise-"
+_NAME = re.compile(rf"{_PREFIX}(\d+)-[0-9a-f]{{16}}")
 _FIRST_SLEEP, _LAST_SLEEP = 2e-5, 5e-4  # seconds between polls of a flag, doubling up to the last
 #: after this long waiting (a peer busy elsewhere: evaluation, data loading) poll this often instead
 _LONG_WAIT, _LONG_SLEEP = 1.0, 5e-3
@@ -295,15 +305,18 @@ class SharedSegment:
         """
         nbytes = max(numel * torch.empty(0, dtype=dtype).element_size(), 1)
         offer, reason = _create(_HEADER + nbytes)
-        offers = exchange(offer)
+        offers = [offer]
         mappings: list[Optional[mmap.mmap]] = []
-        for peer in offers:
-            mapped, why = _attach(peer, _HEADER + nbytes) if peer else (None, "no segment")
-            reason = reason or why
-            mappings.append(mapped)
-        usable = agree(not reason)
-        if offer:
-            _remove(offer)
+        try:
+            offers = exchange(offer)
+            for peer in offers:
+                mapped, why = _attach(peer, _HEADER + nbytes) if peer else (None, "no segment")
+                reason = reason or why
+                mappings.append(mapped)
+            usable = agree(not reason)
+        finally:
+            # Every rank removes every file it knows of: a peer killed after the exchange cannot remove its own.
+            _remove_all(offers)
         own = mappings[self.rank]
         if not usable or own is None:
             return None
@@ -380,24 +393,33 @@ def open_segment(rank: int, world: int, peers: list[int], timeout: float,
     offer = b""
     if rank == 0 and not reason:
         offer, reason = _create(size)
-    offer = share(offer)
-    mapped: Optional[mmap.mmap] = None
-    if offer and not reason:
-        mapped, reason = _attach(offer, size)
-    elif not offer and not reason:
-        reason = "rank 0 could not create the segment"
-    usable = agree(not reason)
-    if rank == 0 and offer:
-        _remove(offer)
+    try:
+        offer = share(offer)
+        mapped, reason = _map_offer(offer, size, reason)
+        usable = agree(not reason)
+    finally:
+        # Once the vote passed every rank has mapped the file; on an error, a peer is gone or will not map it.
+        # Any rank that knows the name removes it: rank 0 may be the one that was killed.
+        _remove_all([offer])
     if not usable:
         return None, reason or "another rank could not map the segment"
     assert mapped is not None
     return SharedSegment(mapped, rank, world, peers, timeout), ""
 
 
+def _map_offer(offer: bytes, size: int, reason: str) -> tuple[Optional[mmap.mmap], str]:
+    """Map the segment rank 0 offered (None, with the reason, when there is none or it cannot be mapped)."""
+    if reason:
+        return None, reason
+    if not offer:
+        return None, "rank 0 could not create the segment"
+    return _attach(offer, size)
+
+
 def _create(size: int) -> tuple[bytes, str]:
-    """Rank 0: a new file of ``size`` bytes, with room reserved (no SIGBUS later), and a token in it."""
-    path = os.path.join(_DIRECTORY, f"shardwise-{os.getpid()}-{secrets.token_hex(8)}")
+    """A new file of ``size`` bytes, with room reserved (no SIGBUS later), and a token in it."""
+    sweep()
+    path = os.path.join(_DIRECTORY, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
     token = secrets.randbits(62)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -433,4 +455,46 @@ def _remove(offer: bytes) -> None:
     try:
         os.unlink(path)
     except OSError:
-        pass
+        pass  # already removed by another rank
+
+
+def _remove_all(offers: list[bytes]) -> None:
+    for offer in offers:
+        if offer:
+            _remove(offer)
+
+
+def sweep() -> list[str]:
+    """Remove this user's segment files whose creating process no longer exists; return their names.
+
+    A creator killed between making its file and telling its peers the name leaves the file behind (nobody
+    else knows it); without this, such files would pile up under ``--max-restarts``.  A file lives only for
+    the seconds of one set-up, so one whose creator is gone is never in use.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(_DIRECTORY)
+    except OSError:
+        return removed
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if match is None or _running(int(match.group(1))):
+            continue
+        path = os.path.join(_DIRECTORY, name)
+        try:
+            if os.stat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue  # removed meanwhile, or not ours
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it exists, owned by someone else
+    return True

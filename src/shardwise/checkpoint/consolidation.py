@@ -31,7 +31,7 @@ from .encoded import TENSOR_DTYPES
 from .errors import CheckpointError
 from .formats import foreign_format
 from .group import member_path, read_group
-from .layout import GROUP_MANIFEST, check_complete, list_checkpoints, read_latest, resolve
+from .layout import GROUP_MANIFEST, MANIFEST, check_complete, list_checkpoints, read_latest, resolve
 from .stateful import TensorState
 from .storage import LoadPlanner, SafeReader, dcp_errors, record_is_stored
 
@@ -60,8 +60,8 @@ def consolidated_state_dict(ckpt_dir: Any, tag: Optional[str] = None, engine: Op
         values[name] = tensors[f"module/{name}"] = torch.empty(info["shape"], dtype=TENSOR_DTYPES[info["dtype"]])
     with warnings.catch_warnings(), dcp_errors(path):
         warnings.simplefilter("ignore")  # DCP warns that no process group exists: that is the point here
-        dcp.load({"model": TensorState(tensors)}, storage_reader=SafeReader(path, expected_digests(manifest)),
-                 planner=LoadPlanner(), no_dist=True)
+        reader = SafeReader(path, expected_digests(manifest, path / MANIFEST))
+        dcp.load({"model": TensorState(tensors)}, storage_reader=reader, planner=LoadPlanner(), no_dist=True)
     for name, info in manifest["params"].items():
         values[name] = values[name].view(info["shape"])
     for name, value in values.items():

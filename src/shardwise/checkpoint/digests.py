@@ -7,10 +7,16 @@ hex}}``.  At load, every file is checked before it is parsed or read from:
 the index before it is unpickled, a rank file before its JSON is used, a tensor
 file before DCP reads a record of it (each rank checks the files it reads).
 
+The manifest is checked whole: a manifest without ``files``, or one whose
+``files`` lacks a file the load would read (the index, a rank file, a tensor
+file the index points into), is refused naming that file before anything is
+read; there is no path that skips a check.  (Every manifest shardwise has
+written since checksums were added carries ``files``; one that lost it was
+damaged or edited, and loading it unchecked would take a flipped byte in the
+weights silently.)
+
 SHA-256 runs at about 1 GB/s on one core, so checking costs one more pass over
 the bytes a rank reads (from the page cache, right before DCP reads them).
-Manifests written before checksums existed have no ``files`` entry and load
-unchecked.
 """
 
 from __future__ import annotations
@@ -18,11 +24,11 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, NoReturn
 
 from .errors import CheckpointError
 
-__all__ = ["digest", "digests", "expected_digests", "verify"]
+__all__ = ["digest", "digests", "expected_digests", "require_listed", "verify"]
 
 _HEX = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 20
@@ -44,31 +50,45 @@ def digests(root: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
     return {name: digest(root / name) for name in sorted(set(names))}
 
 
-def expected_digests(manifest: Any) -> Optional[dict[str, dict[str, Any]]]:
-    """The manifest's ``files`` entry, checked to be well formed; None for a manifest written without one."""
+def expected_digests(manifest: Any, file: Path) -> dict[str, dict[str, Any]]:
+    """The ``files`` entry of the manifest ``manifest`` read from ``file``, checked to be well formed."""
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if files is None:
-        return None
+        raise CheckpointError(
+            f"{file} has no `files` entry (each file of the checkpoint with its size and SHA-256), so no file of "
+            f"{file.parent} can be checked; the manifest was damaged or edited. Restore it from a good copy, or "
+            "load another checkpoint"
+        )
     good = isinstance(files, dict) and all(
         isinstance(name, str) and isinstance(entry, dict) and type(entry.get("bytes")) is int
         and isinstance(entry.get("sha256"), str) and _HEX.fullmatch(entry["sha256"]) is not None
         for name, entry in files.items())
     if not good:
-        raise CheckpointError("the manifest's `files` entry is not a map of file name -> {bytes, sha256}; the "
+        raise CheckpointError(f"{file}: the `files` entry is not a map of file name -> {{bytes, sha256}}; the "
                               "manifest is damaged or was edited by hand")
     return files
 
 
-def verify(root: Path, name: str, expected: Optional[dict[str, dict[str, Any]]]) -> None:
-    """Raise unless ``root / name`` has the size and SHA-256 the manifest recorded (no record: no check)."""
-    if expected is None:
-        return
+def require_listed(root: Path, names: Iterable[str], expected: dict[str, dict[str, Any]]) -> None:
+    """Raise naming the first of ``names`` (files in ``root`` a load reads) that the manifest does not list."""
+    for name in names:
+        if name not in expected:
+            _unlisted(root, name)
+
+
+def _unlisted(root: Path, name: str) -> NoReturn:
+    raise CheckpointError(
+        f"{root / name} is not among the files the manifest of {root} lists with checksums, so it cannot be "
+        "checked; the manifest was edited, or the checkpoint was assembled from pieces of different saves. "
+        "Load a checkpoint as it was written"
+    )
+
+
+def verify(root: Path, name: str, expected: dict[str, dict[str, Any]]) -> None:
+    """Raise unless ``root / name`` has the size and SHA-256 the manifest recorded (``expected``: its ``files``)."""
     want = expected.get(name)
     if want is None:
-        raise CheckpointError(
-            f"{root / name} is not among the files the manifest of {root} lists with checksums; the checkpoint "
-            "was assembled from pieces of different saves: load a checkpoint as it was written"
-        )
+        _unlisted(root, name)
     got = digest(root / name)
     if got != {"bytes": want["bytes"], "sha256": want["sha256"]}:
         what = (f"{got['bytes']:,} bytes where the save wrote {want['bytes']:,}" if got["bytes"] != want["bytes"]

@@ -184,10 +184,21 @@ def _checked_manifest(path: Path, metadata: Any) -> dict[str, Any]:
         )
     refs = check_manifest(manifest, file)
     check_against_index(manifest, refs, metadata.state_dict_metadata, file)
+    _check_listed(path, manifest, metadata)
     return manifest
 
 
-def read_rank_file(path: Path, rank: int, world_size: int, expected: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def _check_listed(path: Path, manifest: dict[str, Any], metadata: Any) -> None:
+    """Every file a load of ``path`` may read has its checksum in the manifest (else none is checked)."""
+    from .digests import expected_digests, require_listed
+    from .validate_index import record_ends
+
+    data = sorted(record_ends(metadata.storage_data, path / INDEX))
+    ranks = [rank_file(r) for r in range(manifest["world_size"])]
+    require_listed(path, [INDEX, *ranks, *data], expected_digests(manifest, path / MANIFEST))
+
+
+def read_rank_file(path: Path, rank: int, world_size: int, expected: dict[str, Any]) -> dict[str, Any]:
     """Rank ``rank``'s ``rankR.json`` in checkpoint ``path``, checked: its checksum (``expected``: the
     manifest's ``files``), its RNG state can be set, and every tensor it refers to has that size in the index."""
     from .digests import verify
@@ -207,7 +218,7 @@ def _verify_index(path: Path) -> None:
 
     if files.regular_size(path / INDEX) is None or files.regular_size(path / MANIFEST) is None:
         return  # reported as missing, with the rest
-    verify(path, INDEX, expected_digests(read_json(path / MANIFEST)))
+    verify(path, INDEX, expected_digests(read_json(path / MANIFEST), path / MANIFEST))
 
 
 def _index(path: Path) -> Any:

@@ -240,7 +240,7 @@ class _Load:
         return model
 
     def _read(self, states: dict[str, TensorState]) -> None:
-        reader = SafeReader(self.path, expected_digests(self.manifest))
+        reader = SafeReader(self.path, expected_digests(self.manifest, self.path / MANIFEST))
         # Each rank reads what it asked for on its own (`no_dist`): no collective that a rank dying in
         # the read could leave the others waiting in; the step itself is bounded and watched.
         with dcp_errors(self.path), warnings.catch_warnings():
@@ -287,7 +287,7 @@ class _Load:
         if self.manifest["world_size"] != self.engine.comm.world_size:
             return None  # a rank's RNG stream has no counterpart at another world size
         encoded = read_rank_file(self.path, self.rank, self.manifest["world_size"],
-                                 expected_digests(self.manifest)).get("rng")
+                                 expected_digests(self.manifest, self.path / MANIFEST)).get("rng")
         if encoded is None:
             return None
         return encoded, self._buffers(encoded, {})

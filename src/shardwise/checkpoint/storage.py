@@ -300,7 +300,7 @@ class SafeReader(FileSystemReader):
     """DCP's file reader, with the ``.metadata`` index unpickled by :func:`read_metadata`, and every
     tensor file this rank reads checked against the manifest's checksums (``expected``) first."""
 
-    def __init__(self, path: Any, expected: Optional[dict[str, Any]] = None) -> None:
+    def __init__(self, path: Any, expected: dict[str, Any]) -> None:
         super().__init__(path)
         self.expected = expected
 

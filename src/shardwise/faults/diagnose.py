@@ -13,6 +13,10 @@ intervals, and sorts each peer into one of
 The error class follows the most telling peer: :class:`PeerFailedError`,
 then :class:`RankGoneError`, then :class:`CollectiveMismatchError` (alive
 ranks at different collectives), else a plain :class:`CommError`.
+
+When no record can be read at all, the store itself is gone: its host died
+(rank 0 for ``env://`` rendezvous, :mod:`.store`), and the error names that
+rank and the store, instead of calling every peer one that never beat.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any, Optional
 from .errors import CollectiveMismatchError, CommError, PeerFailedError, RankGoneError
 from .heartbeat import fault_record, heartbeat, publish_fault, read_record
 from .ledger import Ledger
+from .store import StoreHost, store_host
 
 __all__ = ["AGREE", "RESTART", "Failure", "diagnose", "short_cause"]
 
@@ -77,20 +82,32 @@ def diagnose(failure: Failure) -> CommError:
     peers = [_Peer(r) for r in failure.ledger.ranks if r != failure.rank]
     if beat is None:
         return CommError(f"rank {failure.rank}: {failure.operation} failed: {failure.cause}", rank=failure.rank)
-    _watch(beat.store, peers, beat.interval)
+    reads = _Reads()
+    _watch(beat.store, peers, beat.interval, reads)
+    if reads.ok == 0 and reads.error:
+        host = store_host(beat.store) or StoreHost("(an address not known here)", None)
+        return _store_lost(failure, peers, host, reads.error)
     return _compose(failure, peers)
 
 
-def _watch(store: Any, peers: list[_Peer], interval: float) -> None:
+@dataclass
+class _Reads:
+    """How the store answered while this rank watched: reads that worked, the first error of one that did not."""
+
+    ok: int = 0
+    error: str = ""
+
+
+def _watch(store: Any, peers: list[_Peer], interval: float, reads: _Reads) -> None:
     start = time.monotonic()
     for peer in peers:
-        peer.first = _safe(read_record, store, peer.rank)
+        peer.first = _safe(read_record, store, peer.rank, reads)
     slowest = max([interval] + [float(p.first["interval"]) for p in peers if p.first is not None])
     deadline = start + min(2.5 * slowest + 0.2, _MAX_WATCH_S)
     while True:
         for peer in peers:
             if peer.state == "unknown":
-                _look(store, peer)
+                _look(store, peer, reads)
         if all(p.state != "unknown" for p in peers) or time.monotonic() > deadline:
             break
         time.sleep(min(interval, slowest) / 4)
@@ -100,23 +117,25 @@ def _watch(store: Any, peers: list[_Peer], interval: float) -> None:
             peer.state, peer.record = "gone", peer.first
 
 
-def _look(store: Any, peer: _Peer) -> None:
-    fault = _safe(fault_record, store, peer.rank)
+def _look(store: Any, peer: _Peer, reads: _Reads) -> None:
+    fault = _safe(fault_record, store, peer.rank, reads)
     if fault is not None:
         peer.fault, peer.record = fault, fault
         peer.state = "comm" if fault.get("comm") else "failed"
         return
-    record = _safe(read_record, store, peer.rank)
+    record = _safe(read_record, store, peer.rank, reads)
     if record is not None and (peer.first is None or record.get("beat") != peer.first.get("beat")):
         peer.state, peer.record = "alive", record
 
 
-def _safe(read: Any, store: Any, rank: int) -> Optional[dict[str, Any]]:
+def _safe(read: Any, store: Any, rank: int, reads: _Reads) -> Optional[dict[str, Any]]:
     try:
         result: Optional[dict[str, Any]] = read(store, rank)
-        return result
-    except Exception:  # noqa: BLE001 - an unreachable store says nothing about this peer
+    except Exception as exc:  # noqa: BLE001 - an unreachable store says nothing about this peer, but of its host
+        reads.error = reads.error or short_cause(exc)
         return None
+    reads.ok += 1
+    return result
 
 
 # ------------------------------------------------------------------ message
@@ -157,11 +176,10 @@ def _compose(failure: Failure, peers: list[_Peer]) -> CommError:
     me = failure.rank
     where = {me: failure.operation}
     where.update({p.rank: _where(p, key) for p in peers})
-    lines = "\n".join(f"  rank {r}: {text}" + (" (this rank)" if r == me else "") for r, text in sorted(where.items()))
     gone = [p.rank for p in peers if p.state == "gone"]
     failed = {p.rank: str((p.record or {}).get("error")) for p in peers if p.state == "failed"}
     facts = dict(rank=me, where=where, gone=gone, failed=failed)
-    tail = f"\nWhere each rank of process group {key} was:\n{lines}\nThe backend said: {failure.cause}"
+    tail = _tail(failure, where)
     if failed:
         head = (f"rank {me}: rank(s) {sorted(failed)} raised an error of their own (below), so the collective "
                 "this rank waits on cannot complete; fix that error (the failing rank's log has its traceback)")
@@ -182,6 +200,30 @@ def _compose(failure: Failure, peers: list[_Peer]) -> CommError:
             f"this rank was {failure.operation}, although every rank is alive; if a rank is only slow (a long "
             "evaluation or data loading on one rank), raise `comms.timeout`")
     return CommError(head + tail, **facts)  # type: ignore[arg-type]
+
+
+def _tail(failure: Failure, where: dict[int, str]) -> str:
+    """Where each rank was, and the backend's words."""
+    me = failure.rank
+    lines = "\n".join(f"  rank {r}: {text}" + (" (this rank)" if r == me else "") for r, text in sorted(where.items()))
+    return f"\nWhere each rank of process group {failure.ledger.key} was:\n{lines}\nThe backend said: {failure.cause}"
+
+
+def _store_lost(failure: Failure, peers: list[_Peer], host: StoreHost, cause: str) -> CommError:
+    """No record could be read: the store is gone, and with it the process that hosted it."""
+    me, store = failure.rank, host.describe()
+    where = {me: failure.operation}
+    for peer in peers:
+        where[peer.rank] = (f"gone: the c10d store it hosted at {host.address} cannot be reached ({cause})"
+                            if peer.rank == host.rank
+                            else "not known: its heartbeat is kept in the store that cannot be reached")
+    gone = [p.rank for p in peers if p.rank == host.rank]
+    facts = dict(rank=me, where=where, gone=gone, failed={})
+    lost = f"rank {host.rank} is gone (killed, crashed or exited), and with it " if host.rank is not None else ""
+    head = (f"rank {me}: {lost}{store}: the store cannot be reached ({cause}) while this rank was "
+            f"{failure.operation}; {RESTART}")
+    error = RankGoneError if gone else CommError
+    return error(head + _tail(failure, where), **facts)  # type: ignore[arg-type]
 
 
 def _disagree(failure: Failure, peers: list[_Peer], key: str) -> bool:

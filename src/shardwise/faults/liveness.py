@@ -5,7 +5,10 @@ backend error ever says a peer died: :class:`PeerWatch` reads the peers'
 heartbeat records now and then (every half interval at most) and reports a
 peer whose beat counter has not moved for 2.5 of its intervals.  A rank that
 never beat (no heartbeat thread: a single process, or the peer never got that
-far) is never reported: the caller's own timeout covers it.
+far) is never reported: the caller's own timeout covers it.  A store that
+stops answering every read for as long is reported as its host gone (rank 0
+for ``env://`` rendezvous, :mod:`.store`): the store died with that process,
+and no other record can be read any more.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from typing import Any, Iterable, Optional
 
 from .heartbeat import heartbeat, read_record
+from .store import store_host
 
 __all__ = ["PeerWatch"]
 
@@ -27,6 +31,8 @@ class PeerWatch:
         self.interval = beat.interval if beat is not None else 1.0
         self._seen: dict[int, tuple[Any, float, float]] = {}  # rank -> (beat, since when unchanged, its interval)
         self._next = 0.0
+        #: since when every read of the store failed (None: the last one worked)
+        self._unreachable_since: Optional[float] = None
         #: the last record read of each rank (what it was doing when it stopped)
         self.records: dict[int, dict[str, Any]] = {}
 
@@ -36,12 +42,15 @@ class PeerWatch:
         if self.store is None or now < self._next:
             return []
         self._next = now + self.interval / 2
-        stopped = []
+        stopped: list[int] = []
+        answered = False
+        ranks = list(ranks)
         for rank in ranks:
             try:
                 record = read_record(self.store, rank)
-            except Exception:  # noqa: BLE001 - an unreachable store says nothing about this peer
+            except Exception:  # noqa: BLE001 - an unreachable store says nothing about this peer, but of its host
                 continue
+            answered = True
             if record is None:
                 continue
             self.records[rank] = record
@@ -51,7 +60,19 @@ class PeerWatch:
                 self._seen[rank] = (beat, now, interval)
             elif now - seen[1] > 2.5 * interval + 0.2:
                 stopped.append(rank)
-        return stopped
+        return stopped or self._store_host_gone(ranks, answered, now)
+
+    def _store_host_gone(self, ranks: list[int], answered: bool, now: float) -> list[int]:
+        """``[host]`` once the store has failed every read for 2.5 intervals and its host is among ``ranks``."""
+        if answered or not ranks:
+            self._unreachable_since = None
+            return []
+        if self._unreachable_since is None:
+            self._unreachable_since = now
+        host = store_host(self.store)
+        if host is None or host.rank not in ranks or now - self._unreachable_since <= 2.5 * self.interval + 0.2:
+            return []
+        return [host.rank]
 
     def last_seen(self, rank: int) -> str:
         """What ``rank``'s last heartbeat said it was doing."""
