@@ -16,12 +16,16 @@ from .errors import ConfigError
 
 __all__ = [
     "MAX_ACCUMULATION", "MAX_DEPTH", "MAX_ELEMENTS", "MAX_FILE_BYTES", "MAX_LOSS_SCALE", "MAX_MICRO_BATCH",
-    "MAX_STEPS", "MAX_TIMEOUT_S", "MAX_TRAIN_BATCH", "MAX_VALUES", "check_shape",
+    "MAX_STEPS", "MAX_TIMEOUT_S", "MAX_TRAIN_BATCH", "MAX_VALUES", "MAX_YAML_LINES", "check_shape",
 ]
 
-#: a config file larger than this is refused before it is parsed. 2 MiB is ~200x the largest real
-#: DeepSpeed config; PyYAML's C parser takes ~0.3 s per MiB here (1.2 s on a loaded 2-core host).
-MAX_FILE_BYTES = 2 * 1024 * 1024
+#: a config file larger than this is refused before it is parsed: ~400x the largest real DeepSpeed config.
+#: JSON parses at ~100 MB/s, so this bound is about memory and output, not time.
+MAX_FILE_BYTES = 4 * 1024 * 1024
+#: YAML also has at most this many lines plus commas (each value needs one or the other). PyYAML builds
+#: ~100k values a second on a loaded 2-core host (measured: 175k one-line keys took 3.7 s), so this keeps
+#: the worst YAML file under ~0.5 s; a real config has a few hundred lines.
+MAX_YAML_LINES = 50_000
 #: mappings and lists nested deeper than this are refused (real configs nest 5 deep, 6 with `engines`).
 MAX_DEPTH = 32
 #: values (mappings, lists, scalars) counted as a reader walks them, aliases and shared objects counted
@@ -52,30 +56,32 @@ def check_shape(data: Any, prefix: tuple[str, ...] = ()) -> None:
     a non-finite number (inf or NaN): the first such problem is raised as a ConfigError naming the path.
 
     The walk is iterative (no recursion limit to hit) and stops at the first problem, so it costs at
-    most MAX_VALUES steps whatever `data` is (a cyclic dict included).
+    most MAX_VALUES steps plus one container whatever `data` is (a cyclic dict included).
     """
+    if not isinstance(data, (Mapping, list, tuple)):
+        return
     stack: list[tuple[Any, tuple[str, ...]]] = [(data, prefix)]
-    seen = 0
+    seen = 1
     while stack:
-        value, path = stack.pop()
-        seen += 1
+        container, path = stack.pop()
+        if len(path) - len(prefix) >= MAX_DEPTH:
+            raise ConfigError(
+                f"`{_dotted(path[:len(prefix) + 3])}...` nests deeper than {MAX_DEPTH} levels (a config nests about "
+                "5); remove the extra nesting")
+        items = container.items() if isinstance(container, Mapping) else enumerate(container)
+        for key, value in items:
+            seen += 1
+            if isinstance(value, (Mapping, list, tuple)):
+                stack.append((value, (*path, str(key)[:80])))
+            elif isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(
+                    f"`{_dotted((*path, str(key)[:80]))}`: got {value}; expected a finite number (inf and NaN would "
+                    "defeat the checks and timeouts that read it); write a finite value")
         if seen > MAX_VALUES:
             raise ConfigError(
                 f"the config reaches more than {MAX_VALUES} values (YAML aliases and repeated objects count each "
                 f"time they are used; a real config holds a few hundred); write the values out, or check that the "
                 f"file is a config at all")
-        if len(path) - len(prefix) > MAX_DEPTH:
-            raise ConfigError(
-                f"`{_dotted(path[:len(prefix) + 3])}...` nests deeper than {MAX_DEPTH} levels (a config nests about 5); "
-                "remove the extra nesting")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(
-                f"`{_dotted(path)}`: got {value}; expected a finite number (inf and NaN would defeat the checks and "
-                "timeouts that read it); write a finite value")
-        if isinstance(value, Mapping):
-            stack.extend((v, (*path, str(k)[:80])) for k, v in value.items())
-        elif isinstance(value, (list, tuple)):
-            stack.extend((v, (*path, str(i))) for i, v in enumerate(value))
 
 
 def _dotted(path: tuple[str, ...]) -> str:

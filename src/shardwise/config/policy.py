@@ -89,9 +89,10 @@ class _Walk:
 
     def section(self, model: type[BaseModel], raw: Mapping[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        fields = model.model_fields  # a property that costs a microsecond: read once, not per key
         for key, value in self._renamed(raw, path).items():
             here = (*path, key)
-            if key in model.model_fields:
+            if key in fields:
                 self._field(model, key, value, here, out)
             elif ".".join(here) in CATALOG:
                 self._judge(CATALOG[".".join(here)], value, here)

@@ -79,7 +79,7 @@ def _read_text(path: Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(
-            f"config file `{path}` is not UTF-8 text (byte {exc.start} is {data[exc.start]:#04x}); save it as "
+            f"config file `{path}` is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); save it as "
             "UTF-8") from None
 
 
