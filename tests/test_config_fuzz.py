@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -92,7 +94,22 @@ _SPLICES = ["&a ", "*a", "<<: *a\n", "[", "]", "{", "}", ",", ": ", "\n- ", "\t"
             "\xff", "1e999", "NaN", ".inf", "true", "- - - -", "\n  \n"]
 
 
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(\.\d+)?([eE][-+]?\d+)?(?![\w.])")
+_TOKENS = ["1e999", "-1e999", "NaN", "Infinity", ".inf", ".nan", "true", "'2'", "1e21", "2.5", "0"]
+
+
+def _number_swapped(rng: random.Random, text: str) -> str:
+    """`text` with one number literal replaced by a hostile token (`1e999`, `NaN`, `true`, ...)."""
+    numbers = list(_NUMBER.finditer(text))
+    if not numbers:
+        return text
+    match = rng.choice(numbers)
+    return text[:match.start()] + rng.choice(_TOKENS) + text[match.end():]
+
+
 def _text_mutated(rng: random.Random, text: str) -> str:
+    if rng.random() < 0.5:
+        return _number_swapped(rng, text)
     for _ in range(rng.randint(1, 3)):
         at = rng.randrange(len(text) + 1)
         choice = rng.random()
@@ -110,8 +127,30 @@ def _text_mutated(rng: random.Random, text: str) -> str:
     return text
 
 
-def _check_accepted(config: Config) -> None:
-    """What a caller does next with an accepted config must not fail in another way either."""
+def _leaves(node: Any, path: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Dotted path -> value for every scalar under `node`."""
+    if isinstance(node, dict):
+        return {k: v for key, value in node.items() for k, v in _leaves(value, (*path, str(key))).items()}
+    if isinstance(node, list):
+        return {k: v for i, value in enumerate(node) for k, v in _leaves(value, (*path, str(i))).items()}
+    return {".".join(path): node}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_accepted(config: Config, raw: dict[str, Any] | None) -> None:
+    """The rules hold for what was accepted, and what a caller does next must not fail another way."""
+    settled = _leaves(config.model_dump())
+    assert all(math.isfinite(v) for v in settled.values() if _is_number(v)), "every number is finite"
+    noted = {note.path for note in config.notes}
+    for path, value in _leaves(raw or {}).items():
+        if _is_number(settled.get(path)):
+            assert not isinstance(value, bool), f"`{path}: {value}` became the number {settled[path]}"
+            text = isinstance(value, str) and value.strip().lower() != "auto"  # `auto` has its own rules
+            said = any(path == n or path.startswith(n + ".") for n in noted)  # a list gets one line
+            assert not text or said, f"`{path}: {value!r}` became a number silently"
     again = Config.load(config.to_dict())
     assert again == config, (config.to_dict(), again.to_dict())
     for step in (lambda: config.batch_sizes(2), lambda: config.resolve(world_size=2, total_num_steps=100)):
@@ -121,10 +160,10 @@ def _check_accepted(config: Config) -> None:
             pass
 
 
-def _outcome(load: Callable[[], Config]) -> str:
+def _outcome(load: Callable[[], Config], raw: dict[str, Any] | None = None) -> str:
     start = time.perf_counter()
     try:
-        _check_accepted(load())
+        _check_accepted(load(), raw)
         result = "accepted"
     except ConfigError as error:
         assert len(str(error)) < 12_000, "the message is bounded"
@@ -147,7 +186,7 @@ def test_generated_dicts_are_accepted_or_config_errors(seed: int) -> None:
         _, base = rng.choice(bases)
         data = _mutated(rng, base)
         try:
-            results[_outcome(lambda: Config.load(data))] += 1
+            results[_outcome(lambda: Config.load(data), copy.deepcopy(data))] += 1
         except AssertionError as failure:
             raise AssertionError(f"seed {seed} case {case}: {json.dumps(data, default=str)[:2000]}") from failure
     assert min(results.values()) > 50, results  # the generator reaches both sides
