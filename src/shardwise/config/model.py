@@ -16,8 +16,8 @@ from . import auto
 from .describe import problems_from
 from .errors import ConfigError, Problems, canonical
 from .limits import MAX_ACCUMULATION, MAX_MICRO_BATCH, MAX_STEPS, MAX_TIMEOUT_S, MAX_TRAIN_BATCH, check_shape
-from .numbers import Count, Real
 from .notes import Note, announce
+from .numbers import Count, Real
 from .policy import prepare
 from .reading import read_config_file
 from .sections import (
