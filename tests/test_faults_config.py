@@ -83,5 +83,5 @@ def test_hostile_config_file_is_a_config_error(case: str, tmp_path: Path,
     assert expected in err, err[:2000]
     assert len(err) < MAX_ERR, f"{len(err)} bytes of error output"
     assert seconds < LIMIT_S, f"{seconds:.2f} s to refuse"
-    record_row("misuse", f"config file: {case}", None,
+    record_row("misuse", f"config file: {case}", "-",
                "`ConfigError` naming the key or line and the fix; `config validate` exits 2", seconds)
