@@ -150,8 +150,10 @@ def test_many_unknown_keys_list_twenty_and_count_the_rest() -> None:
 def test_many_unknown_optimizer_params_are_cheap_too() -> None:
     raw = {"optimizer": {"type": "SGD", "params": {f"p{i}": 1 for i in range(50_000)}}}
     start = time.perf_counter()
-    problems = problems_of(raw)
-    assert len(problems) == 50_000 and time.perf_counter() - start < 2.0
+    with pytest.raises(ConfigError) as info:
+        Config.load(raw)
+    assert len(info.value.problems) == 50_000 and time.perf_counter() - start < 2.0
+    assert len(str(info.value)) < 5_000
 
 
 def test_a_long_key_or_value_is_cut_in_the_message() -> None:

@@ -49,7 +49,7 @@ def coerce(value: Any) -> Any:
     text = value.strip()
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
-    if _INTEGER.fullmatch(text) and len(text) < 100:
+    if _INTEGER.fullmatch(text) and len(text) < 100:  # int() raises past 4300 digits; longer stays text
         return int(text)
     if _NUMBER.fullmatch(text) and math.isfinite(number := float(text)):
         return number
