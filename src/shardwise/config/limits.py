@@ -47,7 +47,7 @@ MAX_ELEMENTS = 10**12
 MAX_STEPS = 10**12
 #: `loss_scale`, `min_loss_scale`: 2^64, as `initial_scale_power` <= 64
 MAX_LOSS_SCALE = 2.0**64
-#: timeouts in seconds (30 days); a larger one overflows no clock but never fires in practice
+#: timeouts in seconds: 30 days (a timeout that long never fires in practice; past ~10^14 s timedelta overflows)
 MAX_TIMEOUT_S = 30 * 24 * 3600.0
 
 
