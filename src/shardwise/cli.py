@@ -237,16 +237,6 @@ def _add_plot(subparsers: Any) -> None:
 # ------------------------------------------------------- shardwise config validate
 
 
-def _top_level(path: Path) -> Any:
-    """The file's parsed top level, or None when it cannot be read (Config.load then says why)."""
-    from shardwise.config import ConfigError, read_config_file
-
-    try:
-        return read_config_file(path)
-    except ConfigError:
-        return None
-
-
 def _resolved(config: Any, world_size: int) -> dict[str, Any]:
     """``config`` as a dict with its batch sizes resolved for ``world_size`` (``auto`` where still pending)."""
     sizes = config.batch_sizes(world_size)
@@ -272,18 +262,18 @@ def _render(data: dict[str, Any], fmt: str, header: str) -> str:
 
 
 def _validate(ns: argparse.Namespace) -> int:
-    from shardwise.config import Config, ConfigError, load_configs
+    from shardwise.config import Config, ConfigError, load_configs, read_config_file
 
     path = Path(ns.file)
     fmt = ns.format or ("json" if path.suffix.lower() == ".json" else "yaml")
-    top = _top_level(path)
     try:
-        if isinstance(top, dict) and "engines" in top:
-            configs = load_configs(path)
+        top = read_config_file(path)  # read once: a 2 MiB file takes a second to parse
+        if "engines" in top:
+            configs = load_configs(top, name=str(path))
             data = {"engines": {name: _resolved(c, ns.world_size) for name, c in configs.items()}}
             notes = [line for name, c in configs.items() for line in _explained(c, name)]
         else:
-            config = Config.load(path)
+            config = Config.load(top, name=str(path))
             data, notes = _resolved(config, ns.world_size), _explained(config)
     except ConfigError as error:
         print(error, file=sys.stderr)

@@ -8,6 +8,10 @@ the feature when it turns one on; anything else is an unknown key, reported with
 one. `"auto"` resolves from what is known (`auto.py`). Every invalid config raises
 :class:`ConfigError`, which lists each problem on its own line with the dotted key path.
 
+Reading is total and bounded (`limits.py`, `reading.py`, `yaml_reader.py`): whatever a file or dict
+holds, the outcome is a Config or a ConfigError within about a second. Number keys take numbers only
+(`numbers.py`): no booleans, nothing infinite, sizes below stated bounds.
+
 Defaults follow plain PyTorch: `gradient_clipping` is 0 (off) when absent, whereas recent DeepSpeed
 clips at 1.0 by default.
 

@@ -8,13 +8,16 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from .errors import Problems, problem_line, suggest
+from .errors import Problems, problem_line, shown_value, suggest
+from .numbers import NotANumber
 from .sections import section_of
 
 __all__ = ["problems_from"]
 
 _BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
 _SYMBOLS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+#: a range whose upper end is at most this is shown whole (`0..3`); else only the bound broken
+_SHOW_BOTH = 2**20
 
 
 def _model_at(root: type[BaseModel], loc: Sequence[str]) -> type[BaseModel] | None:
@@ -35,12 +38,17 @@ def _allowed_range(root: type[BaseModel], loc: Sequence[str], ctx: Mapping[str, 
     field = owner.model_fields.get(loc[-1]) if owner else None
     metadata = field.metadata if field else []
     bounds = {k: getattr(m, k) for m in metadata for k in _SYMBOLS if getattr(m, k, None) is not None}
-    bounds = bounds or dict(ctx)
-    is_int = field is not None and int in (field.annotation, *typing.get_args(field.annotation))
-    noun = "an integer" if is_int else "a number"
+    if ctx and not ("ge" in bounds and "le" in bounds and bounds["le"] <= _SHOW_BOTH):
+        bounds = dict(ctx)  # the bound the value broke; a huge other bound says nothing here
+    noun = "an integer" if field is not None and _holds_int(field.annotation) else "a number"
     if "ge" in bounds and "le" in bounds:
         return f"{noun} in {bounds['ge']}..{bounds['le']}"
-    return noun + " " + " and ".join(f"{_SYMBOLS[k]} {v}" for k, v in bounds.items() if k in _SYMBOLS)
+    return " ".join([noun, " and ".join(f"{_SYMBOLS[k]} {v}" for k, v in bounds.items() if k in _SYMBOLS)]).strip()
+
+
+def _holds_int(annotation: Any) -> bool:
+    """Whether a field annotation is an integer (`int`, `Count`, either `| None`)."""
+    return annotation is int or any(_holds_int(arg) for arg in typing.get_args(annotation))
 
 
 def _describe(root: type[BaseModel], err: Mapping[str, Any], loc: tuple[str, ...], prefix: tuple[str, ...]) -> list[str]:
@@ -55,9 +63,13 @@ def _describe(root: type[BaseModel], err: Mapping[str, Any], loc: tuple[str, ...
         return [problem_line(".".join(prefix + loc + rel), k, detail) for rel, k, detail in cause.items]
     if kind == "missing":
         return [problem_line(path, "missing", "")]
-    got = f"got {err['input']!r}"
+    got = f"got {shown_value(err['input'])}"
+    if isinstance(cause, NotANumber):
+        return [f"`{path}`: {got}; expected {_allowed_range(root, loc, {})}: {cause.why}"]
     if kind in _BOUND_ERRORS:
-        return [f"`{path}`: {got}; expected {_allowed_range(root, loc, err.get('ctx') or {})}"]
+        limit = max((v for v in (err.get("ctx") or {}).values() if isinstance(v, (int, float))), default=0)
+        upper = " (shardwise's bound, far above any real setting)" if kind.startswith("less") and limit > 64 else ""
+        return [f"`{path}`: {got}; expected {_allowed_range(root, loc, err.get('ctx') or {})}{upper}"]
     if kind in ("model_type", "dict_type"):
         return [f"`{path or 'config'}`: {got}; expected a mapping of settings"]
     detail = str(cause) if cause is not None else err["msg"][:1].lower() + err["msg"][1:]

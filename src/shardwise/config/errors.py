@@ -3,10 +3,30 @@
 from __future__ import annotations
 
 import difflib
+import reprlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["ConfigError", "Problems", "canonical", "problem_line", "suggest"]
+__all__ = ["MAX_SHOWN", "ConfigError", "Problems", "canonical", "problem_line", "shown_value", "suggest"]
+
+#: problems a ConfigError message lists (the rest are counted: "... and N more"); `problems` keeps all.
+MAX_SHOWN = 20
+#: characters of one problem line in the message; a line longer than this (a 1 MB key) is cut.
+_MAX_LINE = 400
+#: closest known keys named for an unknown key that has no single close match
+_MAX_CLOSE = 3
+
+_VALUES = reprlib.Repr()
+_VALUES.maxstring, _VALUES.maxother, _VALUES.maxlist, _VALUES.maxdict, _VALUES.maxlevel = 60, 60, 6, 4, 3
+
+
+def shown_value(value: Any) -> str:
+    """`repr(value)`, cut short for a long string or a big collection (messages stay small)."""
+    return _VALUES.repr(value)
+
+
+def _cut(line: str) -> str:
+    return line if len(line) <= _MAX_LINE else line[:_MAX_LINE] + f"... ({len(line)} characters)"
 
 
 class ConfigError(ValueError):
@@ -18,7 +38,10 @@ class ConfigError(ValueError):
         count = len(self.problems)
         where = f" in {source}" if source else ""
         head = f"invalid shardwise config{where} ({count} problem{'' if count == 1 else 's'}):"
-        super().__init__("\n".join([head, *(f"  - {line}" for line in self.problems)]))
+        lines = [head, *(f"  - {_cut(line)}" for line in self.problems[:MAX_SHOWN])]
+        if count > MAX_SHOWN:
+            lines.append(f"  ... and {count - MAX_SHOWN} more (fix these first; `.problems` lists all)")
+        super().__init__("\n".join(lines))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Rebuild from the parts, not the formatted message, so errors survive pickling across ranks.
@@ -48,12 +71,17 @@ def problem_line(path: str, kind: str, detail: str) -> str:
 
 
 def suggest(key: Any, known: Iterable[str]) -> str:
-    """`did you mean X?` for the closest known key, else the list of known keys."""
+    """`did you mean X?` for the closest known key, else at most three known keys nearest to it.
+
+    Never the whole list: with hundreds of unknown keys that repeated it for each one.
+    """
     known = sorted(set(known))
-    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+    text = str(key)[:100]  # a long key costs difflib time and matches nothing
+    close = difflib.get_close_matches(text, known, n=1, cutoff=0.6)
     if close:
         return f"did you mean `{close[0]}`?"
-    return "remove it (known keys: " + ", ".join(f"`{k}`" for k in known) + ")"
+    nearest = difflib.get_close_matches(text, known, n=_MAX_CLOSE, cutoff=0.0)
+    return "remove it (nearest known keys: " + ", ".join(f"`{k}`" for k in nearest) + ")"
 
 
 def canonical(value: Any, names: Iterable[str]) -> str:

@@ -15,7 +15,9 @@ from torch import nn
 from . import auto
 from .describe import problems_from
 from .errors import ConfigError, Problems, canonical
+from .limits import MAX_ACCUMULATION, MAX_MICRO_BATCH, MAX_STEPS, MAX_TIMEOUT_S, MAX_TRAIN_BATCH, check_shape
 from .notes import Note, announce
+from .numbers import Count, Real
 from .policy import prepare
 from .reading import read_config_file
 from .sections import (
@@ -49,10 +51,10 @@ class Config(Section):
     values settled); `pending` the `auto` values that only :meth:`resolve` can settle.
     """
 
-    train_batch_size: int | None = Field(default=None, ge=1)
-    train_micro_batch_size_per_gpu: int | None = Field(default=None, ge=1)
-    gradient_accumulation_steps: int | None = Field(default=None, ge=1)
-    gradient_clipping: float = Field(default=0.0, ge=0)
+    train_batch_size: Count | None = Field(default=None, ge=1, le=MAX_TRAIN_BATCH)
+    train_micro_batch_size_per_gpu: Count | None = Field(default=None, ge=1, le=MAX_MICRO_BATCH)
+    gradient_accumulation_steps: Count | None = Field(default=None, ge=1, le=MAX_ACCUMULATION)
+    gradient_clipping: Real = Field(default=0.0, ge=0)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = Field(default_factory=FP16Config)
@@ -61,10 +63,11 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     comms: CommsConfig = Field(default_factory=CommsConfig)
     auto_refresh_trainable: bool = True
-    steps_per_print: int = Field(default=10, ge=1)
+    steps_per_print: Count = Field(default=10, ge=1, le=MAX_STEPS)
     wall_clock_breakdown: bool = False
-    seed: int | None = None
-    dist_timeout: float = Field(default=1800.0, gt=0)
+    #: torch.manual_seed's range
+    seed: Count | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    dist_timeout: Real = Field(default=1800.0, gt=0, le=MAX_TIMEOUT_S)
     communication_data_type: str | None = None
     #: drop the last incomplete batch of the DataLoader `shardwise.deepspeed.initialize` builds
     dataloader_drop_last: bool = False
@@ -75,6 +78,7 @@ class Config(Section):
 
     def __init__(self, **data: Any) -> None:
         """Validate keyword settings; problems raise ConfigError (prefer :meth:`load`)."""
+        check_shape(data)
         prepared = prepare(data, Config)
         if prepared.problems:
             raise ConfigError(prepared.problems)
@@ -127,19 +131,27 @@ class Config(Section):
         return dict(self._pending)
 
     @classmethod
-    def load(cls, source: Mapping[str, Any] | str | os.PathLike[str] | Config) -> Config:
-        """Validate `source`: a dict, a `.json`/`.yaml`/`.yml` path, or a Config (returned as is)."""
+    def load(cls, source: Mapping[str, Any] | str | os.PathLike[str] | Config, *, name: str | None = None) -> Config:
+        """Validate `source`: a dict, a `.json`/`.yaml`/`.yml` path, or a Config (returned as is).
+
+        A dict follows the same rules as a file's contents; `name` (e.g. the file it came from) heads any
+        ConfigError.
+        """
         if isinstance(source, Config):
             return source
         if isinstance(source, (str, os.PathLike)):
             return cls._validate(read_config_file(Path(source)), source=str(source))
         if isinstance(source, Mapping):
-            return cls._validate(dict(source))
+            return cls._validate(dict(source), source=name)
         raise ConfigError(f"config: got {type(source).__name__}; expected a dict, a path to a "
                           "`.json`/`.yaml` file, or a `shardwise.Config`")
 
     @classmethod
     def _validate(cls, data: Any, source: str | None = None, prefix: tuple[str, ...] = ()) -> Config:
+        try:
+            check_shape(data, prefix)
+        except ConfigError as exc:
+            raise ConfigError(exc.problems, source) from None
         prepared = prepare(data, cls, prefix)
         problems = list(prepared.problems)
         config = None
@@ -261,27 +273,34 @@ def _check_offload(data: dict[str, Any], device: torch.device) -> list[Note]:
     return notes
 
 
-def load_configs(path: str | os.PathLike[str]) -> dict[str, Config]:
+def load_configs(path: str | os.PathLike[str] | Mapping[str, Any], *, name: str | None = None) -> dict[str, Config]:
     """Load a file of named configs, `engines: {name: {...}, ...}`, validating each one.
 
-    Problems in every engine are reported together, with paths like `engines.teacher.zero_optimization.stage`.
+    `path` may also be the file's contents as a dict (`name` then heads any ConfigError). Problems in
+    every engine are reported together, with paths like `engines.teacher.zero_optimization.stage`.
     """
-    data = read_config_file(Path(path))
+    if isinstance(path, Mapping):
+        data, source = dict(path), name
+    else:
+        data, source = read_config_file(Path(path)), str(path)
+    try:
+        check_shape(data)
+    except ConfigError as exc:
+        raise ConfigError(exc.problems, source) from None
     engines = data.get("engines")
-    extra = sorted(str(k) for k in data if k != "engines")
+    extra = [str(k)[:80] for k in data if k != "engines"]
     if not isinstance(engines, dict) or not engines or extra:
-        found = f"top-level keys {sorted(map(str, data))}" if data else "an empty file"
+        found = f"top-level keys {sorted(extra)[:10]}" if extra else "no engines"
         expected = ("expected a single top-level key `engines` mapping engine names to configs, "
                     "e.g. `engines: {student: {...}, teacher: {...}}`")
-        raise ConfigError(f"{expected}; found {found}", str(path))
+        raise ConfigError(f"{expected}; found {found}", source)
     configs: dict[str, Config] = {}
     problems: list[str] = []
-    for name, raw in engines.items():
+    for engine, raw in engines.items():
         try:
-            configs[str(name)] = Config._validate(raw, prefix=("engines", str(name)))
+            configs[str(engine)] = Config._validate(raw, prefix=("engines", str(engine)))
         except ConfigError as exc:
             problems.extend(exc.problems)
     if problems:
-        raise ConfigError(problems, str(path))
+        raise ConfigError(problems, source)
     return configs
-

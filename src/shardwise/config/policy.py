@@ -4,16 +4,19 @@
 
 1. reads a DeepSpeed alias or legacy name as its canonical name (with an info line);
 2. a key shardwise implements: `auto` is settled by `auto.py`'s rules, a string number or boolean
-   becomes a number or boolean (`"1e-3"`, `"true"`), and the value goes on to pydantic;
+   becomes a number or boolean (`"1e-3"`, `"true"`) with an info line saying so, and the value goes
+   on to pydantic (whose number fields then take numbers only, `numbers.py`);
 3. a DeepSpeed key in `catalog.CATALOG`: accepted with an info line when it changes nothing here,
    an error naming the feature when it turns one on;
 4. anything else: an unknown-key error with the closest known key.
 
-Problems are collected, not raised one by one, so the user sees all of them at once.
+Problems are collected, not raised one by one, so the user sees all of them at once (the message
+shows the first `errors.MAX_SHOWN`; past those, unknown keys are counted without the difflib search).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,7 +26,7 @@ from pydantic import BaseModel
 
 from .auto import BATCH_KEYS, resolves_later
 from .catalog import ALIASES, CATALOG, OFFLOAD_KEYS, Entry, is_auto
-from .errors import problem_line, suggest
+from .errors import MAX_SHOWN, problem_line, shown_value, suggest
 from .notes import Note
 from .sections import OffloadConfig, OptimizerConfig, SchedulerConfig, field_default, section_of
 
@@ -46,10 +49,11 @@ def coerce(value: Any) -> Any:
     text = value.strip()
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
-    if _INTEGER.fullmatch(text):
+    if _INTEGER.fullmatch(text) and len(text) < 100:  # int() raises past 4300 digits; longer stays text
         return int(text)
-    if _NUMBER.fullmatch(text):
-        return float(text)
+    if _NUMBER.fullmatch(text) and math.isfinite(number := float(text)):
+        return number
+    # `"1e999"` stays a string (and a number field refuses it) rather than becoming inf
     return value
 
 
@@ -85,9 +89,10 @@ class _Walk:
 
     def section(self, model: type[BaseModel], raw: Mapping[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        fields = model.model_fields  # a property that costs a microsecond: read once, not per key
         for key, value in self._renamed(raw, path).items():
             here = (*path, key)
-            if key in model.model_fields:
+            if key in fields:
                 self._field(model, key, value, here, out)
             elif ".".join(here) in CATALOG:
                 self._judge(CATALOG[".".join(here)], value, here)
@@ -140,7 +145,17 @@ class _Walk:
         elif annotation in (str, str | None) or dotted.endswith(".type"):
             out[key] = value
         else:
-            out[key] = coerce(value)
+            out[key] = self._coerced(value, here)
+
+    def _coerced(self, value: Any, here: tuple[str, ...]) -> Any:
+        """`value` with a string number or boolean read as one, and an info line when that happened."""
+        read = coerce(value)
+        if read != value or type(read) is not type(value):
+            shown = self.shown(here)
+            written = shown_value(value)
+            self.notes.append(Note(shown, f"`{shown}: {written}` is text; read as {shown_value(read)} "
+                                          "(write it without quotes to silence this line)"))
+        return read
 
     def _params(self, raw: Mapping[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -149,7 +164,7 @@ class _Walk:
             if is_auto(value):
                 self.pending[".".join(here)] = resolves_later(".".join(here)) or "the default"
             else:
-                out[str(key)] = coerce(value)
+                out[str(key)] = self._coerced(value, here)
         return out
 
     def _auto(self, model: type[BaseModel], key: str, here: tuple[str, ...]) -> None:
@@ -173,11 +188,11 @@ class _Walk:
             self.notes.append(Note(shown, f"`{shown}: false` leaves ZeRO-Offload off, as in shardwise: ignored"))
             return None
         if not isinstance(value, Mapping):
-            self.problems.append(f"`{shown}`: got {value!r}; expected a mapping such as `{{device: cpu}}`")
+            self.problems.append(f"`{shown}`: got {shown_value(value)}; expected a mapping such as `{{device: cpu}}`")
             return None
         unknown = sorted(str(k) for k in value if k not in OFFLOAD_KEYS)
         for key in unknown:
-            self.problems.append(problem_line(f"{shown}.{key}", "unknown", suggest(key, OFFLOAD_KEYS)))
+            self._unknown_in(here, key, OFFLOAD_KEYS)
         device = str(coerce(value.get("device", "none"))).strip().lower()
         if device in ("none", "auto", ""):
             self.notes.append(Note(shown, f"`{shown}` leaves ZeRO-Offload off (`device: none`), as in shardwise: ignored"))
@@ -204,7 +219,13 @@ class _Walk:
                 f"`{shown}` turns on {entry.feature}, a DeepSpeed feature shardwise does not implement; {entry.fix}")
 
     def _unknown(self, model: type[BaseModel], here: tuple[str, ...]) -> None:
+        if len(self.problems) >= MAX_SHOWN:  # not shown: skip the search (200k keys took minutes)
+            self.problems.append(problem_line(self.shown(here), "unknown", "remove it"))
+            return
         level = ".".join(here[:-1])
         siblings = [p.rsplit(".", 1)[-1] for p in CATALOG if p.rpartition(".")[0] == level]
-        known = [*model.model_fields, *siblings, *ALIASES.get(level, {})]
-        self.problems.append(problem_line(self.shown(here), "unknown", suggest(here[-1], known)))
+        self._unknown_in(here[:-1], here[-1], [*model.model_fields, *siblings, *ALIASES.get(level, {})])
+
+    def _unknown_in(self, section: tuple[str, ...], key: str, known: Any) -> None:
+        hint = suggest(key, known) if len(self.problems) < MAX_SHOWN else "remove it"
+        self.problems.append(problem_line(self.shown((*section, key)), "unknown", hint))

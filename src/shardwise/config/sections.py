@@ -12,8 +12,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from .errors import Item, Problems, canonical, suggest
-from .optimizers import DEEPSPEED_ONLY_OPTIMIZERS, OPTIMIZERS
+from .errors import MAX_SHOWN, Item, Problems, canonical, shown_value, suggest
+from .limits import MAX_ELEMENTS, MAX_LOSS_SCALE, MAX_STEPS, MAX_TIMEOUT_S
+from .numbers import Count, Real
+from .optimizers import DEEPSPEED_ONLY_OPTIMIZERS, OPTIMIZERS, OptimizerSpec
 from .schedules import DEEPSPEED_ONLY_SCHEDULES, REQUIRED, SCHEDULES, param_problems
 
 __all__ = [
@@ -53,8 +55,8 @@ def _named(value: str, known: dict[str, Any], unsupported: dict[str, str], what:
 _OPTIMIZER_BOUNDS = {"lr": (0, True), "eps": (0, False), "weight_decay": (0, True), "momentum": (0, True)}
 
 
-def _optimizer_value_problem(key: str, value: Any, extras: dict[str, str]) -> str | None:
-    if key in extras:
+def _optimizer_value_problem(key: str, value: Any, spec: OptimizerSpec) -> str | None:
+    if key in spec.extras:
         return None if isinstance(value, bool) else "expected true or false"
     if key == "betas":
         ok = isinstance(value, (list, tuple)) and len(value) == 2
@@ -64,7 +66,21 @@ def _optimizer_value_problem(key: str, value: Any, extras: dict[str, str]) -> st
         low, inclusive = _OPTIMIZER_BOUNDS[key]
         ok = _is_number(value) and (value >= low if inclusive else value > low)
         return None if ok else f"expected a number {'>=' if inclusive else '>'} {low}"
+    return _kind_problem(value, spec.default(key))
+
+
+def _kind_problem(value: Any, default: Any) -> str | None:
+    """A value of another kind than torch's default for the argument (`true` for a number, `0.9` for a flag)."""
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "expected true or false"
+    if isinstance(default, (int, float)) and not _is_number(value):
+        return f"expected a number (torch's default is {default})"
     return None
+
+
+def _hint(key: Any, known: Any, items: list[Item]) -> str:
+    """The closest known keys, while the message still shows this problem (difflib costs ~1 ms a key)."""
+    return suggest(key, known) if len(items) < MAX_SHOWN else "remove it"
 
 
 class OptimizerConfig(Section):
@@ -93,9 +109,9 @@ class OptimizerConfig(Section):
             path = ("params", str(key))
             if key not in known:
                 where = f"(not an argument of torch.optim.{spec.torch_class.__name__})"
-                items.append((path, "unknown", f"{suggest(key, known)} {where}"))
-            elif (problem := _optimizer_value_problem(key, value, dict(spec.extras))) is not None:
-                items.append((path, "value", f"got {value!r}; {problem}"))
+                items.append((path, "unknown", f"{_hint(key, known, items)} {where}"))
+            elif (problem := _optimizer_value_problem(key, value, spec)) is not None:
+                items.append((path, "value", f"got {shown_value(value)}; {problem}"))
         if items:
             raise Problems(items)
         return self
@@ -124,7 +140,7 @@ class SchedulerConfig(Section):
         items: list[Item] = []
         for key in self.params:
             if key not in known:
-                items.append((("params", str(key)), "unknown", suggest(key, known)))
+                items.append((("params", str(key)), "unknown", _hint(key, known, items)))
         for name, default in known.items():
             if default is REQUIRED and name not in self.params and name not in later:
                 fix = f" for {self.type}; set it to the total number of optimizer steps"
@@ -146,11 +162,11 @@ class FP16Config(Section):
     """`fp16`: float16 mixed precision with loss scaling (`loss_scale` 0 means dynamic scaling)."""
 
     enabled: bool = False
-    loss_scale: float = Field(default=0.0, ge=0)
-    initial_scale_power: int = Field(default=16, ge=0, le=64)
-    loss_scale_window: int = Field(default=1000, ge=1)
-    hysteresis: int = Field(default=2, ge=1)
-    min_loss_scale: float = Field(default=1.0, gt=0)
+    loss_scale: Real = Field(default=0.0, ge=0, le=MAX_LOSS_SCALE)
+    initial_scale_power: Count = Field(default=16, ge=0, le=64)
+    loss_scale_window: Count = Field(default=1000, ge=1, le=MAX_STEPS)
+    hysteresis: Count = Field(default=2, ge=1, le=MAX_STEPS)
+    min_loss_scale: Real = Field(default=1.0, gt=0, le=MAX_LOSS_SCALE)
     consecutive_hysteresis: bool = False
 
 
@@ -179,15 +195,15 @@ class ZeroConfig(Section):
     fields here.
     """
 
-    stage: int = Field(default=0, ge=0, le=3)
-    reduce_bucket_size: int = Field(default=5_000_000, gt=0)
+    stage: Count = Field(default=0, ge=0, le=3)
+    reduce_bucket_size: Count = Field(default=5_000_000, gt=0, le=MAX_ELEMENTS)
     #: stages 1-2: average gradients with a reduce-scatter (true) or an all-reduce (false); unset: by
     #: backend, an all-reduce on gloo (measured faster there) and a reduce-scatter otherwise
     reduce_scatter: bool | None = None
-    stage3_prefetch_bucket_size: int = Field(default=5_000_000, ge=0)
-    stage3_max_live_parameters: int = Field(default=1_000_000_000, ge=0)
-    stage3_max_reuse_distance: int = Field(default=1_000_000_000, ge=0)
-    stage3_param_persistence_threshold: int = Field(default=10_000, ge=0)
+    stage3_prefetch_bucket_size: Count = Field(default=5_000_000, ge=0, le=MAX_ELEMENTS)
+    stage3_max_live_parameters: Count = Field(default=1_000_000_000, ge=0, le=MAX_ELEMENTS)
+    stage3_max_reuse_distance: Count = Field(default=1_000_000_000, ge=0, le=MAX_ELEMENTS)
+    stage3_param_persistence_threshold: Count = Field(default=10_000, ge=0, le=MAX_ELEMENTS)
     #: write a 16-bit `pytorch_model.bin` / safetensors file of the full model at save time
     stage3_gather_16bit_weights_on_model_save: bool = False
     offload_optimizer: OffloadConfig | None = None
@@ -201,7 +217,7 @@ class CheckpointConfig(Section):
     `save_checkpoint` returns (accepting it and saving synchronously would do silently less than asked).
     """
 
-    timeout: float = Field(default=300.0, gt=0)
+    timeout: Real = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S)
     save_rng_state: bool = True
     allow_pickle: bool = False
     async_save: bool = False
@@ -227,7 +243,7 @@ class CommsConfig(Section):
     shared segment under /dev/shm instead of loopback sockets (2-2.5x faster; see docs/benchmarks.md).
     """
 
-    timeout: float = Field(default=300.0, gt=0)
+    timeout: Real = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S)
     debug: bool = False
     shared_memory: bool = True
 
