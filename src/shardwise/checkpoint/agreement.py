@@ -99,28 +99,35 @@ class Session:
             )
         return values[0]
 
-    def step(self, name: str, fn: Callable[[], _T], share: bool = False, objects: bool = False) -> tuple[_T, list[Any]]:
+    def step(self, name: str, fn: Callable[[], _T], share: bool = False, objects: Any = None) -> tuple[_T, list[Any]]:
         """Run ``fn`` here, then wait for every rank's outcome of the same step.
 
         Returns ``fn``'s result and, with ``share``, every rank's result (which
-        must then be JSON-able; else a list of None; with ``objects``, DCP's
-        save plans and write results too, through :mod:`.store_codec`).  If
-        ``fn`` raised on any rank, every rank raises: the failing rank its own
-        error, the others a :class:`CheckpointError` naming it.
+        must then be JSON-able; else a list of None).  ``objects`` is the type
+        of every rank's result (e.g. ``list[SavePlan]``) when it holds DCP's
+        save plans or write results: those cross the store through
+        :mod:`.store_codec`, and a rank's value of another type is a
+        :class:`~.errors.StoreValueError`.  If ``fn`` raised on any rank, every
+        rank raises: the failing rank its own error, the others a
+        :class:`CheckpointError` naming it.
         """
         error: Optional[BaseException] = None
         data: Any = None
-        text = "null"
         try:
             data = fn()
-            if (share or objects) and self.world_size > 1:
-                text = store_codec.dumps(data, tagged=objects)
         except Exception as exc:  # noqa: BLE001 - reported to the other ranks, then re-raised
             error = exc
         if self.world_size == 1:
             if error is not None:
                 raise error
-            return data, [data if share or objects else None]
+            return data, [data if share or objects is not None else None]
+        text = "null"
+        if error is None and (share or objects is not None):
+            try:
+                text = store_codec.dumps(data, tagged=objects is not None)
+            except (TypeError, ValueError) as exc:
+                error = CheckpointError(f"rank {self.rank}: cannot pass its result of {name} for `{self.op}` to the "
+                                        f"other ranks: {exc}")
         results = self._exchange(name, text, error)
         if error is not None:
             raise error
@@ -130,9 +137,9 @@ class Session:
             raise CheckpointError(
                 f"rank {self.rank}: `{self.op}` failed on rank(s) {[r for r, _ in failed]} while {name}: {detail}"
             )
-        if not objects:
+        if objects is None:
             return data, [res["data"] for res in results]
-        return data, [store_codec.restore(res["data"], res["key"], self.rank) for res in results]
+        return data, [store_codec.restore(res["data"], res["key"], self.rank, objects) for res in results]
 
     def _exchange(self, name: str, text: str, error: Optional[BaseException]) -> list[dict[str, Any]]:
         self._steps += 1

@@ -127,12 +127,16 @@ def loads(raw: Any, key: str, rank: int, tagged: bool = True) -> Any:
     return restore(data, key, rank) if tagged else data
 
 
-def restore(data: Any, key: str, rank: int) -> Any:
-    """The value :func:`encode` made ``data`` from (read from store key ``key``); raises StoreValueError."""
+def restore(data: Any, key: str, rank: int, expected: Any = Any) -> Any:
+    """The value :func:`encode` made ``data`` from (read from store key ``key``), which must be of type
+    ``expected`` (e.g. ``list[SavePlan]``); raises :class:`StoreValueError` on anything else."""
     try:
-        return _decode(data)
+        value = _decode(data)
     except _Bad as bad:
         raise malformed(key, rank, str(bad)) from None
+    if not _fits(value, expected):
+        raise malformed(key, rank, f"holds {value!r:.80}, expected a {expected}")
+    return value
 
 
 def _decode(data: Any, depth: int = 0) -> Any:
@@ -214,7 +218,7 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _fits(value: Any, hint: Any) -> bool:
-    """Whether ``value`` is of the declared type ``hint`` (unions, lists and sequences looked into)."""
+    """Whether ``value`` is of the type ``hint`` (unions, lists, sequences, fixed tuples and dicts looked into)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return True
@@ -222,6 +226,10 @@ def _fits(value: Any, hint: Any) -> bool:
         return any(_fits(value, a) for a in args)
     if origin in (list, Sequence):
         return isinstance(value, (list, tuple)) and all(_fits(v, args[0]) for v in value if args)
+    if origin is tuple:
+        return isinstance(value, tuple) and len(value) == len(args) and all(map(_fits, value, args))
+    if origin is dict:
+        return isinstance(value, dict) and all(_fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items())
     if isinstance(hint, type):
         return isinstance(value, hint) and not (isinstance(value, bool) and hint is int)
     return hint is None and value is None
