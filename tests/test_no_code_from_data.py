@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import pickle
+import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -141,6 +142,45 @@ def test_an_installed_module_needs_no_flag(tmp_path: Path, monkeypatch: pytest.M
 
 
 # ----------------------------------------------------------------- the store
+
+
+def _plan() -> Any:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    index = MetadataIndex("model/master/w", torch.Size([4]), 0)
+    chunk = TensorWriteData(ChunkStorageMetadata(torch.Size([4]), torch.Size([3])),
+                            TensorProperties(torch.bfloat16, torch.strided, False, torch.contiguous_format, False),
+                            torch.Size([7]))
+    plan = SavePlan([WriteItem(index, WriteItemType.SHARD, None, chunk)], _StoragePrefix("__1_"), None, True)
+    result = WriteResult(index, 12, _StorageInfo("__1_0.distcp", 0, 12, None))
+    return [plan, ([result], {"__1_0.distcp": {"size": 12, "sha256": "ab"}, "pair": (1, 2.5)})]
+
+
+def test_the_store_codec_round_trips_plans_and_refuses_the_rest() -> None:
+    value = _plan()
+    assert store_codec.loads(store_codec.dumps(value), "k", 0) == value
+    refused = {
+        '{"SavePlan": {"items": []}}': "fields ['items'], expected",
+        '{"MetadataIndex": {"fqn": 3, "offset": null, "index": null}}': "`fqn` is 3",
+        '{"dtype": "seed"}': "`dtype` 'seed'",
+        '{"Size": [-1]}': "non-negative",
+        '{"_StorageInfo": {"relative_path": "../x", "offset": 0, "length": 1, "transform_descriptors": null}}':
+            "expected a bare name",
+        '{"builtins.eval": "1"}': "tagged 'builtins.eval'",
+        "[" * 200 + "]" * 200: "deeper than",
+        "\x80\x04K\x01.": "is not JSON",
+    }
+    for text, says in refused.items():
+        with pytest.raises(StoreValueError, match=re.escape("rank 3: the checkpoint agreement's store key `k`")) as caught:
+            store_codec.loads(text, "k", 3)
+        assert says in str(caught.value), (text, str(caught.value))
+    with pytest.raises(StoreValueError, match="holds 'gASV', expected a <class"):  # valid JSON, not a plan
+        store_codec.restore(store_codec.encode("gASV"), "k", 3, type(value[0]))
+    with pytest.raises(TypeError, match="cannot cross the store"):
+        store_codec.dumps(_Plant("never"))
 
 
 class _Plant:
