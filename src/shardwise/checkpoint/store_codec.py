@@ -19,7 +19,6 @@ Anything else is a :class:`StoreValueError` naming the key and what is wrong.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import re
 import types
@@ -51,6 +50,12 @@ _NAMES: dict[str, dict[str, Any]] = {
     "dtype": DTYPES, "layout": _LAYOUTS, "memory_format": _MEMORY_FORMATS,
     "WriteItemType": {item.name: item for item in WriteItemType},
 }
+# Per class, what its constructor takes (what crosses the store of each object) and each field's declared type.
+_FIELDS = {name: tuple(f.name for f in dataclasses.fields(cls) if f.init) for name, cls in _CLASSES.items()}
+_HINTS = {name: typing.get_type_hints(cls) for name, cls in _CLASSES.items()}
+_NAMED_KINDS = {torch.dtype: "dtype", torch.layout: "layout", torch.memory_format: "memory_format",
+                WriteItemType: "WriteItemType"}
+_NAME_OF = {known: name for names in _NAMES.values() for name, known in names.items()}
 # File names a plan may carry: what DCP's FileSystemWriter makes for rank R (never a path).
 _FILE_NAMES = {
     (_StoragePrefix, "prefix"): re.compile(r"__[0-9]{1,7}_"),
@@ -67,26 +72,22 @@ class _Bad(Exception):
 
 def encode(value: Any) -> Any:
     """``value`` as JSON-able data; raises ``TypeError`` on a type :func:`restore` would refuse."""
-    if value is None or isinstance(value, (bool, int, float, str)):
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
         return value
-    if isinstance(value, list):
+    if kind is list:
         return [encode(v) for v in value]
-    if isinstance(value, torch.Size):  # before tuple: a Size is one
+    if _CLASSES.get(kind.__name__) is kind:  # checked early: nearly every object of a plan is one
+        return {kind.__name__: {name: encode(getattr(value, name)) for name in _FIELDS[kind.__name__]}}
+    if kind is torch.Size:
         return {"Size": list(value)}
-    if isinstance(value, tuple):
+    if kind is tuple:
         return {"tuple": [encode(v) for v in value]}
-    if isinstance(value, dict):
+    if kind is dict:
         return {"dict": [[encode(k), encode(v)] for k, v in value.items()]}
-    if isinstance(value, WriteItemType):
-        return {"WriteItemType": value.name}
-    for tag, names in _NAMES.items():
-        name = next((n for n, known in names.items() if known is value), None)
-        if name is not None:
-            return {tag: name}
-    if _CLASSES.get(type(value).__name__) is type(value):
-        fields = {f.name: encode(getattr(value, f.name)) for f in _init_fields(type(value))}
-        return {type(value).__name__: fields}
-    raise TypeError(f"a {type(value).__module__}.{type(value).__qualname__} cannot cross the store as JSON; "
+    if kind in _NAMED_KINDS and value in _NAME_OF:
+        return {_NAMED_KINDS[kind]: _NAME_OF[value]}
+    raise TypeError(f"a {kind.__module__}.{kind.__qualname__} cannot cross the store as JSON; "
                     "the checkpoint agreement passes only plain values and DCP's save plans")
 
 
@@ -192,11 +193,11 @@ def _named(tag: str, value: Any, depth: int) -> Any:
 
 def _dataclass(tag: str, value: Any, depth: int) -> Any:
     cls = _CLASSES[tag]
-    fields = {f.name: f for f in _init_fields(cls)}
+    fields = _FIELDS[tag]
     if not isinstance(value, dict) or set(value) != set(fields):
         got = sorted(value) if isinstance(value, dict) else type(value).__name__
         raise _Bad(f"holds a `{tag}` with fields {got}, expected {sorted(fields)}")
-    hints = _hints(cls)
+    hints = _HINTS[tag]
     values = {name: _decode(v, depth) for name, v in value.items()}
     for name, v in values.items():
         if not _fits(v, hints.get(name, Any)):
@@ -205,16 +206,6 @@ def _dataclass(tag: str, value: Any, depth: int) -> Any:
         if pattern is not None and not pattern.fullmatch(v):
             raise _Bad(f"holds a `{tag}` whose `{name}` is {v!r:.60}, expected a bare name `{pattern.pattern}`")
     return cls(**values)
-
-
-def _init_fields(cls: Any) -> list[dataclasses.Field[Any]]:
-    """The fields a dataclass's constructor takes: what crosses the store of each object."""
-    return [f for f in dataclasses.fields(cls) if f.init]
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
 
 
 def _fits(value: Any, hint: Any) -> bool:
