@@ -11,7 +11,11 @@ The run directory (``runs/gpt-SIZE`` by default) gets the checkpoints, the
 metrics (``metrics.jsonl``, one JSON line per logged step), the loss curves
 (``metrics.png``) and ``model.json``, which ``shardwise generate`` reads::
 
-    shardwise generate runs/gpt-small/checkpoints --prompt "def "
+    shardwise generate runs/gpt-small/checkpoints --trust-model-source --prompt "def "
+
+``model.json`` names this folder's ``gpt.py`` as the model's source: a Python
+file, which ``shardwise generate`` runs only when ``--trust-model-source`` says
+that you trust it (it is this example's own file).
 
 Running the same command again resumes from the newest checkpoint; raise
 ``--steps`` to train further, or pass ``--fresh`` to start over.
@@ -136,7 +140,8 @@ def train(args: argparse.Namespace) -> shardwise.trainer.FitSummary:
         text = sample(engine, args)
         log(f"--- sample ({args.sample_tokens} bytes, temperature {args.temperature:g}) ---\n{text}\n---")
     log(f"run directory {run}: checkpoints/, metrics.jsonl, metrics.png; "
-        f"`shardwise generate {run / 'checkpoints'}` samples again")
+        f"`shardwise generate {run / 'checkpoints'} --trust-model-source` samples again (the flag lets it run "
+        f"the model's source, {HERE / 'gpt.py'}, which model.json names)")
     return summary
 
 

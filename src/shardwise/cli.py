@@ -157,7 +157,7 @@ def _generate(ns: argparse.Namespace) -> int:
     from .generate import ModelSpecError, generate_text, load_model
 
     try:
-        model = load_model(ns.checkpoint, ns.model_json)
+        model = load_model(ns.checkpoint, ns.model_json, trust_source=ns.trust_model_source)
     except (ModelSpecError, FileNotFoundError) as error:
         print(f"shardwise generate: {error}", file=sys.stderr)
         return 2
@@ -176,10 +176,12 @@ def _add_generate(subparsers: Any) -> None:
         "generate",
         help="sample text from a trained example model (sharded or consolidated checkpoint)",
         description="Rebuild the byte-level model described by `model.json` (written by examples/train_gpt.py into "
-        "its run directory; looked up next to CHECKPOINT and in the folders above), load CHECKPOINT's weights in "
-        "this process, and print PROMPT continued. CHECKPOINT is a `checkpoint_dir` (its `latest`), one tag "
-        "directory, or a `.safetensors`/`.pt` file from `shardwise checkpoint consolidate`. Exit 0, or 2 with "
-        "the problem on stderr.",
+        "its run directory; looked up in CHECKPOINT's directory and its run directory only), load CHECKPOINT's "
+        "weights in this process, and print PROMPT continued. A model.json that names a Python file as `source` "
+        "is refused unless you pass --trust-model-source (importing the file runs it); one that names an "
+        "installed module (`\"module\": \"pkg.mod:Class\"`) needs no flag. CHECKPOINT is a `checkpoint_dir` "
+        "(its `latest`), one tag directory, or a `.safetensors`/`.pt` file from `shardwise checkpoint consolidate`. "
+        "Exit 0, or 2 with the problem on stderr.",
     )
     parser.add_argument("checkpoint", metavar="CHECKPOINT")
     parser.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
@@ -188,6 +190,9 @@ def _add_generate(subparsers: Any) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     parser.add_argument("--samples", type=_positive_int, default=1, help="how many samples (default 1)")
     parser.add_argument("--model-json", default=None, metavar="PATH", help="the model description, if not found")
+    parser.add_argument("--trust-model-source", action="store_true",
+                        help="run the Python file model.json names as `source` (it executes with your permissions: "
+                        "pass this only for a file you have read or wrote)")
     parser.set_defaults(handler=_generate)
 
 

@@ -23,6 +23,11 @@ After joining, :meth:`Session.step` gives timeout-bounded, error-propagating
 checkpoints between phases (a rank that fails while preparing makes every rank
 raise instead of leaving the others inside a collective).
 
+Every value crosses the store as JSON (:mod:`.store_codec`: DCP's save plans
+through a fixed allow-list of types, never a pickle), at most
+``MAX_STORE_VALUE_BYTES`` long; a value that is not what a rank wrote is a
+:class:`~.errors.StoreValueError` on every rank that reads it.
+
 Every wait here also watches the other ranks' heartbeats
 (:class:`~shardwise.faults.liveness.PeerWatch`): a rank that was killed or
 crashed makes the others raise :class:`~shardwise.faults.RankGoneError` within a
@@ -31,9 +36,8 @@ few heartbeat intervals, not at ``checkpoint.timeout``.
 
 from __future__ import annotations
 
-import base64
 import json
-import pickle
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar
@@ -44,16 +48,20 @@ from ..distributed import Comm
 from ..faults.diagnose import RESTART
 from ..faults.errors import RankGoneError
 from ..faults.liveness import PeerWatch
+from . import store_codec
 from .errors import CheckpointError
 
 __all__ = ["Session", "join"]
 
 _ROOT = "shardwise/checkpoint"
 _CLOSED = "closed:"
+_MEMBERS = re.compile(r"(?:[0-9]{1,7}(?:,[0-9]{1,7})*)?")
 _T = TypeVar("_T")
 
 
-def _members(value: str) -> set[int]:
+def _members(value: str, key: str, rank: int) -> set[int]:
+    if not _MEMBERS.fullmatch(value):
+        raise store_codec.malformed(key, rank, f"holds {value!r:.80}, expected a comma-separated list of ranks")
     return {int(r) for r in value.split(",") if r}
 
 
@@ -91,14 +99,17 @@ class Session:
             )
         return values[0]
 
-    def step(self, name: str, fn: Callable[[], _T], share: bool = False, objects: bool = False) -> tuple[_T, list[Any]]:
+    def step(self, name: str, fn: Callable[[], _T], share: bool = False, objects: Any = None) -> tuple[_T, list[Any]]:
         """Run ``fn`` here, then wait for every rank's outcome of the same step.
 
         Returns ``fn``'s result and, with ``share``, every rank's result (which
-        must then be JSON-able; else a list of None; with ``objects``, any
-        picklable value, e.g. DCP's plans: the store is the job's own).  If ``fn``
-        raised on any rank, every rank raises: the failing rank its own error,
-        the others a :class:`CheckpointError` naming it.
+        must then be JSON-able; else a list of None).  ``objects`` is the type
+        of every rank's result (e.g. ``list[SavePlan]``) when it holds DCP's
+        save plans or write results: those cross the store through
+        :mod:`.store_codec`, and a rank's value of another type is a
+        :class:`~.errors.StoreValueError`.  If ``fn`` raised on any rank, every
+        rank raises: the failing rank its own error, the others a
+        :class:`CheckpointError` naming it.
         """
         error: Optional[BaseException] = None
         data: Any = None
@@ -106,13 +117,18 @@ class Session:
             data = fn()
         except Exception as exc:  # noqa: BLE001 - reported to the other ranks, then re-raised
             error = exc
-        share = share or objects
         if self.world_size == 1:
             if error is not None:
                 raise error
-            return data, [data if share else None]
-        sent = _pack(data) if objects and error is None else data
-        results = self._exchange(name, sent if share else None, error)
+            return data, [data if share or objects is not None else None]
+        text = "null"
+        if error is None and (share or objects is not None):
+            try:
+                text = store_codec.dumps(data, tagged=objects is not None)
+            except (TypeError, ValueError) as exc:
+                error = CheckpointError(f"rank {self.rank}: cannot pass its result of {name} for `{self.op}` to the "
+                                        f"other ranks: {exc}")
+        results = self._exchange(name, text, error)
         if error is not None:
             raise error
         failed = [(r, res["error"]) for r, res in enumerate(results) if res["error"] is not None]
@@ -121,14 +137,16 @@ class Session:
             raise CheckpointError(
                 f"rank {self.rank}: `{self.op}` failed on rank(s) {[r for r, _ in failed]} while {name}: {detail}"
             )
-        shared = [res["data"] for res in results]
-        return data, [_unpack(d) for d in shared] if objects else shared
+        if objects is None:
+            return data, [res["data"] for res in results]
+        return data, [store_codec.restore(res["data"], res["key"], self.rank, objects) for res in results]
 
-    def _exchange(self, name: str, data: Any, error: Optional[BaseException]) -> list[dict[str, Any]]:
+    def _exchange(self, name: str, text: str, error: Optional[BaseException]) -> list[dict[str, Any]]:
         self._steps += 1
         keys = [f"{self.prefix}/step{self._steps}/{r}" for r in range(self.world_size)]
         message = None if error is None else f"{type(error).__name__}: {error}"
-        self.store.set(keys[self.rank], json.dumps({"error": message, "data": data if error is None else None}))
+        # `text` is already JSON (and within the bound): spliced in, not serialised twice
+        self.store.set(keys[self.rank], f'{{"error":{json.dumps(message)},"data":{text if error is None else "null"}}}')
         deadline = time.monotonic() + self.timeout
         watch = PeerWatch()
         attempt = 0
@@ -143,7 +161,7 @@ class Session:
                 )
             _sleep(attempt)
             attempt += 1
-        return [json.loads(self.store.get(key)) for key in keys]
+        return [_outcome(self.store.get(key), key, self.rank) for key in keys]
 
     def _raise_if_gone(self, watch: PeerWatch, missing: list[int], name: str) -> None:
         """Raise when a rank this step waits for stopped beating (killed, crashed, exited)."""
@@ -183,18 +201,24 @@ def join(comm: Comm, op: str, payload: dict[str, Any], timeout: float) -> Sessio
             break
         # That call was closed before we got there: our partners moved on to a later one.
     _await_everyone(store, f"{prefix}/members", comm, op, timeout, deadline)
-    payloads = [json.loads(store.get(f"{prefix}/payload/{r}")) for r in range(comm.world_size)]
+    payloads = [_payload(store, f"{prefix}/payload/{r}", comm.rank) for r in range(comm.world_size)]
     ranks = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
     return Session(op, comm.rank, comm.world_size, timeout, payloads, store, prefix, ranks)
 
 
-def _pack(value: Any) -> str:
-    return base64.b64encode(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).decode()
+def _outcome(raw: Any, key: str, rank: int) -> dict[str, Any]:
+    """One rank's outcome of a step, as it wrote it: ``{"error": text or null, "data": ...}`` (+ its key)."""
+    value = store_codec.loads(raw, key, rank, tagged=False)
+    if not (isinstance(value, dict) and set(value) == {"error", "data"} and isinstance(value["error"], (str, type(None)))):
+        raise store_codec.malformed(key, rank, f"holds {str(value):.80}, expected {{\"error\": text or null, \"data\": ...}}")
+    return {**value, "key": key}
 
 
-def _unpack(text: Any) -> Any:
-    # What the ranks of this job put in their own rendezvous store (as torch's object collectives do).
-    return pickle.loads(base64.b64decode(text)) if text is not None else None
+def _payload(store: Any, key: str, rank: int) -> dict[str, Any]:
+    value = store_codec.loads(store.get(key), key, rank, tagged=False)
+    if not isinstance(value, dict):
+        raise store_codec.malformed(key, rank, f"holds {str(value):.80}, expected a JSON object (a call's payload)")
+    return value
 
 
 def _arrive(store: Any, key: str, rank: int) -> bool:
@@ -203,8 +227,8 @@ def _arrive(store: Any, key: str, rank: int) -> bool:
     while True:
         if current.startswith(_CLOSED):
             return False
-        wanted = _format(_members(current) | {rank})
-        got = store.compare_set(key, current, wanted).decode()
+        wanted = _format(_members(current, key, rank) | {rank})
+        got = store.compare_set(key, current, wanted).decode(errors="replace")
         if got == wanted:
             return True
         current = got
@@ -215,10 +239,10 @@ def _await_everyone(store: Any, key: str, comm: Comm, op: str, timeout: float, d
     ranks = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
     attempt = 0
     while True:
-        value = store.get(key).decode()
+        value = store.get(key).decode(errors="replace")
         if value.startswith(_CLOSED):
-            raise _not_joined(comm, op, timeout, _members(value[len(_CLOSED) :]))
-        present = _members(value)
+            raise _not_joined(comm, op, timeout, _members(value[len(_CLOSED) :], key, comm.rank))
+        present = _members(value, key, comm.rank)
         if len(present) == comm.world_size:
             return
         gone = watch.gone(ranks[r] for r in range(comm.world_size) if r not in present)

@@ -26,10 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import WriteResult
 
 from .agreement import Session
 from .digests import digest
+from .errors import StoreValueError
 from .oserror import explained
 
 __all__ = ["Written", "save_through_steps"]
@@ -65,7 +68,7 @@ def save_through_steps(session: Session, state_dict: Any, writer: Any, planner: 
         writer.set_up_storage_writer(coordinator, rank=session.rank, use_collectives=True)
         return writer.prepare_local_plan(planner.create_local_plan())
 
-    _, plans = session.step("planning its write", local_plan, objects=True)
+    _, plans = session.step("planning its write", local_plan, objects=SavePlan)
 
     def global_plan() -> Optional[list[Any]]:
         if not coordinator:
@@ -73,16 +76,28 @@ def save_through_steps(session: Session, state_dict: Any, writer: Any, planner: 
         plans_out, written.metadata = planner.create_global_plan(plans)
         return list(writer.prepare_global_plan(plans_out))
 
-    _, central = session.step("planning the checkpoint's files", global_plan, objects=True)
-    mine = central[0][session.rank]
+    _, central = session.step("planning the checkpoint's files", global_plan, objects=Optional[list[SavePlan]])
+    mine = _own_plan(central[0], session)
 
     def write() -> tuple[Any, dict[str, Any]]:
         pending = writer.write_data(planner.finish_plan(mine), planner)
         pending.wait()
         return pending.value(), writer.files
 
-    _, outcomes = session.step("writing its shard", lambda: explained(root, write), objects=True)
+    _, outcomes = session.step("writing its shard", lambda: explained(root, write),
+                               objects=tuple[list[WriteResult], dict[str, Any]])
     written.results = [results for results, _ in outcomes]
     for _, files in outcomes:
         written.files.update(files)
     return written
+
+
+def _own_plan(central: Optional[list[SavePlan]], session: Session) -> SavePlan:
+    """This rank's part of rank 0's global plan, which must hold one plan per rank."""
+    if central is None or len(central) != session.world_size:
+        raise StoreValueError(
+            f"rank {session.rank}: rank 0's global save plan holds {'no' if central is None else len(central)} "
+            f"plan(s), expected one per rank ({session.world_size}); only shardwise's ranks should write to the "
+            "rendezvous store: run every rank with the same shardwise and torch (`shardwise env`)"
+        )
+    return central[session.rank]

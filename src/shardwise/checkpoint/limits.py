@@ -11,7 +11,7 @@ from __future__ import annotations
 
 __all__ = [
     "MAX_DEPTH", "MAX_DIMS", "MAX_INDEX_BYTES", "MAX_LATEST_BYTES", "MAX_MANIFEST_BYTES",
-    "MAX_RANK_FILE_BYTES", "MAX_TAG_LENGTH", "MAX_WORLD_SIZE",
+    "MAX_RANK_FILE_BYTES", "MAX_STORE_VALUE_BYTES", "MAX_TAG_LENGTH", "MAX_WORLD_SIZE",
 ]
 
 MAX_LATEST_BYTES = 4096
@@ -28,6 +28,11 @@ MAX_RANK_FILE_BYTES = 16 * 2**20
 
 MAX_INDEX_BYTES = 256 * 2**20
 """``.metadata``: DCP's index, about 200 bytes per tensor chunk."""
+
+MAX_STORE_VALUE_BYTES = 256 * 2**20
+"""One value the checkpoint agreement reads from the rendezvous store: the largest is rank 0's global
+save plan, JSON of about 450-500 bytes per tensor chunk of every rank (measured on a stage-2 save),
+so room for ~500k chunks."""
 
 MAX_WORLD_SIZE = 2**20
 """Ranks a manifest may claim (each is a file to look for)."""

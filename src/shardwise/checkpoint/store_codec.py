@@ -1,0 +1,231 @@
+"""JSON for what the checkpoint agreement passes through the c10d store: plain values and DCP's save plans.
+
+The ranks of a save exchange DCP's ``SavePlan`` lists and ``WriteResult``
+lists (:mod:`.dcp_steps`) through the rendezvous store.  Anything that can
+write to that store could run code on every rank if those values were
+pickles, so they are JSON instead, and :func:`restore` builds nothing but:
+
+* JSON's own values (``null``, booleans, numbers, strings, lists);
+* a tagged object ``{"TAG": value}`` whose one key is in a fixed table: a tuple,
+  a dict, a ``torch.Size``, a dtype, layout or memory format from a fixed list of
+  names, a ``WriteItemType``, or one of DCP's plan dataclasses below, built from
+  exactly its constructor's fields, each of the declared type;
+* file names DCP writes (``_StoragePrefix``, ``_StorageInfo``) only when they are
+  the bare ``__R_`` prefix / ``__R_N.distcp`` names a save makes.
+
+Anything else is a :class:`StoreValueError` naming the key and what is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .encoded import DTYPES
+from .errors import StoreValueError
+from .limits import MAX_DEPTH, MAX_STORE_VALUE_BYTES
+
+__all__ = ["dumps", "encode", "loads", "malformed", "restore"]
+
+# The classes a save's exchanges hold (torch 2.13); a plan holding anything else is not one shardwise made.
+_CLASSES: dict[str, type] = {cls.__name__: cls for cls in (
+    SavePlan, WriteItem, TensorWriteData, MetadataIndex, ChunkStorageMetadata, TensorProperties, WriteResult,
+    _StorageInfo, _StoragePrefix,
+)}
+_LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo}
+_MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
+                   "preserve_format": torch.preserve_format}
+_NAMES: dict[str, dict[str, Any]] = {
+    "dtype": DTYPES, "layout": _LAYOUTS, "memory_format": _MEMORY_FORMATS,
+    "WriteItemType": {item.name: item for item in WriteItemType},
+}
+# Per class, what its constructor takes (what crosses the store of each object) and each field's declared type.
+_FIELDS = {name: tuple(f.name for f in dataclasses.fields(cls) if f.init) for name, cls in _CLASSES.items()}
+_HINTS = {name: typing.get_type_hints(cls) for name, cls in _CLASSES.items()}
+_NAMED_KINDS = {torch.dtype: "dtype", torch.layout: "layout", torch.memory_format: "memory_format",
+                WriteItemType: "WriteItemType"}
+_NAME_OF = {known: name for names in _NAMES.values() for name, known in names.items()}
+# File names a plan may carry: what DCP's FileSystemWriter makes for rank R (never a path).
+_FILE_NAMES = {
+    (_StoragePrefix, "prefix"): re.compile(r"__[0-9]{1,7}_"),
+    (_StorageInfo, "relative_path"): re.compile(r"__[0-9]{1,7}_[0-9]{1,7}\.distcp"),
+}
+
+
+class _Bad(Exception):
+    """What is wrong with one value; :func:`loads` adds which key held it."""
+
+
+# ----------------------------------------------------------------- encoding
+
+
+def encode(value: Any) -> Any:
+    """``value`` as JSON-able data; raises ``TypeError`` on a type :func:`restore` would refuse."""
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
+        return value
+    if kind is list:
+        return [encode(v) for v in value]
+    if _CLASSES.get(kind.__name__) is kind:  # checked early: nearly every object of a plan is one
+        return {kind.__name__: {name: encode(getattr(value, name)) for name in _FIELDS[kind.__name__]}}
+    if kind is torch.Size:
+        return {"Size": list(value)}
+    if kind is tuple:
+        return {"tuple": [encode(v) for v in value]}
+    if kind is dict:
+        return {"dict": [[encode(k), encode(v)] for k, v in value.items()]}
+    if kind in _NAMED_KINDS and value in _NAME_OF:
+        return {_NAMED_KINDS[kind]: _NAME_OF[value]}
+    raise TypeError(f"a {kind.__module__}.{kind.__qualname__} cannot cross the store as JSON; "
+                    "the checkpoint agreement passes only plain values and DCP's save plans")
+
+
+def dumps(value: Any, tagged: bool = True) -> str:
+    """``value`` as the JSON text one store key holds (``tagged``: through :func:`encode`, else plain JSON);
+    raises ``ValueError`` above :data:`~.limits.MAX_STORE_VALUE_BYTES`."""
+    text = json.dumps(encode(value) if tagged else value, separators=(",", ":"))
+    if len(text) > MAX_STORE_VALUE_BYTES:
+        raise ValueError(f"the value is {len(text):,} bytes of JSON, above the store's bound of "
+                         f"{MAX_STORE_VALUE_BYTES:,} (`shardwise.checkpoint.limits.MAX_STORE_VALUE_BYTES`)")
+    return text
+
+
+# ----------------------------------------------------------------- decoding
+
+
+def malformed(key: str, rank: int, problem: str) -> StoreValueError:
+    """The error for store key ``key`` holding something no rank of the agreement wrote."""
+    return StoreValueError(
+        f"rank {rank}: the checkpoint agreement's store key `{key}` {problem}; only shardwise's ranks should write "
+        "there (something else wrote to the job's rendezvous store, or the ranks run different versions of "
+        "shardwise or torch): run every rank with the same versions (`shardwise env`) and keep the store's port "
+        "closed to other programs"
+    )
+
+
+def loads(raw: Any, key: str, rank: int, tagged: bool = True) -> Any:
+    """The value in store key ``key`` (bytes or text), through :func:`restore` if ``tagged``."""
+    if not isinstance(raw, (bytes, str)):
+        raise malformed(key, rank, f"is a {type(raw).__name__}, expected bytes")
+    if len(raw) > MAX_STORE_VALUE_BYTES:
+        raise malformed(key, rank, f"is {len(raw):,} bytes, above the bound of {MAX_STORE_VALUE_BYTES:,}")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise malformed(key, rank, f"is not JSON ({type(exc).__name__}: {str(exc):.80}; it starts "
+                                   f"{raw[:24]!r})") from None
+    return restore(data, key, rank) if tagged else data
+
+
+def restore(data: Any, key: str, rank: int, expected: Any = Any) -> Any:
+    """The value :func:`encode` made ``data`` from (read from store key ``key``), which must be of type
+    ``expected`` (e.g. ``list[SavePlan]``); raises :class:`StoreValueError` on anything else."""
+    try:
+        value = _decode(data)
+    except _Bad as bad:
+        raise malformed(key, rank, str(bad)) from None
+    if not _fits(value, expected):
+        raise malformed(key, rank, f"holds {value!r:.80}, expected a {expected}")
+    return value
+
+
+def _decode(data: Any, depth: int = 0) -> Any:
+    """The value :func:`encode` made ``data`` from; raises ``_Bad`` (private) on anything else."""
+    if depth > MAX_DEPTH:
+        raise _Bad(f"nests deeper than {MAX_DEPTH} levels")
+    if data is None or isinstance(data, (bool, int, float, str)):
+        return data
+    if isinstance(data, list):
+        return [_decode(v, depth + 1) for v in data]
+    if not (isinstance(data, dict) and len(data) == 1):
+        raise _Bad(f"holds {str(data):.80}, expected a value or a one-key tagged object")
+    ((tag, value),) = data.items()
+    decoder = _DECODERS.get(tag) or (_dataclass if tag in _CLASSES else None)
+    if decoder is None:
+        raise _Bad(f"holds an object tagged {tag!r:.60}, which is none of {sorted([*_DECODERS, *_CLASSES])}")
+    return decoder(tag, value, depth + 1)
+
+
+def _items(tag: str, value: Any, depth: int) -> list[Any]:
+    if not isinstance(value, list):
+        raise _Bad(f"holds `{tag}` as a {type(value).__name__}, expected a list")
+    return [_decode(v, depth) for v in value]
+
+
+def _tuple(tag: str, value: Any, depth: int) -> tuple[Any, ...]:
+    return tuple(_items(tag, value, depth))
+
+
+def _dict(tag: str, value: Any, depth: int) -> dict[Any, Any]:
+    pairs = _items(tag, value, depth)
+    if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+        raise _Bad("holds a `dict` whose entries are not [key, value] pairs")
+    try:
+        return {k: v for k, v in pairs}
+    except TypeError:
+        raise _Bad("holds a `dict` with an unhashable key") from None
+
+
+def _size(tag: str, value: Any, depth: int) -> torch.Size:
+    dims = _items(tag, value, depth)
+    if len(dims) > 64 or not all(type(n) is int and n >= 0 for n in dims):
+        raise _Bad(f"holds `Size` {str(value):.80}, expected at most 64 non-negative ints")
+    return torch.Size(dims)
+
+
+def _named(tag: str, value: Any, depth: int) -> Any:
+    names = _NAMES[tag]
+    if not isinstance(value, str) or value not in names:
+        raise _Bad(f"holds `{tag}` {value!r:.60}, expected one of {sorted(names)}")
+    return names[value]
+
+
+def _dataclass(tag: str, value: Any, depth: int) -> Any:
+    cls = _CLASSES[tag]
+    fields = _FIELDS[tag]
+    if not isinstance(value, dict) or set(value) != set(fields):
+        got = sorted(value) if isinstance(value, dict) else type(value).__name__
+        raise _Bad(f"holds a `{tag}` with fields {got}, expected {sorted(fields)}")
+    hints = _HINTS[tag]
+    values = {name: _decode(v, depth) for name, v in value.items()}
+    for name, v in values.items():
+        if not _fits(v, hints.get(name, Any)):
+            raise _Bad(f"holds a `{tag}` whose `{name}` is {v!r:.60}, expected {hints[name]}")
+        pattern = _FILE_NAMES.get((cls, name))
+        if pattern is not None and not pattern.fullmatch(v):
+            raise _Bad(f"holds a `{tag}` whose `{name}` is {v!r:.60}, expected a bare name `{pattern.pattern}`")
+    return cls(**values)
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether ``value`` is of the type ``hint`` (unions, lists, sequences, fixed tuples and dicts looked into)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin in (list, Sequence):
+        return isinstance(value, (list, tuple)) and all(_fits(v, args[0]) for v in value if args)
+    if origin is tuple:
+        return isinstance(value, tuple) and len(value) == len(args) and all(map(_fits, value, args))
+    if origin is dict:
+        return isinstance(value, dict) and all(_fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items())
+    if isinstance(hint, type):
+        return isinstance(value, hint) and not (isinstance(value, bool) and hint is int)
+    return hint is None and value is None
+
+
+_DECODERS: dict[str, Callable[[str, Any, int], Any]] = {
+    "tuple": _tuple, "dict": _dict, "Size": _size, **{tag: _named for tag in _NAMES},
+}
