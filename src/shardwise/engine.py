@@ -20,6 +20,7 @@ from torch import nn
 
 from . import ownership
 from .checks import check_loss, check_model, check_trainable
+from .compile import compile_module, is_compiled_module
 from .config import Config
 from .distributed import Comm
 from .engine_state import EngineState
@@ -514,6 +515,25 @@ class Engine:
         dtype = self.precision.dtype
         cast = {id(t): (t.to(dtype) if t.is_floating_point() else t) for t in state.values()}
         return {name: cast[id(t)] for name, t in state.items()}  # tied names stay one tensor
+
+    # ------------------------------------------------------------- compile
+    def compile(
+        self,
+        backend: Any = "inductor",
+        compile_kwargs: Optional[dict[str, Any]] = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """``torch.compile`` the wrapped module in place, as DeepSpeed's ``engine.compile``; later forwards
+        run compiled.  Nothing happens when it already runs compiled (see :attr:`is_compiled`)."""
+        if self.is_compiled:
+            return
+        compile_module(self.module, backend, compile_kwargs, schedule, compiled_autograd_enabled, self.comm.rank)
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether the wrapped module runs compiled (``engine.compile()``, or compiled before ``initialize``)."""
+        return is_compiled_module(self.module)
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)

@@ -48,7 +48,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .params import Unit, UnitError, checksum, not_gathered_error
+from .params import Unit, UnitError, checksum, not_gathered_error, param_name, prepare_for_compile
+from .traced import outside_graphs
 
 __all__ = ["Gatherer", "TrainingState"]
 
@@ -132,9 +133,13 @@ class Gatherer:
 
     # ------------------------------------------------------------ install
     def install(self) -> None:
+        # Gathering is a collective on Python state: under torch.compile the hooks run eagerly,
+        # between graphs (one break per module call), never traced into one.
+        prepare_for_compile()
+        pre, post = outside_graphs(self._pre_forward), outside_graphs(self._post_forward)
         for module in self.module.modules():
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
+            self._handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(post, always_call=True))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -292,6 +297,26 @@ class Gatherer:
         raise not_gathered_error(freed[0], func)
 
     def on_data_access(self, unit: Unit) -> None:
+        self.on_demand([unit], _TENSOR_DATA, False)
+
+    def on_traced_read(self, unit: Unit, param: torch.Tensor) -> None:
+        """torch.compile traces a read of ``param`` (once; replays skip this): the running module
+        gathers its unit on every call from now on, as if it were registered as external."""
+        if unit.persistent:
+            return
+        if not self._stack:
+            raise RuntimeError(
+                f"rank {unit.comm.rank}: a compiled function reads parameter `{param_name(param)}`, which ZeRO "
+                "stage 3 partitions, outside any forward of the engine's model, where nothing gathers it on "
+                "each call; compile the module (`engine.compile()`, or `torch.compile(model)` before "
+                "`shardwise.initialize`) instead of a function around it, or run that function eagerly"
+            )
+        call = self._stack[-1]
+        if unit in call.units:
+            return
+        external = call.module.__dict__.setdefault(EXTERNAL_ATTR, [])
+        if not any(p is param for p in external):
+            external.append(param)
         self.on_demand([unit], _TENSOR_DATA, False)
 
     def on_cast(self, unit: Unit, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> bool:

@@ -35,7 +35,7 @@ from torch.nn.modules import module as module_hooks
 
 from ..config import Config
 from ..distributed import Comm, init_distributed
-from .params import Unit, gather_units, unit_of
+from .params import Unit, gather_units, param_name, unit_of
 
 __all__ = ["Init"]
 
@@ -201,6 +201,15 @@ class Init:
 
     def on_params_modified(self, unit: Unit) -> None:
         """Nothing else holds copies of a ``zero.Init`` unit's values."""
+
+    def on_traced_read(self, unit: Unit, param: torch.Tensor) -> None:
+        """A compiled graph replays without asking again: a partitioned parameter never enters one here."""
+        raise RuntimeError(
+            f"rank {unit.comm.rank}: a compiled function reads parameter `{param_name(param)}`, which "
+            "`zero.Init` partitioned, before `shardwise.initialize` wraps its model: nothing would gather it "
+            "when the graph runs again. Run it eagerly, or compile the model and call it after "
+            "`shardwise.initialize` (its hooks gather the parameters)"
+        )
 
     def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
         """Nothing else holds copies of a ``zero.Init`` unit's values (its fp32 ``pristine`` followed)."""

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..distributed import Comm, Work
+from . import traced
 
 __all__ = [
     "Unit",
@@ -42,6 +43,7 @@ __all__ = [
     "is_partitioned",
     "not_gathered_error",
     "partition_parameter",
+    "prepare_for_compile",
     "restore_parameter",
     "unit_of",
 ]
@@ -73,6 +75,9 @@ class UnitOwner(Protocol):
 
     def on_values_loaded(self, unit: "Unit", values: torch.Tensor, loaded: set[int]) -> None:
         """``unit``'s shard took the fp32 ``values`` (this rank's slice) for the parameters ``loaded``."""
+
+    def on_traced_read(self, unit: "Unit", param: torch.Tensor) -> None:
+        """``torch.compile`` traces a read of ``param``: make every replay of the graph find it gathered, or raise."""
 
 
 # ------------------------------------------------------------------ the unit
@@ -321,6 +326,7 @@ def partition_parameter(param: nn.Parameter, unit: Unit, index: int) -> None:
     """Attach ``param`` to ``unit`` and swap its class so freed values are never read."""
     param.__dict__[_UNIT_ATTR] = unit
     param.__dict__[_INDEX_ATTR] = index
+    traced.track(param, unit)
     cls = type(param)
     if not getattr(cls, "_shardwise_partitioned", False):
         param.__class__ = _partitioned_class(cls)
@@ -330,6 +336,7 @@ def restore_parameter(param: nn.Parameter) -> None:
     """Undo :func:`partition_parameter` (the caller gives ``param`` its own full storage first)."""
     param.__dict__.pop(_UNIT_ATTR, None)
     param.__dict__.pop(_INDEX_ATTR, None)
+    traced.untrack(param)
     cls = type(param)
     if getattr(cls, "_shardwise_partitioned", False):
         param.__class__ = cls.__bases__[0]
@@ -446,6 +453,18 @@ def _partitioned_in(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
 
 def _torch_function(cls: type, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
     kwargs = kwargs or {}
+    if torch.compiler.is_compiling():  # Dynamo inlines this into a graph: see .traced
+        return traced.traced_call(func, args, kwargs)
+    return _checked_call(func, args, kwargs)
+
+
+def prepare_for_compile() -> None:
+    """Let ``torch.compile`` trace operations on partitioned parameters (see :mod:`.traced`); idempotent."""
+    traced.skip_frames(_torch_function)
+
+
+def _checked_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """The eager ``__torch_function__`` of a partitioned parameter (see the module docstring)."""
     if func in _METADATA:
         if func == _DATA_GET:  # method-wrappers are created per access: compare, not `is`
             unit = unit_of(args[0])
