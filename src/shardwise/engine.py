@@ -84,6 +84,7 @@ class Engine:
         #: backward calls accumulated since the last optimizer step (what the step check compares)
         self._accumulated = 0
         self._prepare_module()
+        self._broadcasts_buffers = config.broadcast_buffers and self.comm.distributed
         first = next(iter(module.parameters()), None)
         warn_if_slow_bf16(self.precision.dtype, first.device if first is not None else torch.device("cpu"),
                           self.comm.rank)
@@ -142,15 +143,31 @@ class Engine:
             return
         # Parameters `zero.Init` partitioned were already broadcast from rank 0 when partitioned.
         params = [p for p in _unique(self.module.parameters()) if not is_partitioned(p)]
-        tensors = [p.data for p in params] + list(self.module.buffers())
+        self._broadcast_from_rank0([p.data for p in params] + list(self.module.buffers()), "parameters and buffers")
+
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor], label: str) -> None:
+        """Give every rank rank 0's values of ``tensors``: one broadcast per dtype."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in tensors:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
         for group in by_dtype.values():
             flat = torch.cat([t.reshape(-1) for t in group])
-            self.comm.broadcast(flat, src=0)
+            self.comm.broadcast(flat, src=0, label=label)
             for tensor, value in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
                 tensor.copy_(value)
+
+    def _sync_buffers(self) -> None:
+        """Before a training forward: rank 0's buffers on every rank, as DDP's ``broadcast_buffers=True``.
+
+        Running statistics (BatchNorm) would otherwise drift apart per rank, and evaluation and the
+        checkpoint (which keeps rank 0's) would see different models.  Not inside ``no_sync`` and not
+        without grad, where DDP does not either; ``broadcast_buffers: false`` turns it off.
+        """
+        if not (self._broadcasts_buffers and torch.is_grad_enabled() and not self._in_no_sync):
+            return
+        buffers = list(self.module.buffers())  # looked up each time: a model may replace its buffers
+        if buffers:
+            self._broadcast_from_rank0(buffers, "buffers")
 
     def _make_scheduler(self, lr_scheduler: Any) -> Any:
         if lr_scheduler is not None and self.config.scheduler is not None:
@@ -186,6 +203,7 @@ class Engine:
             self.refresh_trainable()
         args, kwargs = self.precision.cast_inputs((args, kwargs))
         with doing("forward", self._label), self._timed("forward"):
+            self._sync_buffers()
             return self.module(*args, **kwargs)
 
     __call__ = forward

@@ -63,6 +63,8 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     comms: CommsConfig = Field(default_factory=CommsConfig)
     auto_refresh_trainable: bool = True
+    #: rank 0's buffers (BatchNorm statistics) broadcast before each training forward, as DDP's default
+    broadcast_buffers: bool = True
     steps_per_print: Count = Field(default=10, ge=1, le=MAX_STEPS)
     wall_clock_breakdown: bool = False
     #: torch.manual_seed's range

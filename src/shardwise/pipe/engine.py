@@ -113,6 +113,7 @@ class PipelineEngine(Engine):
         steps = self.gradient_accumulation_steps()
         batch = self._take(data_iter, steps, "train_batch")
         self.module.train()
+        self._sync_buffers()  # over this stage's data-parallel replicas
         losses = self._execute(one_f_one_b(self.module.stage_id, self.module.num_stages, steps), batch, steps)
         self.ties.reduce_grads()
         # Every bucket, reduced over the data-parallel group (launched and waited).
