@@ -63,6 +63,9 @@ class PipelineStrategy(Strategy):
     def scale_grads(self, factor: float) -> None:
         self.wrapped.scale_grads(factor)
 
+    def leaving_unused_alone(self) -> contextlib.AbstractContextManager[None]:
+        return self.wrapped.leaving_unused_alone()
+
     def after_step(self) -> None:
         self.wrapped.after_step()
 
