@@ -132,6 +132,7 @@ def test_a_module_must_be_installed_and_a_model(tmp_path: Path, monkeypatch: pyt
 def test_an_installed_module_needs_no_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.syspath_prepend(str(EXAMPLES))  # installed: on sys.path, and not the current directory
+    monkeypatch.delitem(sys.modules, "gpt", raising=False)  # another test may have imported another `gpt`
     from gpt import GPT, gpt_config
 
     model = GPT(gpt_config("tiny"))
