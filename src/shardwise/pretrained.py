@@ -62,7 +62,7 @@ def _write(module: Any, state: dict[str, torch.Tensor], target: Path) -> None:
 
 
 def _write_configs(module: Any, folder: Path) -> None:
-    config = getattr(module, "config", None)
+    config: Any = getattr(module, "config", None)
     if hasattr(config, "architectures"):
         config.architectures = [type(module).__name__]  # as Hugging Face's own save_pretrained records it
     for attribute, name in (("config", "config.json"), ("generation_config", "generation_config.json")):
