@@ -13,6 +13,10 @@ Two details are deliberate, because the engine's tests lean on them:
   (softmax is invariant to adding the same score to every key), and Adam turns
   the float noise in such a gradient into a full-lr update, hiding real
   agreement in parity tests. So the qkv projection has ``bias=False``.
+
+``generate`` keeps a KV cache: each new token runs one position through the
+blocks, attending to the keys and values kept from earlier ones, instead of
+the whole prefix again (``use_cache=False`` recomputes, as before).
 """
 
 from __future__ import annotations
@@ -68,6 +72,26 @@ def preset_names() -> list[str]:
     return list(_PRESETS)
 
 
+class KVCache:
+    """Keys and values of the positions seen so far, one ``(k, v)`` per block, each (b, n_head, t, head_dim)."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def length(self) -> int:
+        """Positions held (0 when empty)."""
+        return next(iter(self.layers.values()))[0].size(2) if self.layers else 0
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this step's ``k``/``v`` for ``layer``; returns all of them, old then new."""
+        if layer in self.layers:
+            old_k, old_v = self.layers[layer]
+            k, v = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
+        self.layers[layer] = (k, v)
+        return k, v
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where a position sees only earlier ones."""
 
@@ -79,13 +103,20 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         # (b, t, c) -> (b, n_head, t, head_dim) for the fused attention kernel.
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            # The new positions come after every cached one: each sees all of the cache and the new
+            # positions up to itself (a causal mask shifted right by the cached length).
+            k, v = cache.extend(layer, k, v)
+            seen = torch.ones(t, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - t)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, dropout_p=p)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -112,8 +143,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, *, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache=cache, layer=layer)
         return x + self.mlp(self.ln2(x))
 
 
@@ -159,19 +190,23 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, cache: KVCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return ``(logits, loss)``; ``loss`` is None when ``targets`` is None."""
+        """Return ``(logits, loss)``; ``loss`` is None when ``targets`` is None.
+
+        With ``cache``, ``idx`` continues the positions the cache holds (and is added to it).
+        """
+        start = cache.length if cache is not None else 0
         t = idx.size(1)
-        if t > self.config.block_size:
+        if start + t > self.config.block_size:
             raise ValueError(
-                f"sequence length {t} exceeds `block_size` {self.config.block_size}; "
+                f"sequence length {start + t} exceeds `block_size` {self.config.block_size}; "
                 "crop the input or build the model with a larger `block_size`."
             )
-        pos = torch.arange(t, device=idx.device)
+        pos = torch.arange(start, start + t, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache=cache, layer=i)
         x = self.ln_f(x)
         # The tied head reads the embedding's weight from the parent on purpose.
         logits = F.linear(x, self.wte.weight) if self.head is None else self.head(x)
@@ -182,24 +217,39 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(
-        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.0
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, use_cache: bool = True
     ) -> torch.Tensor:
-        """Extend ``idx`` (b, t) by ``max_new_tokens`` tokens, one forward each.
+        """Extend ``idx`` (b, t) by ``max_new_tokens`` tokens.
 
         Greedy when ``temperature == 0``; otherwise samples from the softmax at
-        that temperature (seed ``torch`` for reproducible samples).
+        that temperature (seed ``torch`` for reproducible samples).  With the
+        KV cache each token costs one position's forward; once the text fills
+        ``block_size``, the cache restarts from the last half of it (positions
+        are absolute, so a window cannot slide under a cache).  Without it,
+        every token recomputes the last ``block_size`` positions.
         """
+        block = self.config.block_size
+        cache: KVCache | None = None
+        fresh = idx[:, -block:]  # what the next forward reads: a whole context, or the one new token
         for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size :]
-            logits, _ = self(context)
-            last = logits[:, -1, :]
-            if temperature == 0.0:
-                nxt = last.argmax(dim=-1, keepdim=True)
-            else:
-                probs = F.softmax(last / temperature, dim=-1)
-                nxt = torch.multinomial(probs, num_samples=1)
+            if not use_cache:
+                fresh = idx[:, -block:]
+            elif cache is None or cache.length + fresh.size(1) > block:
+                # A new cache: the first context, or, once the text fills block_size, its last half.
+                fresh = idx[:, -block:] if cache is None else idx[:, -(block // 2):]
+                cache = KVCache()
+            logits, _ = self(fresh, cache=cache)
+            nxt = _pick(logits[:, -1, :], temperature)
             idx = torch.cat([idx, nxt], dim=1)
+            fresh = nxt
         return idx
+
+
+def _pick(last: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The next token from the last position's logits: greedy at 0, else sampled at ``temperature``."""
+    if temperature == 0.0:
+        return last.argmax(dim=-1, keepdim=True)
+    return torch.multinomial(F.softmax(last / temperature, dim=-1), num_samples=1)
 
 
 # ---------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sample-tokens", type=int, default=200, help="bytes to generate at the end (0: none)")
     parser.add_argument("--prompt", default="def ", help="text the sample starts from")
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")
-    parser.add_argument("--log-every", type=int, default=None, help="steps between logs (default: the config's steps_per_print)")
+    parser.add_argument("--log-every", type=int, default=None, help="steps between metrics records and log lines (default: 10)")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this many seconds")
     return parser.parse_args(argv)
 
@@ -137,9 +137,12 @@ def train(args: argparse.Namespace) -> shardwise.trainer.FitSummary:
     )
     summary = trainer.fit()
     if args.sample_tokens > 0:
+        start = time.perf_counter()
         text = sample(engine, args)
-        log(f"--- sample ({args.sample_tokens} bytes, temperature {args.temperature:g}) ---\n{text}\n---")
-    log(f"run directory {run}: checkpoints/, metrics.jsonl, metrics.png; "
+        log(f"--- sample ({args.sample_tokens} bytes, temperature {args.temperature:g}, KV cache, "
+            f"{time.perf_counter() - start:.1f}s) ---\n{text}\n---")
+    curves = ", metrics.png" if summary.plot else ""  # never name a file that was not written
+    log(f"run directory {run}: checkpoints/, metrics.jsonl{curves}; "
         f"`shardwise generate {run / 'checkpoints'} --trust-model-source` samples again (the flag lets it run "
         f"the model's source, {HERE / 'gpt.py'}, which model.json names)")
     return summary

@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from ._version import __version__
+
 __all__ = ["COMMANDS", "build_parser", "command", "main", "torchrun_args"]
 
 # A command builder receives the `add_subparsers()` object of `shardwise`
@@ -330,6 +332,7 @@ command("checkpoint")(add_checkpoint_commands)
 def build_parser() -> argparse.ArgumentParser:
     """The ``shardwise`` parser with every registered command."""
     parser = argparse.ArgumentParser(prog="shardwise", description="shardwise: data-parallel training with ZeRO.")
+    parser.add_argument("--version", action="version", version=f"shardwise {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS.values():
         add(subparsers)

@@ -320,7 +320,7 @@ class Engine:
             return
         who = f"{self.name} " if self.name else ""  # several engines print side by side
         line = (
-            f"{who}step {self.global_steps}: lr={self.get_lr()} loss_scale={self.loss_scale:g} "
+            f"{who}step {self.global_steps}: lr={', '.join(f'{lr:.3g}' for lr in self.get_lr())} loss_scale={self.loss_scale:g} "
             f"grad_norm={self.get_global_grad_norm() or 0.0:.4g} skipped={self.skipped_steps}"
         )
         if self.config.wall_clock_breakdown:
@@ -497,6 +497,12 @@ class Engine:
         if self.comm.rank == 0:
             save_state_dict(state, Path(save_dir) / save_filename)
         return True
+
+    def save_pretrained(self, save_dir: str) -> str:
+        """Collective: ``config.json`` + ``model.safetensors`` from any stage, for ``from_pretrained``."""
+        from .pretrained import save_pretrained
+
+        return save_pretrained(self, save_dir)
 
     def checkpointable(self) -> EngineState:
         """This engine as the checkpoint layer sees it (``shardwise.checkpoint.protocol.Checkpointable``)."""

@@ -8,20 +8,26 @@ collective checkpoints it can resume from exactly.
 from __future__ import annotations
 
 from .batch import BatchError
+from .best import EarlyStopping
 from .callbacks import Callback, TensorBoardCallback
 from .checkpoints import ResumeError
+from .loggers import CSVLogger, MLflowCallback, WandbCallback
 from .loop import FitSummary, StepResult, Trainer
 from .metrics import read_metrics
 from .plot import plot_metrics
 
 __all__ = [
     "BatchError",
+    "CSVLogger",
     "Callback",
+    "EarlyStopping",
     "FitSummary",
+    "MLflowCallback",
     "ResumeError",
     "StepResult",
     "TensorBoardCallback",
     "Trainer",
+    "WandbCallback",
     "plot_metrics",
     "read_metrics",
 ]

@@ -1,20 +1,26 @@
 """One batch: moving it to the model's device, calling the engine with it, finding the loss.
 
 A batch reaches the model as ``engine(*batch)`` for a tuple or list,
-``engine(**batch)`` for a dict, and ``engine(batch)`` for anything else.  The
+``engine(**batch)`` for a dict, and ``engine(batch)`` for anything else.  With
+a ``loss_fn``, a tuple longer than the positional parameters the model's
+``forward`` takes passes only the leading items (``(x, y)`` to ``nn.Linear``:
+``engine(x)``); the rest are targets for ``loss_fn(output, batch)``, as in
+Keras or Lightning.  Without one, every item goes to the model.  The
 loss is ``loss_fn(output, batch)`` when a ``loss_fn`` is given, otherwise the
 output itself (a scalar tensor), ``output["loss"]`` or ``output.loss``.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["BatchError", "LossFn", "Size", "compute_loss", "describe", "forward", "measure", "to_device"]
+__all__ = ["BatchError", "LossFn", "Size", "compute_loss", "describe", "forward", "measure", "positional_arity",
+           "to_device"]
 
 #: ``loss_fn(output, batch) -> scalar loss tensor``
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -47,13 +53,28 @@ def describe(batch: Any) -> str:
     return type(batch).__name__
 
 
-def forward(engine: Any, batch: Any) -> Any:
-    """``engine`` called with ``batch`` unpacked by its type; an error names the batch's structure."""
+def positional_arity(module: Any) -> Optional[int]:
+    """How many positional arguments ``module.forward`` takes (None: any number, or unknown)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError, AttributeError):
+        return None
+    kinds = [p.kind for p in parameters]
+    if inspect.Parameter.VAR_POSITIONAL in kinds:
+        return None
+    return sum(kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for kind in kinds)
+
+
+def forward(engine: Any, batch: Any, arity: Optional[int] = None) -> Any:
+    """``engine`` called with ``batch`` unpacked by its type; an error names the batch's structure.
+
+    ``arity`` (:func:`positional_arity`) cuts a longer tuple/list batch to the arguments ``forward`` takes.
+    """
     try:
         if isinstance(batch, Mapping):
             return engine(**batch)
         if isinstance(batch, (tuple, list)):
-            return engine(*batch)
+            return engine(*(batch[:arity] if arity else batch))
         return engine(batch)
     except (TypeError, ValueError, RuntimeError, IndexError, KeyError) as error:
         how = "engine(**batch)" if isinstance(batch, Mapping) else "engine(*batch)" if isinstance(batch, (tuple, list)) else "engine(batch)"

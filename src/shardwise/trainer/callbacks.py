@@ -1,4 +1,5 @@
-"""Callbacks: objects with any of ``on_train_start``, ``on_step_end``, ``on_eval_end``, ``on_save``, ``on_train_end``.
+"""Callbacks: objects with any of ``on_train_start``, ``on_step_end``, ``on_log``, ``on_eval_end``, ``on_save``,
+``on_train_end``.
 
 Every hook runs on every rank and receives the trainer first.  A callback
 that wants a checkpoint now or the run to end calls ``trainer.request_save()``
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HOOKS", "Callback", "CallbackList", "TensorBoardCallback"]
 
-HOOKS = ("on_train_start", "on_step_end", "on_eval_end", "on_save", "on_train_end")
+HOOKS = ("on_train_start", "on_step_end", "on_log", "on_eval_end", "on_save", "on_train_end")
 
 
 class Callback:
@@ -30,8 +31,12 @@ class Callback:
     def on_step_end(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
         """After each optimizer step; ``metrics`` has ``step``, ``epoch``, ``loss`` (mean over ranks), ``lr``."""
 
+    def on_log(self, trainer: "Trainer", record: dict[str, Any]) -> None:
+        """Each record the metrics file gets (every ``log_every`` steps, and each evaluation's), on every rank."""
+
     def on_eval_end(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
-        """After an evaluation; ``metrics`` has ``step`` and ``eval_loss`` (over the whole eval set)."""
+        """After an evaluation; ``metrics`` has ``step``, ``eval_loss`` (over the whole eval set) and, with
+        ``compute_metrics``, its results as ``eval_<name>``."""
 
     def on_save(self, trainer: "Trainer", path: str) -> None:
         """After a checkpoint was written (on every rank, once it is complete)."""

@@ -3,7 +3,8 @@
 Every rank calls :meth:`Checkpoints.save` at the same step (the trainer
 decides saves collectively), so the engine's collective save can never hang on
 a rank that skipped it.  Tags are ``global_step{N}``; with ``keep_last`` set,
-rank 0 removes older ``global_step*`` directories once a new one is complete.
+rank 0 removes older ``global_step*`` directories once a new one is complete,
+except the best one (``best_metric``), whose tag rank 0 writes to ``best``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class Checkpoints:
         #: the step of the newest checkpoint this run wrote or resumed from
         self.last_step: Optional[int] = None
         self.last_path: Optional[str] = None
+        #: the step of the best checkpoint (kept whatever ``keep_last`` says), when a metric is watched
+        self.best_step: Optional[int] = None
 
     @property
     def enabled(self) -> bool:
@@ -46,6 +49,8 @@ class Checkpoints:
         step = self.engine.global_steps
         path = self.engine.save_checkpoint(str(self.directory), tag=f"global_step{step}", client_state=client_state)
         self.last_step, self.last_path = step, str(path)
+        if self.best_step == step:
+            self._write_best()
         if self.engine.comm.rank == 0:
             self._prune()
         return str(path)
@@ -55,8 +60,27 @@ class Checkpoints:
             return
         found = sorted((int(m.group(1)), child) for child in self.directory.iterdir()
                        if child.is_dir() and (m := _TAG.match(child.name)))
-        for _, old in found[: max(len(found) - self.keep_last, 0)]:
-            shutil.rmtree(old, ignore_errors=True)
+        for step, old in found[: max(len(found) - self.keep_last, 0)]:
+            if step != self.best_step:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def path_of(self, step: Optional[int]) -> Optional[str]:
+        """The directory of the checkpoint at ``step`` (None without a directory or a step)."""
+        return str(self.directory / f"global_step{step}") if self.directory is not None and step is not None else None
+
+    def mark_best(self, step: int) -> None:
+        """Keep ``global_step{step}`` from pruning; ``best`` names it once it is saved."""
+        self.best_step = step
+        if self.last_step == step:
+            self._write_best()
+
+    def _write_best(self) -> None:
+        """Rank 0 names the best checkpoint in ``best`` (atomically; only once that checkpoint is complete)."""
+        if self.directory is None or self.engine.comm.rank != 0:
+            return
+        from ..checkpoint.commit import write_atomic
+
+        write_atomic(self.directory / "best", f"global_step{self.best_step}\n".encode())
 
     def resume(self) -> Optional[dict[str, Any]]:
         """Load ``latest`` (collective); its client state, or None when the directory holds no checkpoint."""

@@ -12,6 +12,7 @@ the very next batch and ends bit-for-bit where an uninterrupted run ends.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import warnings
@@ -21,17 +22,23 @@ from typing import Any, Optional
 
 import torch
 
-from .batch import LossFn, compute_loss, forward, measure, to_device
+from .batch import LossFn, compute_loss, forward, measure, positional_arity, to_device
+from .best import Watch
+from .build import build_engine
 from .callbacks import CallbackList
 from .checkpoints import Checkpoints
 from .control import Agreement, Decision, Requests
 from .data import Collate, Source, eval_source, train_source
+from .eval_metrics import Collected, ComputeMetrics
+from .logs import routed_logs
 from .metrics import Meter, MetricsFile
 from .progress import make_progress
 
 __all__ = ["FitSummary", "StepResult", "Trainer"]
 
 _STATE_VERSION = 1
+#: steps between log records when `log_every` is not given: dense enough for a curve, cheap (one small gather)
+DEFAULT_LOG_EVERY = 10
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,12 @@ class FitSummary:
     stopped: Optional[str]
     #: the newest checkpoint (None without ``checkpoint_dir``)
     checkpoint: Optional[str]
+    #: the checkpoint with the best ``best_metric`` (None without one, or without ``checkpoint_dir``)
+    best_checkpoint: Optional[str] = None
+    #: the best value of ``best_metric`` seen
+    best_metric: Optional[float] = None
+    #: the curves PNG written next to ``metrics_file`` (None when none was drawn)
+    plot: Optional[str] = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,20 +115,32 @@ class Trainer:
     ``epochs`` epochs, whichever ends first.  With ``checkpoint_dir`` it saves
     every ``save_every`` steps and at the end (keeping the last ``keep_last``),
     and with ``resume`` it first continues from the newest checkpoint there.
+
+    ``model_or_engine`` is an engine from ``shardwise.initialize``, or a model:
+    then ``config`` is required and the Trainer builds the engine (a scheduler's
+    ``total_num_steps: auto`` becomes the steps this run will take).  With
+    ``compute_metrics(predictions, labels)`` each evaluation also reports its
+    results as ``eval_<name>``; with ``best_metric`` (``"loss"``, ``"eval_loss"``,
+    or one of those names) the best checkpoint is kept besides the last
+    ``keep_last`` and named in ``checkpoint_dir/best``.
     """
 
     def __init__(
         self,
-        engine: Any,
+        model_or_engine: Any,
         train_data: Any,
         *,
+        config: Any = None,
         max_steps: Optional[int] = None,
         epochs: Optional[int] = None,
         eval_data: Any = None,
         eval_every: Optional[int] = None,
+        compute_metrics: Optional[ComputeMetrics] = None,
         checkpoint_dir: Optional[str] = None,
         save_every: Optional[int] = None,
         keep_last: Optional[int] = None,
+        best_metric: Optional[str] = None,
+        greater_is_better: bool = False,
         resume: bool = True,
         callbacks: Iterable[Any] = (),
         log_every: Optional[int] = None,
@@ -127,6 +152,8 @@ class Trainer:
         metrics_file: Optional[str] = None,
     ) -> None:
         _check_arguments(max_steps, epochs, eval_every, eval_data, save_every, keep_last, checkpoint_dir, log_every)
+        _check_watch(best_metric, eval_data, compute_metrics)
+        engine = build_engine(model_or_engine, config, train_data, max_steps, epochs)
         self.engine = engine
         self.max_steps, self.epochs = max_steps, epochs
         self.eval_every, self.save_every = eval_every, save_every
@@ -135,6 +162,10 @@ class Trainer:
         self.seed = seed
         self.rank, self.world_size = engine.comm.rank, engine.comm.world_size
         self.device = _device(engine)
+        # With a loss_fn, trailing tuple items the forward cannot take are its targets (see batch.py).
+        self.arity = positional_arity(engine.module) if loss_fn is not None else None
+        self.compute_metrics = compute_metrics
+        self.watch = Watch(best_metric, greater_is_better) if best_metric is not None else None
         self.agreement = Agreement(engine.comm, self.device)
         self.accumulation = engine.gradient_accumulation_steps()
         self.micro = _micro_batch(engine)
@@ -146,7 +177,8 @@ class Trainer:
         self.callbacks = CallbackList(callbacks)
         self.metrics = MetricsFile(metrics_file, self.rank == 0)
         self.progress = make_progress(self.rank, progress)
-        self.log_every = log_every or engine.config.steps_per_print
+        # Its own cadence: a config quieting the engine (`steps_per_print: 1000`) must not thin the metrics.
+        self.log_every = log_every or DEFAULT_LOG_EVERY
         #: the data position: the epoch, and the optimizer steps already taken in it
         self.epoch, self.step_in_epoch = 0, 0
         self.last_loss = math.nan
@@ -196,20 +228,28 @@ class Trainer:
         resumed_from = self._resume() if self.resume_enabled else None
         self._steps_per_epoch = self._agreed_steps_per_epoch()
         self.metrics.start(resumed_from)
+        if resumed_from is not None and self._nothing_left():
+            return self._nothing_to_do()
         self.progress.start(self._total_steps(), self.global_step)
         self.callbacks.call("on_train_start", self)
         meter = Meter()
         decision = Decision()
-        groups = self._batch_groups()
         try:
-            while not self._finished() and (batches := next(groups, None)) is not None:
-                decision = self._one_step(batches, meter)
-                if decision.stop:
-                    break
+            with routed_logs(self.progress.message) if self.rank == 0 else contextlib.nullcontext():
+                decision = self._loop(meter)
+                return self._finish(meter, decision)
         except BaseException:
             self.progress.close()  # leave the terminal clean for the traceback
             raise
-        return self._finish(meter, decision)
+
+    def _loop(self, meter: Meter) -> Decision:
+        decision = Decision()
+        groups = self._batch_groups()
+        while not self._finished() and (batches := next(groups, None)) is not None:
+            decision = self._one_step(batches, meter)
+            if decision.stop:
+                break
+        return decision
 
     def _one_step(self, batches: list[Any], meter: Meter) -> Decision:
         result = self.train_step(batches)
@@ -236,7 +276,7 @@ class Trainer:
         samples = tokens = 0
         for batch in batches:
             batch = to_device(batch, self.device)
-            loss = compute_loss(forward(self.engine, batch), batch, self.loss_fn)
+            loss = compute_loss(forward(self.engine, batch, self.arity), batch, self.loss_fn)
             self.engine.backward(loss)
             self.engine.step()
             losses.append(loss.detach().float())
@@ -266,6 +306,11 @@ class Trainer:
     def _finished(self) -> bool:
         return self.max_steps is not None and self.global_step >= self.max_steps
 
+    def _nothing_left(self) -> bool:
+        """Whether a resumed run is already at ``max_steps`` or past its ``epochs``."""
+        epochs_done = self.epochs is not None and self.epoch >= self.epochs
+        return self._finished() or epochs_done
+
     def _save_due(self) -> bool:
         return self.save_every is not None and self.global_step % self.save_every == 0
 
@@ -274,9 +319,9 @@ class Trainer:
         loss_sum, micro, samples, tokens = self.agreement.sum(
             [result.loss_sum, result.micro_batches, result.samples, result.tokens])
         self.last_loss = loss_sum / micro
-        meter.add(int(samples), int(tokens))
+        rates = meter.add(int(samples), int(tokens))
         metrics = {"step": self.global_step, "epoch": self.epoch, "loss": self.last_loss, "lr": self._lr()}
-        self.progress.step(metrics)
+        self.progress.step({**metrics, **rates})
         if self.global_step % self.log_every == 0:
             self._log(metrics, meter)
         return metrics
@@ -297,6 +342,7 @@ class Trainer:
         self._logged_at = self.global_step
         self.metrics.write(record)
         self.progress.log(record)
+        self.callbacks.call("on_log", self, record)
 
     # ------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -306,20 +352,34 @@ class Trainer:
             return None
         was_training = self.engine.module.training
         self.engine.eval()
+        collected = Collected() if self.compute_metrics is not None else None
         try:
-            loss_sum, samples = self._eval_sums(self.eval_source.epoch(0))
+            loss_sum, samples = self._eval_sums(self.eval_source.epoch(0), collected)
         finally:
             self.engine.train(was_training)
         total_loss, total_samples = self.agreement.sum([loss_sum, samples])
         self.last_eval_loss = total_loss / total_samples
         self._evaluated_at = self.global_step
-        metrics = {"step": self.global_step, "epoch": self.epoch, "eval_loss": self.last_eval_loss}
+        metrics: dict[str, Any] = {"step": self.global_step, "epoch": self.epoch, "eval_loss": self.last_eval_loss}
+        if collected is not None and self.compute_metrics is not None:
+            metrics.update(collected.compute(self.agreement.gather, self.compute_metrics))
         self.metrics.write(metrics)
-        self.progress.message(f"eval at step {self.global_step}: loss {self.last_eval_loss:.4f}")
+        self.progress.message(f"eval at step {self.global_step}: " + ", ".join(
+            f"{key.removeprefix('eval_')} {value:.4f}" for key, value in metrics.items() if key.startswith("eval_")))
+        self._watch(metrics)
+        self.callbacks.call("on_log", self, metrics)
         self.callbacks.call("on_eval_end", self, metrics)
         return self.last_eval_loss
 
-    def _eval_sums(self, batches: Iterator[Any]) -> tuple[float, float]:
+    def _watch(self, metrics: dict[str, Any]) -> None:
+        """A new best ``best_metric``: keep this step's checkpoint (saving it at the end of the step)."""
+        if self.watch is None or not self.watch.update(metrics):
+            return
+        if self.checkpoints.enabled:
+            self.checkpoints.mark_best(self.global_step)
+            self.request_save()  # every rank saw the same (reduced) metrics, so every rank asks
+
+    def _eval_sums(self, batches: Iterator[Any], collected: Optional[Collected]) -> tuple[float, float]:
         """This rank's summed loss x samples and samples; ranks that run dry first repeat a batch at weight 0.
 
         Every rank runs the same number of forwards, which a stage 3 engine
@@ -339,7 +399,10 @@ class Trainer:
                 )
             weight = 1.0 if batch is not None else 0.0
             batch = to_device(batch if batch is not None else last, self.device)
-            loss = compute_loss(forward(self.engine, batch), batch, self.loss_fn)
+            output = forward(self.engine, batch, self.arity)
+            loss = compute_loss(output, batch, self.loss_fn)
+            if collected is not None and weight:
+                collected.add(output, batch)
             n = measure(batch).samples * weight
             loss_sum += float(loss.float().item()) * n
             samples += n
@@ -356,6 +419,8 @@ class Trainer:
             "seed": self.seed,
             "last_loss": None if math.isnan(self.last_loss) else self.last_loss,
             "last_eval_loss": self.last_eval_loss,
+            "evaluated_at": self._evaluated_at,
+            "best": None if self.watch is None else [self.watch.best, self.watch.best_step],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -377,6 +442,11 @@ class Trainer:
         last = state.get("last_loss")
         self.last_loss = math.nan if last is None else float(last)
         self.last_eval_loss = state.get("last_eval_loss")
+        self._evaluated_at = state.get("evaluated_at")
+        best = state.get("best")
+        if self.watch is not None and best is not None and best[1] is not None:
+            self.watch.best, self.watch.best_step = best
+            self.checkpoints.best_step = int(best[1])
 
     def save(self) -> Optional[str]:
         """Save a checkpoint now (collective: every rank calls it); skipped if this step is already saved."""
@@ -428,30 +498,54 @@ class Trainer:
             self.evaluate()
         self.progress.close()
         seconds = meter.training_seconds()
-        summary = FitSummary(
-            steps=self.global_step, trained_steps=meter.total_steps, epoch=self.epoch, final_loss=self.last_loss,
-            eval_loss=self.last_eval_loss, elapsed=meter.elapsed(), samples_per_second=meter.total_samples / seconds,
+        summary = self._summary(
+            trained_steps=meter.total_steps, elapsed=meter.elapsed(), samples_per_second=meter.total_samples / seconds,
             tokens_per_second=meter.total_tokens / seconds if meter.total_tokens else None,
-            stopped=decision.reason if decision.stop else None,
-            checkpoint=self.checkpoints.last_path,
-        )
+            stopped=decision.reason if decision.stop else None, plot=self._plot())
         self.progress.message(_describe(summary))
-        self._plot()
         self.callbacks.call("on_train_end", self, summary)
         return summary
 
-    def _plot(self) -> None:
+    def _summary(self, **fields: Any) -> FitSummary:
+        best = self.watch.best if self.watch is not None else None
+        return FitSummary(
+            steps=self.global_step, epoch=self.epoch, final_loss=self.last_loss, eval_loss=self.last_eval_loss,
+            checkpoint=self.checkpoints.last_path, best_checkpoint=self.checkpoints.path_of(self.checkpoints.best_step),
+            best_metric=best, **fields)
+
+    def _nothing_to_do(self) -> FitSummary:
+        """A resumed run already at its end: say so, write nothing (no eval record twice, no save)."""
+        goal = f"`max_steps={self.max_steps}`" if self._finished() else f"`epochs={self.epochs}`"
+        self.progress.message(
+            f"nothing to train: {self.checkpoints.last_path} is at step {self.global_step}, which already reaches "
+            f"{goal}; raise it to train further (`--steps` in the examples), or start over in a new "
+            "`checkpoint_dir` (`--fresh`)")
+        summary = self._summary(trained_steps=0, elapsed=0.0, samples_per_second=0.0, tokens_per_second=None,
+                                stopped=None, plot=None)
+        self.callbacks.call("on_train_end", self, summary)
+        return summary
+
+    def _plot(self) -> Optional[str]:
+        """Draw ``metrics.png`` next to the metrics file (rank 0); says in one line why when it cannot."""
         path = self.metrics.path
         if path is None or not path.is_file():
-            return
+            return None
         try:
             from .plot import plot_metrics
 
-            plot_metrics(path, path.with_suffix(".png"))
-        except ImportError:
-            return  # matplotlib is an optional extra
-        except ValueError:
-            return  # nothing logged yet (no step trained)
+            return str(plot_metrics(path, path.with_suffix(".png")))
+        except (ImportError, ValueError, OSError) as error:
+            self.progress.message(f"no curves drawn: {error}")
+            return None
+
+
+def _check_watch(best_metric: Optional[str], eval_data: Any, compute_metrics: Any) -> None:
+    if best_metric is not None and eval_data is None:
+        raise ValueError(f"`best_metric={best_metric!r}` without `eval_data`: the best checkpoint is judged on "
+                         "evaluations; pass `eval_data=` (and `eval_every=`)")
+    if compute_metrics is not None and not callable(compute_metrics):
+        raise TypeError(f"`compute_metrics` is a {type(compute_metrics).__name__}; expected a callable "
+                        "`(predictions, labels) -> dict`")
 
 
 def _describe(summary: FitSummary) -> str:

@@ -36,6 +36,10 @@ class Meter:
     total_tokens: int = 0
     #: seconds spent outside training steps (evaluation, saves), left out of the rates
     excluded: float = 0.0
+    #: when the last step ended (the start of the next one), for the per-step rate
+    step_mark: float = field(default_factory=time.perf_counter)
+    #: the last step's wall seconds
+    last_step_seconds: float = math.nan
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -46,15 +50,21 @@ class Meter:
         finally:
             spent = time.perf_counter() - start
             self.mark += spent
+            self.step_mark += spent
             self.excluded += spent
 
-    def add(self, samples: int, tokens: int) -> None:
+    def add(self, samples: int, tokens: int) -> dict[str, Optional[float]]:
+        """Count one step; returns its own rates (``samples_per_s``, ``tokens_per_s``) for the display."""
+        now = time.perf_counter()
+        self.last_step_seconds, self.step_mark = max(now - self.step_mark, 1e-9), now
         self.steps += 1
         self.samples += samples
         self.tokens += tokens
         self.total_steps += 1
         self.total_samples += samples
         self.total_tokens += tokens
+        return {"samples_per_s": samples / self.last_step_seconds,
+                "tokens_per_s": tokens / self.last_step_seconds if tokens else None}
 
     def interval(self) -> dict[str, Optional[float]]:
         """Rates since the last call (then starts a new interval)."""

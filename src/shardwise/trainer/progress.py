@@ -1,12 +1,15 @@
 """What rank 0 shows while training: a tqdm bar on a terminal, plain log lines otherwise.
 
 Other ranks show nothing.  The bar carries loss, lr, tokens/s (or
-samples/s) and tqdm's ETA; the lines, printed every ``log_every`` steps, carry
-the same and an ETA from the measured step time.
+samples/s, smoothed over the last steps) and tqdm's ETA, updated every step;
+the lines, printed every ``log_every`` steps, carry the same and an ETA from
+the measured step time.  A terminal that reports 0 columns (some ptys, CI
+consoles) gets the lines: a bar there would draw nothing at all.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Optional, TextIO
 
@@ -73,6 +76,10 @@ class Lines(Progress):
         print(text, file=self.stream, flush=True)
 
 
+#: weight of the newest step in the bar's smoothed rate (about the last 10 steps count)
+_SMOOTHING = 0.2
+
+
 class Bar(Progress):
     """A tqdm progress bar with loss, lr and throughput; messages print above it."""
 
@@ -80,6 +87,7 @@ class Bar(Progress):
         self.stream = stream
         self.bar: Any = None
         self.rate = ""
+        self.smoothed: dict[str, float] = {}
 
     def start(self, total: Optional[int], initial: int) -> None:
         from tqdm import tqdm
@@ -89,10 +97,19 @@ class Bar(Progress):
 
     def step(self, metrics: dict[str, Any]) -> None:
         postfix = {"loss": f"{metrics['loss']:.4f}", "lr": f"{metrics['lr']:.2e}"}
-        if self.rate:
-            postfix["speed"] = self.rate
+        self._smooth(metrics)
+        rate = _rate(self.smoothed) or self.rate
+        if rate:
+            postfix["speed"] = rate
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
+
+    def _smooth(self, metrics: dict[str, Any]) -> None:
+        for key in ("tokens_per_s", "samples_per_s"):
+            value = metrics.get(key)
+            if isinstance(value, (int, float)):
+                old = self.smoothed.get(key)
+                self.smoothed[key] = value if old is None else old + _SMOOTHING * (value - old)
 
     def log(self, record: dict[str, Any]) -> None:
         self.rate = _rate(record)
@@ -113,6 +130,14 @@ def make_progress(rank: int, progress: bool, stream: Optional[TextIO] = None) ->
     stream = stream if stream is not None else sys.stdout
     if rank != 0:
         return Progress()
-    if progress and stream.isatty():
+    if progress and stream.isatty() and _columns(stream) != 0:
         return Bar(stream)
     return Lines(stream)
+
+
+def _columns(stream: TextIO) -> Optional[int]:
+    """The terminal's width (None when the stream has no file descriptor to ask)."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return None

@@ -1,0 +1,75 @@
+"""The engine a ``Trainer`` trains: the one it was given, or one it builds from a model and a config.
+
+Built here, a scheduler's ``total_num_steps: auto`` resolves to the steps the
+Trainer will run (``max_steps``, or ``epochs`` x the steps in one epoch,
+whichever ends first), as Hugging Face's Trainer resolves it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sized
+from typing import Any, Optional
+
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from ..config import Config
+from ..distributed import init_distributed
+
+__all__ = ["TOTAL_STEPS", "build_engine", "planned_steps"]
+
+#: the config path a Trainer settles when it is ``auto``
+TOTAL_STEPS = "scheduler.params.total_num_steps"
+
+
+def build_engine(model_or_engine: Any, config: Any, train_data: Any, max_steps: Optional[int],
+                 epochs: Optional[int]) -> Any:
+    """``model_or_engine`` if it is an engine; otherwise ``shardwise.initialize(model, config=...)``."""
+    if not isinstance(model_or_engine, nn.Module):
+        if config is not None:
+            raise ValueError(
+                "`config=` was passed with an engine: the engine already has its config; pass the model "
+                "(`Trainer(model, data, config=...)`) to have the Trainer build the engine, or drop `config=`")
+        return model_or_engine
+    if config is None:
+        raise ValueError(
+            f"`Trainer` got a `{type(model_or_engine).__name__}` model but no config: pass `config=` (a dict, a "
+            "`.json`/`.yaml` path or a `shardwise.Config`), or an engine from `shardwise.initialize`")
+    import shardwise  # the package's initialize; imported here because shardwise/__init__ imports the trainer
+
+    loaded = Config.load(config)
+    if not dist.is_initialized():
+        init_distributed(timeout=loaded.dist_timeout)
+    if TOTAL_STEPS in loaded.pending:
+        world = dist.get_world_size()
+        total = planned_steps(train_data, loaded, world, max_steps, epochs)
+        loaded = loaded.resolve(world_size=world, model=model_or_engine, total_num_steps=total)
+    return shardwise.initialize(model_or_engine, config=loaded)
+
+
+def planned_steps(data: Any, config: Config, world: int, max_steps: Optional[int], epochs: Optional[int]) -> int:
+    """The optimizer steps a Trainer will run, known before it starts; an error says when it cannot be."""
+    sizes = config.batch_sizes(world)
+    per_epoch = _steps_per_epoch(data, sizes.micro_batch_size, sizes.gradient_accumulation_steps, world)
+    by_epochs = epochs * per_epoch if epochs is not None and per_epoch is not None else None
+    candidates = [steps for steps in (max_steps, by_epochs) if steps is not None]
+    if not candidates:
+        raise ValueError(
+            f"`{TOTAL_STEPS}` is `auto`, and `train_data` ({type(data).__name__}) has no length, so `epochs={epochs}` "
+            "gives no step count: pass `max_steps=N` too, or set the scheduler's `total_num_steps` to a number")
+    return max(min(candidates), 1)
+
+
+def _steps_per_epoch(data: Any, micro: Optional[int], accumulation: int, world: int) -> Optional[int]:
+    """Steps per epoch as the Trainer's data sources count them (None when the data has no length)."""
+    if isinstance(data, IterableDataset) or not isinstance(data, Sized):
+        return None
+    if isinstance(data, DataLoader):
+        try:
+            return len(data) // accumulation
+        except TypeError:
+            return None
+    if micro is None:
+        return None
+    return len(data) // world // micro // accumulation
