@@ -140,23 +140,25 @@ def is_deepspeed_tag_dir(path: Path) -> bool:
 
 
 def _latest_tag(load_dir: Path) -> Optional[str]:
-    try:
-        tag = read_limited(load_dir / "latest", MAX_LATEST_BYTES).decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError):
+    if not is_real_dir(load_dir):
         return None
-    return tag
+    try:
+        return read_limited(load_dir / "latest", MAX_LATEST_BYTES).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError, CheckpointError):
+        return None
 
 
 def find_deepspeed(load_dir: Path, tag: Optional[str]) -> Optional[Path]:
-    """The DeepSpeed tag directory that ``load_dir`` (and ``tag``, else its ``latest``) names; None if not one."""
+    """The DeepSpeed tag directory that ``load_dir`` (and ``tag``, else its ``latest``) names; None if not one.
+
+    Conservative: anything else (a bad tag included) is left to the shardwise load, which says what is wrong.
+    """
     if tag is None and is_deepspeed_tag_dir(load_dir):
         return load_dir
     tag = tag if tag is not None else _latest_tag(load_dir)
     if tag is None:
         return None
     if "/" in tag or "\\" in tag or tag in ("", ".", "..") or len(tag) > MAX_TAG_LENGTH:
-        raise CheckpointError(
-            f"{load_dir}: the DeepSpeed tag {tag!r} is not one directory name; fix `latest` or pass `tag=`"
-        )
+        return None
     inner = load_dir / tag
     return inner if is_deepspeed_tag_dir(inner) else None

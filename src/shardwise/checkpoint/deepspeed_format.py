@@ -68,6 +68,7 @@ class DeepSpeedCheckpoint:
     counters: dict[str, int]
     scaler: Optional[dict[str, Any]]
     client_state: dict[str, Any] = field(default_factory=dict)
+    accumulation: int = 1
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Full fp32 ``state_dict`` as zero_to_fp32 makes it: masters where named, else the module values."""
@@ -112,7 +113,13 @@ def read_deepspeed(path: Path, allow_pickle: bool = False) -> DeepSpeedCheckpoin
         counters={k: _count(states, k, files.first_model_states) for k in ("global_steps", "skipped_steps")},
         scaler=scaler,
         client_state={k: v for k, v in states.items() if k not in _DEEPSPEED_KEYS},
+        accumulation=_accumulation(config),
     )
+
+
+def _accumulation(config: Any) -> int:
+    value = config.get("gradient_accumulation_steps", 1) if isinstance(config, dict) else 1
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
 # ------------------------------------------------------------- reading
