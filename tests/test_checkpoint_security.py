@@ -274,7 +274,8 @@ def deepspeed_directory(save: Path, other: Path) -> tuple[Path, Optional[str], s
     (ds / "latest").write_text("global_step10")
     torch.save({"module": {}}, ds / "global_step10" / "mp_rank_00_model_states.pt")
     torch.save({}, ds / "global_step10" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    return ds, None, "is a DeepSpeed checkpoint (it has `mp_rank_00_model_states.pt`)"
+    # read as a DeepSpeed checkpoint (deepspeed_format.py), whose optimizer file is not one
+    return ds, None, "which every DeepSpeed optimizer file has"
 
 
 @attack

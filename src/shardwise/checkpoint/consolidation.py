@@ -26,6 +26,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..export import ALIASES_KEY, KEYS_KEY, save_state_dict, tied_aliases
+from .deepspeed_files import find_deepspeed
+from .deepspeed_format import read_deepspeed
 from .digests import expected_digests
 from .encoded import TENSOR_DTYPES
 from .errors import CheckpointError
@@ -48,7 +50,11 @@ def _checkpoint(ckpt_dir: Any, tag: Optional[str], engine: Optional[str]) -> tup
 
 def consolidated_state_dict(ckpt_dir: Any, tag: Optional[str] = None, engine: Optional[str] = None) -> dict[str, torch.Tensor]:
     """The full fp32 ``state_dict`` saved in ``ckpt_dir`` (a save directory, or one checkpoint); in a
-    checkpoint of several engines, that of ``engine``."""
+    checkpoint of several engines, that of ``engine``.  A DeepSpeed checkpoint directory is read as
+    DeepSpeed's ``zero_to_fp32.py`` reads it (see ``deepspeed_format.py``)."""
+    deepspeed = find_deepspeed(Path(ckpt_dir), tag)
+    if deepspeed is not None:
+        return read_deepspeed(deepspeed).weights()
     path, manifest = _checkpoint(ckpt_dir, tag, engine)
     values: dict[str, torch.Tensor] = {}
     tensors: dict[str, torch.Tensor] = {}

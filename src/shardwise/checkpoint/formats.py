@@ -45,9 +45,9 @@ def foreign_format(path: Path) -> Optional[str]:
     deepspeed = _deepspeed_file(path, names)
     if deepspeed is not None:
         return (
-            f"{path} is a DeepSpeed checkpoint (it has `{deepspeed}`), which shardwise cannot load: its files "
-            "depend on DeepSpeed's world size and partitioning. Get its full fp32 weights with DeepSpeed's "
-            f"`zero_to_fp32.py`, then load them with {_LOAD_WEIGHTS}"
+            f"{path} is a DeepSpeed checkpoint (it has `{deepspeed}`), not a shardwise one: `engine.load_checkpoint` "
+            "and `shardwise checkpoint consolidate` read it (pass the directory holding `latest`, or one tag "
+            "directory), `inspect` does not"
         )
     if ".metadata" in names and not any(re.fullmatch(r"rank\d+\.json", n) for n in names):
         return (

@@ -26,6 +26,8 @@ from ..param_state import ParamShard
 from .agreement import Session, join
 from .codec import Decoder, refuse_pickles, tensor_refs
 from .conform import conform
+from .deepspeed_files import find_deepspeed
+from .deepspeed_load import load_deepspeed
 from .digests import expected_digests
 from .errors import CheckpointError
 from .formats import foreign_format
@@ -84,6 +86,9 @@ def load_checkpoint(
         )
         return None, None
     options = _Options(load_optimizer_states, load_lr_scheduler_states, load_module_only, module_load_fn, strict)
+    deepspeed = _agree_deepspeed(session, Path(load_dir), tag)
+    if deepspeed is not None:  # a foreign format, recognised by its file names: no manifest, no checksums
+        return load_deepspeed(engine, session, deepspeed, options)
     wanted = _names_with_saved_state(Path(load_dir), tag, member)
     with engine.shards(loading=True, wanted=wanted) as shards:
         result = _Load(engine, shards, session, Path(load_dir), tag, member, options).run()
@@ -99,6 +104,21 @@ def _nothing_to_load(load_dir: Path, tag: Optional[str]) -> bool:
             or foreign_format(load_dir) is not None:
         return False  # (another format is named by the load's error)
     return not any(committed for _, _, committed in list_checkpoints(load_dir))
+
+
+def _agree_deepspeed(session: Session, load_dir: Path, tag: Optional[str]) -> Optional[Path]:
+    """The DeepSpeed checkpoint ``load_dir``/``tag`` names, seen alike by every rank; None if it is not one."""
+    def look() -> Optional[str]:
+        found = find_deepspeed(load_dir, tag)
+        return None if found is None else str(found.absolute())
+
+    _, views = session.step("looking for a DeepSpeed checkpoint", look, share=True)
+    if any(v != views[0] for v in views):
+        raise CheckpointError(
+            f"rank {session.rank}: ranks found different DeepSpeed checkpoints in {load_dir} ({views}); `load_dir` "
+            "must be one directory shared by all ranks, and `latest` must not change during the load"
+        )
+    return None if views[0] is None else Path(views[0])
 
 
 def _agree_nothing_to_load(session: Session, load_dir: Path, tag: Optional[str]) -> bool:

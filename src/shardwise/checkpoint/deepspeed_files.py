@@ -1,0 +1,164 @@
+"""Finding and unpickling the files of a DeepSpeed checkpoint, allowing only the classes DeepSpeed stores.
+
+DeepSpeed writes ``torch.save`` pickles.  They are read with
+``torch.load(weights_only=True)``, which builds tensors, containers and plain
+values only, plus the few DeepSpeed classes below, each replaced by a stand-in
+that merely records its fields (nothing of DeepSpeed is imported or run).  A
+file that needs any other class is refused, naming the class.  The files carry
+no checksums (DeepSpeed writes none): a damaged file is caught only by the
+unpickler and by the shape checks of ``deepspeed_format.py``.
+
+Layout (DeepSpeed 0.14-0.19): ``DIR/latest`` names a tag; ``DIR/TAG/`` holds
+``mp_rank_00_model_states.pt`` (stages 0-2) or one
+``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank (stage 3), and at
+stages 1-3 one ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.serialization import safe_globals
+
+from .errors import CheckpointError
+from .files import is_real_dir, read_limited
+from .limits import MAX_LATEST_BYTES, MAX_TAG_LENGTH
+
+__all__ = ["DeepSpeedFiles", "find_deepspeed", "is_deepspeed_tag_dir", "read_pickle"]
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+_RANKED = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_(optim|model)_states\.pt")
+
+
+class DeepSpeedRecord:
+    """Stand-in for a DeepSpeed object in a checkpoint (a loss scaler, a fragment address): its fields only."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, Any] = {}
+
+    def __setstate__(self, state: Any) -> None:
+        # Never ``__dict__.update``: a crafted state could not replace a method this way.
+        self.fields = dict(state) if isinstance(state, dict) else {"state": state}
+
+
+def _zero_stage(value: int) -> int:
+    """Stand-in for ``ZeroStageEnum(value)``: the stage as a plain int."""
+    return int(value)
+
+
+#: every non-torch class a DeepSpeed 0.14-0.19 checkpoint of the supported kinds stores
+ALLOWED: list[Any] = [
+    (DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    (DeepSpeedRecord, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (_zero_stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+]
+
+
+@contextmanager
+def _allowlist() -> Iterator[None]:
+    with safe_globals(ALLOWED):
+        yield
+
+
+def read_pickle(path: Path, allow_pickle: bool = False) -> dict[str, Any]:
+    """One DeepSpeed file as a dict; refused (CheckpointError) if it needs a class outside :data:`ALLOWED`.
+
+    ``allow_pickle`` (``checkpoint.allow_pickle``) lifts the restriction: then the file is a full pickle.
+    """
+    try:
+        with _allowlist():
+            value = torch.load(path, map_location="cpu", weights_only=not allow_pickle)
+    except torch.serialization.pickle.UnpicklingError as exc:
+        raise CheckpointError(_refusal(path, str(exc))) from None
+    except (OSError, RuntimeError, EOFError, ValueError) as exc:
+        raise CheckpointError(
+            f"{path}: cannot read this DeepSpeed file ({type(exc).__name__}: {exc!s:.200}); DeepSpeed files carry "
+            "no checksums, so a damaged or cut file shows only here: save the checkpoint again"
+        ) from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a dict, as DeepSpeed saves, got a {type(value).__name__}")
+    return value
+
+
+def _refusal(path: Path, detail: str) -> str:
+    found = re.search(r"GLOBAL ([\w.]+)", detail) or re.search(r"function (<[^>]+>|[\w.]+)", detail)
+    name = found.group(1) if found else detail.splitlines()[0][:200]
+    return (
+        f"{path} needs `{name}` to be unpickled, which shardwise does not load from a DeepSpeed checkpoint (it "
+        f"builds only tensors, plain values and {sorted(n for _, n in ALLOWED)}): loading it could run code from "
+        "the file. If you trust the file, set `checkpoint.allow_pickle: true`; otherwise drop that object from "
+        "the `client_state` you saved"
+    )
+
+
+class DeepSpeedFiles:
+    """The files of one DeepSpeed checkpoint (one tag directory), by kind and rank."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        names = {p.name for p in path.iterdir() if p.is_file()}
+        self.model_states = path / MODEL_STATES if MODEL_STATES in names else None
+        self.rank_models = self._ranked(names, "model")
+        self.optim = self._ranked(names, "optim")
+
+    def _ranked(self, names: set[str], kind: str) -> list[Path]:
+        found: dict[int, str] = {}
+        for name in names:
+            match = _RANKED.fullmatch(name)
+            if match and match.group(3) == kind:
+                found[int(match.group(2))] = name
+        if found and sorted(found) != list(range(len(found))):
+            raise CheckpointError(
+                f"{self.path}: the DeepSpeed {kind} files are for ranks {sorted(found)}, expected 0..{len(found) - 1}; "
+                "a rank's file is missing (a save that did not finish?): load another checkpoint"
+            )
+        return [self.path / found[r] for r in range(len(found))]
+
+    @property
+    def first_model_states(self) -> Path:
+        """The model states every stage has: ``mp_rank_00_...`` (stages 0-2) or rank 0's (stage 3)."""
+        if self.model_states is not None:
+            return self.model_states
+        if self.rank_models:
+            return self.rank_models[0]
+        raise CheckpointError(
+            f"{self.path} holds no DeepSpeed model states (`{MODEL_STATES}` or `zero_pp_rank_0_mp_rank_00_model_states.pt`); "
+            "pass the directory `save_checkpoint` wrote (with `latest`) or one tag directory in it"
+        )
+
+
+def is_deepspeed_tag_dir(path: Path) -> bool:
+    """``path`` is one DeepSpeed checkpoint (a tag directory) and no shardwise one."""
+    if not is_real_dir(path) or (path / "shardwise.json").exists():
+        return False
+    return (path / MODEL_STATES).is_file() or (path / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file()
+
+
+def _latest_tag(load_dir: Path) -> Optional[str]:
+    if not is_real_dir(load_dir):
+        return None
+    try:
+        return read_limited(load_dir / "latest", MAX_LATEST_BYTES).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError, CheckpointError):
+        return None
+
+
+def find_deepspeed(load_dir: Path, tag: Optional[str]) -> Optional[Path]:
+    """The DeepSpeed tag directory that ``load_dir`` (and ``tag``, else its ``latest``) names; None if not one.
+
+    Conservative: anything else (a bad tag included) is left to the shardwise load, which says what is wrong.
+    """
+    if tag is None and is_deepspeed_tag_dir(load_dir):
+        return load_dir
+    tag = tag if tag is not None else _latest_tag(load_dir)
+    if tag is None:
+        return None
+    if "/" in tag or "\\" in tag or tag in ("", ".", "..") or len(tag) > MAX_TAG_LENGTH:
+        return None
+    inner = load_dir / tag
+    return inner if is_deepspeed_tag_dir(inner) else None

@@ -1,0 +1,308 @@
+"""A DeepSpeed checkpoint put together: full fp32 weights and full optimizer state per parameter.
+
+DeepSpeed keeps, per param group, one flat fp32 vector split across the ranks:
+
+* stages 1 and 2 (``single_partition_of_fp32_groups``): the group's
+  parameters one after the other (each followed by its alignment padding,
+  ``param_alignment_paddings``), the vector cut into ``world_size``
+  consecutive pieces; the padding at the end of the last piece is not stored.
+* stage 3 (``fp32_flat_groups``): every parameter is cut into ``world_size``
+  equal pieces (the last padded); a rank's vector is its piece of each
+  parameter, one after the other, over all groups.
+
+The optimizer's per-element state (Adam's ``exp_avg``, ``exp_avg_sq``) is laid
+out like the fp32 vector; ``step`` is one value per group.  At stage 0 the
+model states file holds the torch optimizer's ``state_dict`` (per parameter,
+by index: the names are matched to the engine's parameters on load) and, in
+16-bit, the fp32 masters (``fp32_groups``).  Reading everything makes each
+rank hold the full model once in fp32 (plus its optimizer state).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .deepspeed_files import DeepSpeedFiles, DeepSpeedRecord, read_pickle
+from .errors import CheckpointError
+
+__all__ = ["DeepSpeedCheckpoint", "DeepSpeedParam", "read_deepspeed"]
+
+#: keys DeepSpeed writes into the model states itself; every other key came from `client_state`
+_DEEPSPEED_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+    "ds_version", "checkpoint_parallel_dimensions", "ds_autoep_layers", "autoep_layers",
+})
+
+
+@dataclass
+class DeepSpeedParam:
+    """One trainable parameter: full fp32 value and full optimizer state (``name`` None at stage 0 until matched)."""
+
+    name: Optional[str]
+    shape: Optional[torch.Size]
+    value: Optional[torch.Tensor]
+    state: dict[str, Any]
+
+
+@dataclass
+class DeepSpeedCheckpoint:
+    """Everything shardwise restores from a DeepSpeed checkpoint, world-size independent."""
+
+    path: Path
+    stage: int
+    world_size: int
+    dtype: str
+    groups: list[list[DeepSpeedParam]]
+    hyper: list[dict[str, Any]]
+    module: dict[str, torch.Tensor]
+    buffer_names: list[str]
+    shared: dict[str, str]
+    scheduler: Optional[dict[str, Any]]
+    counters: dict[str, int]
+    scaler: Optional[dict[str, Any]]
+    client_state: dict[str, Any] = field(default_factory=dict)
+    accumulation: int = 1
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Full fp32 ``state_dict`` as zero_to_fp32 makes it: masters where named, else the module values."""
+        state = {k: (v.float() if v.is_floating_point() else v) for k, v in self.module.items() if v.numel() > 0
+                 or k in self.buffer_names}
+        for param in (p for group in self.groups for p in group):
+            if param.name is not None and param.value is not None:
+                state[param.name] = param.value
+        for alias, source in self.shared.items():
+            if source in state:
+                state[alias] = state[source]
+        return state
+
+
+def read_deepspeed(path: Path, allow_pickle: bool = False) -> DeepSpeedCheckpoint:
+    """Read and put together the DeepSpeed checkpoint in tag directory ``path`` (any stage, any world size)."""
+    files = DeepSpeedFiles(path)
+    states = read_pickle(files.first_model_states, allow_pickle)
+    optim = [_optimizer_dict(f, allow_pickle) for f in files.optim]
+    config = states.get("ds_config") or {}
+    dtype = "bf16" if _enabled(config, "bf16") or any(f.name.startswith("bf16_") for f in files.optim) else (
+        "fp16" if _enabled(config, "fp16") else "fp32")
+    module = _tensors(states.get("module") or {}, "module", files.first_model_states)
+    if not optim:
+        groups, hyper, scaler = _stage0(states, module, files.first_model_states)
+        stage, world = 0, int(states.get("dp_world_size") or 1)
+    elif "fp32_flat_groups" in optim[0]:
+        stage, world = 3, len(optim)
+        groups, hyper = _stage3(states, optim, files)
+        scaler = _scaler(optim[0].get("loss_scaler"))
+        module.update(_frozen_stage3(files, allow_pickle, states))
+    else:
+        stage, world = int(optim[0].get("zero_stage", 1)), len(optim)
+        groups, hyper = _stage12(states, optim, files)
+        scaler = _scaler(optim[0].get("loss_scaler"))
+        module.update(_tensors(states.get("frozen_param_fragments") or {}, "frozen_param_fragments", path))
+    return DeepSpeedCheckpoint(
+        path=path, stage=stage, world_size=world, dtype=dtype, groups=groups, hyper=hyper, module=module,
+        buffer_names=[str(n) for n in states.get("buffer_names") or []],
+        shared={str(k): str(v) for k, v in (states.get("shared_params") or {}).items()},
+        scheduler=states.get("lr_scheduler") if isinstance(states.get("lr_scheduler"), dict) else None,
+        counters={k: _count(states, k, files.first_model_states) for k in ("global_steps", "skipped_steps")},
+        scaler=scaler,
+        client_state={k: v for k, v in states.items() if k not in _DEEPSPEED_KEYS},
+        accumulation=_accumulation(config),
+    )
+
+
+def _accumulation(config: Any) -> int:
+    value = config.get("gradient_accumulation_steps", 1) if isinstance(config, dict) else 1
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+
+# ------------------------------------------------------------- reading
+
+
+def _optimizer_dict(path: Path, allow_pickle: bool) -> dict[str, Any]:
+    value = read_pickle(path, allow_pickle).get("optimizer_state_dict")
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: no `optimizer_state_dict` dict, which every DeepSpeed optimizer file has; "
+                              "the file is not a DeepSpeed ZeRO optimizer file or was damaged")
+    return value
+
+
+def _enabled(config: Any, section: str) -> bool:
+    value = config.get(section) if isinstance(config, dict) else None
+    return isinstance(value, dict) and bool(value.get("enabled"))
+
+
+def _tensors(values: Any, what: str, path: Path) -> dict[str, torch.Tensor]:
+    if not isinstance(values, dict) or not all(isinstance(v, torch.Tensor) for v in values.values()):
+        raise CheckpointError(f"{path}: `{what}` must map names to tensors; the file was damaged or is not DeepSpeed's")
+    return {str(k): v for k, v in values.items()}
+
+
+def _count(states: dict[str, Any], key: str, path: Path) -> int:
+    value = states.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(f"{path}: `{key}` is {value!r}, expected a non-negative integer")
+    return value
+
+
+def _shapes(states: dict[str, Any], path: Path) -> list[list[tuple[str, torch.Size]]]:
+    shapes = states.get("param_shapes")
+    if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
+        raise CheckpointError(f"{path}: `param_shapes` must be a list of dicts (one per param group), "
+                              f"got {type(shapes).__name__}; the file was damaged or is not DeepSpeed's")
+    return [[(str(n), torch.Size(s)) for n, s in group.items()] for group in shapes]
+
+
+def _scaler(record: Any) -> Optional[dict[str, Any]]:
+    """The loss scaler's fields (``cur_scale``, ``cur_iter``, ...) from DeepSpeed's object or dict."""
+    if isinstance(record, DeepSpeedRecord):
+        return record.fields
+    return record if isinstance(record, dict) else None
+
+
+def _hyper(group: Any) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"} if isinstance(group, dict) else {}
+
+
+# ------------------------------------------------------------- stage 0
+
+
+def _stage0(states: dict[str, Any], module: dict[str, torch.Tensor],
+            path: Path) -> tuple[list[list[DeepSpeedParam]], list[dict[str, Any]], Optional[dict[str, Any]]]:
+    saved = states.get("optimizer")
+    if not isinstance(saved, dict):
+        return [], [], None  # saved without optimizer state (or inference only): weights come from `module`
+    wrapped = isinstance(saved.get("optimizer_state_dict"), dict)
+    inner = saved["optimizer_state_dict"] if wrapped else saved
+    masters = saved.get("fp32_groups") if wrapped else None
+    groups, hyper = [], []
+    for g, group in enumerate(inner.get("param_groups") or []):
+        params = []
+        for j, index in enumerate(group.get("params") or []):
+            state = dict((inner.get("state") or {}).get(index) or {})
+            value = masters[g][j] if masters is not None else None
+            shape = value.shape if value is not None else (state["exp_avg"].shape if "exp_avg" in state else None)
+            params.append(DeepSpeedParam(None, shape, value, state))
+        groups.append(params)
+        hyper.append(_hyper(group))
+    scaler = {k: saved[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter") if k in saved} if wrapped else None
+    return groups, hyper, scaler
+
+
+# ---------------------------------------------------------- stages 1, 2
+
+
+def _stage12(states: dict[str, Any], optim: list[dict[str, Any]],
+             files: DeepSpeedFiles) -> tuple[list[list[DeepSpeedParam]], list[dict[str, Any]]]:
+    shapes = _shapes(states, files.first_model_states)
+    paddings = optim[0].get("param_alignment_paddings") or [[0] * len(g) for g in shapes]
+    groups, hyper = [], []
+    for g, group_shapes in enumerate(shapes):
+        pieces = [o["single_partition_of_fp32_groups"][g].reshape(-1) for o in optim]
+        flat = torch.cat(pieces)
+        rank_states = [_base_state(o, g) for o in optim]
+        flat_state = _cat_state(rank_states, [p.numel() for p in pieces])
+        groups.append(_walk_consecutive(group_shapes, paddings[g], flat, flat_state, files.path))
+        base = optim[0].get("base_optimizer_state")
+        saved_groups = base.get("param_groups") if isinstance(base, dict) else None
+        hyper.append(_hyper(saved_groups[g]) if saved_groups and g < len(saved_groups) else {})
+    return groups, hyper
+
+
+def _base_state(optim: dict[str, Any], group: int) -> dict[str, Any]:
+    """Group ``group``'s optimizer state on one rank (DeepSpeed's elastic list, or torch's state_dict)."""
+    base = optim.get("base_optimizer_state")
+    if isinstance(base, list):
+        state = dict(base[group])
+        if "base_optimizer_state_step" in optim:
+            state.setdefault("step", optim["base_optimizer_state_step"])
+        return state
+    if isinstance(base, dict):
+        return dict((base.get("state") or {}).get(group) or {})
+    return {}
+
+
+def _cat_state(rank_states: list[dict[str, Any]], sizes: list[int]) -> dict[str, Any]:
+    """Per-element entries joined over ranks (each cut to its rank's piece, dropping padding); others rank 0's."""
+    joined: dict[str, Any] = {}
+    for key, value in rank_states[0].items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            joined[key] = torch.cat([s[key].reshape(-1)[:n] for s, n in zip(rank_states, sizes)])
+        else:
+            joined[key] = value
+    return joined
+
+
+def _walk_consecutive(shapes: list[tuple[str, torch.Size]], paddings: list[int], flat: torch.Tensor,
+                      state: dict[str, Any], path: Path) -> list[DeepSpeedParam]:
+    params, offset = [], 0
+    for (name, shape), padding in zip(shapes, paddings):
+        numel = math.prod(shape)
+        if offset + numel > flat.numel():
+            raise CheckpointError(f"{path}: the fp32 partitions hold {flat.numel()} elements, too few for `{name}` "
+                                  f"at offset {offset} ({numel} elements); a rank's optimizer file is from another save")
+        params.append(DeepSpeedParam(name, shape, flat[offset : offset + numel].view(shape).clone(),
+                                     _slice_state(state, offset, numel)))
+        offset += numel + int(padding)
+    return params
+
+
+def _slice_state(state: dict[str, Any], start: int, numel: int) -> dict[str, Any]:
+    return {k: (v[start : start + numel].clone() if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+            for k, v in state.items()}
+
+
+# ------------------------------------------------------------- stage 3
+
+
+def _stage3(states: dict[str, Any], optim: list[dict[str, Any]],
+            files: DeepSpeedFiles) -> tuple[list[list[DeepSpeedParam]], list[dict[str, Any]]]:
+    shapes = _shapes(states, files.first_model_states)
+    world = len(optim)
+    flats = [torch.cat([t.reshape(-1) for t in o["fp32_flat_groups"]]) for o in optim]
+    rank_states = [_sub_group_state(o) for o in optim]
+    groups, offset = [], 0
+    for group_shapes in shapes:
+        params = []
+        for name, shape in group_shapes:
+            numel = math.prod(shape)
+            part = math.ceil(numel / world)
+            if offset + part > flats[0].numel():
+                raise CheckpointError(f"{files.path}: rank 0's fp32 partition has {flats[0].numel()} elements, too "
+                                      f"few for `{name}`; the files are not from one save")
+            value = torch.cat([f[offset : offset + part] for f in flats])[:numel].view(shape).clone()
+            state = {k: (torch.cat([s[k][offset : offset + part] for s in rank_states])[:numel].clone()
+                         if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in rank_states[0].items()}
+            params.append(DeepSpeedParam(name, shape, value, state))
+            offset += part
+        groups.append(params)
+    inner = optim[0].get("optimizer_state_dict") or {}
+    saved_groups = inner.get("param_groups") or []
+    hyper = [_hyper(g) for g in saved_groups] if len(saved_groups) == len(shapes) else [{} for _ in shapes]
+    return groups, hyper
+
+
+def _sub_group_state(optim: dict[str, Any]) -> dict[str, Any]:
+    """One rank's optimizer state over all its sub-groups, per-element entries joined like ``fp32_flat_groups``."""
+    inner = optim.get("optimizer_state_dict") or {}
+    state = inner.get("state") or {}
+    subs = [dict(state.get(i) or {}) for i in range(len(optim["fp32_flat_groups"]))]
+    if not subs or not subs[0]:
+        return {}
+    return {k: (torch.cat([s[k].reshape(-1) for s in subs]) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+            for k, v in subs[0].items()}
+
+
+def _frozen_stage3(files: DeepSpeedFiles, allow_pickle: bool, first: dict[str, Any]) -> dict[str, torch.Tensor]:
+    shapes = first.get("frozen_param_shapes") or {}
+    if not shapes:
+        return {}
+    fragments = [read_pickle(f, allow_pickle).get("frozen_param_fragments") or {} for f in files.rank_models]
+    return {str(name): torch.cat([f[name].reshape(-1) for f in fragments])[: math.prod(shape)].view(torch.Size(shape))
+            for name, shape in shapes.items()}

@@ -1,0 +1,190 @@
+"""``load_checkpoint`` of a DeepSpeed checkpoint directory into a shardwise engine (any stage, world size).
+
+Every rank reads the whole checkpoint (:func:`read_deepspeed`), checks it
+against the engine, then takes its own pieces: fp32 masters and optimizer state
+of the elements it owns, buffers and frozen parameters, param-group
+hyperparameters, the lr scheduler, step counters and the loss scaler.  As in
+``load.py``, everything is checked on every rank before anything is changed,
+and a failure on one rank is raised on all of them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..param_state import ParamShard
+from .agreement import Session
+from .deepspeed_format import DeepSpeedCheckpoint, DeepSpeedParam, read_deepspeed
+from .errors import CheckpointError
+from .protocol import Checkpointable
+
+__all__ = ["load_deepspeed"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_deepspeed(engine: Checkpointable, session: Session, path: Path, options: Any) -> tuple[str, dict[str, Any]]:
+    """Restore ``engine`` from DeepSpeed tag directory ``path``; ``options`` as ``load.py``'s ``_Options``."""
+    allow = engine.settings.allow_pickle
+    ckpt, _ = session.step("reading the DeepSpeed checkpoint", lambda: read_deepspeed(path, allow))
+    with engine.shards(loading=True) as shards:
+        plan, _ = session.step("checking it against this engine", lambda: _Plan(engine, ckpt, shards, options))
+        plan.apply()
+    engine.after_load()
+    return str(path), ckpt.client_state
+
+
+class _Plan:
+    """What one rank will write, all of it checked first."""
+
+    def __init__(self, engine: Checkpointable, ckpt: DeepSpeedCheckpoint, shards: list[ParamShard], options: Any) -> None:
+        self.engine, self.ckpt, self.shards, self.options = engine, ckpt, shards, options
+        self.rank = engine.comm.rank
+        if options.module_load_fn is not None:
+            raise CheckpointError(
+                f"rank {self.rank}: `module_load_fn` is not supported for the DeepSpeed checkpoint {ckpt.path}; get "
+                "its weights with `shardwise checkpoint consolidate DIR --out FILE` and load those yourself"
+            )
+        self.params = _by_name(ckpt, shards, self.rank)
+        self._check_params()
+        self.entries = self._entries()
+        self.extras = self._extras()
+
+    # ------------------------------------------------------------ checks
+    def _check_params(self) -> None:
+        for shard in self.shards:
+            found = self.params.get(shard.name)
+            if found is None or found.value is None and shard.name not in self.ckpt.module:
+                raise CheckpointError(
+                    f"rank {self.rank}: parameter `{shard.name}` is not in the DeepSpeed checkpoint {self.ckpt.path} "
+                    f"(it has {sorted(self.params)}); build the same model, or load the weights yourself with "
+                    "`module_load_fn=`"
+                )
+            if found.shape is not None and tuple(found.shape) != tuple(shard.shape):
+                raise CheckpointError(
+                    f"rank {self.rank}: `{shard.name}` is {tuple(found.shape)} in the DeepSpeed checkpoint "
+                    f"{self.ckpt.path} and {tuple(shard.shape)} here; build the same model"
+                )
+        if self.options.optimizer and self.engine.optimizer is not None and self.ckpt.hyper:
+            current = len(self.engine.optimizer.param_groups)
+            if len(self.ckpt.hyper) != current:
+                raise CheckpointError(
+                    f"rank {self.rank}: the DeepSpeed optimizer has {len(self.ckpt.hyper)} param group(s), this one "
+                    f"{current}; build the optimizer with the same param groups, or pass `load_optimizer_states=False`"
+                )
+
+    def _entries(self) -> list[str]:
+        """Module entries without a master here (buffers, frozen parameters) that the checkpoint has."""
+        with_master = {s.name for s in self.shards}
+        live = dict(self.engine.module.state_dict(keep_vars=True))
+        missing = [n for n in live if n not in with_master and n not in self.ckpt.module]
+        if missing and self.options.strict:
+            raise CheckpointError(
+                f"rank {self.rank}: the DeepSpeed checkpoint {self.ckpt.path} has no values for {missing}; "
+                "pass `strict=False` to keep this model's values for them"
+            )
+        return [n for n in live if n not in with_master and n in self.ckpt.module and self.ckpt.module[n].numel() > 0]
+
+    def _extras(self) -> dict[str, dict[str, Any]]:
+        if self.options.module_only:
+            return {}
+        extras = self.engine.extras()
+        found: dict[str, dict[str, Any]] = {"counters": self._counters()}
+        if self.options.scheduler and self.ckpt.scheduler is not None:
+            if "scheduler" in extras:
+                found["scheduler"] = dict(self.ckpt.scheduler)
+            else:
+                warnings.warn(f"DeepSpeed checkpoint {self.ckpt.path} has lr scheduler state but this engine has "
+                              "no scheduler", stacklevel=5)
+        precision = self._precision(extras["precision"].state_dict())
+        if precision is not None:
+            found["precision"] = precision
+        return found
+
+    def _counters(self) -> dict[str, int]:
+        steps = self.ckpt.counters["global_steps"]
+        # DeepSpeed saves no micro-step count; at a save (an accumulation boundary) it is steps x accumulation
+        accumulation = self.ckpt.accumulation
+        return {"global_steps": steps, "skipped_steps": self.ckpt.counters["skipped_steps"],
+                "micro_steps": steps * accumulation}
+
+    def _precision(self, current: dict[str, Any]) -> Optional[dict[str, Any]]:
+        saved = self.ckpt.scaler
+        if self.ckpt.dtype != "fp16" or current["dtype"] != "float16" or not saved:
+            if (self.ckpt.dtype == "fp16") != (current["dtype"] == "float16"):
+                warnings.warn(f"DeepSpeed checkpoint {self.ckpt.path} was trained in {self.ckpt.dtype}, this engine "
+                              f"runs in {current['dtype']}: the loss scaler starts fresh", stacklevel=6)
+            return None
+        scaler = dict(current["scaler"])
+        for mine, theirs, kind in (("scale", "cur_scale", float), ("iteration", "cur_iter", int),
+                                   ("last_overflow", "last_overflow_iter", int), ("credit", "cur_hysteresis", int)):
+            value = saved.get(theirs, scaler[mine])
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise CheckpointError(f"rank {self.rank}: the DeepSpeed loss scaler's `{theirs}` is {value!r}, "
+                                      "expected a number; the checkpoint was damaged")
+            scaler[mine] = kind(value)
+        return {**current, "scaler": scaler}
+
+    # ------------------------------------------------------------- apply
+    def apply(self) -> None:
+        live = dict(self.engine.module.state_dict(keep_vars=True))
+        buffers, apply_entries = self.engine.load_entries({n: live[n] for n in self.entries})
+        for name, buffer in buffers.items():
+            buffer.copy_(self.ckpt.module[name].reshape(buffer.shape))
+        apply_entries()  # collective where the stage partitions them: every rank calls it
+        for shard in self.shards:
+            self._apply_shard(shard)
+        if self.options.optimizer and self.engine.optimizer is not None:
+            for group, saved in zip(self.engine.optimizer.param_groups, self.ckpt.hyper):
+                group.update({k: v for k, v in saved.items() if k in group and k != "params"})
+        extras = self.engine.extras()
+        for name, state in self.extras.items():
+            extras[name].load_state_dict(state)
+
+    def _apply_shard(self, shard: ParamShard) -> None:
+        param = self.params[shard.name]
+        value = param.value if param.value is not None else self.ckpt.module[shard.name].float()
+        shard.master.reshape(-1).copy_(value.reshape(-1)[shard.start : shard.end])
+        if not self.options.optimizer or not param.state:
+            return
+        state = {k: (v.reshape(-1)[shard.start : shard.end].clone().to(shard.master.device)
+                     if isinstance(v, torch.Tensor) and v.dim() > 0 else
+                     (v.clone() if isinstance(v, torch.Tensor) else v)) for k, v in param.state.items()}
+        shard.state.set(state)
+
+
+def _by_name(ckpt: DeepSpeedCheckpoint, shards: list[ParamShard], rank: int) -> dict[str, DeepSpeedParam]:
+    """The checkpoint's parameters by name; at stage 0 (saved by index) matched to this engine's groups."""
+    named = {p.name: p for group in ckpt.groups for p in group if p.name is not None}
+    if named or not ckpt.groups:
+        return named
+    return _match_stage0(ckpt, shards, rank)
+
+
+def _match_stage0(ckpt: DeepSpeedCheckpoint, shards: list[ParamShard], rank: int) -> dict[str, DeepSpeedParam]:
+    """DeepSpeed's stage 0 keeps optimizer state by position in each param group.  Within a group, a parameter
+    of a shape no other one has is matched by shape; parameters of equal shape in module order."""
+    mine: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+    for shard in shards:
+        group = mine.setdefault(shard.group, [])
+        if all(name != shard.name for name, _ in group):
+            group.append((shard.name, tuple(shard.shape)))
+    matched: dict[str, DeepSpeedParam] = {}
+    for g, saved in enumerate(ckpt.groups):
+        names = list(mine.get(g, []))
+        if Counter(tuple(p.shape or ()) for p in saved) != Counter(shape for _, shape in names):
+            raise CheckpointError(
+                f"rank {rank}: param group {g} of the DeepSpeed checkpoint {ckpt.path} holds shapes "
+                f"{[tuple(p.shape or ()) for p in saved]}, this engine's {[s for _, s in names]}; build the optimizer "
+                "with the same param groups as the DeepSpeed run"
+            )
+        for param in saved:
+            index = next(i for i, (_, shape) in enumerate(names) if shape == tuple(param.shape or ()))
+            name, _ = names.pop(index)
+            matched[name] = DeepSpeedParam(name, param.shape, param.value, param.state)
+    return matched
