@@ -166,12 +166,14 @@ class Config(Section):
 
     def replace(self, **changes: Any) -> Config:
         """A copy with top-level settings replaced by already valid values (sections as their models, or
-        None to drop one); `auto` values pending under a replaced key go with it. Info lines are kept."""
+        None to drop one); `auto` values pending under a dropped section go with it (a replaced section
+        must keep the keys still pending). Info lines are kept."""
         unknown = sorted(set(changes) - set(type(self).model_fields))
         if unknown:
             raise ValueError(f"Config.replace: unknown setting(s) {unknown}; expected top-level keys of `Config`")
         copy = self.model_copy(update=changes)
-        copy._pending = {path: how for path, how in self._pending.items() if path.split(".")[0] not in changes}
+        dropped = {key for key, value in changes.items() if value is None}
+        copy._pending = {path: how for path, how in self._pending.items() if path.split(".")[0] not in dropped}
         return copy
 
     def to_dict(self) -> dict[str, Any]:

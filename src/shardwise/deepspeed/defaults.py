@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -40,7 +41,8 @@ def apply_defaults(
 
     `gradient_clipping` absent (or `auto`): 1.0. `checkpoint.save_rng_state` absent: false, so
     `load_checkpoint` leaves the RNG alone as DeepSpeed's does. A client optimizer with an
-    `optimizer` section: the section is dropped (with a warning), as DeepSpeed ignores it. With
+    `optimizer` section: the section is dropped (with a warning), as DeepSpeed ignores it. `Adam`/`AdamW`
+    without `weight_decay`: 0.0 (DeepSpeed's own Adams; torch's AdamW would decay by 0.01). With
     `user_backward` (not a pipeline, whose `train_batch` runs backward itself), the choice that
     several backwards before a step accumulate (the caller sets the engine's `reduce_at_step`).
     """
@@ -56,6 +58,12 @@ def apply_defaults(
         choices.append(DialectChoice(
             "`load_checkpoint` leaves the RNG state alone (`checkpoint.save_rng_state` is not set)",
             "save and restore it; set `checkpoint.save_rng_state: true` for that"))
+    section = config.optimizer
+    if section is not None and not client_optimizer and _adam_without_decay(section.type, section.params):
+        update["optimizer"] = section.model_copy(update={"params": {**section.params, "weight_decay": 0.0}})
+        choices.append(DialectChoice(
+            f"`optimizer.type: {section.type}` without `weight_decay` gets weight_decay 0.0, as DeepSpeed's fused "
+            "and CPU Adam", "use torch's AdamW default, 0.01"))
     if client_optimizer and config.optimizer is not None:
         update["optimizer"] = None
         _warn(f"deepspeed dialect: an optimizer was passed to `initialize`, so the config's `optimizer` section "
@@ -65,6 +73,12 @@ def apply_defaults(
             "several `backward` calls before one `step` add up their gradients, reduced across ranks at `step`",
             "refuse a second `backward` at an accumulation boundary"))
     return config.replace(**update), choices
+
+
+def _adam_without_decay(kind: str, params: dict[str, Any]) -> bool:
+    """DeepSpeed builds `Adam`/`AdamW` as its FusedAdam / DeepSpeedCPUAdam (weight_decay 0 by default)
+    unless `torch_adam: true`, when torch's own class and defaults apply."""
+    return kind in ("Adam", "AdamW") and "weight_decay" not in params and params.get("torch_adam") is not True
 
 
 def announce(choices: list[DialectChoice]) -> None:
