@@ -13,7 +13,7 @@ import shardwise
 import shardwise.deepspeed as deepspeed
 from shardwise.config import Config
 from shardwise.deepspeed.defaults import apply_defaults
-from shardwise.deepspeed.pipe import PipeDataParallelTopology, PipeModelDataParallelTopology, PipelineModule
+from shardwise.deepspeed.pipe import PipeDataParallelTopology, PipelineModule, PipeModelDataParallelTopology
 from shardwise.deepspeed.runtime.utils import partition_balanced, partition_uniform
 from shardwise.deepspeed.utils import RepeatingLoader
 from shardwise.pipe.partition import partition

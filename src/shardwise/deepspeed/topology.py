@@ -23,8 +23,9 @@ class ProcessTopology:
                              "size >= 1 per axis")
         self.axes = list(axes)
         self.dims = list(dims)
-        self.ProcessCoord = namedtuple("ProcessCoord", self.axes)  # type: ignore[misc]
-        self.mapping = {self.ProcessCoord(*c): rank
+        coord: Any = namedtuple("ProcessCoord", self.axes)  # type: ignore[misc]  # axes known at run time
+        self.ProcessCoord = coord
+        self.mapping = {coord._make(c): rank
                         for rank, c in enumerate(itertools.product(*(range(d) for d in self.dims)))}
 
     def get_axis_names(self) -> list[str]:

@@ -37,7 +37,7 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     if not force or (dist.is_initialized() and dist.get_rank() != 0):
         return
     gc.collect()
-    accelerator = get_accelerator()
+    accelerator: Any = get_accelerator()  # CPU and CUDA both count memory; the base class does not declare it
     gib = 1024**3
     logger.info("%s | memory allocated %.2f GB, max allocated %.2f GB", message,
                 accelerator.memory_allocated() / gib, accelerator.max_memory_allocated() / gib)
