@@ -83,6 +83,10 @@ class Engine:
         self._reduced = False
         #: backward calls accumulated since the last optimizer step (what the step check compares)
         self._accumulated = 0
+        #: DeepSpeed's dialect sets this: every `backward` only accumulates and `step()` reduces at the
+        #: boundary, so several backwards before one step add up (as DeepSpeed's do) instead of being
+        #: refused. The price: the reduction no longer overlaps the backward.
+        self.reduce_at_step = False
         self._prepare_module()
         self._broadcasts_buffers = config.broadcast_buffers and self.comm.distributed
         first = next(iter(module.parameters()), None)
@@ -220,7 +224,7 @@ class Engine:
         """
         with doing("backward", self._label):
             self._require_optimizer("`engine.backward`")
-            sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
+            sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync and not self.reduce_at_step
             self._check_backward(loss, sync)
             # One scalar multiply covers loss scaling, accumulation averaging and
             # (for strategies that sum) the average over ranks.
@@ -287,6 +291,8 @@ class Engine:
             self.comm.check(f"`step` of {self._label}", [self.global_steps, self.micro_steps, self._accumulated],
                             ["global_steps", "micro_steps", "backwards accumulated"])
             self._accumulated = 0
+            if self.reduce_at_step:
+                self._reduce_accumulated()
             with self._timed("step"):
                 applied = optimizer.step()
                 self._step_applied = applied
@@ -302,6 +308,13 @@ class Engine:
         self._backwards = 0
         self._reduced = False
         return applied
+
+    def _reduce_accumulated(self) -> None:
+        """Reduce every gradient accumulated since the last step, with no autograd in between
+        (what a synchronising backward's hooks would have done)."""
+        with self._timed("backward"):
+            self.strategy.start_backward(True)
+            self.strategy.finish_backward()
 
     @contextlib.contextmanager
     def _timed(self, phase: str) -> Iterator[None]:

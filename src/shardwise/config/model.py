@@ -166,6 +166,18 @@ class Config(Section):
         config._notes, config._pending = tuple(prepared.notes), dict(prepared.pending)
         return config
 
+    def replace(self, **changes: Any) -> Config:
+        """A copy with top-level settings replaced by already valid values (sections as their models, or
+        None to drop one); `auto` values pending under a dropped section go with it (a replaced section
+        must keep the keys still pending). Info lines are kept."""
+        unknown = sorted(set(changes) - set(type(self).model_fields))
+        if unknown:
+            raise ValueError(f"Config.replace: unknown setting(s) {unknown}; expected top-level keys of `Config`")
+        copy = self.model_copy(update=changes)
+        dropped = {key for key, value in changes.items() if value is None}
+        copy._pending = {path: how for path, how in self._pending.items() if path.split(".")[0] not in dropped}
+        return copy
+
     def to_dict(self) -> dict[str, Any]:
         """A plain dict of every setting (defaults included, `auto` where still pending); `load` reads it back."""
         data = self.model_dump()

@@ -10,19 +10,23 @@
 
 `engine` is a :class:`shardwise.Engine` with DeepSpeed's methods (`backward`, `step`,
 `save_checkpoint`, `load_checkpoint` -> `(path, client_state)`, `fp16_enabled()`, `local_rank`,
-...). `deepspeed.comm`, `deepspeed.zero` and `deepspeed.accelerator` are here under the same
-names. docs/from-deepspeed.md lists the porting steps and what differs.
+...). `deepspeed.comm`, `deepspeed.zero`, `deepspeed.accelerator`, `deepspeed.pipe`,
+`deepspeed.utils` and `deepspeed.runtime.utils` are here under the same names. This dialect keeps
+DeepSpeed's defaults where `shardwise.initialize` keeps plain PyTorch's (:mod:`.defaults`).
+docs/from-deepspeed.md lists the porting steps and what differs.
 """
 
 from __future__ import annotations
 
 from shardwise.engine import Engine as DeepSpeedEngine
 
-from . import accelerator, comm, zero
+from . import accelerator, comm, pipe, runtime, utils, zero
 from .arguments import add_config_arguments
 from .comm import init_distributed
 from .initialize import initialize
+from .pipe import PipelineModule
 
 __all__ = [
-    "DeepSpeedEngine", "accelerator", "add_config_arguments", "comm", "init_distributed", "initialize", "zero",
+    "DeepSpeedEngine", "PipelineModule", "accelerator", "add_config_arguments", "comm", "init_distributed",
+    "initialize", "pipe", "runtime", "utils", "zero",
 ]

@@ -14,10 +14,13 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 import shardwise
 from shardwise.config import Config
 from shardwise.engine import Engine
+from shardwise.pipe import PipelineModule
 
 from .comm import init_distributed
+from .defaults import DialectChoice, announce, apply_defaults
+from .utils.repeating import RepeatingLoader
 
-__all__ = ["initialize", "training_dataloader"]
+__all__ = ["initialize", "pipeline_dataloader", "training_dataloader"]
 
 ConfigSource = Config | dict[str, Any] | str | os.PathLike[str]
 
@@ -60,6 +63,33 @@ def training_dataloader(
                       collate_fn=collate_fn, drop_last=engine.config.dataloader_drop_last)
 
 
+def pipeline_dataloader(
+    engine: Engine, dataset: Dataset[Any], collate_fn: Callable[..., Any] | None = None
+) -> RepeatingLoader:
+    """DeepSpeed's pipeline loader: as :func:`training_dataloader`, but in order (no shuffle), each
+    data-parallel replica its share (every stage of a replica reads the same samples), repeating."""
+    groups = engine.groups
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        dataset, num_replicas=groups.data.world_size, rank=groups.replica, shuffle=False)
+    loader = DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
+                        collate_fn=collate_fn, drop_last=engine.config.dataloader_drop_last)
+    return RepeatingLoader(loader)
+
+
+def _loader(engine: Engine, dataset: Dataset[Any], collate_fn: Callable[..., Any] | None) -> Any:
+    """The third item of the 4-tuple; a pipeline engine's `train_batch()` also draws from it."""
+    from shardwise.pipe.engine import PipelineEngine
+
+    if not isinstance(engine, PipelineEngine):
+        return training_dataloader(engine, dataset, collate_fn)
+    loader = pipeline_dataloader(engine, dataset, collate_fn)
+    engine.set_dataloader(loader)
+    announce([DialectChoice(
+        "the pipeline reads `training_data` in order, repeating, and `train_batch()` / `eval_batch()` without "
+        "an iterator draw from it", "have no loader for a pipeline")])
+    return loader
+
+
 def initialize(
     args: Any = None,
     model: nn.Module | None = None,
@@ -80,8 +110,10 @@ def initialize(
     The config comes from `config` (or `config_params`) or `args.deepspeed_config`. The process
     group is created when none exists (`dist_init_required=False` requires one). With
     `training_data`, the third item is a DataLoader over it (:func:`training_dataloader`), else
-    None. `optimizer` and `lr_scheduler` are the engine's (None when there is none). `mpu` and
-    `mesh_param` (model and sequence parallelism) are not supported.
+    None (for a multi-stage pipeline: an unshuffled, repeating loader that `train_batch()` draws from).
+    `optimizer` and `lr_scheduler` are the engine's (None when there is none). `mpu` and `mesh_param`
+    (model and sequence parallelism) are not supported. DeepSpeed's defaults apply where the config is
+    silent (:mod:`.defaults`), each said in an info line.
     """
     if model is None:
         raise TypeError("shardwise.deepspeed.initialize needs `model=` (a torch.nn.Module)")
@@ -93,7 +125,12 @@ def initialize(
         raise RuntimeError("shardwise.deepspeed.initialize(dist_init_required=False) found no process group; "
                            "create one first (`shardwise.deepspeed.init_distributed()`) or drop the argument")
     init_distributed(distributed_port=distributed_port, timeout=timedelta(seconds=loaded.dist_timeout))
-    engine = shardwise.initialize(model, optimizer=optimizer, config=loaded, lr_scheduler=lr_scheduler,
+    # A multi-stage pipeline engine runs backward and step itself, inside `train_batch`.
+    stepped_by_user = not isinstance(model, PipelineModule) or model.num_stages == 1
+    dialect, choices = apply_defaults(loaded, optimizer is not None, stepped_by_user)
+    engine = shardwise.initialize(model, optimizer=optimizer, config=dialect, lr_scheduler=lr_scheduler,
                                   model_parameters=model_parameters)
-    loader = training_dataloader(engine, training_data, collate_fn) if training_data is not None else None
+    engine.reduce_at_step = stepped_by_user
+    announce(choices)
+    loader = _loader(engine, training_data, collate_fn) if training_data is not None else None
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -131,7 +131,7 @@ class PipelineState(EngineState):
         engine = self._pipeline
         tables = engine.groups.pipe.all_gather_object(self._global.describe())
         self._global.fill(tables, engine.module.tied_keys)
-        copies = engine.ties.copies()
+        copies = engine.ties.written_elsewhere()
         with engine.strategy.checkpoint_shards(loading, wanted) as shards:
             yield shards if loading else [s for s in shards if s.name not in copies]
 

@@ -32,7 +32,7 @@ from ..engine import Engine
 from .checkpointing import PipelineState, global_order
 from .layers import compute_loss
 from .module import PipelineModule
-from .p2p import Channel, gather_to_first
+from .p2p import Channel, gather_to_first, working_copy
 from .schedule import Action, Phase, forward_only, one_f_one_b
 from .strategy import PipelineStrategy
 from .ties import TiedWeights
@@ -97,6 +97,17 @@ class PipelineEngine(Engine):
         self.channel = Channel(self.groups.p2p, module.stage_id, module.num_stages, device)
         #: where the last ``train_batch``/``eval_batch`` spent its time on this rank
         self.timing = ScheduleTiming()
+        #: what ``train_batch()`` / ``eval_batch()`` draw from when given no iterator (DeepSpeed's name)
+        self.data_iterator: Any = None
+
+    def set_dataloader(self, loader: Any) -> None:
+        """Draw from ``iter(loader)`` when ``train_batch``/``eval_batch`` get no iterator (as DeepSpeed's;
+        ``shardwise.deepspeed.initialize(training_data=...)`` sets a repeating loader here)."""
+        self.data_iterator = iter(loader)
+
+    def set_dataiterator(self, iterator: Any) -> None:
+        """Draw from ``iterator`` when ``train_batch``/``eval_batch`` get none."""
+        self.data_iterator = iterator
 
     # ------------------------------------------------------------ the API
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
@@ -105,16 +116,24 @@ class PipelineEngine(Engine):
 
         The first stage uses the inputs and the last stage the labels; both
         draw every micro-batch from their own ``data_iter``, which must yield
-        the same data on both.
+        the same data on both. Without ``data_iter`` they draw from the engine's own
+        (:meth:`set_dataloader`); a ``data_iter`` given becomes the engine's own, as in DeepSpeed.
         """
         self._require_optimizer("`engine.train_batch`")
         if self.config.auto_refresh_trainable and self.strategy.trainable_changed():
             self.refresh_trainable()
         steps = self.gradient_accumulation_steps()
-        batch = self._take(data_iter, steps, "train_batch")
+        batch = self._take(self.data_iterator if data_iter is None else data_iter, steps, "train_batch")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
         self.module.train()
         self._sync_buffers()  # over this stage's data-parallel replicas
         losses = self._execute(one_f_one_b(self.module.stage_id, self.module.num_stages, steps), batch, steps)
+        try:
+            self.ties.check_untied()
+        except RuntimeError:
+            self.strategy.zero_grad()  # the batch is dropped; the engine stays usable
+            raise
         self.ties.reduce_grads()
         # Every bucket, reduced over the data-parallel group (launched and waited).
         self.strategy.start_backward(True)
@@ -124,9 +143,10 @@ class PipelineEngine(Engine):
 
     def eval_batch(self, data_iter: Any = None, num_micro_batches: Optional[int] = None) -> torch.Tensor:
         """Mean loss of ``num_micro_batches`` (default: ``gradient_accumulation_steps``) micro-batches,
-        on every rank; no gradient, no state changes (dropout off during the call)."""
+        on every rank; no gradient, no state changes (dropout off during the call). Without ``data_iter``:
+        from the engine's own iterator (:meth:`set_dataloader`), which a given one does not replace."""
         steps = num_micro_batches or self.gradient_accumulation_steps()
-        batch = self._take(data_iter, steps, "eval_batch")
+        batch = self._take(self.data_iterator if data_iter is None else data_iter, steps, "eval_batch")
         was_training = self.module.training
         self.module.eval()
         try:
@@ -165,6 +185,12 @@ class PipelineEngine(Engine):
     def _take(self, data_iter: Any, steps: int, call: str) -> _Batch:
         """``steps`` micro-batches on the first and last stage, checked on every rank before any transfer
         (a rank that runs out mid-batch makes every rank raise instead of leaving its peers waiting)."""
+        if data_iter is None:
+            raise TypeError(
+                f"rank {self.groups.world.rank}: `engine.{call}()` got no data_iter and the engine has none of its "
+                f"own; pass `engine.{call}(iter(loader))`, or `training_data=` to `shardwise.deepspeed.initialize` "
+                "(or call `engine.set_dataloader(loader)`) to draw from a loader without passing it"
+            )
         if not hasattr(data_iter, "__next__"):
             raise TypeError(
                 f"`engine.{call}(data_iter)` needs an iterator of `(inputs, labels)` micro-batches, got "
@@ -202,7 +228,7 @@ class PipelineEngine(Engine):
         module = self.module
         inputs = self.precision.cast_inputs(batch.inputs[micro]) if module.is_first_stage else self.channel.recv_activation()
         started = time.perf_counter()
-        outputs = module(inputs)
+        outputs = module(inputs if module.is_first_stage else working_copy(inputs))
         if module.is_last_stage:
             outputs = compute_loss(module.loss_fn, outputs, self.precision.cast_inputs(batch.labels[micro]))
             losses.append(outputs.detach().float().reshape(()))

@@ -104,7 +104,7 @@ class PipelineModule(nn.Module):
         self.parts = partition(names, self._weight, self.num_stages, partition_method)
         self._meta.clear()  # only needed for planning
         self._check_shared_instances()
-        self._check_cross_stage_ties()
+        self._loose = self._untied_across_stages()
         self._steps: list[Layer] = self._build()
 
     # ------------------------------------------------------------ planning
@@ -174,21 +174,16 @@ class PipelineModule(nn.Module):
                     f"`TiedLayerSpec(key, {type(layer).__name__}, ...)` instead"
                 )
 
-    def _check_cross_stage_ties(self) -> None:
-        """Across stages only ``tied_weight_attr`` is kept equal: any other trainable parameter
-        of a tied module would drift apart between the stages."""
+    def _untied_across_stages(self) -> list[tuple[str, str]]:
+        """``(key, parameter name)`` of the parameters of tied modules on several stages that are *not*
+        kept equal: as in DeepSpeed they are allowed (a position table only the first stage uses), as
+        long as only one stage trains them (checked at every ``train_batch``)."""
+        loose = []
         for key, tie in self._ties.items():
-            if len(self.stages_of_tie(key)) < 2:
-                continue
-            module = build_on_meta(self._spec_of(key))
-            loose = [n for n, p in module.named_parameters() if p.requires_grad and n not in tie.attrs]
-            if loose:
-                raise ValueError(
-                    f"TiedLayerSpec `{key}` occurs on stages {list(self.stages_of_tie(key))}, which keep only "
-                    f"{list(tie.attrs)} equal, but its module also trains {loose}: those would drift apart "
-                    f"between the stages. Add them to `tied_weight_attr` (e.g. "
-                    f"`tied_weight_attr={[*tie.attrs, *loose]}`), or move them to a layer of their own"
-                )
+            if len(self.stages_of_tie(key)) > 1:
+                module = build_on_meta(self._spec_of(key))
+                loose += [(key, n) for n, _ in module.named_parameters() if n not in tie.attrs]
+        return loose
 
     # ------------------------------------------------------------ building
     def _spec_of(self, key: str) -> TiedLayerSpec:
@@ -259,6 +254,16 @@ class PipelineModule(nn.Module):
 
     def stages_of_tie(self, key: str) -> tuple[int, ...]:
         return tuple(sorted({self.stage_of_layer(i) for i in self._ties[key].indices}))
+
+    def untied_parameters(self) -> list[tuple[str, str, Optional[nn.Parameter]]]:
+        """``(key, name, parameter or None)`` for every parameter of a tied module spanning stages that
+        is not in ``tied_weight_attr``, in the same order on every rank; the parameter is None on a
+        stage that does not hold the key."""
+        found = []
+        for key, name in self._loose:
+            held = self.tied_modules[key] if key in self.tied_modules else None
+            found.append((key, name, held.get_parameter(name) if held is not None else None))
+        return found
 
     def tied_parameters(self) -> Iterator[tuple[str, tuple[int, ...], list[tuple[str, nn.Parameter]]]]:
         """For each key this stage shares with other stages: ``(key, its stages, [(name, parameter)])``

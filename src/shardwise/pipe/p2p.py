@@ -21,7 +21,7 @@ import torch
 
 from ..distributed import Comm, Work
 
-__all__ = ["Channel", "HEADER_SLOTS", "gather_to_first"]
+__all__ = ["Channel", "HEADER_SLOTS", "gather_to_first", "working_copy"]
 
 #: int64 entries of one header: 2 + (3 + ndim) per tensor
 HEADER_SLOTS = 40
@@ -83,6 +83,21 @@ def _wire(tensor: torch.Tensor) -> torch.Tensor:
     """What goes on the wire: contiguous, detached, bool as bytes."""
     tensor = tensor.detach().contiguous()
     return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
+
+
+def working_copy(received: Any) -> Any:
+    """What a stage computes on: each received tensor that needs a gradient, cloned.
+
+    The received tensors are leaves (their ``.grad`` goes back to the previous stage), and autograd
+    forbids an in-place op on a leaf that requires grad: a stage starting with ``ReLU(inplace=True)``
+    would fail. The clone (one copy of the activation, as DeepSpeed's engine makes) is what the
+    layers see and may overwrite; its gradient still flows into the leaf.
+    """
+    if not torch.is_grad_enabled():
+        return received
+    packed, tensors = _tensors(received, "stage input")
+    copies = [t.clone() if t.requires_grad else t for t in tensors]
+    return tuple(copies) if packed else copies[0]
 
 
 class Channel:

@@ -1,6 +1,7 @@
 """Which layers go to which stage: DeepSpeed's ``partition_method`` values.
 
-* ``"parameters"``: balance the trainable parameter count of the stages;
+* ``"parameters"``: balance the trainable parameter count of the stages, as
+  DeepSpeed does (:mod:`.spread`: same counting, same boundaries);
 * ``"uniform"``: balance the number of layers;
 * ``"type:REGEX"``: balance the number of layers whose class name matches
   ``REGEX`` (case-insensitive), e.g. ``"type:Block"`` for transformer blocks;
@@ -8,15 +9,17 @@
   ``[b_s, b_{s+1})``.
 
 The result is always a list of ``num_stages + 1`` boundaries and every stage
-gets at least one layer.  Balancing minimises the heaviest stage first and
-then, among those partitions, the longest stage, so layers that weigh
-nothing (functions, activations) spread instead of piling up on one stage.
+gets at least one layer.  ``type:`` balancing minimises the heaviest stage
+first and then, among those partitions, the longest stage, so layers that
+weigh nothing (functions, activations) spread instead of piling up on one stage.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any, Callable, Sequence
+
+from .spread import least_spread
 
 __all__ = ["balanced", "describe_method", "partition", "uniform"]
 
@@ -47,7 +50,8 @@ def partition(names: Sequence[str], weigh: Weigh, num_stages: int, method: Any) 
     if lowered == "uniform":
         return uniform(count, num_stages)
     if lowered == "parameters":
-        return balanced([weigh(i) for i in range(count)], num_stages)
+        weights = [weigh(i) for i in range(count)]
+        return least_spread(weights, num_stages) if count > num_stages else uniform(count, num_stages)
     if lowered.startswith("type:"):
         return balanced(_type_weights(names, method[len("type:") :]), num_stages)
     raise ValueError(_unknown(method))

@@ -1,0 +1,94 @@
+"""DeepSpeed's defaults, where they differ from `shardwise.initialize`'s plain-PyTorch ones.
+
+`shardwise.deepspeed.initialize` applies each of them to what the config leaves unsaid, and says so in
+one info line per default (rank 0), so an imports-only port trains as it did under DeepSpeed.
+docs/from-deepspeed.md has the same list as a table.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from shardwise.config import Config
+
+__all__ = ["DialectChoice", "apply_defaults", "announce"]
+
+logger = logging.getLogger("shardwise")
+
+#: DeepSpeed's `GRADIENT_CLIPPING_DEFAULT` (deepspeed/runtime/constants.py, 0.14-0.19)
+DEEPSPEED_CLIPPING = 1.0
+
+
+@dataclass(frozen=True)
+class DialectChoice:
+    """One default the dialect applied: what, and what `shardwise.initialize` would have done."""
+
+    what: str
+    otherwise: str
+
+    def line(self) -> str:
+        return f"deepspeed dialect: {self.what} (DeepSpeed's default; `shardwise.initialize` would {self.otherwise})"
+
+
+def apply_defaults(
+    config: Config, client_optimizer: bool, user_backward: bool = True
+) -> tuple[Config, list[DialectChoice]]:
+    """`config` with DeepSpeed's defaults for the keys it leaves unset, and the choices made.
+
+    `gradient_clipping` absent (or `auto`): 1.0. `checkpoint.save_rng_state` absent: false, so
+    `load_checkpoint` leaves the RNG alone as DeepSpeed's does. A client optimizer with an
+    `optimizer` section: the section is dropped (with a warning), as DeepSpeed ignores it. `Adam`/`AdamW`
+    without `weight_decay`: 0.0 (DeepSpeed's own Adams; torch's AdamW would decay by 0.01). With
+    `user_backward` (not a pipeline, whose `train_batch` runs backward itself), the choice that
+    several backwards before a step accumulate (the caller sets the engine's `reduce_at_step`).
+    """
+    choices: list[DialectChoice] = []
+    update: dict[str, object] = {}
+    if "gradient_clipping" not in config.model_fields_set:
+        update["gradient_clipping"] = DEEPSPEED_CLIPPING
+        choices.append(DialectChoice(
+            f"`gradient_clipping` is not set, so gradients are clipped to norm {DEEPSPEED_CLIPPING}",
+            "not clip; set `gradient_clipping: 0` to turn clipping off"))
+    if "checkpoint" not in config.model_fields_set or "save_rng_state" not in config.checkpoint.model_fields_set:
+        update["checkpoint"] = config.checkpoint.model_copy(update={"save_rng_state": False})
+        choices.append(DialectChoice(
+            "`load_checkpoint` leaves the RNG state alone (`checkpoint.save_rng_state` is not set)",
+            "save and restore it; set `checkpoint.save_rng_state: true` for that"))
+    section = config.optimizer
+    if section is not None and not client_optimizer and _adam_without_decay(section.type, section.params):
+        update["optimizer"] = section.model_copy(update={"params": {**section.params, "weight_decay": 0.0}})
+        choices.append(DialectChoice(
+            f"`optimizer.type: {section.type}` without `weight_decay` gets weight_decay 0.0, as DeepSpeed's fused "
+            "and CPU Adam", "use torch's AdamW default, 0.01"))
+    if client_optimizer and config.optimizer is not None:
+        update["optimizer"] = None
+        _warn(f"deepspeed dialect: an optimizer was passed to `initialize`, so the config's `optimizer` section "
+              f"(`{config.optimizer.type}`) is ignored, as DeepSpeed ignores it; remove the section to silence this")
+    if user_backward:
+        choices.append(DialectChoice(
+            "several `backward` calls before one `step` add up their gradients, reduced across ranks at `step`",
+            "refuse a second `backward` at an accumulation boundary"))
+    return config.replace(**update), choices
+
+
+def _adam_without_decay(kind: str, params: dict[str, Any]) -> bool:
+    """DeepSpeed builds `Adam`/`AdamW` as its FusedAdam / DeepSpeedCPUAdam (weight_decay 0 by default)
+    unless `torch_adam: true`, when torch's own class and defaults apply."""
+    return kind in ("Adam", "AdamW") and "weight_decay" not in params and params.get("torch_adam") is not True
+
+
+def announce(choices: list[DialectChoice]) -> None:
+    """One info line per choice, on rank 0."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    for choice in choices:
+        logger.info(choice.line())
+
+
+def _warn(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.warning(message)
