@@ -27,6 +27,7 @@ from _pipe_models import micro_batches, pipeline, tied_layers
 from torch import nn
 
 import shardwise
+from shardwise.fingerprint import client_fingerprint, config_fingerprint, module_fingerprint
 from shardwise.testing import run_distributed, run_subtests
 
 #: the DDP-parity tolerance of the legitimate case (fp32; a plain DDP run reaches ~1e-7)
@@ -107,12 +108,18 @@ def _ended(build: Callable[[str, int], Any], case: str, stage: int, results: lis
 
 
 def _per_rank_keys_case(stage: int) -> None:
-    """Keys a rank may set on its own still build one engine, which trains as DDP does."""
+    """Keys a rank may set on its own still build one engine, which trains as DDP does (at stage 3 with the
+    config's optimizer over `model_parameters` given as a generator, which must reach the optimizer whole)."""
     own = {"seed": _mine((1, 2)), "wall_clock_breakdown": _mine((False, True)),
            "comms": {"timeout": _mine((COMMS_TIMEOUT, 2 * COMMS_TIMEOUT))},
            "checkpoint": {"timeout": _mine((COMMS_TIMEOUT, 2 * COMMS_TIMEOUT))}}
     model = make_model(0)
-    engine = shardwise.initialize(model, adamw(model.parameters()), fault_config(stage, **own))
+    if stage == 3:
+        own["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}
+        engine = shardwise.initialize(model, config=fault_config(stage, **own),
+                                      model_parameters=(p for p in model.parameters()))
+    else:
+        engine = shardwise.initialize(model, adamw(model.parameters()), fault_config(stage, **own))
     for step in range(2):
         train_step(engine, step)
     if stage == 3:
@@ -187,3 +194,42 @@ def test_ranks_that_build_different_engines_are_stopped_at_initialize() -> None:
             assert end["seconds"] < COMMS_TIMEOUT, end
         fault, result = ROWS[case["case"]]
         record_row("disagree", fault, str(case["stage"]), result, max(end["seconds"] for end in ends))
+
+
+# ------------------------------------------------------------ the fingerprints, one process
+def _config_digest(**settings: Any) -> str:
+    return config_fingerprint(shardwise.Config.load(settings)).digest
+
+
+def test_config_fingerprint_skips_only_the_per_rank_keys() -> None:
+    base = _config_digest()
+    assert _config_digest(seed=3, wall_clock_breakdown=True, dist_timeout=60.0, comms={"timeout": 9.0},
+                          checkpoint={"timeout": 9.0}) == base
+    for settings in ({"steps_per_print": 5}, {"comms": {"debug": True}}, {"gradient_clipping": 1.0},
+                     {"zero_optimization": {"reduce_bucket_size": 1000}}):
+        assert _config_digest(**settings) != base, settings
+
+
+def test_module_fingerprint_names_ties_and_frozen_parameters() -> None:
+    model = Ordered(("fc1", "fc2"))
+    model.fc1.bias.requires_grad_(False)
+    model.head = nn.Linear(8, 16)
+    model.head.weight = model.fc2.weight  # tied: one tensor under two names
+    model.register_buffer("steps", torch.zeros(3, dtype=torch.int64))
+    entries = dict(module_fingerprint(model).entries)
+    assert entries["parameter #1"] == "`fc1.bias` (16) float32 frozen"
+    assert entries["parameter #4"] == "`head.weight` (8, 16) float32, the same tensor as `fc2.weight`"
+    assert entries["buffer #0"] == "`steps` (3) int64"
+
+
+def test_client_fingerprint_sees_hyperparameters_and_reads_no_iterator() -> None:
+    model = Ordered(("fc1", "fc2"))
+    groups = [{"params": iter(model.fc1.parameters()), "lr": 0.1}, {"params": list(model.fc2.parameters())}]
+    entries = dict(client_fingerprint(model, None, None, groups).entries)
+    assert "not read here" in entries["model_parameters[0].params"]
+    assert next(groups[0]["params"]) is model.fc1.weight, "the iterator was consumed"
+    assert entries["model_parameters[0].lr"] == "0.1"
+    assert entries["model_parameters[1].params"] == "2 parameters: `fc2.weight`, `fc2.bias`"
+    one = client_fingerprint(model, torch.optim.SGD(model.parameters(), lr=1), None, None).digest
+    assert client_fingerprint(model, torch.optim.SGD(model.parameters(), lr=1.0), None, None).digest == one
+    assert client_fingerprint(model, torch.optim.SGD(model.parameters(), lr=1, momentum=0.5), None, None).digest != one
