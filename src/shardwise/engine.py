@@ -19,9 +19,11 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ownership
+from .checkpoint.agreement import join
 from .checks import check_loss, check_model, check_trainable
 from .compile import compile_module, is_compiled_module
 from .config import Config
+from .construction import digests, engine_fingerprints, require_same_construction
 from .distributed import Comm
 from .engine_state import EngineState
 from .faults import doing
@@ -67,7 +69,9 @@ class Engine:
         self._label = self._make_label()
         check_model(module, self.comm.rank)
         ownership.claim(module.named_parameters(), self, self.comm.rank)
-        self._agree_on_construction()
+        # a list: the agreement reads it, and so does the optimizer (a generator could be read only once)
+        model_parameters = None if model_parameters is None else list(model_parameters)
+        self._agree_on_construction(optimizer, lr_scheduler, model_parameters)
         if config.comms.shared_memory:
             self.comm.open_shared_memory()
         self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
@@ -107,30 +111,26 @@ class Engine:
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
 
     # ------------------------------------------------------------- set-up
-    def _agree_on_construction(self) -> None:
+    def _agree_on_construction(self, optimizer: Any, lr_scheduler: Any, model_parameters: Optional[list[Any]]) -> None:
         """Every rank of the group builds this same engine as its next one (before any collective).
 
         Ranks that build engines in different orders would pair the first
-        broadcast of one engine with another's and hang or mix weights; the c10d
-        store names the mismatch instead, within ``checkpoint.timeout``.
+        broadcast of one engine with another's and hang or mix weights; ranks
+        whose models (order, shapes, dtypes, ties), configs or optimizers differ
+        would train silently wrong.  The c10d store names the mismatch instead,
+        within ``checkpoint.timeout``: each rank's payload carries the digests
+        of :mod:`shardwise.fingerprint`, and only a mismatch exchanges more.
         """
         if not self.comm.distributed:
             return
-        from .checkpoint.agreement import join
-
-        params = list(self.module.parameters())
-        payload = {"op": "initialize", "name": self.name, "stage": self.config.zero_optimization.stage,
-                   "params": len(params), "elements": sum(p.numel() for p in params),
-                   "shared_memory": self.config.comms.shared_memory}
+        fingerprints = engine_fingerprints(self.module, self.config, optimizer, lr_scheduler, model_parameters)
+        payload = {"op": "initialize", "name": self.name, "fingerprints": digests(fingerprints)}
         session = join(self.comm, "initialize", payload, self.config.checkpoint.timeout)
         fix = ("every rank must build the same engines in the same order: the k-th `shardwise.initialize` "
                "of each rank wraps the same model with the same config")
         session.require_same("op", "collective calls", fix)
         session.require_same("name", "engine names", fix)
-        session.require_same("stage", "ZeRO stages", fix)
-        session.require_same("params", "parameter counts", fix)
-        session.require_same("elements", "model sizes (elements)", fix)
-        session.require_same("shared_memory", "`comms.shared_memory` settings", fix)
+        require_same_construction(session, fingerprints, self._label)
 
     def _prepare_module(self) -> None:
         """Move to the process group's device, cast, and make all ranks start identical."""

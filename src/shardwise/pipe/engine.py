@@ -26,9 +26,12 @@ from typing import Any, Iterator, NoReturn, Optional
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.agreement import join
 from ..config import Config
+from ..construction import digests, require_same_construction
 from ..distributed import Comm
 from ..engine import Engine
+from ..fingerprint import config_fingerprint
 from .checkpointing import PipelineState, global_order
 from .layers import compute_loss
 from .module import PipelineModule
@@ -331,20 +334,27 @@ def _check_pipeline_config(module: PipelineModule, config: Config, process_group
 
 def _agree_on_construction(module: PipelineModule, config: Config, name: Optional[str]) -> None:
     """Every rank builds this same pipeline engine as its next one, before the world-wide group
-    creation (ranks that disagree get an error naming the difference instead of a hang)."""
-    from ..checkpoint.agreement import join
+    creation (ranks that disagree get an error naming the difference instead of a hang).
 
+    Across stages only the config must be equal: each stage holds other layers, and its own
+    optimizer may give them their own hyperparameters.  The ranks of one stage compare their
+    layers and optimizers when the data-parallel engine of that stage is built.
+    """
     world = Comm(None)
     if not world.distributed:
         return
+    fingerprints = {"config": config_fingerprint(config)}
     payload = {"op": "initialize", "name": name, "stage": config.zero_optimization.stage,
-               "pipeline": [module.num_stages, module.num_layers, module.parts]}
+               "pipeline": [module.num_stages, module.num_layers, module.parts],
+               "fingerprints": digests(fingerprints)}
     session = join(world, "initialize", payload, config.checkpoint.timeout)
     fix = ("every rank must build the same engines in the same order: the k-th `shardwise.initialize` of each "
            "rank wraps the same PipelineModule (same layers, num_stages, partition) with the same config")
     for key, what in (("op", "collective calls"), ("name", "engine names"), ("stage", "ZeRO stages"),
                       ("pipeline", "pipelines (stages, layers, boundaries)")):
         session.require_same(key, what, fix)
+    label = f"pipeline engine `{name}`" if name else f"pipeline engine ({module.num_stages} stages)"
+    require_same_construction(session, fingerprints, label)
 
 
 def _draw(data_iter: Any, steps: int, batch: _Batch) -> tuple[Optional[int], str]:
