@@ -233,3 +233,32 @@ def _clear(model: _Branchy, how: str) -> None:
         model.side.weight.grad = None
     else:
         model.zero_grad(set_to_none=False)
+
+
+@distributed_test(world_size=2, timeout=240)
+def test_several_backwards_before_a_step_add_up_when_the_engine_accumulates_them() -> None:
+    """DeepSpeed's dialect (`engine.accumulates_backwards`): two backwards before one step, the first using `side`
+    and the second not, train as one process's backward of the summed losses; each backward reduces while
+    autograd runs, the second adding to what the first reduced, and `side` still counts as used."""
+    rank = dist.get_rank()
+    ref = _Branchy()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        loss = sum(ref(_data(step, r, 4, 6), True) + ref(_data(step + 20, r, 4, 6), False) for r in (0, 1)) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    want = params_of(ref)
+    for stage in STAGES:
+        model = _Branchy()
+        engine = shardwise.initialize(model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+                                      _config(stage))
+        engine.accumulates_backwards = True
+        for step in range(3):
+            engine.backward(engine(_data(step, rank, 4, 6), True))
+            engine.backward(engine(_data(step + 20, rank, 4, 6), False))
+            engine.step()
+        got = _full(engine)
+        engine.destroy()
+        if rank == 0:
+            assert_close_params(got, want, atol=ATOL)

@@ -87,10 +87,9 @@ class Engine:
         self._reduced = False
         #: backward calls accumulated since the last optimizer step (what the step check compares)
         self._accumulated = 0
-        #: DeepSpeed's dialect sets this: every `backward` only accumulates and `step()` reduces at the
-        #: boundary, so several backwards before one step add up (as DeepSpeed's do) instead of being
-        #: refused. The price: the reduction no longer overlaps the backward.
-        self.reduce_at_step = False
+        #: DeepSpeed's dialect sets this: several backwards before one step add up (as DeepSpeed's do)
+        #: instead of being refused; each still reduces while autograd runs (see `_backward_pass`)
+        self.accumulates_backwards = False
         self._prepare_module()
         self._broadcasts_buffers = config.broadcast_buffers and self.comm.distributed
         first = next(iter(module.parameters()), None)
@@ -224,16 +223,14 @@ class Engine:
         """
         with doing("backward", self._label):
             self._require_optimizer("`engine.backward`")
-            sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync and not self.reduce_at_step
+            sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
             self._check_backward(loss, sync)
             # One scalar multiply covers loss scaling, accumulation averaging and
             # (for strategies that sum) the average over ranks.
             accumulation = self.batch_sizes.gradient_accumulation_steps
             scale = self.precision.scaler.current / (accumulation * self.strategy.loss_divisor)
-            with self._timed("backward"):
-                self.strategy.start_backward(sync)
+            with self._timed("backward"), self._backward_pass(sync):
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-                self.strategy.finish_backward()
             self._backwards += 1
             self._accumulated += 1
             self._reduced = self._reduced or sync
@@ -246,10 +243,24 @@ class Engine:
                 )
             return loss
 
+    @contextlib.contextmanager
+    def _backward_pass(self, sync: bool) -> Iterator[None]:
+        """Around autograd: the strategy's hooks reduce (``sync``) or accumulate.
+
+        A second backward at the same boundary (DeepSpeed's dialect) keeps what the first one reduced
+        aside and adds it to what this one reduces: the same as one backward of the summed losses, with
+        the reduction still overlapping autograd.
+        """
+        again = sync and self._reduced
+        with self.strategy.adding_to_reduced() if again else contextlib.nullcontext():
+            self.strategy.start_backward(sync)
+            yield
+            self.strategy.finish_backward()
+
     def _check_backward(self, loss: Any, sync: bool) -> None:
         """What `backward` refuses before touching anything (so a refused call leaves no half-reduced state)."""
         check_loss(loss, self.comm.rank, self.label)
-        if sync and self._reduced:
+        if sync and self._reduced and not self.accumulates_backwards:
             raise RuntimeError(
                 f"rank {self.comm.rank}: `engine.backward` was called again at an accumulation boundary without "
                 f"`engine.step()` in between ({self.label}, micro-step {self.micro_steps}); the first call already "
@@ -291,8 +302,6 @@ class Engine:
             self.comm.check(f"`step` of {self._label}", [self.global_steps, self.micro_steps, self._accumulated],
                             ["global_steps", "micro_steps", "backwards accumulated"])
             self._accumulated = 0
-            if self.reduce_at_step:
-                self._reduce_accumulated()
             with self._timed("step"):
                 applied = optimizer.step()
                 self._step_applied = applied
@@ -308,13 +317,6 @@ class Engine:
         self._backwards = 0
         self._reduced = False
         return applied
-
-    def _reduce_accumulated(self) -> None:
-        """Reduce every gradient accumulated since the last step, with no autograd in between
-        (what a synchronising backward's hooks would have done)."""
-        with self._timed("backward"):
-            self.strategy.start_backward(True)
-            self.strategy.finish_backward()
 
     @contextlib.contextmanager
     def _timed(self, phase: str) -> Iterator[None]:

@@ -44,7 +44,7 @@ def apply_defaults(
     `optimizer` section: the section is dropped (with a warning), as DeepSpeed ignores it. `Adam`/`AdamW`
     without `weight_decay`: 0.0 (DeepSpeed's own Adams; torch's AdamW would decay by 0.01). With
     `user_backward` (not a pipeline, whose `train_batch` runs backward itself), the choice that
-    several backwards before a step accumulate (the caller sets the engine's `reduce_at_step`).
+    several backwards before a step accumulate (the caller sets the engine's `accumulates_backwards`).
     """
     choices: list[DialectChoice] = []
     update: dict[str, object] = {}

@@ -130,7 +130,7 @@ def initialize(
     dialect, choices = apply_defaults(loaded, optimizer is not None, stepped_by_user)
     engine = shardwise.initialize(model, optimizer=optimizer, config=dialect, lr_scheduler=lr_scheduler,
                                   model_parameters=model_parameters)
-    engine.reduce_at_step = stepped_by_user
+    engine.accumulates_backwards = stepped_by_user
     announce(choices)
     loader = _loader(engine, training_data, collate_fn) if training_data is not None else None
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -66,6 +66,9 @@ class PipelineStrategy(Strategy):
     def leaving_unused_alone(self) -> contextlib.AbstractContextManager[None]:
         return self.wrapped.leaving_unused_alone()
 
+    def adding_to_reduced(self) -> contextlib.AbstractContextManager[None]:
+        return self.wrapped.adding_to_reduced()
+
     def after_step(self) -> None:
         self.wrapped.after_step()
 

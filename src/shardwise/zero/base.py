@@ -121,6 +121,11 @@ class Strategy(ABC):
     def scale_grads(self, factor: float) -> None:
         """Multiply the reduced gradients by ``factor`` (unscale and clip)."""
 
+    def adding_to_reduced(self) -> contextlib.AbstractContextManager[None]:
+        """Around a second reducing backward before one step: the next reduction adds to the last one's result
+        instead of replacing it (stage 3's reduction adds to its pieces' gradients already)."""
+        return contextlib.nullcontext()
+
     def leaving_unused_alone(self) -> contextlib.AbstractContextManager[None]:
         """Around the optimizer step: parameters no rank had a gradient for are left alone, as torch's
         optimizers leave a parameter whose ``.grad`` is None (stage 3's pieces are None already)."""

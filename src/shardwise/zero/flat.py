@@ -282,6 +282,20 @@ class FlatStrategy(Strategy):
         self._unused = (used == 0).nonzero().view(-1).tolist()
 
     @contextlib.contextmanager
+    def adding_to_reduced(self) -> Iterator[None]:
+        """A second reducing backward before the step: this rank's reduced gradients are kept aside, the
+        gradients cleared (so the next ones overwrite the buffer), and the kept ones added to the new
+        reduction; a parameter either backward used counts as used."""
+        self.settle()
+        kept = [grad.clone() for grad in self.reduced.slices]
+        unused = set(self._unused)
+        self.zero_grad()
+        yield
+        for grad, earlier in zip(self.reduced.slices, kept):
+            grad.add_(earlier)
+        self._unused = sorted(unused & set(self._unused))
+
+    @contextlib.contextmanager
     def leaving_unused_alone(self) -> Iterator[None]:
         """While the optimizer steps: the parameters no rank had a gradient for have ``.grad`` None.
 
