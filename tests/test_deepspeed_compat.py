@@ -76,8 +76,7 @@ def test_cpu_accelerator_answers_like_deepspeeds() -> None:
 
 
 def test_comm_answers_without_a_process_group() -> None:
-    if dist.is_initialized():
-        pytest.skip("a process group from another test is alive in this process")
+    assert not dist.is_initialized()  # tests/conftest.py: no test leaves its group behind
     assert (deepspeed.comm.get_rank(), deepspeed.comm.get_world_size(), deepspeed.comm.is_initialized()) == (0, 1, False)
     assert deepspeed.comm.barrier() is None
 
