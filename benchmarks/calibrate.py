@@ -90,9 +90,9 @@ def measure_shared_memory(sizes: list[int], repeats: int = 15, gather: bool = Fa
 
     comm = Comm(None)
     comm.open_shared_memory()
-    if not comm.shared_memory:
+    if not comm.shm.active:
         return []
-    buffer = comm.shared_zeros(max(sizes) // 4, torch.float32, torch.device("cpu"))
+    buffer = comm.shm.zeros(max(sizes) // 4, torch.float32, torch.device("cpu"))
     timings = []
     for nbytes in sizes:
         region = buffer[: nbytes // 4]

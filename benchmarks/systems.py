@@ -99,7 +99,7 @@ class ShardwiseHarness:
 
     @property
     def transport(self) -> str:
-        return self.engine.comm.transport_name
+        return self.engine.comm.shm.name(self.engine.comm.backend)
 
     def reset_counters(self) -> None:
         self.engine.comm.reset_counters()

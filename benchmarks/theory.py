@@ -39,7 +39,7 @@ def state_bytes(stage: int, dtype: str, numel: int, world_size: int) -> dict[str
 def comm_bytes(system: System, numel: int, world_size: int, transport: str = "gloo") -> float:
     """Bytes one rank sends through collectives in one optimizer step of ``system``.
 
-    ``transport``: how shardwise's collectives travel (``Comm.transport_name``).  Over gloo's sockets
+    ``transport``: how shardwise's collectives travel (``Comm.shm.name``).  Over gloo's sockets
     shardwise stages 1-2 average gradients with an all-reduce (faster there than its reduce-scatter:
     ``zero_optimization.reduce_scatter`` unset), which sends twice the reduction bytes; through shared
     memory and on NCCL, with a reduce-scatter.

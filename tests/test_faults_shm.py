@@ -33,7 +33,7 @@ from shardwise.testing import run_distributed
 TIMEOUT = 1.0
 #: elements of the buffer the allocation cases ask for (its file: 4 KiB header + 256 KiB)
 NUMEL = 1 << 16
-#: set-up points: the Comm method (or shm function) a rank leaves at, and which set-up step it is in
+#: set-up points: the `shm.SharedMemory` method (or shm function) a rank leaves at, and which set-up step it is in
 OPEN_POINTS = ("_share", "_attach", "_agree")
 ALLOCATE_POINTS = ("_exchange", "_attach", "_agree")
 
@@ -61,13 +61,13 @@ def _arm(point: str, leave: Callable[[], None]) -> Callable[[], None]:
         shm._attach = attach
         return lambda: setattr(shm, "_attach", original)
 
-    method = getattr(Comm, point)
+    method = getattr(shm.SharedMemory, point)
 
-    def left(self: Comm, *args: Any) -> Any:
+    def left(self: shm.SharedMemory, *args: Any) -> Any:
         leave()
 
-    setattr(Comm, point, left)
-    return lambda: setattr(Comm, point, method)
+    setattr(shm.SharedMemory, point, left)
+    return lambda: setattr(shm.SharedMemory, point, method)
 
 
 def _raise() -> None:
@@ -78,7 +78,7 @@ def _set_up(step: str, comm: Comm) -> None:
     if step == "open":
         comm.open_shared_memory()
     else:
-        comm.shared_zeros(NUMEL, torch.float32, torch.device("cpu"))
+        comm.shm.zeros(NUMEL, torch.float32, torch.device("cpu"))
 
 
 def _one_case(step: str, point: str, victim: int) -> dict[str, Any]:
@@ -86,7 +86,7 @@ def _one_case(step: str, point: str, victim: int) -> dict[str, Any]:
     dist.barrier()  # both ranks start each step together: only the rank that leaves makes a collective wait
     if step == "allocate":
         comm.open_shared_memory()
-        assert comm.shared_memory, comm.transport
+        assert comm.shm.active, comm.transport
         dist.barrier()
     undo = _arm(point, _raise) if dist.get_rank() == victim else (lambda: None)
     start = time.monotonic()
@@ -139,7 +139,7 @@ def _killed_at(step: str, point: str, victim: int) -> dict[str, Any]:
     comm = Comm(None, timeout=TIMEOUT * 10)  # a killed peer is seen at once (its socket closes)
     if step == "allocate":
         comm.open_shared_memory()
-        assert comm.shared_memory, comm.transport
+        assert comm.shm.active, comm.transport
     if dist.get_rank() == victim:
         _arm(point, die)
     start = time.monotonic()

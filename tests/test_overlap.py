@@ -92,7 +92,7 @@ def test_reduction_by_transport_is_said_and_counted() -> None:
             zero["reduce_scatter"] = setting
         config = {"zero_optimization": zero, "comms": {"shared_memory": shared}}
         engine = shardwise.initialize(model, adamw(model.parameters()), config)
-        assert engine.comm.shared_memory == shared
+        assert engine.comm.shm.active == shared
         engine.comm.reset_counters()
         engine.backward(engine(*batch(0, dist.get_rank())))
         engine.step()
@@ -113,8 +113,8 @@ def test_gradient_norm_follows_writes_between_backward_and_step() -> None:
         engine = shardwise.initialize(model, adamw(model.parameters()), config)
         engine.backward(engine(*batch(0, dist.get_rank())))
         first = float(engine.strategy.grad_sq())
-        assert first == pytest.approx(float(engine.strategy.reduced.sq()), rel=1e-5)
-        for grad in engine.strategy.reduced.slices:
+        assert first == pytest.approx(float(engine.strategy.grads.reduced.sq()), rel=1e-5)
+        for grad in engine.strategy.grads.reduced.slices:
             grad.mul_(0.5)  # as a user scaling gradients in place before step()
         total = torch.tensor(first)
         if stage > 0:  # each rank summed its own slices

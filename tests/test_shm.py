@@ -1,7 +1,7 @@
 """Collectives through shared memory (``shardwise.shm``) against gloo's own, on 2 and 3 ranks.
 
 Both paths: tensors of the process's own, staged through the segment's slots,
-and regions of a buffer every rank maps (``Comm.shared_zeros``), read in place.
+and regions of a buffer every rank maps (``Comm.shm.zeros``), read in place.
 
 2 ranks: bit-identical to gloo (one addition per element either way).  3 ranks:
 integers exact, floats within 1e-6 of gloo (the order of the additions differs),
@@ -34,7 +34,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 def _open() -> Comm:
     comm = Comm(None, timeout=30)
     comm.open_shared_memory()
-    assert comm.shared_memory and comm.transport.startswith("shared memory"), comm.transport
+    assert comm.shm.active and comm.transport.startswith("shared memory"), comm.transport
     return comm
 
 
@@ -84,8 +84,8 @@ def _against_gloo(exact: bool) -> None:
 def _in_place(comm: Comm, x: torch.Tensor, exact: bool) -> None:
     """The same collectives over regions of a buffer every rank maps, at an offset, next to other data."""
     world, n = dist.get_world_size(), x.numel()
-    buffer = comm.shared_zeros(3 + 2 * world * n, x.dtype, torch.device("cpu"))
-    assert comm._shm is not None and (comm._shm._copies(buffer) is not None or not buffer.numel())
+    buffer = comm.shm.zeros(3 + 2 * world * n, x.dtype, torch.device("cpu"))
+    assert comm.shm.segment is not None and (comm.shm.segment._copies(buffer) is not None or not buffer.numel())
     around = _values(buffer.numel(), x.dtype, 3)
     buffer.copy_(around)
     region = buffer[3 : 3 + n]
@@ -133,8 +133,8 @@ def test_non_contiguous_and_in_flight_together() -> None:
     if rank == 0:  # rank 0 made it, named after its process id
         assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"shardwise-{os.getpid()}-")]
     # a segment nobody holds is freed, and its worker thread ends
-    assert comm._shm is not None
-    worker = comm._shm._thread
+    assert comm.shm.segment is not None
+    worker = comm.shm.segment._thread
     del comm, works, work  # `work` too: each waited collective still names its Comm
     gc.collect()
     worker.join(5.0)
@@ -145,13 +145,13 @@ def test_non_contiguous_and_in_flight_together() -> None:
 def test_destroying_an_engine_ends_its_worker() -> None:
     model = torch.nn.Linear(4, 4)
     engine = shardwise.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})
-    assert engine.comm.shared_memory and engine.comm._shm is not None
-    worker = engine.comm._shm._thread
+    assert engine.comm.shm.active and engine.comm.shm.segment is not None
+    worker = engine.comm.shm.segment._thread
     engine.backward(engine(torch.ones(2, 4)).sum())
     engine.step()
     engine.destroy()
     worker.join(5.0)
-    assert not worker.is_alive() and not engine.comm.shared_memory
+    assert not worker.is_alive() and not engine.comm.shm.active
 
 
 def _one_rank_cannot_map() -> str:
@@ -159,7 +159,7 @@ def _one_rank_cannot_map() -> str:
         shm._DIRECTORY = "/nonexistent-shm"  # as a rank on a host without /dev/shm
     comm = Comm(None, timeout=30)
     comm.open_shared_memory()
-    assert not comm.shared_memory
+    assert not comm.shm.active
     x = torch.ones(10) * (dist.get_rank() + 1)
     comm.all_reduce(x)  # over gloo, on every rank
     assert torch.equal(x, torch.full((10,), 3.0))

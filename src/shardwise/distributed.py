@@ -16,7 +16,7 @@ engine's step check compares across ranks, and a short log for the messages.
 
 On gloo, an engine's ``Comm`` also carries its all-reduce, reduce-scatter and
 all-gather of CPU tensors through shared memory when every rank is on one host
-(:meth:`Comm.open_shared_memory`, :mod:`.shm`); the ledger, the byte counts and
+(its handle ``Comm.shm``, set up by :mod:`.shm`); the ledger, the byte counts and
 the failures are the same whichever way a collective travels.
 """
 
@@ -178,12 +178,11 @@ class Comm:
         self.backend = str(dist.get_backend(group)) if dist.is_available() and dist.is_initialized() else "none"
         self._gloo = self.world_size > 1 and self.backend == "gloo"
         self.ledger = Ledger("local", [0])
-        #: where gloo's all-reduce, reduce-scatter and all-gather of CPU tensors go instead (:mod:`.shm`)
-        self._shm: Optional[_shm.SharedSegment] = None
-        #: why shared memory is not used, when it was asked for and could not be
-        self._shm_refused = ""
         if self.world_size > 1:
             self._connect()
+        #: shared-memory transport for gloo's data collectives of CPU tensors, once opened (:mod:`.shm`)
+        self.shm = _shm.SharedMemory(self._pg if self._gloo else None, self.rank, self.world_size, self.timeout,
+                                     self.fault)
 
     def _connect(self) -> None:
         self._pg: Any = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
@@ -193,91 +192,20 @@ class Comm:
         self._options: dict[Any, Any] = {}
         faults.watch(self.global_rank, self.timeout)
 
+    # The engine's three calls on the transport; the set-up itself lives in `self.shm` (:mod:`.shm`).
     def open_shared_memory(self) -> None:
-        """Collective: on gloo, map a shared segment on every rank for the data collectives of CPU tensors, or
-        keep gloo (:attr:`transport` says why).  Nothing to do for one rank or another backend."""
-        if not self._gloo or self._shm is not None:
-            return
-        ranks = dist.get_process_group_ranks(self._pg)
-        self._shm, self._shm_refused = _shm.open_segment(self.rank, self.world_size, ranks, self.timeout,
-                                                         self._share, self._agree)
+        """Collective: on gloo, carry the data collectives of CPU tensors through shared memory, or keep gloo
+        (:attr:`transport` says why).  Nothing to do for one rank or another backend."""
+        self.shm.open()
 
     def close_shared_memory(self) -> None:
         """Stop using shared memory (its worker thread ends once the collectives in flight are done)."""
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
-
-    def shared_zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Collective: a zeroed flat tensor every rank of the group maps, when collectives go through shared
-        memory (a collective over a region of it then reads the peers' copies in place); else a private one."""
-        if self._shm is not None and device.type == "cpu":
-            tensor = self._shm.allocate(numel, dtype, self._exchange, self._agree)
-            if tensor is not None:
-                return tensor
-        return torch.zeros(numel, dtype=dtype, device=device)
-
-    # setup collectives of shared memory: outside the ledger, every rank issues them at the same point
-    _OFFER = 512  # bytes: a segment's path and token
-
-    def _offer_tensor(self, offer: bytes) -> torch.Tensor:
-        buffer = torch.zeros(self._OFFER, dtype=torch.uint8)
-        if offer:
-            buffer[: len(offer)] = torch.frombuffer(bytearray(offer), dtype=torch.uint8)
-        return buffer
-
-    def _share(self, offer: bytes) -> bytes:
-        """Rank 0's ``offer`` on every rank."""
-        buffer = self._offer_tensor(offer)
-        opts = self._opts(dist.BroadcastOptions, rootRank=0, rootTensor=0)
-        self._raw(lambda: self._pg.broadcast([buffer], opts), "sharing a segment's name")
-        return bytes(buffer.tolist()).rstrip(b"\0")
-
-    def _exchange(self, offer: bytes) -> list[bytes]:
-        """Every rank's ``offer``, in rank order."""
-        buffer = self._offer_tensor(offer)
-        every = torch.zeros(self.world_size * self._OFFER, dtype=torch.uint8)
-        self._raw(lambda: _AG(self._pg, every, buffer, self._opts(_AllgatherOptions)), "exchanging segment names")
-        return [bytes(row.tolist()).rstrip(b"\0") for row in every.view(self.world_size, self._OFFER)]
-
-    def _agree(self, ok: bool) -> bool:
-        """True only if ``ok`` on every rank."""
-        flag = torch.tensor([int(ok)], dtype=torch.int64)
-        opts = self._opts(dist.AllreduceOptions, reduceOp=dist.ReduceOp.MIN)
-        self._raw(lambda: self._pg.allreduce([flag], opts), "agreeing to use shared memory")
-        return bool(flag.item())
-
-    @property
-    def shared_memory(self) -> bool:
-        """Whether data collectives of CPU tensors go through shared memory (:meth:`open_shared_memory`)."""
-        return self._shm is not None
+        self.shm.close()
 
     @property
     def transport(self) -> str:
         """How this group's data collectives travel, in words (logged by the engine)."""
-        if self._shm is not None:
-            return f"shared memory ({self.backend} for the rest)"
-        return f"{self.backend} ({self._shm_refused})" if self._shm_refused else self.backend
-
-    @property
-    def transport_name(self) -> str:
-        """``shared memory`` or the backend's name."""
-        return "shared memory" if self._shm is not None else self.backend
-
-    def _raw(self, start: Callable[[], Any], what: str) -> None:
-        """A setup collective outside the ledger (every rank issues it at the same point)."""
-        try:
-            start().wait()
-        except RuntimeError as exc:
-            raise self.fault(f"setting up shared-memory collectives ({what})", exc) from exc
-
-    def _in_shm(self, *tensors: torch.Tensor, summed: bool = False) -> Optional[_shm.SharedSegment]:
-        """The shared segment, when it can carry a collective of ``tensors`` (the same answer on every rank)."""
-        if self._shm is None or any(t.device.type != "cpu" for t in tensors):
-            return None
-        if summed and any(t.dtype in (torch.bool, torch.complex64, torch.complex128) for t in tensors):
-            return None
-        return self._shm
+        return self.shm.describe(self.backend)
 
     @property
     def distributed(self) -> bool:
@@ -344,7 +272,7 @@ class Comm:
         if not self.distributed:
             return _DONE
         self._count("all_reduce", 2 * _ring_share(self.world_size) * _nbytes(tensor))
-        segment = self._in_shm(tensor, summed=True) if op in (None, dist.ReduceOp.SUM) else None
+        segment = self.shm.carrier(tensor, summed=True) if op in (None, dist.ReduceOp.SUM) else None
         if segment is not None:
             return self._issue("all_reduce", tensor, label, lambda: segment.all_reduce(tensor), async_op)
         opts = self._opts(dist.AllreduceOptions, reduceOp=op or dist.ReduceOp.SUM)
@@ -358,7 +286,7 @@ class Comm:
                 output.copy_(input)
             return _DONE
         self._count("reduce_scatter", _ring_share(self.world_size) * _nbytes(input))
-        segment = self._in_shm(output, input, summed=True)
+        segment = self.shm.carrier(output, input, summed=True)
         if segment is not None:
             return self._issue("reduce_scatter", input, label, lambda: segment.reduce_scatter(output, input), async_op)
         opts = self._opts(dist.ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
@@ -371,7 +299,7 @@ class Comm:
                 output.copy_(input)
             return _DONE
         self._count("all_gather", _ring_share(self.world_size) * _nbytes(output))
-        segment = self._in_shm(output, input)
+        segment = self.shm.carrier(output, input)
         if segment is not None:
             return self._issue("all_gather", output, label, lambda: segment.all_gather(output, input), async_op)
         if self._gloo and output.numel() >= GLOO_BROADCAST_GATHER_MIN:

@@ -34,8 +34,8 @@ into all N; for a reduce-scatter, its own slice only.  Two flags fence it:
 anyone writes that region again.  That moves a fifth of the bytes the staged
 path moves at 2 ranks (measured: see docs/benchmarks.md).
 
-Set up once per :class:`~shardwise.distributed.Comm` that asks for it, a
-collective step of its own: rank 0 creates the file, every rank maps it and
+Set up once per :class:`~shardwise.distributed.Comm` that asks for it (through
+the :class:`SharedMemory` handle it keeps), a collective step of its own: rank 0 creates the file, every rank maps it and
 checks a random token, and the segment is used only if every rank succeeded.
 No file outlives its set-up: every rank that knows a file's name removes it
 on every way out of the set-up (right after the vote that says every rank
@@ -65,10 +65,11 @@ from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from .faults.liveness import PeerWatch
 
-__all__ = ["CHUNK", "ShmWork", "SharedSegment", "open_segment", "supported", "sweep"]
+__all__ = ["CHUNK", "SharedMemory", "ShmWork", "SharedSegment", "open_segment", "supported", "sweep"]
 
 #: bytes per rank per step (measured: 4 MiB beat 1, 2, 8 and 16 MiB for a 20 MB all-reduce)
 CHUNK = 4 << 20
@@ -378,6 +379,122 @@ class _contiguous:
     def __exit__(self, *exc: Any) -> None:
         if self.copy and self.copy_back and exc[0] is None:
             self.tensor.copy_(self.flat.view_as(self.tensor))
+
+
+# ------------------------------------------------------- a group's handle
+#: what a set-up collective's failure becomes: ``fault(operation, cause)`` returns the error to raise
+Fault = Callable[[str, BaseException], BaseException]
+
+
+class SharedMemory:
+    """One group's shared-memory transport, set up on request: the handle a ``Comm`` keeps.
+
+    Holds the segment (None until :meth:`open` succeeded on every rank) and runs the set-up collectives
+    itself, straight on the process group and outside the ledger: every rank issues them at the same point.
+    ``pg`` is None where shared memory cannot apply (one rank, a backend other than gloo).
+    """
+
+    _OFFER = 512  # bytes: a segment's path and token
+
+    def __init__(self, pg: Any, rank: int, world: int, timeout: float, fault: Fault) -> None:
+        self._pg = pg
+        self.rank, self.world = rank, world
+        self._timeout = timeout
+        self._limit = timedelta(seconds=timeout)
+        self._fault = fault
+        #: where gloo's all-reduce, reduce-scatter and all-gather of CPU tensors go instead
+        self.segment: Optional[SharedSegment] = None
+        #: why shared memory is not used, when it was asked for and could not be
+        self.refused = ""
+
+    @property
+    def active(self) -> bool:
+        """Whether data collectives of CPU tensors go through shared memory."""
+        return self.segment is not None
+
+    def open(self) -> None:
+        """Collective: map a segment on every rank, or keep the backend (:attr:`refused` says why)."""
+        if self._pg is None or self.segment is not None:
+            return
+        ranks = dist.get_process_group_ranks(self._pg)
+        self.segment, self.refused = open_segment(self.rank, self.world, ranks, self._timeout, self._share,
+                                                  self._agree)
+
+    def close(self) -> None:
+        """Stop using shared memory (its worker thread ends once the collectives in flight are done)."""
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
+    def zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Collective while :attr:`active`: a zeroed flat tensor every rank maps (a collective over a region of
+        it then reads the peers' copies in place); else, or for another device, a private one."""
+        if self.segment is not None and device.type == "cpu":
+            tensor = self.segment.allocate(numel, dtype, self._exchange, self._agree)
+            if tensor is not None:
+                return tensor
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    def carrier(self, *tensors: torch.Tensor, summed: bool = False) -> Optional[SharedSegment]:
+        """The segment, when it can carry a collective of ``tensors`` (the same answer on every rank)."""
+        if self.segment is None or any(t.device.type != "cpu" for t in tensors):
+            return None
+        if summed and any(t.dtype in (torch.bool, torch.complex64, torch.complex128) for t in tensors):
+            return None
+        return self.segment
+
+    def describe(self, backend: str) -> str:
+        """How the group's data collectives travel, in words (``backend``: the group's own)."""
+        if self.segment is not None:
+            return f"shared memory ({backend} for the rest)"
+        return f"{backend} ({self.refused})" if self.refused else backend
+
+    def name(self, backend: str) -> str:
+        """``shared memory`` or ``backend``."""
+        return "shared memory" if self.segment is not None else backend
+
+    # ------------------------------------------------- set-up collectives
+    def _offer_tensor(self, offer: bytes) -> torch.Tensor:
+        buffer = torch.zeros(self._OFFER, dtype=torch.uint8)
+        if offer:
+            buffer[: len(offer)] = torch.frombuffer(bytearray(offer), dtype=torch.uint8)
+        return buffer
+
+    def _opts(self, cls: Any, **fields: Any) -> Any:
+        opts = cls()
+        opts.timeout = self._limit
+        for field, value in fields.items():
+            setattr(opts, field, value)
+        return opts
+
+    def _share(self, offer: bytes) -> bytes:
+        """Rank 0's ``offer`` on every rank."""
+        buffer = self._offer_tensor(offer)
+        opts = self._opts(dist.BroadcastOptions, rootRank=0, rootTensor=0)
+        self._raw(lambda: self._pg.broadcast([buffer], opts), "sharing a segment's name")
+        return bytes(buffer.tolist()).rstrip(b"\0")
+
+    def _exchange(self, offer: bytes) -> list[bytes]:
+        """Every rank's ``offer``, in rank order."""
+        buffer = self._offer_tensor(offer)
+        every = [torch.zeros(self._OFFER, dtype=torch.uint8) for _ in range(self.world)]
+        opts = self._opts(torch._C._distributed_c10d.AllgatherOptions)
+        self._raw(lambda: self._pg.allgather([every], [buffer], opts), "exchanging segment names")
+        return [bytes(row.tolist()).rstrip(b"\0") for row in every]
+
+    def _agree(self, ok: bool) -> bool:
+        """True only if ``ok`` on every rank."""
+        flag = torch.tensor([int(ok)], dtype=torch.int64)
+        opts = self._opts(dist.AllreduceOptions, reduceOp=dist.ReduceOp.MIN)
+        self._raw(lambda: self._pg.allreduce([flag], opts), "agreeing to use shared memory")
+        return bool(flag.item())
+
+    def _raw(self, start: Callable[[], Any], what: str) -> None:
+        """A set-up collective, waited on; a failure becomes the group's named error."""
+        try:
+            start().wait()
+        except RuntimeError as exc:
+            raise self._fault(f"setting up shared-memory collectives ({what})", exc) from exc
 
 
 # ------------------------------------------------------------------ setting up

@@ -3,20 +3,20 @@
 What the three stages share lives here: the :class:`~.layout.FlatLayout`,
 gradient buckets reduced asynchronously from autograd hooks while backward is
 still running, the optimizer step over this rank's masters, and carrying state
-across a change of the trainable set.  Where masters and averaged gradients
-live is chosen once per layout (:mod:`.masters`); a stage overrides only what
-differs:
+across a change of the trainable set.  Where gradients live is the stage's
+:attr:`FlatStrategy.grad_storage` (:mod:`.grads`), built once per layout with
+the allocator the transport offers; the masters' arrangement is chosen beside
+it (:mod:`.masters`).  A stage differs only in how it reduces and regathers
+and which storage it uses:
 
 * stage 0 (:mod:`.stage0`): one shard; each bucket is all-reduced and the
-  masters are copied into the parameters;
+  masters are copied into the parameters; a flat gradient buffer;
 * stage 1 (:mod:`.stage1`): N shards; each bucket is reduce-scattered and the
-  updated slices are all-gathered;
-* stage 2 (:mod:`.stage2`): as stage 1, but gradients are captured into a
-  bucket staging tensor as autograd produces them instead of living in a
-  full-size buffer.
+  updated slices are all-gathered; a flat gradient buffer;
+* stage 2 (:mod:`.stage2`): as stage 1, with gradients staged per bucket at
+  the boundary instead of living in a full-size buffer.
 
-By default (stages 0 and 1) gradients live in one flat buffer that
-``param.grad`` views into, as DDP's ``gradient_as_bucket_view``.  A bucket is
+A bucket is
 launched once all of its parameters' gradients are in *and* every earlier
 bucket has been launched, so all ranks issue the same collectives in the same
 order even when their autograd orders differ.
@@ -35,14 +35,18 @@ from ..distributed import Work
 from ..param_state import OptimizerSlot, ParamShard
 from .base import Strategy, group_index, module_order, tensor_bytes
 from .frozen import FrozenStore, Kept
+from .grads import Allocate, FlatGrads, GradStorage, private_zeros
 from .layout import Bucket, FlatLayout
-from .masters import Masters, ParamsAreMasters, ReducedGrads, choose_masters
+from .masters import Masters, ParamsAreMasters, choose_masters
 
 __all__ = ["FlatStrategy"]
 
 
 class FlatStrategy(Strategy):
     """Base of stages 0-2; see the module docstring."""
+
+    #: where this stage keeps gradients (:mod:`.grads`)
+    grad_storage: type[GradStorage] = FlatGrads
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -53,13 +57,11 @@ class FlatStrategy(Strategy):
         self.device = torch.device("cpu")
         # empty until `attach` builds them (inference: they stay empty)
         self.layout = FlatLayout([], 1, 1, 0)
+        self.grads: GradStorage = self.grad_storage(self.layout, self.precision.dtype, self.device, private_zeros)
         self.masters: Masters = ParamsAreMasters(self.layout, self.precision.dtype, self.device)
-        self.reduced = ReducedGrads([], None, owned=False)
         self.frozen = FrozenStore()
         #: per parameter id, the fp32 tensor the inner optimizer steps
         self.steps: dict[int, torch.Tensor] = {}
-        self.grad_flat = torch.empty(0)
-        self._grad_views: list[torch.Tensor] = []
         self._hooks: list[Any] = []
         self._groups: list[list[nn.Parameter]] = []
         self._order: list[nn.Parameter] = []
@@ -94,30 +96,20 @@ class FlatStrategy(Strategy):
         rank = self.comm.rank if self.num_shards > 1 else 0
         self.layout = FlatLayout(params, self.zero_config.reduce_bucket_size, self.num_shards, rank)
         self.device = params[0].device if params else torch.device("cpu")
-        self.masters = choose_masters(self.layout, self.precision.dtype, self.device, self.grads_in_params)
+        self.grads = self.grad_storage(self.layout, self.precision.dtype, self.device, self._allocator())
+        self.masters = choose_masters(self.layout, self.precision.dtype, self.device, self.grads)
         self.masters.build(initial)
-        self._make_grad_storage()
-        self.steps = self.masters.steps(self.reduced)
+        self.steps = self.masters.steps(self.grads.reduced)
         for group, originals in zip(self.inner.param_groups, self._groups):
             group["params"] = [self.steps[id(p)] for p in originals if id(p) in self.steps]
         self._register_hooks()
         self._reset_backward()
         self._unused = []
 
-    #: whether ``param.grad`` holds the full-size gradient in a flat buffer (stages 0 and 1)
-    grads_in_params = True
-
-    def _make_grad_storage(self) -> None:
-        """One flat gradient buffer that ``param.grad`` views into; fp32 averages land in it in place."""
-        layout = self.layout
-        # every rank maps it when collectives go through shared memory: the reduction then reads in place
-        self.grad_flat = self.comm.shared_zeros(layout.padded_numel, self.precision.dtype, self.device)
-        # each parameter's gradient view, built once: the hooks compare against it every backward
-        self._grad_views = [layout.param_slice(self.grad_flat, i).view_as(p) for i, p in enumerate(layout.params)]
-        if self.precision.dtype == torch.float32:
-            self.reduced = ReducedGrads.in_buffer(layout, self.grad_flat)
-        else:
-            self.reduced = ReducedGrads.separate(layout, self.device)
+    def _allocator(self) -> Allocate:
+        """Memory every rank maps when collectives go through shared memory (a reduction then reads the
+        peers' gradients in place), else this process's own; the same choice on every rank."""
+        return self.comm.shm.zeros if self.comm.shm.active else private_zeros
 
     def _register_hooks(self) -> None:
         for index, param in enumerate(self.layout.params):
@@ -145,46 +137,18 @@ class FlatStrategy(Strategy):
         self._reset_backward()
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
-        self._accumulate(index, param)
-        if not self.in_backward:
-            return  # another engine's backward reached this model: keep the gradient, reduce nothing
-        self.arrivals += 1
-        if not self.sync or self._seen[index]:
+        """Autograd's hook: the storage keeps the gradient; at a boundary, a complete bucket is launched."""
+        # another engine's backward can reach this model: keep the gradient, reduce nothing
+        boundary = self.in_backward and self.sync and not self._seen[index]
+        self.grads.on_grad(index, param, boundary)
+        if self.in_backward:
+            self.arrivals += 1
+        if not boundary:
             return
         self._seen[index] = True
-        self._capture(index, param)
         bucket, _ = self.layout.bucket_of[index]
         self._pending[bucket.index] -= 1
         self._launch_ready()
-
-    def _accumulate(self, index: int, param: torch.Tensor) -> None:
-        """Keep the gradient in the flat buffer the reduction reads.
-
-        ``param.grad`` is the truth, as in plain PyTorch: when it is not this
-        parameter's view of the buffer, whatever cleared it (the engine's
-        ``zero_grad``, a user's ``module.zero_grad()`` or ``p.grad = None``)
-        discarded what the view held, and autograd handed over a fresh tensor
-        holding everything since.  Copying it (as DDP's reducer copies into its
-        buckets) spares zeroing the whole buffer every step.
-        """
-        self._adopt_grad(index, param)
-
-    def _adopt_grad(self, index: int, param: torch.Tensor) -> bool:
-        """Make ``param.grad`` this parameter's view of the buffer, holding what ``.grad`` held (zeros when it was
-        None: other ranks may have a gradient to average with); whether it had one."""
-        view = self._grad_views[index]
-        grad = param.grad
-        if grad is not None and grad.data_ptr() == view.data_ptr():
-            return True
-        if grad is None:
-            view.zero_()
-        else:
-            view.copy_(grad)
-        param.grad = view  # not a use of the values: no wait for a gather in flight (see .pending)
-        return grad is not None
-
-    def _capture(self, index: int, param: torch.Tensor) -> None:
-        """At a boundary, take ``param``'s finished gradient for its bucket (stage 2 copies it)."""
 
     def _flush(self, bucket: Bucket) -> None:
         """Before ``bucket`` is reduced: take the gradients of the parameters whose hook did not fire in this
@@ -192,16 +156,7 @@ class FlatStrategy(Strategy):
         for index in bucket.params:
             if not self._seen[index]:
                 self._seen[index] = True
-                self._used[index] = self._take_unseen(index, self.layout.params[index])
-
-    def _take_unseen(self, index: int, param: torch.Tensor) -> bool:
-        """Put an unseen parameter's gradient where the reduction reads it; whether it had one."""
-        return self._adopt_grad(index, param)
-
-    def _comm_input(self, bucket: Bucket) -> torch.Tensor:
-        """The bucket's summed local gradients as a full-size fp32 tensor."""
-        region = self.layout.bucket_slice(self.grad_flat, bucket)
-        return region if region.dtype == torch.float32 else region.float()
+                self._used[index] = self.grads.take(index, self.layout.params[index])
 
     def _launch_ready(self) -> None:
         buckets = self.layout.buckets
@@ -210,8 +165,8 @@ class FlatStrategy(Strategy):
             self._next += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        source = self._comm_input(bucket)
-        output = self.reduced.slices[bucket.index]
+        source = self.grads.comm_input(bucket)
+        output = self.grads.reduced.slices[bucket.index]
         wire = self.precision.reduce_dtype
         if wire == source.dtype:
             work, pending = self._reduce(source, output)
@@ -258,9 +213,10 @@ class FlatStrategy(Strategy):
             work.wait()
             finish()
             # This bucket's share of the gradient norm, while later buckets are still in flight.
-            parts.append(self.reduced.bucket_sq(index))
+            parts.append(self.grads.reduced.bucket_sq(index))
         self._works = []
-        self._sq_parts = (torch.stack(parts).sum() if parts else torch.zeros(()), self.reduced.versions())
+        self.grads.reduced_all()
+        self._sq_parts = (torch.stack(parts).sum() if parts else torch.zeros(()), self.grads.reduced.versions())
         self._find_unused()
 
     def _count_used(self) -> None:
@@ -320,13 +276,13 @@ class FlatStrategy(Strategy):
         """This rank's sum of squared reduced gradients: the per-bucket sums ``finish_backward`` took while
         waiting on the reduction, unless something wrote to the gradients since (then computed afresh)."""
         parts = self._sq_parts
-        if parts is not None and parts[1] == self.reduced.versions():
+        if parts is not None and parts[1] == self.grads.reduced.versions():
             return parts[0]
-        return self.reduced.sq()
+        return self.grads.reduced.sq()
 
     def scale_grads(self, factor: float) -> None:
         if factor != 1.0:
-            self.reduced.scale(factor)
+            self.grads.reduced.scale(factor)
 
     def after_step(self) -> None:
         self._regather()
@@ -336,7 +292,7 @@ class FlatStrategy(Strategy):
         """Make the model's parameters equal to the updated masters (collective when sharded)."""
 
     def zero_grad(self) -> None:
-        """Gradients become None, as torch's default; the buffer is overwritten, not zeroed (see `_accumulate`)."""
+        """Gradients become None, as torch's default; the storage is overwritten, not zeroed (:mod:`.grads`)."""
         self._dirty = False
         for param in self.layout.params:
             param.grad = None  # not a use of the values: no wait for a gather in flight (see .pending)
@@ -413,7 +369,7 @@ class FlatStrategy(Strategy):
         return {
             "parameters": tensor_bytes(list(params.values())),
             "master_weights": self.masters.nbytes() + kept_masters,
-            "gradients": tensor_bytes(self.grad_flat) + self.reduced.nbytes(),
+            "gradients": self.grads.nbytes(),
             "optimizer_state": tensor_bytes(list(state.values())) + self.frozen.state_bytes(),
         }
 

@@ -11,18 +11,15 @@ Three arrangements of the master weights, one class each:
 * :class:`SeparateMasters` (fp16/bf16): the parameters live in a flat buffer of
   the compute dtype; the masters are a separate fp32 shard, cast when published.
 
-And of the averaged gradients (:class:`ReducedGrads`): inside the full
-gradient buffer (fp32 with full-size gradients: the reduction writes this
-rank's slice in place) or a separate fp32 shard.
-
-The strategy asks its arrangement for what to step and what to gather and
+Chosen beside the gradient storage (:mod:`.grads`), whose averaged gradients
+the masters' ``.grad`` view.  The strategy asks its arrangement for what to step and what to gather and
 never branches on the mode itself.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Mapping, MutableMapping, Optional
+from typing import Any, Callable, Mapping, MutableMapping
 
 import torch
 
@@ -30,9 +27,10 @@ from ..distributed import Comm
 from ..param_state import KeptSlot, OptimizerSlot
 from .carry import export_state, import_state
 from .frozen import Kept
+from .grads import GradStorage, ReducedGrads
 from .layout import Bucket, FlatLayout
 
-__all__ = ["InPlaceMasters", "Masters", "ParamsAreMasters", "ReducedGrads", "SeparateMasters", "choose_masters"]
+__all__ = ["InPlaceMasters", "Masters", "ParamsAreMasters", "SeparateMasters", "choose_masters"]
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
@@ -65,7 +63,7 @@ class Masters(ABC):
             view.copy_(param.detach().reshape(-1))
             param.data = view.view_as(param)
 
-    def steps(self, grads: "ReducedGrads") -> dict[int, torch.Tensor]:
+    def steps(self, grads: ReducedGrads) -> dict[int, torch.Tensor]:
         """Per parameter id, the fp32 tensor the inner optimizer steps, its ``.grad`` wired to ``grads``."""
         layout = self.layout
         views: dict[int, torch.Tensor] = {}
@@ -136,7 +134,7 @@ class ParamsAreMasters(Masters):
     def build(self, initial: Mapping[int, torch.Tensor]) -> None:
         pass  # nothing to lay out: the model's parameters keep their own storage
 
-    def steps(self, grads: "ReducedGrads") -> dict[int, torch.Tensor]:
+    def steps(self, grads: ReducedGrads) -> dict[int, torch.Tensor]:
         return {id(p): p for p in self.layout.params}  # each .grad is its view of the gradient buffer
 
     def gather_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -215,65 +213,11 @@ class SeparateMasters(Masters):
         return self.master.numel() * self.master.element_size()
 
 
-def choose_masters(layout: FlatLayout, dtype: torch.dtype, device: torch.device, grads_in_params: bool) -> Masters:
-    """The arrangement for ``layout``: ``grads_in_params`` says whether ``param.grad`` holds the
-    full-size gradient the reduction averages in place (stages 0 and 1)."""
+def choose_masters(layout: FlatLayout, dtype: torch.dtype, device: torch.device, grads: GradStorage) -> Masters:
+    """The arrangement for ``layout`` beside the gradient storage ``grads`` (:mod:`.grads`): the parameters
+    are their own masters only where ``param.grad`` holds the full-size gradient averaged in place."""
     if dtype != torch.float32:
         return SeparateMasters(layout, dtype, device)
-    if layout.num_shards == 1 and grads_in_params:
+    if layout.num_shards == 1 and grads.in_params:
         return ParamsAreMasters(layout, dtype, device)
     return InPlaceMasters(layout, dtype, device)
-
-
-class ReducedGrads:
-    """Per bucket, where this rank's averaged fp32 gradient lands (what the optimizer reads)."""
-
-    def __init__(self, slices: list[torch.Tensor], contiguous: Optional[torch.Tensor], owned: bool) -> None:
-        self.slices = slices
-        #: all of them as one tensor when they are contiguous (one kernel for the norm)
-        self.contiguous = contiguous
-        self._owned = owned
-
-    @classmethod
-    def in_buffer(cls, layout: FlatLayout, grad_flat: torch.Tensor) -> "ReducedGrads":
-        """This rank's slices of the full fp32 gradient buffer (reduced in place)."""
-        slices = [layout.owned_slice(grad_flat, b) for b in layout.buckets]
-        return cls(slices, grad_flat if layout.num_shards == 1 else None, owned=False)
-
-    @classmethod
-    def separate(cls, layout: FlatLayout, device: torch.device) -> "ReducedGrads":
-        """A separate fp32 shard."""
-        shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
-        return cls([layout.shard_slice(shard, b) for b in layout.buckets], shard, owned=True)
-
-    def bucket_sq(self, index: int) -> torch.Tensor:
-        """Sum of squares of bucket ``index``'s slice (this rank's part)."""
-        grad = self.slices[index].float()
-        return torch.dot(grad, grad) if grad.numel() else grad.new_zeros(())
-
-    def versions(self) -> tuple[int, ...]:
-        """The slices' in-place write counters: a change means the gradients were written to."""
-        return tuple(s._version for s in self.slices)
-
-    def sq(self) -> torch.Tensor:
-        """Sum of squares (this rank's part)."""
-        if self.contiguous is not None:
-            grad = self.contiguous.float()
-            return torch.dot(grad, grad) if grad.numel() else grad.new_zeros(())
-        total = torch.zeros((), dtype=torch.float32)
-        for index in range(len(self.slices)):
-            total += self.bucket_sq(index)
-        return total
-
-    def scale(self, factor: float) -> None:
-        if self.contiguous is not None:
-            self.contiguous.mul_(factor)
-        else:
-            for grad in self.slices:
-                grad.mul_(factor)
-
-    def nbytes(self) -> int:
-        """Bytes held apart from the full gradient buffer."""
-        if not self._owned or self.contiguous is None:
-            return 0
-        return self.contiguous.numel() * self.contiguous.element_size()

@@ -40,13 +40,13 @@ class Stage1(FlatStrategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.reduce_scatter = uses_reduce_scatter(self.zero_config.reduce_scatter, self.comm.backend,
-                                                  self.comm.shared_memory)
+                                                  self.comm.shm.active)
         #: updated parameters still being gathered; waited for on first use (:mod:`.pending`)
         self.pending = PendingGathers()
 
     def describe_reduction(self) -> str:
         how = "reduce-scatter" if self.reduce_scatter else "all-reduce, keeping this rank's slice"
-        why = "as configured" if self.zero_config.reduce_scatter is not None else f"chosen for {self.comm.transport_name}"
+        why = "as configured" if self.zero_config.reduce_scatter is not None else f"chosen for {self.comm.shm.name(self.comm.backend)}"
         return f"gradients averaged by {how} ({why}: `zero_optimization.reduce_scatter`)"
 
     def _reduce(self, source: torch.Tensor, output: torch.Tensor) -> tuple[Work, Optional[torch.Tensor]]:
