@@ -243,11 +243,11 @@ class FlatStrategy(Strategy):
         gradients cleared (so the next ones overwrite the buffer), and the kept ones added to the new
         reduction; a parameter either backward used counts as used."""
         self.settle()
-        kept = [grad.clone() for grad in self.reduced.slices]
+        kept = [grad.clone() for grad in self.grads.reduced.slices]
         unused = set(self._unused)
         self.zero_grad()
         yield
-        for grad, earlier in zip(self.reduced.slices, kept):
+        for grad, earlier in zip(self.grads.reduced.slices, kept):
             grad.add_(earlier)
         self._unused = sorted(unused & set(self._unused))
 
