@@ -15,6 +15,11 @@ a stage-3 hook counts as a switch from engine.py to the hook's file).  Reported:
 * ``path``: the files in the order control visits them, and with ``--calls``
   the ``file:function`` entered at each switch.
 
+With ``--gradient`` only the frames that move the gradient count: those inside
+the stage-3 gradient hook, ``finish_backward`` and the optimizer step, and
+``Engine.backward``/``Engine.step`` themselves; the engine's bookkeeping (fault
+ledger, loss checks) and the regathering of parameters for backward do not.
+
 docs/life-of-a-gradient-stage3.md records the counts before and after the
 stage-3 refactor.
 """
@@ -22,6 +27,7 @@ stage-3 refactor.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import threading
@@ -34,8 +40,19 @@ from torch import nn
 
 __all__ = ["PathCount", "main", "trace_stage3"]
 
+def _package_root() -> str:
+    spec = importlib.util.find_spec("shardwise")  # the package on the path: the one traced
+    if spec is None or spec.origin is None:
+        raise SystemExit("shardwise is not importable; run with `PYTHONPATH=src`")
+    return str(Path(spec.origin).resolve().parent) + "/"
+
+
 #: only frames of files under this folder are counted
-_ROOT = str(Path(__file__).resolve().parent.parent / "src" / "shardwise") + "/"
+_ROOT = _package_root()
+#: (file, function) of the frames under which the gradient moves (``--gradient``)
+_CARRIERS = {("zero/stage3.py", "_on_grad"), ("zero/stage3.py", "finish_backward"), ("zero/optimizer.py", "step")}
+#: the entry points themselves (control returns to them between hooks)
+_ROOTS = {("engine.py", "backward"), ("engine.py", "step"), ("engine.py", "_step")}
 
 
 class PathCount:
@@ -71,7 +88,23 @@ def _shardwise_frame(frame: Optional[FrameType]) -> Optional[FrameType]:
     return None
 
 
-def _tracer(count: PathCount) -> Callable[..., Any]:
+def _where(frame: FrameType) -> tuple[str, str]:
+    return frame.f_code.co_filename[len(_ROOT) :], frame.f_code.co_name
+
+
+def _moves_gradient(here: FrameType) -> bool:
+    """Whether ``here`` is an entry point, or runs under a frame that carries the gradient."""
+    if _where(here) in _ROOTS:
+        return True
+    frame: Optional[FrameType] = here
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_ROOT) and _where(frame) in _CARRIERS:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _tracer(count: PathCount, gradient_only: bool) -> Callable[..., Any]:
     def trace(frame: FrameType, event: str, arg: Any) -> Any:
         if event == "call":
             here = _shardwise_frame(frame)
@@ -79,7 +112,7 @@ def _tracer(count: PathCount) -> Callable[..., Any]:
             here = _shardwise_frame(frame.f_back)
         else:
             return trace
-        if here is not None:
+        if here is not None and (not gradient_only or _moves_gradient(here)):
             count.note(here)
         return trace
 
@@ -91,7 +124,7 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def trace_stage3() -> PathCount:
+def trace_stage3(gradient_only: bool = False) -> PathCount:
     """One traced backward and step at stage 3 (after one untraced warm-up step), in this process."""
     import shardwise
 
@@ -104,8 +137,8 @@ def trace_stage3() -> PathCount:
     for traced in (False, True):
         loss = engine(inputs).pow(2).sum()
         if traced:
-            threading.settrace(_tracer(count))
-            sys.settrace(_tracer(count))
+            threading.settrace(_tracer(count, gradient_only))
+            sys.settrace(_tracer(count, gradient_only))
         try:
             engine.backward(loss)
             engine.step()
@@ -120,8 +153,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the counts and the path as JSON")
     parser.add_argument("--calls", action="store_true", help="print the function entered at each switch")
+    parser.add_argument("--gradient", action="store_true", help="count only the frames that move the gradient")
     args = parser.parse_args(argv)
-    counts = trace_stage3().counts()
+    counts = trace_stage3(args.gradient).counts()
     if args.json:
         print(json.dumps(counts, indent=1))
         return 0

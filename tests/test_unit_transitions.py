@@ -18,8 +18,7 @@ from torch import nn
 
 from shardwise.distributed import Comm
 from shardwise.zero.hooks import Gatherer, TrainingState
-from shardwise.zero.params import _UNIT_MOVES, Unit, UnitError, UnitState, restore_parameter
-from shardwise.zero.transitions import move
+from shardwise.zero.params import _UNIT_MOVES, Unit, UnitError, UnitState, move, restore_parameter
 
 T = TrainingState
 S = UnitState

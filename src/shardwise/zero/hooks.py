@@ -48,9 +48,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .params import Unit, checksum, not_gathered_error, param_name, prepare_for_compile, unit_of
+from .params import Unit, checksum, move, not_gathered_error, param_name, prepare_for_compile, unit_of
 from .traced import outside_graphs
-from .transitions import move
 
 __all__ = ["Gatherer", "MasterValues", "TrainingState", "module_units"]
 

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, TypeVar
 
 import torch
 from torch import nn
 
 from ..distributed import Comm, Work
 from . import traced
-from .transitions import UnitError, move
 
 __all__ = [
     "Unit",
@@ -42,6 +41,7 @@ __all__ = [
     "UnitState",
     "gather_units",
     "is_partitioned",
+    "move",
     "not_gathered_error",
     "partition_parameter",
     "prepare_for_compile",
@@ -85,6 +85,33 @@ class UnitOwner(Protocol):
 
     def on_write(self, unit: "Unit") -> contextlib.AbstractContextManager[None]:
         """An in-place operation is about to write parameters of the gathered ``unit``: around the write."""
+
+
+# ------------------------------------------------------------- life cycles
+_S = TypeVar("_S", bound=enum.Enum)
+
+
+class UnitError(RuntimeError):
+    """A unit (or the model holding units) was used against its life cycle (a bug in shardwise or in
+    code holding units)."""
+
+
+def move(rank: int, what: str, current: _S, to: _S, allowed: Mapping[_S, frozenset[_S]], event: str, fix: str) -> _S:
+    """The one checked move of stage 3's life cycles (a unit's :class:`UnitState`, a model's training state).
+
+    Returns ``to`` when the table ``allowed`` (per state, the states it may move to) lets ``current``
+    move there; otherwise raises a :class:`UnitError` naming ``what`` (a unit, a model), the state it
+    was in, the move ``event`` attempted and ``fix``, instead of leaving the state wrong for a later
+    step to trip over.
+    """
+    if to in allowed.get(current, frozenset()):
+        return to
+    sources = sorted(s.value for s, targets in allowed.items() if to in targets)
+    expected = " or ".join(sources) if sources else "(no state: the move is never allowed)"
+    raise UnitError(
+        f"rank {rank}: {what} cannot {event} ({current.value} -> {to.value}): expected it {expected}, "
+        f"found {current.value}; {fix}"
+    )
 
 
 # ------------------------------------------------------------------ the unit
@@ -224,6 +251,20 @@ class Unit:
         """Parameter ``index``'s elements inside a full-size flat tensor, shaped like it."""
         shape = self.shapes[index]
         return flat.narrow(0, self.offsets[index], shape.numel()).view(shape)
+
+    def take_grads(self, indices: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, set[int]]:
+        """The gradients of parameters ``indices`` in one full-size flat tensor of ``dtype`` (zeros where a
+        parameter has none), and which had one; their ``param.grad`` is released."""
+        flat = torch.zeros(self.padded, dtype=dtype, device=self.shard.device)
+        had_grad = set()
+        with torch._C.DisableTorchFunctionSubclass():
+            for index in indices:
+                param = self.params[index]
+                if param.grad is not None:
+                    self.param_view(flat, index).copy_(param.grad)
+                    param.grad = None
+                    had_grad.add(index)
+        return flat, had_grad
 
     def view_params(self) -> None:
         """Point every parameter's ``.data`` at its place in ``self.full``."""

@@ -147,14 +147,26 @@ class Pieces(ABC):
         """The masters' gradients (what the optimizer reads)."""
         return [p.master.grad for p in self.all if p.master is not None and p.master.grad is not None]
 
-    def add_grad(self, piece: Piece, master: torch.Tensor, reduced: torch.Tensor, scale: float) -> None:
-        """Add ``reduced * scale`` to the gradient of the trainable piece's ``master`` (its fp32 gradient
-        is allocated by the first add after :meth:`zero_grads`)."""
-        if piece.grad is None:
-            piece.grad = reduced.float().mul(scale)
-        else:
-            piece.grad.add_(reduced, alpha=scale)
-        master.grad = piece.grad
+    def add_reduced(self, unit: Unit, output: torch.Tensor, had_grad: set[int], trainable: list[int],
+                    scale: float) -> None:
+        """Add ``scale`` times this rank's slice ``output`` of ``unit``'s reduced gradients to the gradients of
+        its pieces of the ``trainable`` parameters (fp32, allocated by the first add after :meth:`zero_grads`).
+
+        A parameter no rank had a gradient for (not in ``had_grad`` here, zeros from everywhere) keeps
+        ``.grad`` None, so the optimizer skips it as torch skips a parameter whose ``.grad`` is None.
+        """
+        for piece in self.by_unit.get(unit, ()):
+            master = piece.master
+            if master is None or piece.index not in trainable:
+                continue
+            reduced = piece.local(output)
+            if piece.index not in had_grad and not bool(reduced.any()):
+                continue
+            if piece.grad is None:
+                piece.grad = reduced.float().mul(scale)
+            else:
+                piece.grad.add_(reduced, alpha=scale)
+            master.grad = piece.grad
 
     def zero_grads(self) -> None:
         for piece in self.all:

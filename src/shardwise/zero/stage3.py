@@ -39,6 +39,7 @@ and free units in :mod:`.hooks`.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator, Optional
 
 import torch
@@ -126,9 +127,11 @@ class Stage3(Strategy):
         for param in self._params:
             unit = unit_of(param)
             if unit is not None and param.requires_grad:
-                self._trainable.setdefault(unit, []).append(param.__dict__["_shardwise_index"])
+                index = param.__dict__["_shardwise_index"]
+                self._trainable.setdefault(unit, []).append(index)
                 if id(param) not in self._grad_hooks:
-                    self._grad_hooks[id(param)] = param.register_post_accumulate_grad_hook(self._on_grad)
+                    hook = functools.partial(self._on_grad, unit, index)
+                    self._grad_hooks[id(param)] = param.register_post_accumulate_grad_hook(hook)
 
     def has_pending_grads(self) -> bool:
         return self._dirty
@@ -147,13 +150,13 @@ class Stage3(Strategy):
             used = [u for u in reversed(list(self.gatherer.forward_order)) if u in self._trainable]
             self._order = used + [u for u in self.units if u in self._trainable and u not in set(used)]
 
-    def _on_grad(self, param: torch.Tensor) -> None:
-        unit = unit_of(param)
-        if unit is None or unit not in self._trainable or not self.in_backward:
+    def _on_grad(self, unit: Unit, index: int, param: torch.Tensor) -> None:
+        """Parameter ``index`` of ``unit`` got its gradient: reduce the unit once all of its have."""
+        if unit not in self._trainable or not self.in_backward:
             return  # (not in this engine's backward: another engine's loss reached this model)
         self.arrivals += 1
         arrived = self._arrived.setdefault(unit, set())
-        arrived.add(param.__dict__["_shardwise_index"])
+        arrived.add(index)
         if len(arrived) < len(self._trainable[unit]):
             return
         self.gatherer.grads_ready(unit)
@@ -166,15 +169,7 @@ class Stage3(Strategy):
     def _launch(self, unit: Unit) -> None:
         # fp32 unless `communication_data_type` halves the bytes on the wire; averaged into fp32 below
         wire = self.precision.reduce_dtype
-        source = torch.zeros(unit.padded, dtype=wire, device=unit.shard.device)
-        had_grad = set()
-        with torch._C.DisableTorchFunctionSubclass():
-            for index in self._trainable[unit]:
-                param = unit.params[index]
-                if param.grad is not None:
-                    unit.param_view(source, index).copy_(param.grad)
-                    param.grad = None
-                    had_grad.add(index)
+        source, had_grad = unit.take_grads(self._trainable[unit], wire)
         output = torch.empty(unit.shard_numel, dtype=wire, device=source.device)
         work = self.comm.reduce_scatter(output, source, async_op=True, label=unit.label)
         self._works.append((work, unit, source, output, had_grad))
@@ -184,15 +179,7 @@ class Stage3(Strategy):
     def _complete(self, entry: tuple[Any, ...]) -> None:
         work, unit, _, output, had_grad = entry
         work.wait()
-        scale = 1.0 / self.comm.world_size
-        trainable = self._trainable[unit]
-        for piece in self.pieces.by_unit.get(unit, ()):
-            if piece.master is None or piece.index not in trainable:
-                continue
-            reduced = piece.local(output)
-            if piece.index not in had_grad and not bool(reduced.any()):
-                continue  # no rank produced a gradient: stays None, skipped like torch skips grad=None
-            self.pieces.add_grad(piece, piece.master, reduced, scale)
+        self.pieces.add_reduced(unit, output, had_grad, self._trainable[unit], 1.0 / self.comm.world_size)
 
     def finish_backward(self) -> None:
         super().finish_backward()
