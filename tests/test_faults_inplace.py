@@ -96,7 +96,7 @@ def _persists_like_ddp(stage: int) -> None:
 
 def _bf16_write_reaches_the_master() -> None:
     engine = _engine(3, threshold=0, bf16=True)
-    head_before = {id(p): p.master.clone() for p in engine.strategy._pieces if p.master is not None
+    head_before = {id(p): p.master.clone() for p in engine.strategy.pieces.all if p.master is not None
                    and p.unit.names[p.index] == "head.weight"}
     def fill(module: nn.Module, args: Any) -> None:
         module.weight.data.fill_(0.25)
@@ -104,7 +104,7 @@ def _bf16_write_reaches_the_master() -> None:
     engine.module.fc1.register_forward_pre_hook(fill)
     engine.optimizer.inner.param_groups[0]["lr"] = 0.0  # the step changes nothing: only the write shows
     _train(engine, 1)
-    for piece in engine.strategy._pieces:
+    for piece in engine.strategy.pieces.all:
         name = piece.unit.names[piece.index]
         if name == "fc1.weight" and piece.master is not None:
             assert torch.equal(piece.master, torch.full_like(piece.master, 0.25)), "the write missed the master"

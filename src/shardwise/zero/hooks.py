@@ -42,16 +42,16 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional, Protocol
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .params import Unit, UnitError, checksum, not_gathered_error, param_name, prepare_for_compile
+from .params import Unit, checksum, move, not_gathered_error, param_name, prepare_for_compile, unit_of
 from .traced import outside_graphs
 
-__all__ = ["Gatherer", "TrainingState"]
+__all__ = ["Gatherer", "MasterValues", "TrainingState", "module_units"]
 
 EXTERNAL_ATTR = "_shardwise_external_params"
 _TENSOR_DATA = torch.Tensor.data
@@ -98,14 +98,44 @@ class TrainingState(enum.Enum):
     BACKWARD = "backward"
 
 
-class Gatherer:
-    """Owns the gather/free life cycle of one engine's units (the stage 3 ``UnitOwner``)."""
+#: the moves of a model's training state; anything else raises
+_TRAINING_MOVES: dict[TrainingState, frozenset[TrainingState]] = {
+    TrainingState.IDLE: frozenset({TrainingState.FORWARD, TrainingState.BACKWARD}),
+    TrainingState.FORWARD: frozenset({TrainingState.PRE_BACKWARD, TrainingState.IDLE}),
+    TrainingState.PRE_BACKWARD: frozenset({TrainingState.FORWARD, TrainingState.BACKWARD}),
+    # a backward inside a backward (reentrant activation checkpointing) starts another graph task
+    TrainingState.BACKWARD: frozenset({TrainingState.IDLE, TrainingState.BACKWARD}),
+}
 
-    def __init__(self, module: nn.Module, units: list[Unit], module_units: dict[nn.Module, list[Unit]],
-                 zero_config: Any) -> None:
+
+class MasterValues(Protocol):
+    """Who keeps copies of the units' values apart from their shards (stage 3's master weights)."""
+
+    def on_params_modified(self, unit: Unit) -> None:
+        """New full values were written into ``unit`` and scattered to its shards."""
+
+    def on_written(self, unit: Unit) -> None:
+        """A forward (or backward) wrote ``unit``'s gathered values in place: keep this rank's slice of them."""
+
+    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
+        """``unit``'s shard took the fp32 ``values`` (this rank's slice) for the parameters ``loaded``."""
+
+
+class Gatherer:
+    """Owns the gather/free life cycle of one engine's units (the stage 3 ``UnitOwner``).
+
+    ``units`` is the engine's list of units (filled before :meth:`install`); ``values``
+    is told about every change of their values that did not come from a step.
+    """
+
+    def __init__(self, module: nn.Module, units: list[Unit], zero_config: Any, values: MasterValues,
+                 rank: int) -> None:
         self.module = module
+        self.rank = rank
         self.units = units
-        self.module_units = module_units
+        self.values = values
+        #: per module, the non-persistent units of its direct parameters (set by :meth:`install`)
+        self.module_units: dict[nn.Module, list[Unit]] = {}
         self.prefetch_numel = int(zero_config.stage3_prefetch_bucket_size)
         self.max_live = int(zero_config.stage3_max_live_parameters)
         self.reuse_distance = int(zero_config.stage3_max_reuse_distance)
@@ -121,14 +151,11 @@ class Gatherer:
         self._bw_trace: list[Unit] = []
         self._bw_cursor = 0
         self._live: set[Unit] = set()
-        self.modified_callback: Callable[[Unit], None] = lambda unit: None
-        self.loaded_callback: Callable[[Unit, torch.Tensor, set[int]], None] = lambda unit, values, loaded: None
-        #: the new full values of ``unit`` were written in place: the owner keeps this rank's slice of them
-        self.written_callback: Callable[[Unit], None] = lambda unit: None
         #: units written in place while gathered -> their checksum before (None: a definite write)
         self._written: dict[Unit, Optional[int]] = {}
         #: units acquired by forwards with grad enabled since the last backward, first use first
         self.forward_order: dict[Unit, None] = {}
+        #: what the model is doing; changed only by :meth:`_move`
         self.state = TrainingState.IDLE
 
     # ------------------------------------------------------------ install
@@ -136,6 +163,7 @@ class Gatherer:
         # Gathering is a collective on Python state: under torch.compile the hooks run eagerly,
         # between graphs (one break per module call), never traced into one.
         prepare_for_compile()
+        self.module_units = module_units(self.module)
         pre, post = outside_graphs(self._pre_forward), outside_graphs(self._post_forward)
         for module in self.module.modules():
             self._handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
@@ -147,14 +175,11 @@ class Gatherer:
         self._handles = []
 
     # ------------------------------------------------------------- state
-    def _move(self, to: TrainingState, allowed: tuple[TrainingState, ...], event: str) -> None:
-        if self.state not in allowed:
-            expected = " or ".join(s.value for s in allowed)
-            raise UnitError(
-                f"{event}: expected the model to be {expected}, found {self.state.value}; forward and "
-                "backward of one engine must not interleave this way"
-            )
-        self.state = to
+    def _move(self, to: TrainingState, event: str) -> None:
+        """The one place the training state changes: raises on a move the life cycle lacks."""
+        fix = "forward and backward of one engine must not interleave this way"
+        self.state = move(self.rank, f"the model ({type(self.module).__name__})", self.state, to, _TRAINING_MOVES,
+                          event, fix)
 
     # ----------------------------------------------------- gather / free
     def acquire(self, unit: Unit) -> None:
@@ -162,7 +187,7 @@ class Gatherer:
         unit.acquire()
         if not unit.gathered:
             self._live.add(unit)
-        unit.gather()
+        unit.ensure_gathered()
 
     def release(self, unit: Unit, keep: bool = False) -> None:
         """Drop one hold; free the unit when nothing holds it (``keep``: leave it gathered)."""
@@ -254,14 +279,14 @@ class Gatherer:
     def _begin_pass(self) -> None:
         if self.state is TrainingState.BACKWARD:
             self._end_backward()  # a backward that raised never ran its final callback
-        self._move(TrainingState.FORWARD, (TrainingState.IDLE, TrainingState.PRE_BACKWARD), "a forward began")
+        self._move(TrainingState.FORWARD, "begin a forward")
         self._trace = []
         self._cursor = 0
 
     def _end_pass(self) -> None:
         # with grad, the calls armed pre-backward hooks: the backward may follow
         after = TrainingState.PRE_BACKWARD if torch.is_grad_enabled() else TrainingState.IDLE
-        self._move(after, (TrainingState.FORWARD,), "a forward ended")
+        self._move(after, "end a forward")
         self._write_back(list(self._written))  # persistent units, and units written outside their call
         self.free_idle()
         self._last = self._trace
@@ -283,7 +308,7 @@ class Gatherer:
                     call.units.append(unit)
                     self._acquire_for(call, unit)
                 else:
-                    unit.gather()
+                    unit.ensure_gathered()
             return contextlib.nullcontext()
         if self._in_backward():
             for unit in units:
@@ -324,7 +349,7 @@ class Gatherer:
 
     def on_params_modified(self, unit: Unit) -> None:
         """``GatheredParameters(modifier_rank=...)`` wrote new values into ``unit``."""
-        self.modified_callback(unit)
+        self.values.on_params_modified(unit)
 
     # ----------------------------------------------------- in-place writes
     def on_write(self, unit: Unit) -> contextlib.AbstractContextManager[None]:
@@ -342,7 +367,7 @@ class Gatherer:
             return
         if self.needs(unit):
             self.on_data_access(unit)  # held for the running call like any read (and a prefetch finishes first)
-        unit.wait()
+        unit.settle()
         if unit not in self._written:
             self._written[unit] = checksum(unit.full)
 
@@ -360,13 +385,13 @@ class Gatherer:
             after = checksum(unit.full)
             if before is not None and before == after:
                 continue  # `.data` was only read
-            self.written_callback(unit)
+            self.values.on_written(unit)
             # No collective: the step check compares this note, so different writes on different ranks fail it.
             unit.comm.ledger.record("in-place write", unit.numel, unit.full.dtype, f"{unit.label}, values {after:x}")
 
     def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
         """``zero.load_state_dict`` gave ``unit`` new fp32 values."""
-        self.loaded_callback(unit, values, loaded)
+        self.values.on_values_loaded(unit, values, loaded)
 
     # ----------------------------------------------------------- backward
     def _arm_post_backward(self, call: _Call, args: Any, kwargs: Any) -> Any:
@@ -395,7 +420,7 @@ class Gatherer:
     def _ensure_backward_callback(self) -> None:
         task = torch._C._current_graph_task_id()
         if task != self._bw_task:
-            self.state = TrainingState.BACKWARD
+            self._move(TrainingState.BACKWARD, "begin a backward")
             self._bw_task = task
             self._bw_trace = list(reversed(self._last))
             self._bw_cursor = 0
@@ -446,8 +471,23 @@ class Gatherer:
             self.release(unit)
         self._bw_calls = []
         self._bw_task = -1
-        self.state = TrainingState.IDLE
+        self._move(TrainingState.IDLE, "end a backward")
         self.free_idle()
+
+
+def module_units(root: nn.Module) -> dict[nn.Module, list[Unit]]:
+    """Per module of ``root``, the non-persistent units holding its direct parameters (a tied parameter's
+    unit is gathered by every module holding it)."""
+    holders: dict[nn.Module, list[Unit]] = {}
+    for module in root.modules():
+        found: list[Unit] = []
+        for param in module._parameters.values():
+            holder = unit_of(param)
+            if holder is not None and not holder.persistent and holder not in found:
+                found.append(holder)
+        if found:
+            holders[module] = found
+    return holders
 
 
 def _next_use(trace: list[Unit]) -> list[Optional[int]]:

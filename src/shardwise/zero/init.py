@@ -35,7 +35,7 @@ from torch.nn.modules import module as module_hooks
 
 from ..config import Config
 from ..distributed import Comm, init_distributed
-from .params import Unit, gather_units, param_name, unit_of
+from .params import Unit, gather_units, not_gathered_error, param_name, unit_of
 
 __all__ = ["Init"]
 
@@ -160,8 +160,6 @@ class Init:
 
     def on_demand(self, units: list[Unit], func: Any, mutating: bool) -> contextlib.AbstractContextManager[None]:
         if not self._active:
-            from .params import not_gathered_error
-
             param = next(p for u in units for p in u.params)
             raise not_gathered_error(param, func)
         return self._around(units, mutating)
@@ -182,8 +180,6 @@ class Init:
 
     def on_data_access(self, unit: Unit) -> None:
         if not self._active:
-            from .params import not_gathered_error
-
             raise not_gathered_error(unit.params[0], torch.Tensor.data)
         unit.acquire()
         unit.gather()
@@ -213,3 +209,10 @@ class Init:
 
     def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
         """Nothing else holds copies of a ``zero.Init`` unit's values (its fp32 ``pristine`` followed)."""
+
+    def on_gathered_data_access(self, unit: Unit) -> None:
+        """A gathered unit here is held by an operation or a ``.data`` read that re-partitions it itself."""
+
+    def on_write(self, unit: Unit) -> contextlib.AbstractContextManager[None]:
+        """A write to a gathered unit is re-partitioned from rank 0 by the operation holding it."""
+        return contextlib.nullcontext()

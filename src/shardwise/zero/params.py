@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ __all__ = [
     "UnitState",
     "gather_units",
     "is_partitioned",
+    "move",
     "not_gathered_error",
     "partition_parameter",
     "prepare_for_compile",
@@ -79,6 +80,39 @@ class UnitOwner(Protocol):
     def on_traced_read(self, unit: "Unit", param: torch.Tensor) -> None:
         """``torch.compile`` traces a read of ``param``: make every replay of the graph find it gathered, or raise."""
 
+    def on_gathered_data_access(self, unit: "Unit") -> None:
+        """``param.data`` of the gathered ``unit`` was taken: whatever is done with it next cannot be seen."""
+
+    def on_write(self, unit: "Unit") -> contextlib.AbstractContextManager[None]:
+        """An in-place operation is about to write parameters of the gathered ``unit``: around the write."""
+
+
+# ------------------------------------------------------------- life cycles
+_S = TypeVar("_S", bound=enum.Enum)
+
+
+class UnitError(RuntimeError):
+    """A unit (or the model holding units) was used against its life cycle (a bug in shardwise or in
+    code holding units)."""
+
+
+def move(rank: int, what: str, current: _S, to: _S, allowed: Mapping[_S, frozenset[_S]], event: str, fix: str) -> _S:
+    """The one checked move of stage 3's life cycles (a unit's :class:`UnitState`, a model's training state).
+
+    Returns ``to`` when the table ``allowed`` (per state, the states it may move to) lets ``current``
+    move there; otherwise raises a :class:`UnitError` naming ``what`` (a unit, a model), the state it
+    was in, the move ``event`` attempted and ``fix``, instead of leaving the state wrong for a later
+    step to trip over.
+    """
+    if to in allowed.get(current, frozenset()):
+        return to
+    sources = sorted(s.value for s, targets in allowed.items() if to in targets)
+    expected = " or ".join(sources) if sources else "(no state: the move is never allowed)"
+    raise UnitError(
+        f"rank {rank}: {what} cannot {event} ({current.value} -> {to.value}): expected it {expected}, "
+        f"found {current.value}; {fix}"
+    )
+
 
 # ------------------------------------------------------------------ the unit
 class UnitState(enum.Enum):
@@ -94,8 +128,13 @@ class UnitState(enum.Enum):
     PERSISTENT = "persistent"
 
 
-class UnitError(RuntimeError):
-    """A unit was used against its life cycle (a bug in shardwise or in code holding units)."""
+#: the moves of a unit's life cycle (see :class:`Unit`); anything else raises
+_UNIT_MOVES: dict[UnitState, frozenset[UnitState]] = {
+    UnitState.SHARDED: frozenset({UnitState.GATHERING}),
+    UnitState.GATHERING: frozenset({UnitState.GATHERED}),
+    UnitState.GATHERED: frozenset({UnitState.SHARDED, UnitState.PERSISTENT}),
+    UnitState.PERSISTENT: frozenset({UnitState.GATHERED}),
+}
 
 
 class Unit:
@@ -103,7 +142,11 @@ class Unit:
 
     Life cycle (:class:`UnitState`): ``SHARDED`` → ``gather(async_op=True)`` →
     ``GATHERING`` → ``wait()`` → ``GATHERED`` → ``free()`` → ``SHARDED``; a
-    persistent unit stays ``PERSISTENT``.  ``holders`` counts who needs the
+    persistent unit stays ``PERSISTENT`` (``free()`` leaves it gathered) until
+    ``unpersist()``.  Every change goes through :meth:`_move`, which raises on a
+    move the life cycle lacks: ``gather()`` of a unit that is not sharded,
+    ``wait()`` with no gather in flight.  Code that only needs the values
+    present, whatever the state, says so with :meth:`ensure_gathered`.  ``holders`` counts who needs the
     full values right now (running forwards and backwards,
     ``GatheredParameters`` blocks); :meth:`acquire` and :meth:`release` are
     the only code that changes it, and freeing a held unit, or releasing one
@@ -139,6 +182,7 @@ class Unit:
         self.full: torch.Tensor = torch.empty(0)
         self.shard: torch.Tensor = torch.empty(0)
         self.pristine: Optional[torch.Tensor] = None
+        #: where the full values are; changed only by :meth:`_move`
         self.state = UnitState.GATHERED  # until `build` keeps its shard and frees the rest
         #: how fault messages name this unit's collectives (same on every rank)
         first = f"`{self.names[0]}`" if self.names else f"unit {index}"
@@ -186,7 +230,8 @@ class Unit:
         """
         self.full = flat.to(dtype)
         self.shard = self.local(self.full).clone()
-        self.state = UnitState.PERSISTENT if self._persistent else UnitState.GATHERED
+        if self._persistent:
+            self._move(UnitState.PERSISTENT, "stay gathered for good")
         for index, param in enumerate(self.params):
             partition_parameter(param, self, index)
         self.view_params()
@@ -196,7 +241,7 @@ class Unit:
         """A persistent unit becomes an ordinary gathered one (so it can be freed)."""
         self._persistent = False
         if self.state is UnitState.PERSISTENT:
-            self.state = UnitState.GATHERED
+            self._move(UnitState.GATHERED, "become freeable")
 
     def local(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full-size flat tensor of this unit."""
@@ -206,6 +251,20 @@ class Unit:
         """Parameter ``index``'s elements inside a full-size flat tensor, shaped like it."""
         shape = self.shapes[index]
         return flat.narrow(0, self.offsets[index], shape.numel()).view(shape)
+
+    def take_grads(self, indices: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, set[int]]:
+        """The gradients of parameters ``indices`` in one full-size flat tensor of ``dtype`` (zeros where a
+        parameter has none), and which had one; their ``param.grad`` is released."""
+        flat = torch.zeros(self.padded, dtype=dtype, device=self.shard.device)
+        had_grad = set()
+        with torch._C.DisableTorchFunctionSubclass():
+            for index in indices:
+                param = self.params[index]
+                if param.grad is not None:
+                    self.param_view(flat, index).copy_(param.grad)
+                    param.grad = None
+                    had_grad.add(index)
+        return flat, had_grad
 
     def view_params(self) -> None:
         """Point every parameter's ``.data`` at its place in ``self.full``."""
@@ -219,35 +278,50 @@ class Unit:
         """Whether the full values are (or are being) materialised."""
         return self.state is not UnitState.SHARDED
 
+    def _move(self, to: UnitState, event: str) -> None:
+        """The one place the state changes: raises on a move the life cycle lacks."""
+        fix = "check `unit.state` (or call `ensure_gathered()`, which does what the state needs) first"
+        self.state = move(self.comm.rank, repr(self), self.state, to, _UNIT_MOVES, event, fix)
+
     def gather(self, async_op: bool = False) -> None:
-        """Materialise the full values (collective); with ``async_op`` only start it."""
-        if self.state is UnitState.SHARDED:
-            storage = self.full.untyped_storage()
-            storage.resize_(self.padded * self.full.element_size())
-            self._work = self.comm.all_gather(self.full, self.shard, async_op=True, label=self.label)
-            self.state = UnitState.GATHERING
+        """Start the all-gather of a sharded unit (collective); without ``async_op`` also finish it."""
+        self._move(UnitState.GATHERING, "start a gather")
+        storage = self.full.untyped_storage()
+        storage.resize_(self.padded * self.full.element_size())
+        self._work = self.comm.all_gather(self.full, self.shard, async_op=True, label=self.label)
         if not async_op:
             self.wait()
 
     def wait(self) -> None:
         """Finish a gather started with ``async_op=True`` (``GATHERING`` → ``GATHERED``)."""
+        work, self._work = self._work, None  # None unless a gather is in flight: then the move raises
+        if work is not None:
+            work.wait()
+        self._move(UnitState.GATHERED, "finish a gather")
+
+    def settle(self) -> None:
+        """Finish a gather in flight (a prefetch), if one is: afterwards no collective of this unit runs."""
         if self.state is UnitState.GATHERING:
-            work, self._work = self._work, None
-            if work is not None:
-                work.wait()
-            self.state = UnitState.GATHERED
+            self.wait()
+
+    def ensure_gathered(self) -> None:
+        """The full values present whatever the state: gather a sharded unit, finish a gather in flight."""
+        if self.state is UnitState.SHARDED:
+            self.gather()
+        self.settle()
 
     def free(self) -> None:
-        """Drop the full values (the shard stays); a persistent unit stays gathered."""
+        """Drop the full values (the shard stays); a gather in flight finishes first, and a persistent
+        unit stays gathered.  Freeing a sharded unit, or one still held, raises."""
         if self._holders:
             raise UnitError(
                 f"rank {self.comm.rank}: {self!r} was freed while {self._holders} holder(s) still need its "
                 "full values (expected 0 holders); release every hold before freeing"
             )
-        self.wait()  # a gather in flight (a prefetch) finishes first, even for a unit that stays
-        if self.state is UnitState.GATHERED:
+        self.settle()  # a gather in flight (a prefetch) finishes first, even for a unit that stays
+        if self.state is not UnitState.PERSISTENT:
+            self._move(UnitState.SHARDED, "free its full values")
             self.full.untyped_storage().resize_(0)
-            self.state = UnitState.SHARDED
 
     def scatter_from_full(self, src: Optional[int] = None) -> None:
         """After the full values changed: optionally take ``src``'s values (collective), update the shard."""
@@ -259,20 +333,20 @@ class Unit:
     def load_shard(self, values: torch.Tensor) -> None:
         """This rank's slice becomes ``values`` (fp32, cast to the unit's dtype); a gathered copy follows
         (collective when gathered, and every rank's unit is gathered alike)."""
-        self.wait()
+        self.settle()
         self.shard.copy_(values)
         if self.pristine is not None:
             self.pristine.copy_(values)  # the exact values masters will start from
-        self.refresh()
+        if self.gathered:
+            self.refresh()
 
     def refresh(self) -> None:
-        """Re-gather a gathered unit from the (updated) shards (collective); a freed one needs nothing."""
-        if self.gathered:
-            self.wait()
-            self.comm.all_gather(self.full, self.shard, label=self.label)
+        """Re-gather a gathered unit from the (updated) shards (collective); a sharded unit raises."""
+        self._expect_gathered("refresh its full values")
+        self.comm.all_gather(self.full, self.shard, label=self.label)
 
     def _expect_gathered(self, action: str) -> None:
-        self.wait()
+        self.settle()
         if self.state is UnitState.SHARDED:
             raise UnitError(
                 f"rank {self.comm.rank}: cannot {action} of {self!r}: expected it gathered, found "
@@ -292,7 +366,7 @@ class Unit:
             self.pristine = self.shard
         if self.pristine is not None and self.pristine.device != device:
             self.pristine = self.pristine.to(device)
-        self.wait()
+        self.settle()
         gathered = self.gathered
         full = self.full.to(device=device, dtype=dtype) if gathered else torch.empty(
             self.padded, dtype=dtype, device=device)
@@ -470,8 +544,8 @@ def _checked_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any
             unit = unit_of(args[0])
             if unit is not None and not unit.gathered:
                 unit.owner.on_data_access(unit)
-            if unit is not None and (watch := getattr(unit.owner, "on_gathered_data_access", None)) is not None:
-                watch(unit)  # `param.data.mul_(...)` writes through a plain tensor: look at the values later
+            if unit is not None:
+                unit.owner.on_gathered_data_access(unit)  # `param.data.mul_(...)` writes through a plain tensor
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     units: list[Unit] = []
@@ -494,9 +568,7 @@ def _checked_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any
             stack.enter_context(owner.on_demand([u for u in units if u.owner is owner], func,
                                                 _is_mutating(func, kwargs)))
         for unit in written:  # entered after the gathers: exits (writes back) before they are released
-            track = getattr(unit.owner, "on_write", None)
-            if track is not None:
-                stack.enter_context(track(unit))
+            stack.enter_context(unit.owner.on_write(unit))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -515,8 +587,9 @@ def checksum(flat: torch.Tensor) -> int:
 
 
 def gather_units(units: Sequence[Unit]) -> None:
-    """Gather several units, overlapping their collectives."""
+    """Gather several units (those not gathered yet), overlapping their collectives."""
     for unit in units:
-        unit.gather(async_op=True)
+        if unit.state is UnitState.SHARDED:
+            unit.gather(async_op=True)
     for unit in units:
-        unit.wait()
+        unit.ensure_gathered()

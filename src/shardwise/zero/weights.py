@@ -184,7 +184,7 @@ def _load_units(module: nn.Module, comm: Comm, reader: Optional[_Reader], plan: 
             continue
         partial, was_gathered = len(loaded) < len(unit.params), unit.gathered
         if partial:
-            unit.gather()  # parameters the source lacks keep their current values
+            unit.ensure_gathered()  # parameters the source lacks keep their current values
         values = torch.empty(unit.shard_numel, dtype=torch.float32, device=unit.shard.device)
         pieces = _full_values(unit, names, loaded, reader, plan) if reader is not None else None
         comm.scatter(values, pieces, src=0)

@@ -1,0 +1,291 @@
+"""Stage 3's pieces and their fp32 master weights: the arrangement chosen once, at initialize.
+
+For each trainable parameter a stage 3 rank owns a *piece*: the elements
+``[start, end)`` of the flattened parameter that fall into its slice of the
+unit.  The inner optimizer steps the piece's master.  Two arrangements, one
+class each (as :mod:`.masters` does for the flat stages):
+
+* :class:`ShardsAreMasters` (fp32 compute): a master is a view of the unit's
+  shard itself, as in torch FSDP; nothing is copied after a step, and values
+  written into the shard are the masters' values already.
+* :class:`SeparateMasters` (fp16/bf16): a master is an fp32 copy of its piece,
+  cast into the shard after each step, and updated when new values are written
+  into the unit (``GatheredParameters(modifier_rank=...)``, an in-place write in
+  a forward, ``zero.load_state_dict``).
+
+A frozen piece leaves the optimizer; its master and optimizer state are kept
+in :attr:`Pieces.frozen` until it trains again.  :meth:`Pieces.master_or_kept`
+is the one lookup of "the master, or the kept one while frozen".
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..param_state import OptimizerSlot, ParamShard
+from .frozen import FrozenStore, Kept
+from .params import Unit
+
+__all__ = ["Piece", "Pieces", "SeparateMasters", "ShardsAreMasters", "choose_pieces"]
+
+
+@dataclass(eq=False)
+class Piece:
+    """The elements ``[start, end)`` of parameter ``index`` of ``unit`` that this rank owns."""
+
+    unit: Unit
+    index: int
+    start: int
+    end: int
+    offset: int  # where they sit in ``unit.shard``
+    group: int
+    master: Optional[torch.Tensor] = None
+    grad: Optional[torch.Tensor] = None
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def local(self, shard: torch.Tensor) -> torch.Tensor:
+        return shard.narrow(0, self.offset, self.numel)
+
+    @property
+    def param(self) -> nn.Parameter:
+        return self.unit.params[self.index]
+
+    @property
+    def name(self) -> str:
+        return self.unit.names[self.index]
+
+
+class Pieces(ABC):
+    """This rank's pieces of every unit, with their masters (see the module docstring)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.all: list[Piece] = []
+        self.by_unit: dict[Unit, list[Piece]] = {}
+        self.by_param: dict[int, list[Piece]] = {}
+        #: masters and optimizer state of frozen pieces, kept until they train again
+        self.frozen = FrozenStore()
+
+    # ---------------------------------------------------------------- build
+    def add(self, unit: Unit, values: torch.Tensor, group_of: dict[int, int]) -> None:
+        """This rank's piece of each of ``unit``'s optimizer parameters (``group_of``: id -> param group),
+        after ``unit.build``; ``values`` are the unit's full fp32 values, a trainable piece's master starts there."""
+        lo = self.rank * unit.shard_numel
+        hi = lo + unit.shard_numel
+        for index, param in enumerate(unit.params):
+            offset = unit.offsets[index]
+            start, end = max(lo, offset), min(hi, offset + unit.shapes[index].numel())
+            if id(param) not in group_of or start >= end:
+                continue
+            piece = Piece(unit, index, start - offset, end - offset, start - lo, group_of[id(param)])
+            if param.requires_grad:
+                piece.master = self._initial_master(piece, values)
+            self.all.append(piece)
+            self.by_param.setdefault(id(param), []).append(piece)
+            self.by_unit.setdefault(unit, []).append(piece)
+
+    @abstractmethod
+    def _initial_master(self, piece: Piece, values: torch.Tensor) -> torch.Tensor:
+        """The master of a piece trainable at initialize (``values``: the unit's full fp32 values)."""
+
+    @abstractmethod
+    def from_shard(self, piece: Piece) -> torch.Tensor:
+        """A master made from the piece's elements in the shard (where no fp32 value was kept)."""
+
+    def optimizer_params(self, originals: list[nn.Parameter]) -> list[torch.Tensor]:
+        """What the inner optimizer steps in place of the param group ``originals``: the trainable masters."""
+        return [piece.master for p in originals for piece in self.by_param.get(id(p), ()) if piece.master is not None]
+
+    # -------------------------------------------------------- trainability
+    def refresh(self, state: Any) -> bool:
+        """Newly trainable pieces get their master (the kept one, or from the shard); newly frozen ones
+        leave the optimizer (``state``), their master and state kept.  True if anything moved."""
+        moved = False
+        for piece in self.all:
+            if piece.param.requires_grad and piece.master is None:
+                self._unfreeze(piece, state)
+                moved = True
+            elif not piece.param.requires_grad and piece.master is not None:
+                self._freeze(piece, piece.master, state)
+                moved = True
+        return moved
+
+    def _freeze(self, piece: Piece, master: torch.Tensor, state: Any) -> None:
+        kept = Kept(piece.start, piece.end, master)
+        kept.slot.set(OptimizerSlot(state, master).get())
+        state.pop(master, None)
+        self.frozen.keep(piece.param, kept)
+        master.grad = None
+        piece.master, piece.grad = None, None
+
+    def _unfreeze(self, piece: Piece, state: Any) -> None:
+        kept = self.frozen.take(piece.param)
+        if kept is None:
+            piece.master = self.from_shard(piece)  # frozen at start: the compute dtype is the best there is
+            return
+        piece.master = kept.master
+        if kept.state:
+            OptimizerSlot(state, kept.master).set(kept.state)
+
+    def master_or_kept(self, piece: Piece) -> Optional[torch.Tensor]:
+        """The piece's master, or the one kept while it is frozen (None: frozen since initialize)."""
+        if piece.master is not None:
+            return piece.master
+        kept = self.frozen.get(piece.param)
+        return kept.master if kept is not None else None
+
+    # ------------------------------------------------------------ gradients
+    def grads(self) -> list[torch.Tensor]:
+        """The masters' gradients (what the optimizer reads)."""
+        return [p.master.grad for p in self.all if p.master is not None and p.master.grad is not None]
+
+    def add_reduced(self, unit: Unit, output: torch.Tensor, had_grad: set[int], trainable: list[int],
+                    scale: float) -> None:
+        """Add ``scale`` times this rank's slice ``output`` of ``unit``'s reduced gradients to the gradients of
+        its pieces of the ``trainable`` parameters (fp32, allocated by the first add after :meth:`zero_grads`).
+
+        A parameter no rank had a gradient for (not in ``had_grad`` here, zeros from everywhere) keeps
+        ``.grad`` None, so the optimizer skips it as torch skips a parameter whose ``.grad`` is None.
+        """
+        for piece in self.by_unit.get(unit, ()):
+            master = piece.master
+            if master is None or piece.index not in trainable:
+                continue
+            reduced = piece.local(output)
+            if piece.index not in had_grad and not bool(reduced.any()):
+                continue
+            if piece.grad is None:
+                piece.grad = reduced.float().mul(scale)
+            else:
+                piece.grad.add_(reduced, alpha=scale)
+            master.grad = piece.grad
+
+    def zero_grads(self) -> None:
+        for piece in self.all:
+            piece.grad = None  # the next reduction allocates it again
+            if piece.master is not None:
+                piece.master.grad = None
+
+    # -------------------------------------------------- values to the model
+    @abstractmethod
+    def publish(self) -> None:
+        """After a step: the updated masters into the units' shards."""
+
+    def on_params_modified(self, unit: Unit) -> None:
+        """New values were scattered into ``unit``'s shard: masters (kept ones too) follow."""
+        for piece in self.by_unit.get(unit, ()):
+            self._take(piece, piece.local(unit.shard))
+
+    def on_written(self, unit: Unit) -> None:
+        """A forward wrote ``unit``'s gathered values in place: this rank's slice becomes its shard and masters.
+
+        Only the parameters whose slice changed are copied, so the fp32 masters of the others keep
+        their exact values (a copy from the compute dtype would round them).
+        """
+        with torch._C.DisableTorchFunctionSubclass():
+            fresh = unit.local(unit.full)
+            if torch.equal(fresh, unit.shard):
+                return
+            for piece in self.by_unit.get(unit, ()):
+                values = piece.local(fresh)
+                if not torch.equal(values, piece.local(unit.shard)):
+                    self._take(piece, values)
+            unit.shard.copy_(fresh)
+
+    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
+        """``zero.load_state_dict`` gave ``unit`` fp32 ``values``: masters (kept ones too) take them exactly."""
+        for piece in self.by_unit.get(unit, ()):
+            if piece.index in loaded:
+                self._take(piece, piece.local(values))
+
+    @abstractmethod
+    def _take(self, piece: Piece, values: torch.Tensor) -> None:
+        """The piece's master (or kept master) takes ``values``: new values written into the model."""
+
+    # ----------------------------------------------------------- accounting
+    @abstractmethod
+    def master_bytes(self) -> int:
+        """Bytes of master weights held apart from the units' shards (kept ones included)."""
+
+    def fill(self, unit: Unit, shard: torch.Tensor) -> None:
+        """Write the masters (kept ones too) of ``unit``'s pieces into ``shard``, a full-precision copy of its shard."""
+        for piece in self.by_unit.get(unit, ()):
+            master = self.master_or_kept(piece)
+            if master is not None:
+                piece.local(shard).copy_(master)
+
+    # ----------------------------------------------------------- checkpoint
+    def shards(self, state: Any) -> list[ParamShard]:
+        """One :class:`ParamShard` per trainable piece (``state``: the inner optimizer's)."""
+        return [
+            ParamShard(p.name, p.unit.shapes[p.index], p.start, p.end, p.master, p.group, OptimizerSlot(state, p.master))
+            for p in self.all
+            if p.master is not None
+        ]
+
+    def fresh_kept(self, piece: Piece) -> Kept:
+        """A kept entry for a piece frozen since initialize, so a checkpoint load can fill it."""
+        return Kept(piece.start, piece.end, self.from_shard(piece))
+
+    def write_kept(self, piece: Piece, kept: Kept) -> None:
+        """A loaded kept master into the shard (nothing to copy where it is a view of the shard)."""
+        local = piece.local(piece.unit.shard)
+        if local.data_ptr() != kept.master.data_ptr():
+            local.copy_(kept.master)
+
+
+class ShardsAreMasters(Pieces):
+    """fp32 compute: a master is a view of its piece of the unit's shard (see the module docstring)."""
+
+    def _initial_master(self, piece: Piece, values: torch.Tensor) -> torch.Tensor:
+        # `unit.build` kept exactly these values in the shard, and freed `values` (it became the full buffer)
+        return piece.local(piece.unit.shard)
+
+    def from_shard(self, piece: Piece) -> torch.Tensor:
+        return piece.local(piece.unit.shard)
+
+    def publish(self) -> None:
+        pass  # the optimizer stepped the shards themselves
+
+    def _take(self, piece: Piece, values: torch.Tensor) -> None:
+        pass  # every master, kept ones too, is a view of the shard that took the values
+
+    def master_bytes(self) -> int:
+        return 0
+
+
+class SeparateMasters(Pieces):
+    """fp16/bf16 compute: a master is an fp32 copy of its piece (see the module docstring)."""
+
+    def _initial_master(self, piece: Piece, values: torch.Tensor) -> torch.Tensor:
+        return values.narrow(0, piece.unit.offsets[piece.index] + piece.start, piece.numel).clone()
+
+    def from_shard(self, piece: Piece) -> torch.Tensor:
+        return piece.local(piece.unit.shard).float()
+
+    def publish(self) -> None:
+        pairs = [(p.local(p.unit.shard), p.master) for p in self.all if p.master is not None]
+        if pairs:
+            torch._foreach_copy_([local for local, _ in pairs], [master for _, master in pairs])
+
+    def _take(self, piece: Piece, values: torch.Tensor) -> None:
+        master = self.master_or_kept(piece)
+        if master is not None:
+            master.copy_(values)
+
+    def master_bytes(self) -> int:
+        masters = [p.master for p in self.all if p.master is not None]
+        return sum(m.numel() * m.element_size() for m in masters) + self.frozen.master_bytes()
+
+
+def choose_pieces(dtype: torch.dtype, rank: int) -> Pieces:
+    """The arrangement for compute dtype ``dtype``: in fp32 the shards are the masters."""
+    return ShardsAreMasters(rank) if dtype == torch.float32 else SeparateMasters(rank)
