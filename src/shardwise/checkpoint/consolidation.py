@@ -32,10 +32,10 @@ from .digests import expected_digests
 from .encoded import TENSOR_DTYPES
 from .errors import CheckpointError
 from .formats import foreign_format
-from .group import member_path, read_group
-from .layout import GROUP_MANIFEST, MANIFEST, check_complete, list_checkpoints, read_latest, resolve
+from .layout import GROUP_MANIFEST, MANIFEST, list_checkpoints, member_path, read_group, read_latest, resolve
 from .stateful import TensorState
 from .storage import LoadPlanner, SafeReader, dcp_errors, record_is_stored
+from .verify import check_complete
 
 __all__ = ["consolidate", "consolidated_state_dict", "describe", "load_consolidated"]
 
