@@ -24,6 +24,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from ..export import ALIASES_KEY, KEYS_KEY, save_state_dict, tied_aliases
 from .deepspeed_files import find_deepspeed
@@ -107,9 +109,6 @@ def load_consolidated(path: Any) -> dict[str, torch.Tensor]:
             if stream.read(4) == b"PK\x03\x04":
                 record_is_stored(stream, 0, os.fstat(stream.fileno()).st_size, str(path))
         return torch.load(path, map_location="cpu", weights_only=True)
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
     tensors = load_file(str(path))

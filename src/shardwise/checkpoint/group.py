@@ -31,9 +31,9 @@ from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
 
+from ..agreement import Session, join
 from ..distributed import Comm
 from . import files
-from .agreement import Session, join
 from .commit import commit, fsync_dir, remove_stale_temps, write_atomic, write_json
 from .errors import CheckpointError
 from .layout import GROUP_FORMAT, GROUP_MANIFEST, LATEST, MANIFEST, read_group, read_latest, temp_dir, validate_tag

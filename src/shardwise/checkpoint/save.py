@@ -3,7 +3,7 @@
 Steps (each one timeout-bounded, a failure anywhere raised on every rank):
 
 1. *join* through the c10d store: every rank called, with the same tag and
-   directory (:mod:`.agreement`); no collective on the training group before;
+   directory (:mod:`..agreement`); no collective on the training group before;
 2. *describe*: ranks exchange (through the store) which parameters and
    optimizer state they hold, so rank 0 can write a complete manifest;
 3. *prepare*: the engine hands over the full values of module entries
@@ -39,9 +39,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from .._version import __version__
+from ..agreement import Session, join
 from ..export import save_state_dict
 from ..param_state import ParamShard
-from .agreement import Session, join
 from .codec import Encoder
 from .commit import commit, remove_stale_temps, write_json
 from .dcp_steps import save_through_steps
