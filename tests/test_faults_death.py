@@ -19,9 +19,10 @@ import pytest
 import torch.distributed as dist
 from _faults_common import COMMS_TIMEOUT, VICTIM, die, make_engine, outcome, record_row, train_step
 
-from shardwise.checkpoint.layout import check_complete, read_latest
+from shardwise.checkpoint.layout import read_latest
 from shardwise.checkpoint.save import _RankWriter
 from shardwise.checkpoint.storage import SafeReader
+from shardwise.checkpoint.verify import check_complete
 from shardwise.testing import run_distributed
 
 STAGES = (0, 1, 2, 3)

@@ -5,9 +5,12 @@ Both read their settings from pyproject.toml (``[tool.mypy]``, ``[tool.ruff]``).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from _import_graph import cycles, edges, uncommented_deferred
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,3 +27,40 @@ def test_mypy_reports_no_errors_in_the_package() -> None:
 def test_ruff_reports_nothing() -> None:
     done = _run("ruff", "check", "--no-cache", ".")
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# zero/ is being refactored elsewhere; these deferred imports (init -> params, a loop the refactor removes;
+# safetensors and torch._dynamo) are theirs to settle. Listed by name, so a new one anywhere still fails.
+_DEFERRED_NOT_YET_EXPLAINED = {"shardwise.zero.init", "shardwise.zero.traced", "shardwise.zero.weights"}
+
+
+def test_the_package_has_no_import_cycle_counting_imports_inside_functions() -> None:
+    found = edges(ROOT / "src" / "shardwise", "shardwise")
+    assert len(found) > 100, f"the import graph has only {len(found)} edges: the parser lost imports"
+    assert cycles(found) == []
+
+
+def test_every_import_inside_a_function_says_why() -> None:
+    found = uncommented_deferred(ROOT / "src" / "shardwise", "shardwise")
+    assert [f for f in found if f.split(":")[0] not in _DEFERRED_NOT_YET_EXPLAINED] == []
+
+
+def test_the_import_graph_sees_a_loop_made_inside_functions(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from . import b\n")
+    (package / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import c\n"
+                                  "def f():\n    from .a import x\n")
+    (package / "c.py").write_text("from .b import f\n")
+    found = edges(package, "pkg")
+    assert cycles(found) == [["pkg.a", "pkg.b"]]  # b -> c is under TYPE_CHECKING: never runs
+    assert uncommented_deferred(package, "pkg") == ["pkg.b:5"]
+
+
+def test_importing_shardwise_does_not_import_the_test_harness() -> None:
+    code = ("import sys, shardwise; assert 'shardwise.testing' not in sys.modules; "
+            "from shardwise.testing import run_distributed; assert shardwise.testing.run_distributed is run_distributed")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert done.returncode == 0, done.stderr

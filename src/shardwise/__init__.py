@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-import os
-from typing import Any, Optional, Union
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-from torch import nn
-
-from . import pipe, testing, zero
+from . import pipe, zero
 from ._version import __version__ as __version__
 from .config import Config, ConfigError, load_configs
 from .distributed import init_distributed
 from .engine import Engine
 from .engines import load_checkpoints, save_checkpoints
-from .log import install_default_handler
+from .initialization import initialize
 from .optim import ShardwiseOptimizer
 from .trainer import Trainer
+
+if TYPE_CHECKING:
+    from . import testing
 
 __all__ = [
     "Config",
@@ -35,60 +36,8 @@ __all__ = [
 ]
 
 
-def initialize(
-    model: nn.Module,
-    optimizer: Any = None,
-    config: Union[Config, dict[str, Any], str, "os.PathLike[str]", None] = None,
-    lr_scheduler: Any = None,
-    model_parameters: Any = None,
-    process_group: Optional[dist.ProcessGroup] = None,
-    name: Optional[str] = None,
-) -> Engine:
-    """Wrap ``model`` for training (or inference) across the ranks of ``process_group``.
-
-    ``optimizer`` may be a ``torch.optim.Optimizer``, an object exposing
-    ``param_groups``/``step``/``zero_grad``/``state_dict``/``load_state_dict``, a
-    callable ``params -> optimizer``, or None (then the config's ``optimizer``
-    section is used; with neither, the engine is inference-only).  ``config`` is
-    a :class:`Config`, a dict, or a path to a ``.json``/``.yaml`` file.  If no
-    process group exists yet one is created (:func:`init_distributed`), so a
-    plain one-process run needs no launcher.  ``name`` names the engine (its
-    checkpoints, its log lines) when several live in one process.
-
-    A :class:`shardwise.pipe.PipelineModule` with more than one stage gets a
-    pipeline engine (``engine.train_batch(data_iter)``); with one stage it is
-    an ordinary module and gets an ordinary engine.
-    """
-    install_default_handler()  # before the config's info lines
-    loaded = Config.load(config if config is not None else {})
-    if not dist.is_initialized():
-        init_distributed(timeout=loaded.dist_timeout)
-    # Settle Hugging Face's `auto` values from what was passed, and the batch sizes for this world.
-    backend = dist.get_backend(process_group)
-    replicas = _pipeline_replicas(model)
-    resolved = loaded.resolve(
-        world_size=replicas or dist.get_world_size(process_group), model=model, optimizer=optimizer,
-        lr_scheduler=lr_scheduler, device="cuda" if backend == "nccl" else "cpu",
-    )
-    engine_class: type[Engine] = Engine
-    if replicas:
-        from .pipe.engine import PipelineEngine  # stages × replicas: `train_batch` / `eval_batch`
-
-        engine_class = PipelineEngine
-    return engine_class(
-        model,
-        resolved,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
-        model_parameters=model_parameters,
-        process_group=process_group,
-        name=name,
-    )
-
-
-def _pipeline_replicas(model: nn.Module) -> Optional[int]:
-    """A multi-stage pipeline's data-parallel replicas (its batch is micro × accumulation × replicas,
-    as in DeepSpeed); None for any other model."""
-    if isinstance(model, pipe.PipelineModule) and model.topology is not None:
-        return model.topology.replicas
-    return None
+def __getattr__(name: str) -> ModuleType:
+    # `shardwise.testing` (the multi-rank test harness, ~760 lines) loads on first use: training needs none of it.
+    if name == "testing":
+        return importlib.import_module(".testing", __name__)
+    raise AttributeError(f"module `shardwise` has no attribute `{name}`")

@@ -23,8 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from ._version import __version__
+from .config import Config, ConfigError, load_configs, read_config_file
+from .environment import describe_environment
+from .generate import ModelSpecError, generate_text, load_model
+from .trainer.plot import plot_metrics
 
 __all__ = ["COMMANDS", "build_parser", "command", "main", "torchrun_args"]
 
@@ -61,8 +67,6 @@ _UNSET = object()
 
 def _parse_torchrun(args: Sequence[str]) -> argparse.Namespace:
     """Parse ``args`` with torchrun's own parser; rendezvous options left out read as ``_UNSET``."""
-    from torch.distributed import run as torchrun
-
     parser = torchrun.get_args_parser()
     parser.prog = "shardwise run"
     # A sentinel default tells "not given" apart from "given the default value".
@@ -84,8 +88,6 @@ def torchrun_args(args: Sequence[str]) -> list[str]:
     rendezvous option given, so every explicit multi-node setup passes through
     untouched. Bad arguments exit with torchrun's usage message (status 2).
     """
-    from torch.distributed import run as torchrun
-
     parsed = _parse_torchrun(args)
     _, max_nodes = torchrun.parse_min_max_nnodes(parsed.nnodes)
     if max_nodes == 1 and not _rendezvous_given(parsed):
@@ -123,9 +125,6 @@ def _launch_environment(args: Sequence[str]) -> None:
 
 
 def _run(ns: argparse.Namespace) -> int:
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     _launch_environment(ns.args)
     try:
         torchrun.main(torchrun_args(ns.args))
@@ -156,8 +155,6 @@ def _add_run(subparsers: Any) -> None:
 
 
 def _generate(ns: argparse.Namespace) -> int:
-    from .generate import ModelSpecError, generate_text, load_model
-
     try:
         model = load_model(ns.checkpoint, ns.model_json, trust_source=ns.trust_model_source)
     except (ModelSpecError, FileNotFoundError) as error:
@@ -199,8 +196,6 @@ def _add_generate(subparsers: Any) -> None:
 
 
 def _env(ns: argparse.Namespace) -> int:
-    from .environment import describe_environment
-
     print(describe_environment())
     return 0
 
@@ -216,8 +211,6 @@ def _add_env(subparsers: Any) -> None:
 
 
 def _plot(ns: argparse.Namespace) -> int:
-    from .trainer.plot import plot_metrics
-
     out = Path(ns.out) if ns.out else Path(ns.metrics).with_suffix(".png")
     try:
         plot_metrics(ns.metrics, out)
@@ -269,8 +262,6 @@ def _render(data: dict[str, Any], fmt: str, header: str) -> str:
 
 
 def _validate(ns: argparse.Namespace) -> int:
-    from shardwise.config import Config, ConfigError, load_configs, read_config_file
-
     path = Path(ns.file)
     fmt = ns.format or ("json" if path.suffix.lower() == ".json" else "yaml")
     try:

@@ -1,7 +1,7 @@
 """Ranks that built different engines are stopped at ``initialize``, naming the first difference.
 
 The ranks already meet through the c10d store before an engine's first
-collective (:func:`shardwise.checkpoint.agreement.join`).  Their payloads carry
+collective (:func:`shardwise.agreement.join`).  Their payloads carry
 the digests of the fingerprints of :mod:`shardwise.fingerprint` (64 hex
 characters each), so agreeing costs nothing more than the meeting itself.
 Only when a digest differs do the ranks exchange the entries behind it, in one
@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from .checkpoint.agreement import Session
+from .agreement import Session
 from .config import Config
 from .faults.errors import CollectiveMismatchError
 from .fingerprint import PER_RANK_KEYS, Fingerprint, client_fingerprint, config_fingerprint, module_fingerprint

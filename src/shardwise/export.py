@@ -13,6 +13,9 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save
+
+from .checkpoint.commit import write_atomic
 
 __all__ = ["ALIASES_KEY", "KEYS_KEY", "save_state_dict", "tied_aliases"]
 
@@ -41,12 +44,8 @@ def tied_aliases(state: dict[str, torch.Tensor]) -> dict[str, str]:
 
 def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
     """Write ``state`` to ``path`` atomically: ``.safetensors`` as safetensors, anything else with ``torch.save``."""
-    from .checkpoint.commit import write_atomic
-
     path = Path(path)
     if path.suffix.lower() == ".safetensors":
-        from safetensors.torch import save
-
         aliases = tied_aliases(state)
         unique = {k: v.contiguous() for k, v in state.items() if k not in aliases}
         metadata = {"format": "pt", ALIASES_KEY: json.dumps(aliases), KEYS_KEY: json.dumps(list(state))}

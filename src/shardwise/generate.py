@@ -30,7 +30,7 @@ __all__ = ["ModelSpecError", "UntrustedSourceError", "find_model_spec", "generat
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    from .checkpoint import consolidated_state_dict, load_consolidated
+    from .checkpoint import consolidated_state_dict, load_consolidated  # here: consolidation imports DCP (~1.4 s)
 
     return consolidated_state_dict(checkpoint) if checkpoint.is_dir() else load_consolidated(checkpoint)
 

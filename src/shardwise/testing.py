@@ -242,7 +242,7 @@ def _apply_environment(spec: _RankSpec) -> None:
 
 def _init_process_group(spec: _RankSpec) -> None:
     """Join the world through the launch's rendezvous file."""
-    import torch
+    import torch  # here: the harness imports torch only inside a rank, not at its own import
     import torch.distributed as dist
 
     if spec.threads_per_rank is not None:
@@ -263,7 +263,7 @@ def _init_process_group(spec: _RankSpec) -> None:
 
 def _destroy_process_group() -> None:
     """Tear the default group down unless the function already did."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # here: the harness imports torch only inside a rank, not at its own import
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -314,7 +314,7 @@ def _context(method: str) -> BaseContext:
 
 def _ensure_warm_forkserver(ctx: BaseContext) -> None:
     """Start the forkserver with our preloads and with the caller's sys.path."""
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver  # here: a private module of the stdlib, only for this launch mode
 
     preload = [name for name in _PRELOAD_CANDIDATES if name in sys.modules]
     if "torch" in preload:
@@ -738,7 +738,7 @@ def run_subtests(fn: Callable[..., Any], cases: Iterable[Mapping[str, Any]], *,
 
 def _barrier() -> None:
     """Align the ranks between sub-cases when a process group exists."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # here: the harness imports torch only inside a rank, not at its own import
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -756,7 +756,7 @@ def _subtest_message(fn: Callable[..., Any], failures: Sequence[tuple[Mapping[st
 
 def _rank_label() -> str:
     """Return " on rank N" inside an initialized process group, else ""."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # here: the harness imports torch only inside a rank, not at its own import
 
     if dist.is_available() and dist.is_initialized():
         return f" on rank {dist.get_rank()}"

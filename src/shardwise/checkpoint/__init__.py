@@ -35,18 +35,17 @@ _WHERE = {
     "consolidated_state_dict": ".consolidation",
     "describe": ".consolidation",
     "load_consolidated": ".consolidation",
-    "load_checkpoint": ".load",
+    "load_checkpoint": ".entry",
     "load_checkpoints": ".group",
-    "save_checkpoint": ".save",
+    "save_checkpoint": ".entry",
     "save_checkpoints": ".group",
 }
 
 if TYPE_CHECKING:
     from .consolidation import consolidate, consolidated_state_dict, describe, load_consolidated
+    from .entry import load_checkpoint, save_checkpoint
     from .errors import CheckpointError
     from .group import load_checkpoints, save_checkpoints
-    from .load import load_checkpoint
-    from .save import save_checkpoint
 
 
 def __getattr__(name: str) -> Any:

@@ -157,7 +157,7 @@ class Decoder:
 
 def _ndarray(data: dict[str, Any], where: str) -> Any:
     try:
-        import numpy
+        import numpy  # here: only a checkpoint holding numpy arrays needs numpy, an optional import
     except ImportError:
         raise CheckpointError(f"`{where}` in the checkpoint is a numpy array, and numpy is not installed") from None
     try:

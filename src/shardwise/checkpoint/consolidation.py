@@ -24,6 +24,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from ..export import ALIASES_KEY, KEYS_KEY, save_state_dict, tied_aliases
 from .deepspeed_files import find_deepspeed
@@ -32,10 +34,10 @@ from .digests import expected_digests
 from .encoded import TENSOR_DTYPES
 from .errors import CheckpointError
 from .formats import foreign_format
-from .group import member_path, read_group
-from .layout import GROUP_MANIFEST, MANIFEST, check_complete, list_checkpoints, read_latest, resolve
+from .layout import GROUP_MANIFEST, MANIFEST, list_checkpoints, member_path, read_group, read_latest, resolve
 from .stateful import TensorState
 from .storage import LoadPlanner, SafeReader, dcp_errors, record_is_stored
+from .verify import check_complete
 
 __all__ = ["consolidate", "consolidated_state_dict", "describe", "load_consolidated"]
 
@@ -107,9 +109,6 @@ def load_consolidated(path: Any) -> dict[str, torch.Tensor]:
             if stream.read(4) == b"PK\x03\x04":
                 record_is_stored(stream, 0, os.fstat(stream.fileno()).st_size, str(path))
         return torch.load(path, map_location="cpu", weights_only=True)
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
     tensors = load_file(str(path))

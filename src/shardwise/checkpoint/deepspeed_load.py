@@ -17,8 +17,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..agreement import Session
 from ..param_state import ParamShard
-from .agreement import Session
 from .deepspeed_format import DeepSpeedCheckpoint, DeepSpeedParam, read_deepspeed
 from .errors import CheckpointError
 from .protocol import Checkpointable

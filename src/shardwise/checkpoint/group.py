@@ -31,18 +31,18 @@ from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
 
+from ..agreement import Session, join
 from ..distributed import Comm
 from . import files
-from .agreement import Session, join
 from .commit import commit, fsync_dir, remove_stale_temps, write_atomic, write_json
 from .errors import CheckpointError
-from .layout import GROUP_MANIFEST, LATEST, MANIFEST, check_complete, read_json, read_latest, temp_dir, validate_tag
+from .layout import GROUP_FORMAT, GROUP_MANIFEST, LATEST, MANIFEST, read_group, read_latest, temp_dir, validate_tag
+from .load import load_checkpoint
 from .protocol import Checkpointable
+from .save import write_engine
+from .verify import check_complete
 
-__all__ = ["GROUP_MANIFEST", "load_checkpoints", "member_path", "save_checkpoints"]
-
-GROUP_FORMAT = "shardwise.engines"
-_MAX_GROUP_BYTES = 1 << 20
+__all__ = ["load_checkpoints", "save_checkpoints"]
 
 
 def _ranks(comm: Comm) -> list[int]:
@@ -78,8 +78,6 @@ def save_checkpoints(save_dir: Any, engines: Mapping[str, Checkpointable], tag: 
     temp = temp_dir(root, tag, session.payloads[0]["nonce"])
     session.step("preparing the directory", lambda: _prepare(root, tag, temp) if session.rank == 0 else None)
     try:
-        from .save import write_engine
-
         for name in sorted(members):  # the same order on every rank: engines on shared ranks never cross
             if name in engines:
                 write_engine(engines[name], root, tag, temp / name, client_state)
@@ -153,37 +151,6 @@ def _add_members(final: Path, temp: Path, names: list[str]) -> None:
     shutil.rmtree(temp, ignore_errors=True)
 
 
-def read_group(path: Path) -> list[str]:
-    """The engine names of the multi-engine checkpoint in ``path``, checked."""
-    data = read_json(path / GROUP_MANIFEST, _MAX_GROUP_BYTES)
-    names = data.get("engines") if isinstance(data, dict) and data.get("format") == GROUP_FORMAT else None
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise CheckpointError(f"{path / GROUP_MANIFEST} is not a shardwise list of engines; refusing it")
-    for name in names:
-        validate_tag(name)
-    return names
-
-
-def member_path(path: Path, name: Optional[str]) -> Path:
-    """The checkpoint of engine ``name`` inside ``path``: ``path`` itself for a one-engine checkpoint,
-    ``path/<name>`` for a checkpoint of several engines."""
-    if not (path / GROUP_MANIFEST).is_file():
-        return path
-    names = read_group(path)
-    if name is None:
-        raise CheckpointError(
-            f"{path} holds the checkpoints of several engines {names}; build this engine with "
-            "`shardwise.initialize(..., name=...)` using one of those names, or use `shardwise.load_checkpoints`"
-        )
-    if name not in names:
-        raise CheckpointError(f"{path} holds the checkpoints of engines {names}, not of `{name}`; pass the tag of a "
-                              f"checkpoint that has it, or build the engine with one of those names")
-    member = path / name
-    if not files.is_real_dir(member):
-        raise CheckpointError(f"{member} is not a directory of this checkpoint (a link, or removed); refusing it")
-    return member
-
-
 def load_checkpoints(load_dir: Any, engines: Mapping[str, Checkpointable], tag: Optional[str] = None,
                      **options: Any) -> tuple[Optional[str], Optional[dict[str, Any]]]:
     """Collectively restore each engine of ``{name: engine}`` from ``load_dir/tag/<name>/``.
@@ -192,8 +159,6 @@ def load_checkpoints(load_dir: Any, engines: Mapping[str, Checkpointable], tag: 
     or ``(None, None)`` with a warning when ``tag`` is None and ``load_dir``
     has no ``latest``.  ``options`` are ``load_checkpoint``'s.
     """
-    from .load import load_checkpoint
-
     if not engines:
         raise CheckpointError("load_checkpoints: no engines given; pass `{name: engine, ...}`")
     root = Path(load_dir).absolute()

@@ -18,6 +18,11 @@ state and ``client_state``, all as JSON.  ``__R_0.distcp`` is rank ``R``'s
 tensor file; ``rankR.json`` (RNG state, and the world size) is written right
 after it is flushed, so it marks that rank's file complete; ``.metadata`` is
 the DCP index of every tensor chunk, written by rank 0 once all ranks are done.
+A checkpoint of several engines is ``TAG/engines.json`` (their names) and one
+such directory per engine, ``TAG/<name>/`` (written by ``group.py``).
+
+This module only names and finds paths; whether a checkpoint found here is
+complete and intact is checked in ``verify.py``.
 """
 
 from __future__ import annotations
@@ -30,16 +35,18 @@ from typing import Any, Optional
 from . import files
 from .errors import CheckpointError
 from .formats import foreign_format
-from .limits import MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, MAX_RANK_FILE_BYTES, MAX_TAG_LENGTH, MAX_WORLD_SIZE
+from .limits import MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, MAX_TAG_LENGTH
 
 __all__ = [
-    "GROUP_MANIFEST", "LATEST", "MANIFEST", "TEMP_PREFIX", "check_complete", "list_checkpoints", "rank_file", "read_json",
-    "read_latest", "read_rank_file", "resolve", "temp_dir", "validate_tag",
+    "GROUP_FORMAT", "GROUP_MANIFEST", "LATEST", "MANIFEST", "TEMP_PREFIX", "list_checkpoints", "member_path", "rank_file",
+    "read_group", "read_json", "read_latest", "resolve", "tags", "temp_dir", "validate_tag",
 ]
 
 MANIFEST = "shardwise.json"
 #: a checkpoint of several engines: their names, next to one subdirectory each (group.py)
 GROUP_MANIFEST = "engines.json"
+GROUP_FORMAT = "shardwise.engines"
+_MAX_GROUP_BYTES = 1 << 20
 LATEST = "latest"
 TEMP_PREFIX = ".tmp-"
 INDEX = ".metadata"
@@ -50,7 +57,6 @@ VERSION = 1
 _TAG_OK = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
 # What `load_checkpoint(tag=...)` may name: a tag, or an unfinished `.tmp-TAG-NONCE` (to be told what is missing).
 _NAME_OK = re.compile(r"[A-Za-z0-9_.+=-]+")
-_SHOWN = 12  # missing files listed in an error
 
 
 def rank_file(rank: int) -> str:
@@ -93,7 +99,8 @@ def read_latest(root: Path) -> str:
     return text
 
 
-def _tags(save_dir: Path) -> list[str]:
+def tags(save_dir: Path) -> list[str]:
+    """The committed checkpoints in ``save_dir`` by tag, in name order (links and hidden names skipped)."""
     if not save_dir.is_dir():
         return []
     return sorted(
@@ -107,7 +114,7 @@ def _entry(root: Path, name: Any, what: str) -> Path:
     if not isinstance(name, str) or len(name) > MAX_TAG_LENGTH or not _NAME_OK.fullmatch(name) or name in (".", ".."):
         raise CheckpointError(
             f"{what} {name!r:.100} is not the name of a checkpoint in {root}: a tag is one directory name "
-            f"(letters, digits and `_.+=-`, no path separator, no `..`); tags there: {_tags(root)}"
+            f"(letters, digits and `_.+=-`, no path separator, no `..`); tags there: {tags(root)}"
         )
     path = root / name
     if os.path.islink(path):
@@ -137,133 +144,9 @@ def resolve(load_dir: str | os.PathLike[str], tag: Optional[str]) -> Path:
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {root} does not exist; pass the `save_dir` given to `save_checkpoint`")
     raise CheckpointError(
-        f"{root} has no `{LATEST}` file, so there is no complete checkpoint to pick (tags found: {_tags(root)}); "
+        f"{root} has no `{LATEST}` file, so there is no complete checkpoint to pick (tags found: {tags(root)}); "
         "pass `tag=` to load a specific one"
     )
-
-
-def check_complete(path: Path) -> dict[str, Any]:
-    """The manifest of the checkpoint in ``path``, checked against its index and files.
-
-    Raises naming every missing or short file, or the first field that a
-    checkpoint shardwise wrote could not hold (see ``validate.py``).
-    """
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist (tags in {path.parent}: {_tags(path.parent)})")
-    foreign = foreign_format(path)
-    if foreign is not None:
-        raise CheckpointError(foreign)
-    _verify_index(path)
-    metadata = _index(path)
-    missing = _missing_files(path, metadata)
-    if missing:
-        hint = (
-            "its save did not finish (a rank crashed or was killed while writing), so it was never committed"
-            if path.name.startswith(TEMP_PREFIX) or MANIFEST in missing or INDEX in missing
-            else "files were removed or truncated after it was written"
-        )
-        shown = missing[:_SHOWN] + ([f"... {len(missing) - _SHOWN} more"] if len(missing) > _SHOWN else [])
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete: missing or truncated {shown}; {hint}. Load a complete "
-            f"checkpoint instead (the one `{LATEST}` names, or another tag)"
-        )
-    assert metadata is not None  # `_missing_files` lists `.metadata` when there is none
-    return _checked_manifest(path, metadata)
-
-
-def _checked_manifest(path: Path, metadata: Any) -> dict[str, Any]:
-    from .validate import check_against_index, check_manifest
-
-    file = path / MANIFEST
-    manifest = read_json(file)
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("version"), int) \
-            or manifest["version"] > VERSION:
-        found = (manifest.get("format"), manifest.get("version")) if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(
-            f"{file} is not a shardwise checkpoint manifest of version <= {VERSION} (format, version: {found!r:.100})"
-        )
-    refs = check_manifest(manifest, file)
-    check_against_index(manifest, refs, metadata.state_dict_metadata, file)
-    _check_listed(path, manifest, metadata)
-    return manifest
-
-
-def _check_listed(path: Path, manifest: dict[str, Any], metadata: Any) -> None:
-    """Every file a load of ``path`` may read has its checksum in the manifest (else none is checked)."""
-    from .digests import expected_digests, require_listed
-    from .validate_index import record_ends
-
-    data = sorted(record_ends(metadata.storage_data, path / INDEX))
-    ranks = [rank_file(r) for r in range(manifest["world_size"])]
-    require_listed(path, [INDEX, *ranks, *data], expected_digests(manifest, path / MANIFEST))
-
-
-def read_rank_file(path: Path, rank: int, world_size: int, expected: dict[str, Any]) -> dict[str, Any]:
-    """Rank ``rank``'s ``rankR.json`` in checkpoint ``path``, checked: its checksum (``expected``: the
-    manifest's ``files``), its RNG state can be set, and every tensor it refers to has that size in the index."""
-    from .digests import verify
-    from .storage import read_metadata
-    from .validate import check_rank_file
-
-    verify(path, rank_file(rank), expected)
-    file = path / rank_file(rank)
-    info = read_json(file, MAX_RANK_FILE_BYTES)
-    check_rank_file(info, rank, world_size, read_metadata(path).state_dict_metadata, file)
-    return info
-
-
-def _verify_index(path: Path) -> None:
-    """The ``.metadata`` index has the checksum the manifest recorded, before anything unpickles it."""
-    from .digests import expected_digests, verify
-
-    if files.regular_size(path / INDEX) is None or files.regular_size(path / MANIFEST) is None:
-        return  # reported as missing, with the rest
-    verify(path, INDEX, expected_digests(read_json(path / MANIFEST), path / MANIFEST))
-
-
-def _index(path: Path) -> Any:
-    """The checked DCP index of ``path``, or None when there is no ``.metadata``."""
-    from .storage import read_metadata
-
-    if files.regular_size(path / INDEX) is None:
-        return None
-    return read_metadata(path)
-
-
-def _world_size(path: Path) -> Optional[int]:
-    candidates = [path / MANIFEST, *sorted(path.glob("rank*.json"))[:8]]
-    for candidate in candidates:
-        try:
-            world = read_json(candidate, MAX_RANK_FILE_BYTES if candidate.name != MANIFEST else MAX_MANIFEST_BYTES)
-        except (FileNotFoundError, CheckpointError):
-            continue
-        value = world.get("world_size") if isinstance(world, dict) else None
-        if type(value) is int and 1 <= value <= MAX_WORLD_SIZE:
-            return value
-    ranks = [int(m.group(1)) for f in path.glob("__*_*.distcp") if (m := re.fullmatch(r"__(\d{1,7})_\d+\.distcp", f.name))]
-    ranks = [r for r in ranks if r < MAX_WORLD_SIZE]
-    return max(ranks) + 1 if ranks else None
-
-
-def _missing_files(path: Path, metadata: Any) -> list[str]:
-    missing = [name for name in (MANIFEST, INDEX) if files.regular_size(path / name) is None]
-    world = _world_size(path)
-    if world is None:
-        return missing + ["every rank's tensor file (none was started)"]
-    for r in range(world):
-        # `rankR.json` is written right after rank R's tensor file is flushed: without it,
-        # that file is absent or cut short.
-        if files.regular_size(path / rank_file(r)) is None:
-            missing += [f"__{r}_0.distcp (rank {r} did not finish writing it)", rank_file(r)]
-    if metadata is None:
-        return missing
-    from .validate_index import record_ends
-
-    for name, size in sorted(record_ends(metadata.storage_data, path / INDEX).items()):
-        actual = files.regular_size(path / name)
-        if actual is None or actual < size:
-            missing.append(name)
-    return missing
 
 
 def list_checkpoints(save_dir: Path) -> list[tuple[str, Path, bool]]:
@@ -282,3 +165,34 @@ def list_checkpoints(save_dir: Path) -> list[tuple[str, Path, bool]]:
 def _is_checkpoint(path: Path) -> bool:
     """A committed checkpoint: of one engine (its manifest), or of several (their list)."""
     return (path / MANIFEST).is_file() or (path / GROUP_MANIFEST).is_file()
+
+
+def read_group(path: Path) -> list[str]:
+    """The engine names of the multi-engine checkpoint in ``path``, checked."""
+    data = read_json(path / GROUP_MANIFEST, _MAX_GROUP_BYTES)
+    names = data.get("engines") if isinstance(data, dict) and data.get("format") == GROUP_FORMAT else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(f"{path / GROUP_MANIFEST} is not a shardwise list of engines; refusing it")
+    for name in names:
+        validate_tag(name)
+    return names
+
+
+def member_path(path: Path, name: Optional[str]) -> Path:
+    """The checkpoint of engine ``name`` inside ``path``: ``path`` itself for a one-engine checkpoint,
+    ``path/<name>`` for a checkpoint of several engines."""
+    if not (path / GROUP_MANIFEST).is_file():
+        return path
+    names = read_group(path)
+    if name is None:
+        raise CheckpointError(
+            f"{path} holds the checkpoints of several engines {names}; build this engine with "
+            "`shardwise.initialize(..., name=...)` using one of those names, or use `shardwise.load_checkpoints`"
+        )
+    if name not in names:
+        raise CheckpointError(f"{path} holds the checkpoints of engines {names}, not of `{name}`; pass the tag of a "
+                              f"checkpoint that has it, or build the engine with one of those names")
+    member = path / name
+    if not files.is_real_dir(member):
+        raise CheckpointError(f"{member} is not a directory of this checkpoint (a link, or removed); refusing it")
+    return member

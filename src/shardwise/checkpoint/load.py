@@ -22,8 +22,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 
+from ..agreement import Session, join
 from ..param_state import ParamShard
-from .agreement import Session, join
 from .codec import Decoder, refuse_pickles, tensor_refs
 from .conform import conform
 from .deepspeed_files import find_deepspeed
@@ -31,20 +31,12 @@ from .deepspeed_load import load_deepspeed
 from .digests import expected_digests
 from .errors import CheckpointError
 from .formats import foreign_format
-from .layout import (
-    GROUP_MANIFEST,
-    LATEST,
-    MANIFEST,
-    check_complete,
-    list_checkpoints,
-    rank_file,
-    read_rank_file,
-    resolve,
-)
+from .layout import GROUP_MANIFEST, LATEST, MANIFEST, list_checkpoints, member_path, rank_file, resolve
 from .protocol import Apply, Checkpointable
 from .rng import capture_rng, restore_rng
 from .stateful import ModelNames, ModelState, OptimizerState, Sources, TensorState, dtype_name
 from .storage import LoadPlanner, SafeReader, dcp_errors
+from .verify import check_complete, read_rank_file
 
 __all__ = ["load_checkpoint"]
 
@@ -135,8 +127,6 @@ def _agree_nothing_to_load(session: Session, load_dir: Path, tag: Optional[str])
 
 def _find(load_dir: Path, tag: Optional[str], member: Optional[str]) -> Path:
     """The directory of this engine's checkpoint (its own subdirectory in a checkpoint of several)."""
-    from .group import member_path
-
     return member_path(resolve(load_dir, tag), member)
 
 

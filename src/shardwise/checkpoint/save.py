@@ -3,7 +3,7 @@
 Steps (each one timeout-bounded, a failure anywhere raised on every rank):
 
 1. *join* through the c10d store: every rank called, with the same tag and
-   directory (:mod:`.agreement`); no collective on the training group before;
+   directory (:mod:`..agreement`); no collective on the training group before;
 2. *describe*: ranks exchange (through the store) which parameters and
    optimizer state they hold, so rank 0 can write a complete manifest;
 3. *prepare*: the engine hands over the full values of module entries
@@ -39,9 +39,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from .._version import __version__
+from ..agreement import Session, join
 from ..export import save_state_dict
 from ..param_state import ParamShard
-from .agreement import Session, join
 from .codec import Encoder
 from .commit import commit, remove_stale_temps, write_json
 from .dcp_steps import save_through_steps
@@ -53,27 +53,24 @@ from .oserror import need_space
 from .protocol import Checkpointable
 from .rng import capture_rng
 from .stateful import ModelNames, ModelState, OptimizerState, TensorState, describe_shards, dtype_name
-from .storage import SavePlanner
+from .storage import SavePlanner, read_metadata
 
 #: the 16-bit weights written next to the shards when the config asks for them
 WEIGHTS_16BIT = "pytorch_model.bin"
 
-__all__ = ["save_checkpoint"]
+__all__ = ["save_unnamed", "write_engine"]
 
 
-def save_checkpoint(
+def save_unnamed(
     engine: Checkpointable, save_dir: Any, tag: Optional[str] = None, client_state: Optional[dict[str, Any]] = None
 ) -> str:
-    """Collectively write a checkpoint of ``engine`` to ``save_dir/tag``; returns that path.
+    """Collectively write a checkpoint of ``engine`` (one without a name) to ``save_dir/tag``; returns that path.
 
     ``tag`` defaults to ``global_step{engine.global_steps}``.  ``client_state``
     (plain values and tensors; as passed on rank 0) comes back from
-    :func:`~shardwise.checkpoint.load_checkpoint`.
+    :func:`~shardwise.checkpoint.load_checkpoint`.  A named engine's files live
+    under its name (``group.py``); :func:`~.entry.save_checkpoint` chooses.
     """
-    if engine.name is not None:  # a named engine's files live under its name: TAG/<name>/
-        from .group import save_checkpoints
-
-        return save_checkpoints(save_dir, {engine.name: engine}, tag, client_state, comm=engine.comm)
     tag = validate_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     root = Path(save_dir).absolute()
     session = _join(engine, root, tag)
@@ -286,6 +283,4 @@ def _order(keys: list[str]) -> Any:
 
 
 def _data_files(path: Path) -> list[Path]:
-    from .storage import read_metadata
-
     return sorted({path / info.relative_path for info in read_metadata(path).storage_data.values()})

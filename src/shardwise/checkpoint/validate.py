@@ -206,7 +206,7 @@ def _check_rng(state: Any, file: Path) -> None:
 
 
 def _check_numpy_rng(state: Any, file: Path) -> None:
-    import numpy
+    import numpy  # here: only a rank file holding numpy's RNG state needs numpy, an optional import
 
     try:
         numpy.random.RandomState().set_state(state)

@@ -15,6 +15,7 @@ import shardwise
 from shardwise.config import Config
 from shardwise.engine import Engine
 from shardwise.pipe import PipelineModule
+from shardwise.pipe.engine import PipelineEngine
 
 from .comm import init_distributed
 from .defaults import DialectChoice, announce, apply_defaults
@@ -78,8 +79,6 @@ def pipeline_dataloader(
 
 def _loader(engine: Engine, dataset: Dataset[Any], collate_fn: Callable[..., Any] | None) -> Any:
     """The third item of the 4-tuple; a pipeline engine's `train_batch()` also draws from it."""
-    from shardwise.pipe.engine import PipelineEngine
-
     if not isinstance(engine, PipelineEngine):
         return training_dataloader(engine, dataset, collate_fn)
     loader = pipeline_dataloader(engine, dataset, collate_fn)

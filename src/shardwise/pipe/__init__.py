@@ -10,17 +10,10 @@ kept) that trains at any ZeRO stage.  See ``docs/pipeline.md``.
 
 from __future__ import annotations
 
+from .engine import PipelineEngine
 from .module import PipelineModule
 from .sequential import PipelineSequential
 from .spec import LayerSpec, TiedLayerSpec
 
 __all__ = ["LayerSpec", "PipelineEngine", "PipelineModule", "PipelineSequential", "TiedLayerSpec"]
 
-
-def __getattr__(name: str) -> object:
-    # The engine imports the whole training stack; a model definition should not need it.
-    if name == "PipelineEngine":
-        from .engine import PipelineEngine
-
-        return PipelineEngine
-    raise AttributeError(f"module `shardwise.pipe` has no attribute `{name}`")

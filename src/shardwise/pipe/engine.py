@@ -26,11 +26,12 @@ from typing import Any, Iterator, NoReturn, Optional
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.agreement import join
+from ..agreement import join
 from ..config import Config
 from ..construction import digests, require_same_construction
 from ..distributed import Comm
 from ..engine import Engine
+from ..export import save_state_dict
 from ..fingerprint import config_fingerprint
 from .checkpointing import PipelineState, global_order
 from .layers import compute_loss
@@ -296,8 +297,6 @@ class PipelineEngine(Engine):
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Every stage's weights in the compute dtype, in one file written by global rank 0 (collective)."""
-        from ..export import save_state_dict
-
         state = self.state_dict_16bit()
         if self.global_rank == 0:
             save_state_dict(state, Path(save_dir) / save_filename)

@@ -29,6 +29,7 @@ from torch import nn
 from ..distributed import init_distributed
 from .layers import CheckpointFn, Layer, compute_loss, default_checkpoint, run_layers
 from .partition import partition
+from .sequential import PipelineSequential
 from .spec import LayerSpec, TiedLayerSpec, build_on_meta, layer_name
 from .topology import PipeTopology
 
@@ -304,8 +305,6 @@ class PipelineModule(nn.Module):
                 "Build the model whole with `PipelineModule(layers, num_stages=1).to_sequential()`; a pipeline "
                 "checkpoint loads into it by name"
             )
-        from .sequential import PipelineSequential
-
         return PipelineSequential(self)
 
     def extra_repr(self) -> str:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ..config import Config
 from ..distributed import init_distributed
+from ..initialization import initialize
 
 __all__ = ["TOTAL_STEPS", "build_engine", "planned_steps"]
 
@@ -36,8 +37,6 @@ def build_engine(model_or_engine: Any, config: Any, train_data: Any, max_steps: 
         raise ValueError(
             f"`Trainer` got a `{type(model_or_engine).__name__}` model but no config: pass `config=` (a dict, a "
             "`.json`/`.yaml` path or a `shardwise.Config`), or an engine from `shardwise.initialize`")
-    import shardwise  # the package's initialize; imported here because shardwise/__init__ imports the trainer
-
     loaded = Config.load(config)
     if not dist.is_initialized():
         init_distributed(timeout=loaded.dist_timeout)
@@ -45,7 +44,7 @@ def build_engine(model_or_engine: Any, config: Any, train_data: Any, max_steps: 
         world = dist.get_world_size()
         total = planned_steps(train_data, loaded, world, max_steps, epochs)
         loaded = loaded.resolve(world_size=world, model=model_or_engine, total_num_steps=total)
-    return shardwise.initialize(model_or_engine, config=loaded)
+    return initialize(model_or_engine, config=loaded)
 
 
 def planned_steps(data: Any, config: Config, world: int, max_steps: Optional[int], epochs: Optional[int]) -> int:

@@ -105,7 +105,7 @@ class TensorBoardCallback(Callback):
 
 def _summary_writer(log_dir: Optional[str]) -> Any:
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # here: heavy, optional, only for this callback
     except ImportError as error:
         raise ImportError(
             f"`TensorBoardCallback` needs the `tensorboard` package ({error}); install it with "

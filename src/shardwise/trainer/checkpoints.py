@@ -15,6 +15,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
+from ..checkpoint.commit import write_atomic
+from ..checkpoint.errors import CheckpointError
+
 __all__ = ["Checkpoints", "ResumeError"]
 
 _TAG = re.compile(r"^global_step(\d+)$")
@@ -78,16 +81,12 @@ class Checkpoints:
         """Rank 0 names the best checkpoint in ``best`` (atomically; only once that checkpoint is complete)."""
         if self.directory is None or self.engine.comm.rank != 0:
             return
-        from ..checkpoint.commit import write_atomic
-
         write_atomic(self.directory / "best", f"global_step{self.best_step}\n".encode())
 
     def resume(self) -> Optional[dict[str, Any]]:
         """Load ``latest`` (collective); its client state, or None when the directory holds no checkpoint."""
         if self.directory is None:
             return None
-        from ..checkpoint import CheckpointError
-
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=_NOTHING_TO_LOAD)

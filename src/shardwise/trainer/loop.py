@@ -32,6 +32,7 @@ from .data import Collate, Source, eval_source, train_source
 from .eval_metrics import Collected, ComputeMetrics
 from .logs import routed_logs
 from .metrics import Meter, MetricsFile
+from .plot import plot_metrics
 from .progress import make_progress
 
 __all__ = ["FitSummary", "StepResult", "Trainer"]
@@ -531,8 +532,6 @@ class Trainer:
         if path is None or not path.is_file():
             return None
         try:
-            from .plot import plot_metrics
-
             return str(plot_metrics(path, path.with_suffix(".png")))
         except (ImportError, ValueError, OSError) as error:
             self.progress.message(f"no curves drawn: {error}")

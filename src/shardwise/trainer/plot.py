@@ -18,6 +18,7 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
 def plot_metrics(metrics_file: Any, out: Any) -> Path:
     """Draw train/eval loss and lr against step from ``metrics_file`` into ``out`` (a PNG); returns ``out``."""
     try:
+        # here: matplotlib takes ~0.5 s to import, paid only when a plot is drawn
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as error:

@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Any, Optional, TextIO
 
+from tqdm import tqdm
+
 __all__ = ["Progress", "make_progress"]
 
 
@@ -90,8 +92,6 @@ class Bar(Progress):
         self.smoothed: dict[str, float] = {}
 
     def start(self, total: Optional[int], initial: int) -> None:
-        from tqdm import tqdm
-
         self.bar = tqdm(total=total, initial=initial, unit="step", file=self.stream, dynamic_ncols=True,
                         desc="train", smoothing=0.1)
 

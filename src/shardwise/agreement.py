@@ -1,5 +1,7 @@
-"""Making sure every rank takes part in a checkpoint call, without the training group.
+"""Making sure every rank takes part in a collective call, without the training group.
 
+A communication tool beside :mod:`.distributed`, used by the checkpoint layer
+and by both engines' construction (:mod:`.construction`).
 ``save_checkpoint`` and ``load_checkpoint`` are collective.  Before they issue
 a single collective on the process group, the ranks meet through the c10d
 *store* (the key-value store the process group was built on), never through a
@@ -23,10 +25,10 @@ After joining, :meth:`Session.step` gives timeout-bounded, error-propagating
 checkpoints between phases (a rank that fails while preparing makes every rank
 raise instead of leaving the others inside a collective).
 
-Every value crosses the store as JSON (:mod:`.store_codec`: DCP's save plans
+Every value crosses the store as JSON (:mod:`.checkpoint.store_codec`: DCP's save plans
 through a fixed allow-list of types, never a pickle), at most
 ``MAX_STORE_VALUE_BYTES`` long; a value that is not what a rank wrote is a
-:class:`~.errors.StoreValueError` on every rank that reads it.
+:class:`~.checkpoint.errors.StoreValueError` on every rank that reads it.
 
 Every wait here also watches the other ranks' heartbeats
 (:class:`~shardwise.faults.liveness.PeerWatch`): a rank that was killed or
@@ -44,12 +46,12 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
-from ..distributed import Comm
-from ..faults.diagnose import RESTART
-from ..faults.errors import RankGoneError
-from ..faults.liveness import PeerWatch
-from . import store_codec
-from .errors import CheckpointError
+from .checkpoint import store_codec
+from .checkpoint.errors import CheckpointError
+from .distributed import Comm
+from .faults.diagnose import RESTART
+from .faults.errors import RankGoneError
+from .faults.liveness import PeerWatch
 
 __all__ = ["Session", "join"]
 
@@ -106,8 +108,8 @@ class Session:
         must then be JSON-able; else a list of None).  ``objects`` is the type
         of every rank's result (e.g. ``list[SavePlan]``) when it holds DCP's
         save plans or write results: those cross the store through
-        :mod:`.store_codec`, and a rank's value of another type is a
-        :class:`~.errors.StoreValueError`.  If ``fn`` raised on any rank, every
+        :mod:`.checkpoint.store_codec`, and a rank's value of another type is a
+        :class:`~.checkpoint.errors.StoreValueError`.  If ``fn`` raised on any rank, every
         rank raises: the failing rank its own error, the others a
         :class:`CheckpointError` naming it.
         """
