@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +201,7 @@ def _hf_round_trip(root: str) -> None:
             got = loaded(input_ids=ids[:2]).logits
         diff = (got - want).abs().max().item()
         assert diff < 1e-6, f"from_pretrained logits differ from the stage-3 engine's by {diff:.2e} (tol 1e-6)"
+    _export_round_trip(engine, root, path, ids, want)
     # A write that fails leaves nothing behind, and every rank hears of it.
     Path(f"{root}/taken").touch()
     try:
@@ -210,6 +212,30 @@ def _hf_round_trip(root: str) -> None:
     dist.barrier()
     assert sorted(p.name for p in Path(root).iterdir()) == ["hf", "taken"]  # no staging folder left
     engine.destroy()
+
+
+def _export_round_trip(engine: Any, root: str, hf_dir: str, ids: torch.Tensor, want: torch.Tensor) -> None:
+    """`shardwise checkpoint export --hf` of a stage-3 checkpoint, in one process, loads with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.cli import main
+
+    engine.save_checkpoint(f"{root}/ckpt")
+    if dist.get_rank() == 0:
+        assert main(["checkpoint", "export", "--hf", f"{root}/ckpt", f"{root}/bare"]) == 0
+        assert sorted(os.listdir(f"{root}/bare")) == ["model.safetensors"]  # no config found: weights, and a hint
+        assert main(["checkpoint", "export", "--hf", f"{root}/ckpt", f"{root}/exported", "--config", hf_dir]) == 0
+        shutil.copyfile(f"{hf_dir}/config.json", f"{root}/ckpt/config.json")  # found beside the checkpoint
+        assert main(["checkpoint", "export", "--hf", f"{root}/ckpt", f"{root}/found"]) == 0
+        for folder in ("exported", "found"):
+            loaded = AutoModelForCausalLM.from_pretrained(f"{root}/{folder}").eval()
+            with torch.no_grad():
+                diff = (loaded(input_ids=ids[:2]).logits - want).abs().max().item()
+            assert diff < 1e-6, f"{folder}: exported logits differ from the stage-3 engine's by {diff:.2e}"
+        assert main(["checkpoint", "export", "--hf", f"{root}/nothing", f"{root}/x"]) == 2
+        for folder in ("bare", "exported", "found", "ckpt"):
+            shutil.rmtree(f"{root}/{folder}")
+    dist.barrier()
 
 
 def test_save_pretrained_at_stage3_loads_with_from_pretrained(tmp_path: Path) -> None:

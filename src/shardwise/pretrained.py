@@ -13,17 +13,18 @@ empty shards there.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .export import save_state_dict
 
-__all__ = ["save_pretrained"]
+__all__ = ["export_pretrained", "save_pretrained"]
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -48,12 +49,65 @@ def save_pretrained(engine: Any, save_dir: str | os.PathLike[str]) -> str:
     return str(target)
 
 
+def export_pretrained(ckpt_dir: str | os.PathLike[str], save_dir: str | os.PathLike[str], *, tag: str | None = None,
+                      engine: str | None = None, config: str | os.PathLike[str] | None = None) -> list[Path]:
+    """``shardwise checkpoint export --hf``: a saved checkpoint as a folder ``from_pretrained`` loads, in this
+    process (no process group): its full fp32 weights as ``model.safetensors``, and the model's Hugging Face
+    ``config.json`` (and ``generation_config.json``) from ``config`` (the file, or the folder holding it) or,
+    when not given, from the checkpoint folder or the one above it if it holds a Hugging Face config (one
+    with ``model_type``).  Returns the config files copied (none: ``from_pretrained`` will need one)."""
+    from .checkpoint.consolidation import consolidated_state_dict  # here: it imports DCP (~1.4 s)
+
+    state = consolidated_state_dict(ckpt_dir, tag, engine)
+    sources = _config_sources(Path(ckpt_dir), Path(config) if config is not None else None)
+
+    def copy_configs(folder: Path) -> None:
+        for name, source in sources.items():
+            shutil.copyfile(source, folder / name)
+
+    _write_folder(state, Path(save_dir), copy_configs)
+    return list(sources.values())
+
+
+def _config_sources(ckpt_dir: Path, config: Path | None) -> dict[str, Path]:
+    """Output name -> file: what ``config`` names, else a Hugging Face config found beside the checkpoint."""
+    if config is not None:
+        if config.is_file():
+            return {"config.json": config}
+        found = {name: config / name for name in ("config.json", "generation_config.json") if (config / name).is_file()}
+        if "config.json" not in found:
+            raise FileNotFoundError(f"--config {config}: no config.json there; pass the model's Hugging Face "
+                                    "config.json or the folder holding it")
+        return found
+    for folder in (ckpt_dir, ckpt_dir.parent):
+        candidate = folder / "config.json"
+        if candidate.is_file() and _is_hf_config(candidate):  # not a training config of the same name
+            found = {"config.json": candidate}
+            if (folder / "generation_config.json").is_file():
+                found["generation_config.json"] = folder / "generation_config.json"
+            return found
+    return {}
+
+
+def _is_hf_config(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "model_type" in data
+
+
 def _write(module: Any, state: dict[str, torch.Tensor], target: Path) -> None:
+    _write_folder(state, target, lambda folder: _write_configs(module, folder))
+
+
+def _write_folder(state: dict[str, torch.Tensor], target: Path, write_configs: Callable[[Path], None]) -> None:
+    """``model.safetensors`` and the configs, staged beside ``target`` and moved in only once all are written."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         save_state_dict(state, staging / WEIGHTS_NAME)
-        _write_configs(module, staging)
+        write_configs(staging)
         target.mkdir(exist_ok=True)
         for child in staging.iterdir():
             os.replace(child, target / child.name)  # each file whole; all are complete before the first moves

@@ -1,4 +1,4 @@
-"""``shardwise checkpoint inspect|consolidate``: work with checkpoints from one CPU process, no cluster."""
+"""``shardwise checkpoint inspect|consolidate|export``: work with checkpoints from one CPU process, no cluster."""
 
 from __future__ import annotations
 
@@ -43,8 +43,25 @@ def _consolidate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _export(ns: argparse.Namespace) -> int:
+    from ..pretrained import export_pretrained  # here: it imports DCP (~1.4 s), which `shardwise run` does not need
+
+    try:
+        configs = export_pretrained(ns.ckpt_dir, ns.out_dir, tag=ns.tag, engine=ns.engine, config=ns.config)
+    except (CheckpointError, OSError) as error:
+        print(f"shardwise checkpoint export: {_one_line(error)}", file=sys.stderr)
+        return 2
+    if configs:
+        print(f"wrote {ns.out_dir}: model.safetensors and {', '.join(p.name for p in configs)} (from "
+              f"{configs[0].parent}); `from_pretrained({ns.out_dir!r})` loads it")
+    else:
+        print(f"wrote {ns.out_dir}/model.safetensors; no Hugging Face config.json was found beside the checkpoint: "
+              "pass `--config` (the model's config.json or its folder) so `from_pretrained` can load the folder")
+    return 0
+
+
 def add_checkpoint_commands(subparsers: Any) -> None:
-    """Add ``shardwise checkpoint`` (``inspect``, ``consolidate``) to the ``shardwise`` parser."""
+    """Add ``shardwise checkpoint`` (``inspect``, ``consolidate``, ``export``) to the ``shardwise`` parser."""
     parser = subparsers.add_parser("checkpoint", help="inspect or consolidate shardwise checkpoints")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     inspect = actions.add_parser(
@@ -69,3 +86,19 @@ def add_checkpoint_commands(subparsers: Any) -> None:
     consolidate.add_argument("--engine", help="in a checkpoint of several engines, the one to export")
     consolidate.add_argument("--out", required=True, metavar="FILE", help="output file, .safetensors or .pt")
     consolidate.set_defaults(handler=_consolidate)
+    export = actions.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face folder (`--hf`)",
+        description="Write the full fp32 weights of a checkpoint as OUT_DIR/model.safetensors with the model's "
+        "Hugging Face config.json beside it, so `from_pretrained(OUT_DIR)` loads it; from one process, any stage "
+        "and world size. The folder appears only once complete. Exit 0, or 2 with the problem on stderr.",
+    )
+    export.add_argument("--hf", action="store_true", required=True,
+                        help="the Hugging Face layout (the only export format)")
+    export.add_argument("ckpt_dir", metavar="CKPT_DIR")
+    export.add_argument("out_dir", metavar="OUT_DIR")
+    export.add_argument("--tag", help="the checkpoint to export (default: the one `latest` names)")
+    export.add_argument("--engine", help="in a checkpoint of several engines, the one to export")
+    export.add_argument("--config", metavar="PATH", help="the model's config.json, or the folder holding it "
+                        "(default: a Hugging Face config.json in CKPT_DIR or the folder above it)")
+    export.set_defaults(handler=_export)
