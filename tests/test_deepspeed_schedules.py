@@ -77,6 +77,29 @@ def test_schedules_follow_deepspeed_on_two_ranks() -> None:
         errors = [abs(g - w) / abs(w) for g, w in zip(losses, want)]
         assert max(errors) <= LOSS_TOLERANCE, f"rank {rank} {name}: losses {losses} vs DeepSpeed's {want}"
 
+    _continues_a_deepspeed_checkpoint(rank)
+
+
+def _continues_a_deepspeed_checkpoint(rank: int) -> None:
+    """A dialect engine (schedule started as DeepSpeed's) loading a DeepSpeed checkpoint continues with
+    DeepSpeed's lrs and losses (the checkpoint stores `last_batch_iteration` 3 after 4 steps)."""
+    record = fx.record("z0_fp32")
+    model = fx.Tiny()
+    engine = deepspeed.initialize(model=model, optimizer=fx.optimizer(model), config=fx.config(0, "fp32"))[0]
+    engine.load_checkpoint(fx.FIXTURES / "z0_fp32")
+    lrs, losses = [], []
+    for k in range(fx.SAVE_AFTER, fx.SAVE_AFTER + fx.CONTINUE):
+        lrs.append(engine.get_lr())
+        x, y = fx.batch(k, rank)
+        loss = fx.loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert lrs == record["lrs"], f"rank {rank}: lrs after loading {lrs} vs DeepSpeed's {record['lrs']}"
+    want = [step[rank] for step in record["after"]]
+    assert max(abs(g - w) / abs(w) for g, w in zip(losses, want)) <= LOSS_TOLERANCE, (losses, want)
+    engine.destroy()
+
 
 @distributed_test(world_size=2, timeout=240)
 def test_loss_scale_follows_deepspeed_with_overflows_on_two_ranks() -> None:
