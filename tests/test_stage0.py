@@ -138,12 +138,14 @@ def test_fp16_overflow_on_one_rank_skips_everywhere() -> None:
     # second overflow: hysteresis exhausted, the scale halves
     assert not _fp16_step(engine, 1, poison=rank == 0)
     assert engine.skipped_steps == 2 and engine.loss_scale == 2.0**7
-    # three clean steps (the window) double it again
+    # DeepSpeed's rule: the clean step after three clean ones (the window) doubles it, not the third
     for step in range(2, 5):
         assert _fp16_step(engine, step, poison=False)
-    assert engine.loss_scale == 2.0**8 and engine.global_steps == 5
+    assert engine.loss_scale == 2.0**7
+    assert _fp16_step(engine, 5, poison=False)
+    assert engine.loss_scale == 2.0**8 and engine.global_steps == 6
     engine.override_loss_scale(4.0)
-    assert not _fp16_step(engine, 5, poison=True)
+    assert not _fp16_step(engine, 6, poison=True)
     assert engine.loss_scale == 4.0, "an override is not changed by overflow"
     engine.override_loss_scale(None)
     assert engine.loss_scale == 2.0**8

@@ -20,8 +20,11 @@ class LossScaler:
     """Dynamic (or static) loss scale with hysteresis.
 
     On overflow the scale is halved, unless hysteresis still has credit, in
-    which case only the credit drops.  After ``window`` clean steps since the
-    last overflow the scale doubles and the credit is restored.
+    which case only the credit drops.  A clean step that follows ``window``
+    clean steps since the last overflow (or the start) doubles the scale and
+    restores the credit; so does every ``window``-th clean step after that.
+    That is DeepSpeed's rule (0.19's ``stable_interval``): with window 2 and no
+    overflow the scale doubles after steps 2, 4, 6, ..., not after 1, 3, 5.
     """
 
     def __init__(
@@ -70,7 +73,10 @@ class LossScaler:
     def _on_clean_step(self) -> None:
         if self.consecutive_hysteresis:
             self.credit = self.hysteresis
-        if (self.iteration - self.last_overflow) % self.window == 0:
+        # DeepSpeed counts the clean steps before this one, so the first doubling comes one step later
+        # than `(iteration - last_overflow) % window` would put it.
+        stable = self.iteration - self.last_overflow - 1
+        if stable > 0 and stable % self.window == 0:
             self.credit = self.hysteresis
             self.scale *= self.factor
 

@@ -13,16 +13,24 @@ and the schedules are
     WarmupCosineLR: initial_lr * ratio, ratio rising from warmup_min_ratio to 1 during warmup, then
                     cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * (n - W + 1) / (T - W))) / 2
 
-where `T` = `total_num_steps`. Stepping follows torch: construction writes the lr of iteration
-`last_batch_iteration + 1` (0 for a fresh schedule) into the param groups, so optimizer step `k`
-runs at the schedule's lr for iteration `k` when `step()` is called after each optimizer step.
+where `T` = `total_num_steps`. Iteration -1 is "not started": `warmup_min_lr` (WarmupCosineLR: 0 in
+every group), as DeepSpeed's `get_lr` before its first step.
 
-Differences from DeepSpeed, on purpose:
-- DeepSpeed's constructor leaves the first optimizer step at lr 0 (first group only) and starts the
-  schedule one step late; here the first optimizer step runs at the iteration-0 lr.
+Where the schedule starts is a constructor option, `deepspeed_start`:
+- False (the default, `shardwise.initialize`): stepping follows torch. Construction writes the lr of
+  iteration `last_batch_iteration + 1` (0 for a fresh schedule) into the param groups, so optimizer
+  step `k` runs at the schedule's lr for iteration `k` when `step()` is called after each optimizer step.
+- True (the `shardwise.deepspeed` dialect, config `scheduler.deepspeed_start`): as DeepSpeed 0.19,
+  construction writes the lr of iteration `last_batch_iteration` (-1 for a fresh schedule: the
+  minimum, or 0 for WarmupCosineLR) and does not step, so optimizer step `k` runs at iteration `k - 1`.
+
+Either way the groups hold the lr of `last_batch_iteration` after construction's write, and a state
+loaded with `last_batch_iteration: n` writes the lr of iteration `n`: a checkpoint (shardwise's or
+DeepSpeed's) continues with the lr it was saved at, whichever way the schedule started.
+
+Differences from DeepSpeed, on purpose (in both modes):
 - DeepSpeed silently raises `warmup_num_steps` below 2 to 2; here 0 means no warmup and 1 means one
   warmup step at the minimum.
-- Past `total_num_steps` DeepSpeed's cosine rises again; here it stays at `cos_min_ratio`.
 - Bad arguments raise ValueError instead of a logged warning.
 
 The classes subclass `torch.optim.lr_scheduler.LRScheduler` (so `isinstance` checks and torch tooling
@@ -90,7 +98,8 @@ class _WarmupSchedule(LRScheduler):
     """Shared stepping and state for the closed-form schedules below; subclasses define `_lrs_at`."""
 
     def __init__(
-        self, optimizer: Any, warmup_num_steps: int, warmup_type: str, last_batch_iteration: int
+        self, optimizer: Any, warmup_num_steps: int, warmup_type: str, last_batch_iteration: int,
+        deepspeed_start: bool,
     ) -> None:
         # LRScheduler.__init__ is skipped on purpose (see the module docstring).
         groups = _param_groups(optimizer)
@@ -101,9 +110,11 @@ class _WarmupSchedule(LRScheduler):
         # measures against the original lr rather than an already-scheduled one.
         base_lrs: list[float | torch.Tensor] = [float(g.setdefault("initial_lr", g["lr"])) for g in groups]
         self.base_lrs = base_lrs
+        self.deepspeed_start = deepspeed_start
         self.last_batch_iteration = last_batch_iteration
         self._last_lr = []
-        self.step()
+        # DeepSpeed's constructor writes the current iteration's lr without stepping; torch's steps once.
+        self.step(last_batch_iteration if deepspeed_start else None)
 
     @property  # type: ignore[override]
     def last_epoch(self) -> int:
@@ -117,9 +128,15 @@ class _WarmupSchedule(LRScheduler):
     def _lrs_at(self, iteration: int) -> list[float]:
         raise NotImplementedError
 
+    def _lrs_before_start(self) -> list[float]:
+        raise NotImplementedError
+
+    def _lrs(self, iteration: int) -> list[float]:
+        return self._lrs_before_start() if iteration < 0 else self._lrs_at(iteration)
+
     def get_lr(self) -> list[float | torch.Tensor]:
         """The learning rates, one per param group, for the current iteration."""
-        return [*self._lrs_at(max(self.last_batch_iteration, 0))]
+        return [*self._lrs(self.last_batch_iteration)]
 
     def get_last_lr(self) -> list[float | torch.Tensor]:
         """The learning rates this schedule last wrote into the param groups."""
@@ -130,7 +147,7 @@ class _WarmupSchedule(LRScheduler):
         if last_batch_iteration is None:
             last_batch_iteration = self.last_batch_iteration + 1
         self.last_batch_iteration = last_batch_iteration
-        self._apply(self._lrs_at(max(self.last_batch_iteration, 0)))
+        self._apply(self._lrs(self.last_batch_iteration))
 
     def _apply(self, lrs: list[float]) -> None:
         groups = self.optimizer.param_groups
@@ -186,16 +203,18 @@ class WarmupLR(_WarmupSchedule):
         warmup_num_steps: int = 1000,
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
+        *,
+        deepspeed_start: bool = False,
     ) -> None:
         _raise_on_problems(type(self).__name__, self._arguments(locals()))
         count = len(_param_groups(optimizer))
         self.min_lrs = _per_group(warmup_min_lr, count, "warmup_min_lr")
         self.max_lrs = _per_group(warmup_max_lr, count, "warmup_max_lr")
-        super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
+        super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration, deepspeed_start)
 
     @staticmethod
     def _arguments(scope: Mapping[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in scope.items() if k not in ("self", "optimizer", "__class__")}
+        return {k: v for k, v in scope.items() if k not in ("self", "optimizer", "__class__", "deepspeed_start")}
 
     def _gamma(self, iteration: int) -> float:
         return _warmup_fraction(iteration, self.warmup_num_steps, self.warmup_type)
@@ -203,6 +222,9 @@ class WarmupLR(_WarmupSchedule):
     def _lrs_at(self, iteration: int) -> list[float]:
         gamma = self._gamma(iteration)
         return [low + (high - low) * gamma for low, high in zip(self.min_lrs, self.max_lrs)]
+
+    def _lrs_before_start(self) -> list[float]:
+        return [*self.min_lrs]
 
 
 class WarmupDecayLR(WarmupLR):
@@ -217,11 +239,14 @@ class WarmupDecayLR(WarmupLR):
         warmup_num_steps: int = 1000,
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
+        *,
+        deepspeed_start: bool = False,
     ) -> None:
         _raise_on_problems(type(self).__name__, self._arguments(locals()))
         self.total_num_steps = total_num_steps
         super().__init__(
-            optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration
+            optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration,
+            deepspeed_start=deepspeed_start,
         )
 
     def _gamma(self, iteration: int) -> float:
@@ -243,12 +268,14 @@ class WarmupCosineLR(_WarmupSchedule):
         cos_min_ratio: float = 0.0001,
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
+        *,
+        deepspeed_start: bool = False,
     ) -> None:
         _raise_on_problems(type(self).__name__, WarmupLR._arguments(locals()))
         self.total_num_steps = total_num_steps
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.cos_min_ratio = float(cos_min_ratio)
-        super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
+        super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration, deepspeed_start)
 
     def _ratio(self, iteration: int) -> float:
         if iteration < self.warmup_num_steps:
@@ -261,6 +288,10 @@ class WarmupCosineLR(_WarmupSchedule):
     def _lrs_at(self, iteration: int) -> list[float]:
         ratio = self._ratio(iteration)
         return [float(base) * ratio for base in self.base_lrs]
+
+    def _lrs_before_start(self) -> list[float]:
+        # DeepSpeed 0.19 writes 0 into every group, not `warmup_min_ratio` x lr.
+        return [0.0] * len(self.base_lrs)
 
 
 SCHEDULERS: dict[str, type[_WarmupSchedule]] = {
@@ -278,4 +309,4 @@ def build_scheduler(config: SchedulerConfig | Mapping[str, Any], optimizer: Any)
         config = section
     if config.type not in SCHEDULERS:
         raise ValueError(f"scheduler type `{config.type}` has a description but no implementation")
-    return SCHEDULERS[config.type](optimizer, **config.params)
+    return SCHEDULERS[config.type](optimizer, **config.params, deepspeed_start=config.deepspeed_start)

@@ -94,6 +94,9 @@ class OptimizerConfig(Section):
 
     type: str
     params: dict[str, Any] = Field(default_factory=dict)
+    #: shardwise's own key: start as DeepSpeed's schedules do (the first optimizer step at iteration -1's
+    #: lr, step `k` at iteration `k - 1`). The `shardwise.deepspeed` dialect sets it when it is absent.
+    deepspeed_start: bool = False
 
     @field_validator("type")
     @classmethod
@@ -126,6 +129,9 @@ class SchedulerConfig(Section):
 
     type: str
     params: dict[str, Any] = Field(default_factory=dict)
+    #: shardwise's own key: start as DeepSpeed's schedules do (the first optimizer step at iteration -1's
+    #: lr, step `k` at iteration `k - 1`). The `shardwise.deepspeed` dialect sets it when it is absent.
+    deepspeed_start: bool = False
 
     @field_validator("type")
     @classmethod

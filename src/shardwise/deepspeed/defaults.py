@@ -45,6 +45,9 @@ def apply_defaults(
     without `weight_decay`: 0.0 (DeepSpeed's own Adams; torch's AdamW would decay by 0.01). With
     `user_backward` (not a pipeline, whose `train_batch` runs backward itself), the choice that
     several backwards before a step accumulate (the caller sets the engine's `accumulates_backwards`).
+    A `scheduler` section without `deepspeed_start`: true (DeepSpeed's schedules start one iteration
+    earlier). fp16 with a dynamic scale at ZeRO stage 0: `hysteresis` 1 (DeepSpeed's stage-0 fp16
+    optimizer has none).
     """
     choices: list[DialectChoice] = []
     update: dict[str, object] = {}
@@ -68,11 +71,36 @@ def apply_defaults(
         update["optimizer"] = None
         _warn(f"deepspeed dialect: an optimizer was passed to `initialize`, so the config's `optimizer` section "
               f"(`{config.optimizer.type}`) is ignored, as DeepSpeed ignores it; remove the section to silence this")
+    for key, value, choice in (*_schedule_start(config), *_stage0_hysteresis(config)):
+        update[key] = value
+        choices.append(choice)
     if user_backward:
         choices.append(DialectChoice(
             "several `backward` calls before one `step` add up their gradients, reduced across ranks at `step`",
             "refuse a second `backward` at an accumulation boundary"))
     return config.replace(**update), choices
+
+
+def _schedule_start(config: Config) -> list[tuple[str, Any, DialectChoice]]:
+    """DeepSpeed's schedules start at iteration -1: the first optimizer step runs at `warmup_min_lr`
+    (WarmupCosineLR: 0), step `k` at iteration `k - 1`."""
+    section = config.scheduler
+    if section is None or "deepspeed_start" in section.model_fields_set:
+        return []
+    return [("scheduler", section.model_copy(update={"deepspeed_start": True}), DialectChoice(
+        f"`scheduler` `{section.type}` starts as DeepSpeed's: optimizer step k runs at the schedule's iteration k-1, "
+        "the first at iteration -1's lr", "start at iteration 0; set `scheduler.deepspeed_start` to choose"))]
+
+
+def _stage0_hysteresis(config: Config) -> list[tuple[str, Any, DialectChoice]]:
+    """DeepSpeed's ZeRO-0 fp16 optimizers (FP16_Optimizer, FP16_UnfusedOptimizer) keep no hysteresis:
+    every overflow halves the scale, whatever `fp16.hysteresis` says; its ZeRO 1-3 honour the key."""
+    fp16 = config.fp16
+    if not fp16.enabled or fp16.loss_scale != 0 or config.zero_optimization.stage != 0 or fp16.hysteresis == 1:
+        return []
+    return [("fp16", fp16.model_copy(update={"hysteresis": 1, "consecutive_hysteresis": False}), DialectChoice(
+        f"ZeRO stage 0 fp16 ignores `fp16.hysteresis` ({fp16.hysteresis}): every overflow halves the loss scale",
+        "apply the hysteresis at every stage; use `shardwise.initialize` for that"))]
 
 
 def _adam_without_decay(kind: str, params: dict[str, Any]) -> bool:
