@@ -55,7 +55,7 @@ class OffloadedMasters(Masters):
         super().__init__(layout, dtype, device)
         self.spec = spec
         self.groups: list[SubGroup] = plan_sub_groups(layout.pieces, spec.sub_group_size)
-        self.group_of = {p: (g, off) for g in self.groups for p, off in zip(g.pieces, g.offsets)}
+        self.group_of = {p: (g.index, off) for g in self.groups for p, off in zip(g.pieces, g.offsets)}
         #: per sub-group, the per-element state kinds it has files for
         self.kinds: list[dict[str, torch.dtype]] = [{} for _ in self.groups]
         #: per piece, its per-element state kinds and its other (small) state values, kept in memory
