@@ -49,7 +49,7 @@ def _make_folder(root: str, rank: int) -> Path:
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    return tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().data
 
 
 class NvmeFiles:
@@ -75,7 +75,9 @@ class NvmeFiles:
 
     def read_into(self, name: str, out: torch.Tensor, offset: int = 0) -> None:
         """Fill ``out`` (contiguous, CPU) from the file's bytes at ``offset``."""
-        view = _as_bytes(out) if out.dtype != torch.uint8 else memoryview(out.numpy())
+        if not out.is_contiguous():
+            raise ValueError(f"reading {name} into a non-contiguous tensor would fill a copy; pass a contiguous one")
+        view = _as_bytes(out)  # `out` is contiguous: its bytes, not a copy
         fd = os.open(self.path(name), os.O_RDONLY)
         try:
             done = 0
