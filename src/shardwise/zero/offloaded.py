@@ -62,7 +62,9 @@ class OffloadedMasters(Masters):
         self.piece_kinds: list[set[str]] = [set() for _ in layout.pieces]
         self.small: list[dict[str, Any]] = [{} for _ in layout.pieces]
         self.keys: list[torch.Tensor] = []
-        self.pool = BufferPool(spec.buffer_count, pin=spec.pin_memory and device.type == "cuda")
+        largest = max((g.numel for g in self.groups), default=0)
+        expected = largest * (4 + spec.state_bytes) + _ALIGN * 4  # master and state, each region aligned
+        self.pool = BufferPool(spec.buffer_count, expected, pin=spec.pin_memory and device.type == "cuda")
         #: whether the files may hold masters the model's parameters do not show yet (after a load)
         self.stale = False
         self.files: NvmeFiles | None = None

@@ -27,12 +27,14 @@ Step = Callable[[int, torch.Tensor], Callable[[], None]]
 class BufferPool:
     """``count`` reusable byte buffers, each grown to the largest size asked of it."""
 
-    def __init__(self, count: int, pin: bool = False) -> None:
+    def __init__(self, count: int, nbytes: int = 0, pin: bool = False) -> None:
         self.count = count
         self.pin = pin
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        # Sized up front for the state expected: growing them later would leave the old ones to the
+        # allocator, which keeps freed heap memory resident (see docs/offload.md).
         for _ in range(count):
-            self._free.put(torch.empty(0, dtype=torch.uint8))
+            self._free.put(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes`` (waits for one to come back from a write)."""
