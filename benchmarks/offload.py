@@ -16,7 +16,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from torch import nn
 
 import shardwise
 from shardwise.testing import run_distributed
+from shardwise.zero.flat import FlatStrategy
 
 from .worker import rss_bytes
 
@@ -57,7 +58,7 @@ def measure(millions: int, steps: int, nvme: Optional[str], sub_group: int, buff
         if step >= 2:
             times.append(time.perf_counter() - start)
     read, written = (now - then for now, then in zip(_moved(engine), moved))
-    shard = engine.strategy.layout.shard_numel
+    shard = cast(FlatStrategy, engine.strategy).layout.shard_numel
     held = rss_bytes()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the process holds, less what glibc keeps of freed memory
     trimmed = rss_bytes()

@@ -123,3 +123,20 @@ def test_a_checkpoint_of_two_offloaded_ranks_reshards_onto_one(tmp_path: Path) -
     assert_close_params(params_of(engines[0].module), params_of(engines[1].module), atol=ATOL)
     for engine in engines:
         engine.destroy()
+
+
+def _freeze_and_thaw(nvme: Optional[str]) -> dict[str, torch.Tensor]:
+    engine = _engine(2, nvme, micro=1)
+    for step in range(9):
+        if step in (3, 6):  # fc1.weight stops training, then trains again: its master and Adam state carried
+            engine.module.fc1.weight.requires_grad_(step == 6)
+        _train(engine, step, 1, rank=0)
+    params = params_of(engine.module)
+    engine.destroy()
+    return params
+
+
+def test_a_change_of_the_trainable_set_carries_the_offloaded_state(tmp_path: Path) -> None:
+    """One process: freezing and unfreezing a parameter rebuilds the offloaded masters as it does the others."""
+    assert_close_params(_freeze_and_thaw(str(tmp_path)), _freeze_and_thaw(None), atol=ATOL)
+    assert list(tmp_path.iterdir()) == []
