@@ -1,9 +1,11 @@
 """What optimizer offload to NVMe was asked for, and how this rank's shard is cut into sub-groups.
 
-A sub-group is a run of consecutive pieces (one parameter's part of this
-rank's shard each) of at most ``sub_group_size`` elements; a piece larger than
-that is a sub-group of its own, since the inner optimizer steps whole pieces
-(their state is keyed by the tensor it steps).
+A sub-group is a run of at most ``sub_group_size`` consecutive elements of this
+rank's shard, cut into chunks (:class:`Chunk`) where it meets the pieces (one
+parameter's part of the shard each); a piece larger than ``sub_group_size`` is
+cut across several sub-groups.  The inner optimizer steps one chunk as one
+tensor: an element-wise optimizer (Adam, SGD, ...) gives the same values
+however its tensors are cut, as sharding already relies on.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 from .layout import Piece
 
-__all__ = ["OffloadSpec", "SubGroup", "offload_spec", "plan_sub_groups", "state_bytes_per_element"]
+__all__ = ["Chunk", "OffloadSpec", "SubGroup", "offload_spec", "plan_sub_groups", "state_bytes_per_element"]
 
 #: per-element bytes of optimizer state torch's optimizers keep (fp32); unknown optimizers count as Adam
 _STATE_BYTES = {"Adam": 8, "AdamW": 8, "NAdam": 8, "RAdam": 8, "Adamax": 8, "Adadelta": 8, "Adagrad": 4}
@@ -32,26 +34,48 @@ class OffloadSpec:
     state_bytes: int
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """Elements ``[at, at + numel)`` of piece ``piece``, at ``shard_at`` in this rank's shard."""
+
+    piece: int
+    at: int
+    numel: int
+    shard_at: int
+
+
 @dataclass
 class SubGroup:
-    """Pieces ``pieces`` (indices into the layout's pieces) at ``offsets`` in a run of ``numel`` elements."""
+    """Chunks ``chunks`` (indices) inside the shard's elements ``[start, end)``."""
 
     index: int
-    pieces: list[int] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    numel: int = 0
+    chunks: list[int] = field(default_factory=list)
+    start: int = 0
+    end: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
 
 
-def plan_sub_groups(pieces: Sequence[Piece], size: int) -> list[SubGroup]:
+def plan_sub_groups(pieces: Sequence[Piece], size: int) -> tuple[list[Chunk], list[SubGroup]]:
+    """The chunks of ``pieces`` and the sub-groups of at most ``size`` elements they fall into, in shard order."""
+    chunks: list[Chunk] = []
     groups: list[SubGroup] = []
+    filled = size
     for index, piece in enumerate(pieces):
-        if not groups or (groups[-1].numel and groups[-1].numel + piece.numel > size):
-            groups.append(SubGroup(len(groups)))
-        group = groups[-1]
-        group.pieces.append(index)
-        group.offsets.append(group.numel)
-        group.numel += piece.numel
-    return groups
+        at = 0
+        while at < piece.numel:
+            if filled >= size:
+                groups.append(SubGroup(len(groups), start=piece.shard_offset + at))
+                filled = 0
+            numel = min(piece.numel - at, size - filled)
+            chunks.append(Chunk(index, at, numel, piece.shard_offset + at))
+            groups[-1].chunks.append(len(chunks) - 1)
+            groups[-1].end = piece.shard_offset + at + numel
+            filled += numel
+            at += numel
+    return chunks, groups
 
 
 def state_bytes_per_element(inner: Any) -> int:

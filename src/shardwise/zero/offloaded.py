@@ -5,12 +5,13 @@ The arrangement beside :class:`~.masters.InPlaceMasters` and
 :func:`~.masters.choose_masters` when ``offload_optimizer.device`` is
 ``nvme``.  The model's parameters live in a flat buffer of the compute dtype
 as usual; this rank's masters and optimizer state live in
-:class:`~.nvme_files.NvmeFiles`, one file per sub-group and kind
-(``g3.master``, ``g3.exp_avg``, ...).  The step (:meth:`OffloadedMasters.step`)
-reads a sub-group into a pool buffer, points the inner optimizer's tensors at
-it, runs torch's own ``step`` over that sub-group only, publishes the updated
-values into the model's flat buffer, and writes the sub-group back while the
-next one is stepped (:mod:`.readahead`).
+:class:`~.nvme_files.NvmeFiles`, one file per kind (``master``, ``exp_avg``,
+...), each laid out as this rank's shard.  The step
+(:meth:`OffloadedMasters.step`) reads a sub-group (:mod:`.offload_plan`) into
+a pool buffer, points the inner optimizer's chunk tensors at it, runs torch's
+own ``step`` over that sub-group only, publishes the updated values into the
+model's flat buffer, and writes the sub-group back while the next one is
+stepped (:mod:`.readahead`).
 
 Between steps the inner optimizer's ``state`` is empty and the tensors it
 steps hold no memory (zero-stride placeholders); a checkpoint sees each
@@ -34,7 +35,7 @@ from .grads import ReducedGrads
 from .layout import Bucket, FlatLayout
 from .masters_base import Gather, Masters
 from .nvme_files import NvmeFiles, check_room
-from .offload_plan import OffloadSpec, SubGroup, plan_sub_groups
+from .offload_plan import OffloadSpec, plan_sub_groups
 from .readahead import BufferPool, pipelined
 
 __all__ = ["NvmeSlot", "OffloadedMasters"]
@@ -54,13 +55,17 @@ class OffloadedMasters(Masters):
     def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, spec: OffloadSpec) -> None:
         super().__init__(layout, dtype, device)
         self.spec = spec
-        self.groups: list[SubGroup] = plan_sub_groups(layout.pieces, spec.sub_group_size)
-        self.group_of = {p: (g.index, off) for g in self.groups for p, off in zip(g.pieces, g.offsets)}
-        #: per sub-group, the per-element state kinds it has files for
-        self.kinds: list[dict[str, torch.dtype]] = [{} for _ in self.groups]
-        #: per piece, its per-element state kinds and its other (small) state values, kept in memory
-        self.piece_kinds: list[set[str]] = [set() for _ in layout.pieces]
-        self.small: list[dict[str, Any]] = [{} for _ in layout.pieces]
+        self.chunks, self.groups = plan_sub_groups(layout.pieces, spec.sub_group_size)
+        self.chunks_of: list[list[int]] = [[] for _ in layout.pieces]
+        for index, chunk in enumerate(self.chunks):
+            self.chunks_of[chunk.piece].append(index)
+        #: the per-element state kinds there are files for
+        self.kinds: dict[str, torch.dtype] = {}
+        #: per chunk: the kinds it has state in, its other (small) state values, the tensor the optimizer steps
+        self.chunk_kinds: list[set[str]] = [set() for _ in self.chunks]
+        self.small: list[dict[str, Any]] = [{} for _ in self.chunks]
+        self.chunk_keys = [_placeholder(chunk.numel) for chunk in self.chunks]
+        #: per piece, the tensor the param group holds (its ``.grad`` is the piece's gradient)
         self.keys: list[torch.Tensor] = []
         largest = max((g.numel for g in self.groups), default=0)
         expected = largest * (4 + spec.state_bytes) + _ALIGN * 4  # master and state, each region aligned
@@ -81,15 +86,11 @@ class OffloadedMasters(Masters):
         except RuntimeError:
             self.files.remove()
             raise
-        for group in self.groups:
-            master = torch.empty(group.numel, dtype=torch.float32)
-            for index, at in zip(group.pieces, group.offsets):
-                piece = layout.pieces[index]
-                param = layout.params[piece.param]
-                source = initial.get(id(param), param.data).reshape(-1)
-                master.narrow(0, at, piece.numel).copy_(source[piece.start : piece.end])
-            self._files.create(f"g{group.index}.master", group.numel * 4)
-            self._files.write_from(f"g{group.index}.master", master)
+        self.files.create("master", numel * 4)
+        for piece in layout.pieces:
+            param = layout.params[piece.param]
+            source = initial.get(id(param), param.data).reshape(-1)[piece.start : piece.end]
+            self.files.write_from("master", source.float(), piece.shard_offset * 4)
 
     @property
     def _files(self) -> NvmeFiles:
@@ -111,85 +112,96 @@ class OffloadedMasters(Masters):
     # ------------------------------------------------------------------- step
     def step(self, inner: Any) -> None:
         """One optimizer step over every sub-group: read ahead, step, publish, write behind."""
-        sizes = [self._regions(g)[-1][2] for g in range(len(self.groups))]
-        pipelined(range(len(self.groups)), sizes, self.pool, self._read,
-                  lambda g, buffer: self._step_group(inner, g, buffer))
+        kinds = dict(self.kinds)  # what the reads of this step find on disk (the step may add kinds)
+        sizes = [self._regions(g.numel, kinds)[-1][2] for g in self.groups]
+        owner = {id(p): i for i, group in enumerate(inner.param_groups) for p in group["params"]}
+        pipelined(range(len(self.groups)), sizes, self.pool, lambda g, buffer: self._read(g, buffer, kinds),
+                  lambda g, buffer: self._step_group(inner, owner, g, self._views(g, buffer, kinds)))
         self.stale = False
 
-    def _regions(self, g: int) -> list[tuple[str, torch.dtype, int]]:
-        """(kind, dtype, end byte) of each kind in sub-group ``g``'s buffer, the master first."""
-        numel, end, out = self.groups[g].numel, 0, []
-        for kind, dtype in [("master", torch.float32), *sorted(self.kinds[g].items())]:
-            start = -(-end // _ALIGN) * _ALIGN
-            end = start + numel * dtype.itemsize
+    @staticmethod
+    def _regions(numel: int, kinds: Mapping[str, torch.dtype]) -> list[tuple[str, torch.dtype, int]]:
+        """(kind, dtype, end byte) of each kind in a sub-group's buffer, the master first."""
+        end, out = 0, []
+        for kind, dtype in [("master", torch.float32), *sorted(kinds.items())]:
+            end = -(-end // _ALIGN) * _ALIGN + numel * dtype.itemsize
             out.append((kind, dtype, end))
         return out
 
-    def _views(self, g: int, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _views(self, g: int, buffer: torch.Tensor, kinds: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
         numel, views = self.groups[g].numel, {}
-        for kind, dtype, end in self._regions(g):
+        for kind, dtype, end in self._regions(numel, kinds):
             size = numel * dtype.itemsize
             views[kind] = buffer.narrow(0, end - size, size).view(dtype)
         return views
 
-    def _read(self, g: int, buffer: torch.Tensor) -> None:
-        for kind, view in self._views(g, buffer).items():
-            self._files.read_into(f"g{g}.{kind}", view)
+    def _read(self, g: int, buffer: torch.Tensor, kinds: Mapping[str, torch.dtype]) -> None:
+        start = self.groups[g].start
+        for kind, view in self._views(g, buffer, kinds).items():
+            self._files.read_into(kind, view, start * view.element_size())
 
-    def _step_group(self, inner: Any, g: int, buffer: torch.Tensor) -> Any:
-        group, views = self.groups[g], self._views(g, buffer)
-        stepped = []
-        for index, at in zip(group.pieces, group.offsets):
-            key, numel = self.keys[index], self.layout.pieces[index].numel
-            key.data = views["master"].narrow(0, at, numel)
-            entries = dict(self.small[index])
-            entries.update({kind: views[kind].narrow(0, at, numel) for kind in self.piece_kinds[index]})
-            if entries:
-                inner.state[key] = entries
-            stepped.append(key)
+    def _step_group(self, inner: Any, owner: dict[int, int], g: int, views: dict[str, torch.Tensor]) -> Any:
+        group = self.groups[g]
+        stepped: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
+        for index in group.chunks:
+            key = self._load(inner, index, views, group.start)
+            stepped[owner[id(self.keys[self.chunks[index].piece])]].append(key)
         with _only(inner, stepped):
             inner.step()
-        fresh = [self._take_state(inner, index, at, views) for index, at in zip(group.pieces, group.offsets)]
-        new_kinds = self._note_kinds(g, fresh)
-        return lambda: self._write(g, views, fresh, new_kinds)
+        fresh = [self._take_state(inner, index, views, group.start) for index in group.chunks]
+        self._note_kinds(fresh)
+        return lambda: self._write(g, views, fresh)
 
-    def _take_state(self, inner: Any, index: int, at: int,
-                    views: dict[str, torch.Tensor]) -> list[tuple[str, int, torch.Tensor]]:
-        """Take piece ``index``'s state out of the optimizer, publish its master, and let its key go.
+    def _load(self, inner: Any, index: int, views: dict[str, torch.Tensor], start: int) -> torch.Tensor:
+        """Point chunk ``index``'s tensor, gradient and state at the sub-group's buffer."""
+        chunk, key = self.chunks[index], self.chunk_keys[index]
+        at = chunk.shard_at - start
+        key.data = views["master"].narrow(0, at, chunk.numel)
+        grad = self.keys[chunk.piece].grad  # None where the step leaves the parameter alone
+        key.grad = None if grad is None else grad.narrow(0, chunk.at, chunk.numel)
+        entries = dict(self.small[index])
+        entries.update({kind: views[kind].narrow(0, at, chunk.numel) for kind in self.chunk_kinds[index]})
+        if entries:
+            inner.state[key] = entries  # torch keys state by the tensor it steps
+        return key
+
+    def _take_state(self, inner: Any, index: int, views: dict[str, torch.Tensor],
+                    start: int) -> list[tuple[str, int, torch.Tensor]]:
+        """Take chunk ``index``'s state out of the optimizer, publish its master, and let its tensor go.
 
         Returns the per-element tensors that are not in the buffer already (created by this step)."""
-        key, piece = self.keys[index], self.layout.pieces[index]
+        chunk, key = self.chunks[index], self.chunk_keys[index]
+        at = chunk.shard_at - start
         entries = inner.state.pop(key, {})
-        self.small[index] = {k: v for k, v in entries.items() if not is_per_element(v, piece.numel)}
+        self.small[index] = {k: v for k, v in entries.items() if not is_per_element(v, chunk.numel)}
         fresh = []
         for kind, value in entries.items():
-            if not is_per_element(value, piece.numel):
+            if not is_per_element(value, chunk.numel):
                 continue
-            self.piece_kinds[index].add(kind)
+            self.chunk_kinds[index].add(kind)
             where = views.get(kind)
-            if where is None or where.narrow(0, at, piece.numel).data_ptr() != value.data_ptr():
-                fresh.append((kind, at, value.detach().reshape(-1)))
-        self._owned(index).copy_(key.detach())
-        key.data = _placeholder(piece.numel)
+            if where is None or where.narrow(0, at, chunk.numel).data_ptr() != value.data_ptr():
+                fresh.append((kind, chunk.shard_at, value.detach().reshape(-1)))
+        self._owned(chunk.piece).narrow(0, chunk.at, chunk.numel).copy_(key.detach())
+        key.data, key.grad = _placeholder(chunk.numel), None
         return fresh
 
-    def _note_kinds(self, g: int, fresh: list[list[tuple[str, int, torch.Tensor]]]) -> list[str]:
-        new = sorted({kind for items in fresh for kind, _, _ in items} - set(self.kinds[g]))
-        for kind in new:
-            self.kinds[g][kind] = next(v.dtype for items in fresh for k, _, v in items if k == kind)
-        return new
-
-    def _write(self, g: int, views: dict[str, torch.Tensor], fresh: list[list[tuple[str, int, torch.Tensor]]],
-               new_kinds: list[str]) -> None:
-        """On the I/O thread: sub-group ``g``'s buffer back to its files, and state this step created."""
-        files, numel = self._files, self.groups[g].numel
-        for kind in new_kinds:
-            files.create(f"g{g}.{kind}", numel * self.kinds[g][kind].itemsize)
-        for kind, view in views.items():
-            files.write_from(f"g{g}.{kind}", view)
+    def _note_kinds(self, fresh: list[list[tuple[str, int, torch.Tensor]]]) -> None:
+        """Files for kinds of state the optimizer just created (made here: later writes go into them)."""
         for items in fresh:
-            for kind, at, value in items:
-                files.write_from(f"g{g}.{kind}", value, at * value.element_size())
+            for kind, _, value in items:
+                if kind not in self.kinds:
+                    self.kinds[kind] = value.dtype
+                    self._files.create(kind, self.layout.shard_numel * value.element_size())
+
+    def _write(self, g: int, views: dict[str, torch.Tensor], fresh: list[list[tuple[str, int, torch.Tensor]]]) -> None:
+        """On the I/O thread: sub-group ``g``'s buffer back to its files, and state this step created."""
+        files, start = self._files, self.groups[g].start
+        for kind, view in views.items():
+            files.write_from(kind, view, start * view.element_size())
+        for items in fresh:
+            for kind, shard_at, value in items:
+                files.write_from(kind, value, shard_at * value.element_size())
 
     def _owned(self, index: int) -> torch.Tensor:
         """Piece ``index``'s elements in the model's flat parameter buffer."""
@@ -208,35 +220,28 @@ class OffloadedMasters(Masters):
         self._refresh()
 
     def _refresh(self) -> None:
-        """After a load wrote the files: their masters into the model's parameters, a sub-group at a time."""
+        """After a load wrote the files: their masters into the model's parameters."""
         if not self.stale:
             return
-        for group in self.groups:
-            master = self._mapped(group.index, "master", torch.float32)
-            for index, at in zip(group.pieces, group.offsets):
-                self._owned(index).copy_(master.narrow(0, at, self.layout.pieces[index].numel))
+        master = self._mapped("master", torch.float32)
+        for index, piece in enumerate(self.layout.pieces):
+            self._owned(index).copy_(master.narrow(0, piece.shard_offset, piece.numel))
         self.stale = False
 
     # ------------------------------------------------------------- checkpoint
     def piece(self, index: int, key: torch.Tensor, state: MutableMapping[Any, Any]) -> tuple[torch.Tensor, StateSlot]:
         """Piece ``index``'s master and state slot, as memory maps of its files (writes go to disk)."""
         self.stale = True  # a load may write through them
-        g, at = self.group_of[index]
-        numel = self.layout.pieces[index].numel
-        return self._mapped(g, "master", torch.float32).narrow(0, at, numel), NvmeSlot(self, index)
+        piece = self.layout.pieces[index]
+        return self._mapped("master", torch.float32).narrow(0, piece.shard_offset, piece.numel), NvmeSlot(self, index)
 
-    def _mapped(self, g: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
-        return self._files.mapped(f"g{g}.{kind}", self.groups[g].numel, dtype)
+    def _mapped(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
+        numel = self.layout.shard_numel
+        return self._files.mapped(kind, numel, dtype) if numel else torch.zeros(0, dtype=dtype)
 
     def shard(self) -> torch.Tensor:
         """This rank's fp32 masters, whole (a copy: for full weights and a change of the trainable set)."""
-        out = torch.zeros(self.layout.shard_numel, dtype=torch.float32)
-        for group in self.groups:
-            master = self._mapped(group.index, "master", torch.float32)
-            for index, at in zip(group.pieces, group.offsets):
-                piece = self.layout.pieces[index]
-                out.narrow(0, piece.shard_offset, piece.numel).copy_(master.narrow(0, at, piece.numel))
-        return out
+        return self._mapped("master", torch.float32).clone()
 
     def nbytes(self) -> int:
         """Host bytes of the read-ahead/write-behind buffers (the masters themselves are on disk)."""
@@ -276,46 +281,45 @@ class OffloadedMasters(Masters):
 
 
 class NvmeSlot:
-    """One offloaded piece's optimizer state: per-element tensors map its sub-group's files."""
+    """One offloaded piece's optimizer state: per-element tensors map its files, the rest is its first chunk's."""
 
     def __init__(self, masters: OffloadedMasters, index: int) -> None:
         self.masters = masters
         self.index = index
 
-    def _numel_at(self) -> tuple[int, int, int]:
-        g, at = self.masters.group_of[self.index]
-        return g, at, self.masters.layout.pieces[self.index].numel
-
     def get(self) -> dict[str, Any]:
         masters = self.masters
-        g, at, numel = self._numel_at()
-        out = dict(masters.small[self.index])
-        for kind in sorted(masters.piece_kinds[self.index]):
-            out[kind] = masters._mapped(g, kind, masters.kinds[g][kind]).narrow(0, at, numel)
+        piece, chunks = masters.layout.pieces[self.index], masters.chunks_of[self.index]
+        out = dict(masters.small[chunks[0]])
+        for kind in sorted(set.intersection(*(masters.chunk_kinds[c] for c in chunks))):
+            out[kind] = masters._mapped(kind, masters.kinds[kind]).narrow(0, piece.shard_offset, piece.numel)
         return out
 
     def set(self, state: dict[str, Any]) -> None:
         masters = self.masters
-        g, at, numel = self._numel_at()
-        masters.small[self.index] = {k: v for k, v in state.items() if not is_per_element(v, numel)}
-        masters.piece_kinds[self.index] = set()
-        for kind, value in state.items():
-            if not is_per_element(value, numel):
-                continue
-            if kind not in masters.kinds[g]:
-                masters.kinds[g][kind] = value.dtype
-                masters._files.create(f"g{g}.{kind}", masters.groups[g].numel * value.element_size())
-            masters._mapped(g, kind, masters.kinds[g][kind]).narrow(0, at, numel).copy_(value.reshape(-1))
-            masters.piece_kinds[self.index].add(kind)
+        piece, chunks = masters.layout.pieces[self.index], masters.chunks_of[self.index]
+        per_element = {k: v for k, v in state.items() if is_per_element(v, piece.numel)}
+        for chunk in chunks:  # each chunk is stepped as its own tensor: its own copy of `step` and the like
+            masters.small[chunk] = {k: _copy(v) for k, v in state.items() if k not in per_element}
+            masters.chunk_kinds[chunk] = set(per_element)
+        for kind, value in per_element.items():
+            if kind not in masters.kinds:
+                masters.kinds[kind] = value.dtype
+                masters._files.create(kind, masters.layout.shard_numel * value.element_size())
+            target = masters._mapped(kind, masters.kinds[kind]).narrow(0, piece.shard_offset, piece.numel)
+            target.copy_(value.reshape(-1))
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 @contextlib.contextmanager
-def _only(inner: Any, stepped: list[torch.Tensor]) -> Iterator[None]:
-    """The inner optimizer's param groups hold only ``stepped`` (hyperparameters untouched), then all again."""
-    wanted = {id(t) for t in stepped}
+def _only(inner: Any, stepped: list[list[torch.Tensor]]) -> Iterator[None]:
+    """Param group ``i`` holds only ``stepped[i]`` (hyperparameters untouched), then all its tensors again."""
     saved = [group["params"] for group in inner.param_groups]
-    for group in inner.param_groups:
-        group["params"] = [p for p in group["params"] if id(p) in wanted]
+    for group, tensors in zip(inner.param_groups, stepped):
+        group["params"] = tensors
     try:
         yield
     finally:
