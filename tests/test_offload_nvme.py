@@ -24,19 +24,19 @@ SUB_GROUP = 300
 ATOL = 1e-6
 
 
-def _config(stage: int, nvme: Optional[str], micro: int = 2) -> dict[str, Any]:
+def _config(stage: int, nvme: Optional[str], micro: int = 2, bf16: bool = False) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 500}
     if nvme is not None:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 2}
         zero["sub_group_size"] = SUB_GROUP
     return {"zero_optimization": zero, "gradient_accumulation_steps": micro, "gradient_clipping": 0.5,
-            "checkpoint": {"timeout": 30}}
+            "checkpoint": {"timeout": 30}, "bf16": {"enabled": bf16}}
 
 
-def _engine(stage: int, nvme: Optional[str], micro: int = 2) -> Any:
+def _engine(stage: int, nvme: Optional[str], micro: int = 2, bf16: bool = False) -> Any:
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    return shardwise.initialize(model, optimizer, _config(stage, nvme, micro))
+    return shardwise.initialize(model, optimizer, _config(stage, nvme, micro, bf16))
 
 
 def _train(engine: Any, first: int, steps: int, rank: Optional[int] = None) -> None:
@@ -47,10 +47,10 @@ def _train(engine: Any, first: int, steps: int, rank: Optional[int] = None) -> N
         engine.step()
 
 
-def _parity_case(stage: int, nvme: str) -> None:
-    plain = _engine(stage, None)
+def _parity_case(stage: int, nvme: str, bf16: bool = False) -> None:
+    plain = _engine(stage, None, bf16=bf16)
     _train(plain, 0, 20)
-    offloaded = _engine(stage, nvme)
+    offloaded = _engine(stage, nvme, bf16=bf16)
     masters = offloaded.strategy.masters
     folder = masters.files.folder
     _train(offloaded, 0, 20)
@@ -69,7 +69,9 @@ def _parity_case(stage: int, nvme: str) -> None:
 
 @distributed_test(world_size=2, timeout=240)
 def test_nvme_offload_trains_as_the_same_stage_without_it(tmp_path: Path) -> None:
-    run_subtests(_parity_case, [{"stage": s, "nvme": str(tmp_path)} for s in (1, 2)])  # ends at a barrier
+    cases = [{"stage": 1, "nvme": str(tmp_path)}, {"stage": 2, "nvme": str(tmp_path)},
+             {"stage": 2, "nvme": str(tmp_path), "bf16": True}]  # bf16: fp32 masters on disk, cast when published
+    run_subtests(_parity_case, cases)  # ends at a barrier
     assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
 
 

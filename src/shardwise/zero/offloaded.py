@@ -243,6 +243,14 @@ class OffloadedMasters(Masters):
         """This rank's fp32 masters, whole (a copy: for full weights and a change of the trainable set)."""
         return self._mapped("master", torch.float32).clone()
 
+    def full(self, gather: Gather) -> dict[int, torch.Tensor]:
+        if self.dtype != torch.float32:
+            return super().full(gather)
+        # fp32: the model's parameters hold the masters' exact values once published; no read, no gather
+        self._refresh()
+        layout = self.layout
+        return {id(p): layout.param_slice(self.param_flat, i).view_as(p).clone() for i, p in enumerate(layout.params)}
+
     def nbytes(self) -> int:
         """Host bytes of the read-ahead/write-behind buffers (the masters themselves are on disk)."""
         return self.pool.nbytes()
