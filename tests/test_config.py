@@ -135,9 +135,10 @@ def test_loss_scale_window_zero() -> None:
 
 
 def test_not_implemented_deepspeed_key() -> None:
-    (line,) = problems_of({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
-    assert line == ("`zero_optimization.offload_optimizer.device: nvme` turns on ZeRO-Infinity offload to nvme, "
-                    "which shardwise does not implement; remove the section or set `device: none`")
+    (line,) = problems_of({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}})
+    assert line == ("`zero_optimization.offload_param.device: nvme` turns on ZeRO-Infinity offload to nvme, "
+                    "which shardwise does not implement yet (only `offload_optimizer` goes to nvme); remove the "
+                    "section or set `device: none`")
 
 
 def test_all_problems_are_listed_together() -> None:

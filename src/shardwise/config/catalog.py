@@ -132,7 +132,7 @@ _BF16_NO_SCALING = "bf16 needs no loss scaling (older DeepSpeed read fp16's keys
 _CASTS_INPUTS = ("shardwise always casts floating inputs to the compute dtype; `false` only means the caller "
                  "casts them, which still works")
 _STAGE3_DETAIL = "a detail of DeepSpeed's stage-3 implementation with no counterpart in shardwise's"
-_OFFLOAD_ONLY = "it only tunes ZeRO-Offload, which shardwise does not do"
+_OFFLOAD_ONLY = "it only tunes ZeRO-Offload to host memory on a GPU job, which shardwise does not build yet"
 
 #: dotted path (from the config's top level) -> entry.
 CATALOG: dict[str, Entry] = {
@@ -183,7 +183,8 @@ CATALOG: dict[str, Entry] = {
     "tensor_parallel": switch("tensor parallelism (AutoTP)", _autotp_off, "remove it or set `autotp_size` to 1"),
     "data_types": switch("choosing the gradient-accumulation, parameter or buffer dtype", _all_false, "remove it"),
     "pipeline": knob("settings of DeepSpeed's pipeline engine, which apply only to a DeepSpeed PipelineModule"),
-    "aio": knob("asynchronous I/O settings for offload to NVMe, which shardwise does not do"),
+    "aio": knob("it tunes DeepSpeed's async-I/O library; shardwise's NVMe offload reads ahead and writes behind "
+                "with its own threads, `offload_optimizer.buffer_count` sub-groups deep"),
     "timers": knob("DeepSpeed's throughput timers; `wall_clock_breakdown` times shardwise's phases"),
     # ---- checkpoint
     "checkpoint.tag_validation": knob(
@@ -214,8 +215,6 @@ CATALOG: dict[str, Entry] = {
     "zero_optimization.load_from_fp32_weights": knob(
         "shardwise checkpoints always hold the fp32 master weights, and loading uses them"),
     "zero_optimization.elastic_checkpoint": knob("shardwise checkpoints always load at any world size and stage"),
-    "zero_optimization.sub_group_size": knob(
-        "it tiles DeepSpeed's optimizer step for ZeRO-Offload; shardwise steps each rank's shard whole"),
     "zero_optimization.cpu_offload_use_pin_memory": knob(_OFFLOAD_ONLY),
     "zero_optimization.round_robin_gradients": knob(_OFFLOAD_ONLY),
     "zero_optimization.ignore_unused_parameters": knob(

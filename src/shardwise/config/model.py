@@ -267,23 +267,52 @@ def _stage_notes(zero: ZeroConfig) -> list[Note]:
         unused = {k: f"it tunes stage 3, and this is stage {zero.stage}" for k in _STAGE3_ONLY if k in given}
         if zero.stage == 0 and "reduce_scatter" in given:
             unused["reduce_scatter"] = "stage 0 all-reduces its gradients"
+    if "sub_group_size" in given and (zero.offload_optimizer is None or zero.offload_optimizer.device != "nvme"):
+        unused["sub_group_size"] = "it tiles the optimizer step of `offload_optimizer: {device: nvme}`, which is off"
     return [Note(f"zero_optimization.{key}", f"`zero_optimization.{key}` changes nothing here: {why}")
             for key, why in unused.items()]
 
 
 def _check_offload(data: dict[str, Any], device: torch.device) -> list[Note]:
-    """`offload_*: {device: cpu}` holds already on a CPU job; on an accelerator it would be ZeRO-Offload."""
+    """`offload_*: {device: cpu}` holds already on a CPU job; `offload_optimizer: {device: nvme}` acts at
+    stages 1-2 of a CPU job; anything else is an offload not built yet."""
+    zero = data["zero_optimization"]
     notes = []
     for key in ("offload_optimizer", "offload_param"):
-        if data["zero_optimization"].get(key) is None:
+        section = zero.get(key)
+        if section is None:
             continue
         path = f"zero_optimization.{key}"
+        if section.get("device") == "nvme":
+            notes += _check_nvme(zero, path, device)
+            continue
         if device.type != "cpu":
             what = "optimizer state and step" if key == "offload_optimizer" else "parameters"
             raise ConfigError(
                 f"`{path}.device: cpu` turns on ZeRO-Offload ({what} on the CPU while the model trains on "
                 f"{device.type}), a DeepSpeed feature shardwise does not implement; remove `{path}`")
-        notes.append(Note(path, f"`{path}.device: cpu` holds already: this job runs on the CPU"))
+        notes.append(Note(path, f"`{path}.device: cpu` holds already: this job runs on the CPU, where the "
+                                "optimizer state and step already are"))
+    return notes
+
+
+def _check_nvme(zero: dict[str, Any], path: str, device: torch.device) -> list[Note]:
+    """Optimizer offload to NVMe is built for the flat stages (1-2) of a CPU job."""
+    stage = zero.get("stage", 0)
+    if stage not in (1, 2):
+        why = ("stage 3 keeps its optimizer state per unit, and offloading it is not built yet" if stage == 3
+               else "stage 0 keeps no sharded optimizer state to offload")
+        raise ConfigError(f"`{path}.device: nvme` is built for ZeRO stages 1 and 2, and this is stage {stage} "
+                          f"({why}); set `zero_optimization.stage` to 1 or 2, or remove `{path}`")
+    if device.type != "cpu":
+        raise ConfigError(f"`{path}.device: nvme` on a {device.type} job is not built yet (it steps on the host "
+                          f"and is built for CPU jobs); remove `{path}`")
+    notes = [Note(path, f"`{path}.device: nvme`: this rank's fp32 master weights and optimizer state live in files "
+                        f"under {zero[path.split('.')[-1]]['nvme_path']!r}, stepped "
+                        f"{zero.get('sub_group_size', 1_000_000_000)} elements at a time (docs/offload.md)")]
+    if zero[path.split(".")[-1]].get("pin_memory"):
+        notes.append(Note(f"{path}.pin_memory", f"`{path}.pin_memory` changes nothing on a CPU job: nothing is "
+                                                "copied to an accelerator"))
     return notes
 
 

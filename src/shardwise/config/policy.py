@@ -180,7 +180,8 @@ class _Walk:
             self.notes.append(Note(self.shown(here), f"`{self.shown(here)}: auto` became {default!r} (the default)"))
 
     def _offload(self, value: Any, here: tuple[str, ...]) -> dict[str, Any] | None:
-        """An offload section: `none` is off, `cpu` is kept for `resolve` to check, `nvme` is an error."""
+        """An offload section: `none` is off, `cpu` is kept for `resolve` to check, `nvme` acts for the optimizer
+        only (parameters to nvme are an error)."""
         shown = self.shown(here)
         if value is None:  # the default: nothing to say
             return None
@@ -197,16 +198,31 @@ class _Walk:
         if device in ("none", "auto", ""):
             self.notes.append(Note(shown, f"`{shown}` leaves ZeRO-Offload off (`device: none`), as in shardwise: ignored"))
             return None
+        if device == "nvme" and here[-1] == "offload_optimizer":
+            return self._nvme(value, here)
         if device != "cpu":
             self.problems.append(
                 f"`{shown}.device: {device}` turns on ZeRO-Infinity offload to {device}, which shardwise does not "
-                "implement; remove the section or set `device: none`")
+                "implement yet (only `offload_optimizer` goes to nvme); remove the section or set `device: none`")
             return None
-        tuning = sorted(str(k) for k in value if k in OFFLOAD_KEYS and k != "device")
+        self._tuning_note(value, shown, set())
+        return {"device": "cpu"}
+
+    def _nvme(self, value: Mapping[str, Any], here: tuple[str, ...]) -> dict[str, Any]:
+        """Optimizer offload to NVMe: the keys that act are kept for the section's model to validate."""
+        shown = self.shown(here)
+        acting = {"nvme_path", "buffer_count", "pin_memory", "ratio"}
+        out: dict[str, Any] = {"device": "nvme"}
+        for key in sorted(acting & {str(k) for k in value}):
+            out[key] = value[key] if key == "nvme_path" else self._coerced(value[key], (*here, key))
+        self._tuning_note(value, shown, acting)
+        return out
+
+    def _tuning_note(self, value: Mapping[str, Any], shown: str, acting: set[str]) -> None:
+        tuning = sorted(str(k) for k in value if k in OFFLOAD_KEYS and k != "device" and k not in acting)
         if tuning:
             names = ", ".join(f"`{k}`" for k in tuning)
             self.notes.append(Note(shown, f"`{shown}`: {names} ignored (they tune the offload itself)"))
-        return {"device": "cpu"}
 
     def _judge(self, entry: Entry, value: Any, here: tuple[str, ...]) -> None:
         shown = self.shown(here)

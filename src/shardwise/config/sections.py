@@ -183,14 +183,39 @@ class BF16Config(Section):
 
 
 class OffloadConfig(Section):
-    """`zero_optimization.offload_optimizer` / `offload_param` with `device: cpu`.
+    """`zero_optimization.offload_optimizer` / `offload_param`: `device: cpu` or (optimizer only) `nvme`.
 
-    On a CPU job that is where the state already lives, so it is accepted; on a GPU job
-    `Config.resolve` rejects it (ZeRO-Offload is not implemented). `device: none` is dropped
-    as off and `nvme` is an error before this model sees the section.
+    `cpu`: on a CPU job that is where the state already lives, so it is accepted; on a GPU job
+    `Config.resolve` rejects it (ZeRO-Offload to host memory is not built yet). `nvme` (optimizer
+    offload at stages 1-2, docs/offload.md): this rank's fp32 masters and optimizer state live in files
+    under `nvme_path`, stepped `sub_group_size` elements at a time with at most `buffer_count`
+    sub-groups in host memory. `device: none` is dropped as off before this model sees the section.
     """
 
-    device: Literal["cpu"] = "cpu"
+    device: Literal["cpu", "nvme"] = "cpu"
+    #: the folder under which each rank of each job makes its own uniquely named folder
+    nvme_path: str | None = None
+    #: sub-groups of state in host memory at once: the one stepped, those read ahead, those written behind
+    buffer_count: Count = Field(default=4, ge=1, le=1024)
+    pin_memory: bool = False
+    #: the share of the optimizer state offloaded; only all of it (1.0) is built
+    ratio: Real = Field(default=1.0, gt=0, le=1)
+
+    @field_validator("ratio")
+    @classmethod
+    def _whole_state_only(cls, value: float) -> float:
+        if value != 1.0:
+            raise ValueError(
+                "a partial offload (part of the optimizer state kept in memory) is not built yet; "
+                "remove the key or set it to 1.0")
+        return value
+
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self) -> "OffloadConfig":
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("`device: nvme` needs `nvme_path`, the folder the offloaded state is written under; "
+                             "add `nvme_path: /path/to/fast/disk`")
+        return self
 
 
 class ZeroConfig(Section):
@@ -212,6 +237,8 @@ class ZeroConfig(Section):
     stage3_param_persistence_threshold: Count = Field(default=10_000, ge=0, le=MAX_ELEMENTS)
     #: write a 16-bit `pytorch_model.bin` / safetensors file of the full model at save time
     stage3_gather_16bit_weights_on_model_save: bool = False
+    #: elements of the optimizer state stepped at a time when it is offloaded to NVMe (DeepSpeed's default)
+    sub_group_size: Count = Field(default=1_000_000_000, gt=0, le=MAX_ELEMENTS)
     offload_optimizer: OffloadConfig | None = None
     offload_param: OffloadConfig | None = None
 

@@ -131,6 +131,10 @@ class Strategy(ABC):
         optimizers leave a parameter whose ``.grad`` is None (stage 3's pieces are None already)."""
         return contextlib.nullcontext()
 
+    def optimizer_step(self, inner: Any) -> None:
+        """Step the inner optimizer over this stage's masters (inside ``leaving_unused_alone``)."""
+        inner.step()
+
     @abstractmethod
     def after_step(self) -> None:
         """Copy updated master weights into the model's parameters."""

@@ -32,12 +32,13 @@ import torch
 from torch import nn
 
 from ..distributed import Work
-from ..param_state import OptimizerSlot, ParamShard
+from ..param_state import ParamShard
 from .base import Strategy, group_index, module_order, tensor_bytes
 from .frozen import FrozenStore, Kept
 from .grads import Allocate, FlatGrads, GradStorage, private_zeros
 from .layout import Bucket, FlatLayout
 from .masters import Masters, ParamsAreMasters, choose_masters
+from .offload_plan import offload_spec
 
 __all__ = ["FlatStrategy"]
 
@@ -97,7 +98,8 @@ class FlatStrategy(Strategy):
         self.layout = FlatLayout(params, self.zero_config.reduce_bucket_size, self.num_shards, rank)
         self.device = params[0].device if params else torch.device("cpu")
         self.grads = self.grad_storage(self.layout, self.precision.dtype, self.device, self._allocator())
-        self.masters = choose_masters(self.layout, self.precision.dtype, self.device, self.grads)
+        offload = offload_spec(self.zero_config, self.comm.rank, self.inner)
+        self.masters = choose_masters(self.layout, self.precision.dtype, self.device, self.grads, offload)
         self.masters.build(initial)
         self.steps = self.masters.steps(self.grads.reduced)
         for group, originals in zip(self.inner.param_groups, self._groups):
@@ -284,6 +286,9 @@ class FlatStrategy(Strategy):
         if factor != 1.0:
             self.grads.reduced.scale(factor)
 
+    def optimizer_step(self, inner: Any) -> None:
+        self.masters.step(inner)  # an offloaded arrangement steps a sub-group at a time
+
     def after_step(self) -> None:
         self._regather()
 
@@ -352,11 +357,9 @@ class FlatStrategy(Strategy):
 
     def _shards(self, names: dict[int, str], groups: dict[int, int]) -> list[ParamShard]:
         shards = []
-        for piece in self.layout.pieces:
+        for index, piece in enumerate(self.layout.pieces):
             param = self.layout.params[piece.param]
-            key = self.steps[id(param)]
-            master = key.detach().view(-1)
-            slot = OptimizerSlot(self.inner.state, key)
+            master, slot = self.masters.piece(index, self.steps[id(param)], self.inner.state)
             shards.append(ParamShard(names[id(param)], param.shape, piece.start, piece.end, master,
                                      groups[id(param)], slot))
         return shards
@@ -400,6 +403,7 @@ class FlatStrategy(Strategy):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self.masters.close()
 
 
 def _whole(param: torch.Tensor) -> Kept:

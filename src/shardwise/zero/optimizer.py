@@ -64,7 +64,7 @@ class ZeroOptimizer(ShardwiseOptimizer):
             factor *= min(1.0, self.clip / (self.last_grad_norm + 1e-6))
         self.strategy.scale_grads(factor)
         with self.strategy.leaving_unused_alone():
-            self.inner.step()
+            self.strategy.optimizer_step(self.inner)
         self.strategy.after_step()
         self.precision.scaler.update(overflow=False)
         return True

@@ -1,0 +1,98 @@
+"""What optimizer offload to NVMe was asked for, and how this rank's shard is cut into sub-groups.
+
+A sub-group is a run of at most ``sub_group_size`` consecutive elements of this
+rank's shard, cut into chunks (:class:`Chunk`) where it meets the pieces (one
+parameter's part of the shard each); a piece larger than ``sub_group_size`` is
+cut across several sub-groups.  The inner optimizer steps one chunk as one
+tensor: an element-wise optimizer (Adam, SGD, ...) gives the same values
+however its tensors are cut, as sharding already relies on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from .layout import Piece
+
+__all__ = ["Chunk", "OffloadSpec", "SubGroup", "offload_spec", "plan_sub_groups", "state_bytes_per_element"]
+
+#: per-element bytes of optimizer state torch's optimizers keep (fp32); unknown optimizers count as Adam
+_STATE_BYTES = {"Adam": 8, "AdamW": 8, "NAdam": 8, "RAdam": 8, "Adamax": 8, "Adadelta": 8, "Adagrad": 4}
+
+
+@dataclass(frozen=True)
+class OffloadSpec:
+    """``offload_optimizer: {device: nvme, ...}`` and ``sub_group_size``, for one rank."""
+
+    root: str
+    buffer_count: int
+    pin_memory: bool
+    sub_group_size: int
+    rank: int
+    #: optimizer state bytes per element, for the free-space check before training
+    state_bytes: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Elements ``[at, at + numel)`` of piece ``piece``, at ``shard_at`` in this rank's shard."""
+
+    piece: int
+    at: int
+    numel: int
+    shard_at: int
+
+
+@dataclass
+class SubGroup:
+    """Chunks ``chunks`` (indices) inside the shard's elements ``[start, end)``."""
+
+    index: int
+    chunks: list[int] = field(default_factory=list)
+    start: int = 0
+    end: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def plan_sub_groups(pieces: Sequence[Piece], size: int) -> tuple[list[Chunk], list[SubGroup]]:
+    """The chunks of ``pieces`` and the sub-groups of at most ``size`` elements they fall into, in shard order."""
+    chunks: list[Chunk] = []
+    groups: list[SubGroup] = []
+    filled = size
+    for index, piece in enumerate(pieces):
+        at = 0
+        while at < piece.numel:
+            if filled >= size:
+                groups.append(SubGroup(len(groups), start=piece.shard_offset + at))
+                filled = 0
+            numel = min(piece.numel - at, size - filled)
+            chunks.append(Chunk(index, at, numel, piece.shard_offset + at))
+            groups[-1].chunks.append(len(chunks) - 1)
+            groups[-1].end = piece.shard_offset + at + numel
+            filled += numel
+            at += numel
+    return chunks, groups
+
+
+def state_bytes_per_element(inner: Any) -> int:
+    """Bytes of per-element state ``inner`` keeps (an estimate before its first step)."""
+    name = type(inner).__name__
+    groups = getattr(inner, "param_groups", [])
+    if name == "SGD":
+        return 4 if any(g.get("momentum", 0) for g in groups) else 0
+    if name == "RMSprop":
+        return 4 + 4 * any(g.get("momentum", 0) for g in groups) + 4 * any(g.get("centered") for g in groups)
+    return _STATE_BYTES.get(name, 8) + 4 * any(g.get("amsgrad") for g in groups)
+
+
+def offload_spec(zero_config: Any, rank: int, inner: Any) -> Optional[OffloadSpec]:
+    """The spec when ``zero_config`` offloads the optimizer to NVMe, else None."""
+    section = getattr(zero_config, "offload_optimizer", None)
+    if section is None or section.device != "nvme":
+        return None
+    return OffloadSpec(str(section.nvme_path), section.buffer_count, section.pin_memory,
+                       zero_config.sub_group_size, rank, state_bytes_per_element(inner))

@@ -1,0 +1,89 @@
+"""Read ahead and write behind, with at most ``count`` buffers alive: the offloaded step's I/O pipeline.
+
+One background thread does every read and write, in the order they were
+asked for (a disk serves one stream best, and order keeps a sub-group's write
+before any later read of it).  The caller steps sub-group ``i`` while the
+thread writes ``i - 1`` and reads ``i + 1 ... i + count - 2``; a buffer goes
+back to the pool once its write is done, so host memory never holds more than
+``count`` sub-groups of state.
+"""
+
+from __future__ import annotations
+
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["BufferPool", "pipelined"]
+
+#: fills a buffer with sub-group ``index``'s bytes
+Read = Callable[[int, torch.Tensor], None]
+#: steps sub-group ``index`` in its buffer and returns what writes it back
+Step = Callable[[int, torch.Tensor], Callable[[], None]]
+
+
+class BufferPool:
+    """``count`` reusable byte buffers, each grown to the largest size asked of it."""
+
+    def __init__(self, count: int, nbytes: int = 0, pin: bool = False) -> None:
+        self.count = count
+        self.pin = pin
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        # Sized up front for the state expected: growing them later would leave the old ones to the
+        # allocator, which keeps freed heap memory resident (see docs/offload.md).
+        for _ in range(count):
+            self._free.put(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` (waits for one to come back from a write)."""
+        buffer = self._free.get()
+        if buffer.numel() < nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        return buffer
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free.put(buffer)
+
+    def nbytes(self) -> int:
+        """Bytes the free buffers hold (all of them, between steps)."""
+        held = [self._free.get() for _ in range(self.count)]
+        for buffer in held:
+            self._free.put(buffer)
+        return sum(b.numel() for b in held)
+
+
+def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read: Read, step: Step) -> None:
+    """Run ``step`` over the sub-groups in ``order``, each read ahead into a pool buffer and written behind.
+
+    Returns once every write is on disk; the first I/O error is raised here.
+    """
+    ahead = max(1, pool.count - 1)  # one buffer is the one being stepped
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-offload-io") as io:
+        reads: dict[int, tuple[Future[None], torch.Tensor]] = {}
+        writes: list[Future[None]] = []
+
+        def start_read(position: int) -> None:
+            index = order[position]
+            buffer = pool.take(sizes[index])
+            reads[position] = (io.submit(read, index, buffer), buffer)
+
+        for position in range(min(ahead, len(order))):
+            start_read(position)
+        for position, index in enumerate(order):
+            future, buffer = reads.pop(position)
+            future.result()
+            write = step(index, buffer)
+            writes.append(io.submit(_then_give, write, pool, buffer))
+            if position + ahead < len(order):
+                start_read(position + ahead)
+        for done in writes:
+            done.result()
+
+
+def _then_give(write: Callable[[], None], pool: BufferPool, buffer: torch.Tensor) -> None:
+    try:
+        write()
+    finally:
+        pool.give(buffer)
