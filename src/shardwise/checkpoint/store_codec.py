@@ -19,6 +19,7 @@ Anything else is a :class:`StoreValueError` naming the key and what is wrong.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import types
@@ -27,10 +28,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
 
 from .encoded import DTYPES
 from .errors import StoreValueError
@@ -38,29 +35,55 @@ from .limits import MAX_DEPTH, MAX_STORE_VALUE_BYTES
 
 __all__ = ["dumps", "encode", "loads", "malformed", "restore"]
 
-# The classes a save's exchanges hold (torch 2.13); a plan holding anything else is not one shardwise made.
-_CLASSES: dict[str, type] = {cls.__name__: cls for cls in (
-    SavePlan, WriteItem, TensorWriteData, MetadataIndex, ChunkStorageMetadata, TensorProperties, WriteResult,
-    _StorageInfo, _StoragePrefix,
-)}
-_LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo}
-_MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
-                   "preserve_format": torch.preserve_format}
-_NAMES: dict[str, dict[str, Any]] = {
-    "dtype": DTYPES, "layout": _LAYOUTS, "memory_format": _MEMORY_FORMATS,
-    "WriteItemType": {item.name: item for item in WriteItemType},
-}
-# Per class, what its constructor takes (what crosses the store of each object) and each field's declared type.
-_FIELDS = {name: tuple(f.name for f in dataclasses.fields(cls) if f.init) for name, cls in _CLASSES.items()}
-_HINTS = {name: typing.get_type_hints(cls) for name, cls in _CLASSES.items()}
-_NAMED_KINDS = {torch.dtype: "dtype", torch.layout: "layout", torch.memory_format: "memory_format",
-                WriteItemType: "WriteItemType"}
-_NAME_OF = {known: name for names in _NAMES.values() for name, known in names.items()}
-# File names a plan may carry: what DCP's FileSystemWriter makes for rank R (never a path).
-_FILE_NAMES = {
-    (_StoragePrefix, "prefix"): re.compile(r"__[0-9]{1,7}_"),
-    (_StorageInfo, "relative_path"): re.compile(r"__[0-9]{1,7}_[0-9]{1,7}\.distcp"),
-}
+
+@dataclasses.dataclass(frozen=True)
+class _Tables:
+    """What a save plan may hold, looked up from DCP's own classes."""
+
+    #: the classes a save's exchanges hold (torch 2.13); a plan holding anything else is not one shardwise made
+    classes: dict[str, type]
+    #: per class, what its constructor takes (what crosses the store of each object) and each field's type
+    fields: dict[str, tuple[str, ...]]
+    hints: dict[str, dict[str, Any]]
+    #: tag -> name -> value, for the values sent by name (dtypes, layouts, memory formats, WriteItemType)
+    names: dict[str, dict[str, Any]]
+    named_kinds: dict[type, str]
+    name_of: dict[Any, str]
+    #: file names a plan may carry: what DCP's FileSystemWriter makes for rank R (never a path)
+    file_names: dict[tuple[type, str], re.Pattern[str]]
+
+
+@functools.cache
+def _tables() -> _Tables:
+    # Built on first use: DCP takes ~0.6 s to import, and plain values (the agreement's payloads, which
+    # every engine's `initialize` exchanges) never need it.
+    from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    classes: dict[str, type] = {cls.__name__: cls for cls in (
+        SavePlan, WriteItem, TensorWriteData, MetadataIndex, ChunkStorageMetadata, TensorProperties, WriteResult,
+        _StorageInfo, _StoragePrefix,
+    )}
+    names: dict[str, dict[str, Any]] = {
+        "dtype": DTYPES,
+        "layout": {"strided": torch.strided, "sparse_coo": torch.sparse_coo},
+        "memory_format": {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
+                          "preserve_format": torch.preserve_format},
+        "WriteItemType": {item.name: item for item in WriteItemType},
+    }
+    return _Tables(
+        classes=classes,
+        fields={name: tuple(f.name for f in dataclasses.fields(cls) if f.init) for name, cls in classes.items()},
+        hints={name: typing.get_type_hints(cls) for name, cls in classes.items()},
+        names=names,
+        named_kinds={torch.dtype: "dtype", torch.layout: "layout", torch.memory_format: "memory_format",
+                     WriteItemType: "WriteItemType"},
+        name_of={known: name for values in names.values() for name, known in values.items()},
+        file_names={(_StoragePrefix, "prefix"): re.compile(r"__[0-9]{1,7}_"),
+                    (_StorageInfo, "relative_path"): re.compile(r"__[0-9]{1,7}_[0-9]{1,7}\.distcp")},
+    )
 
 
 class _Bad(Exception):
@@ -77,16 +100,17 @@ def encode(value: Any) -> Any:
         return value
     if kind is list:
         return [encode(v) for v in value]
-    if _CLASSES.get(kind.__name__) is kind:  # checked early: nearly every object of a plan is one
-        return {kind.__name__: {name: encode(getattr(value, name)) for name in _FIELDS[kind.__name__]}}
+    if kind is dict:
+        return {"dict": [[encode(k), encode(v)] for k, v in value.items()]}
+    tables = _tables()
+    if tables.classes.get(kind.__name__) is kind:  # checked early: nearly every object of a plan is one
+        return {kind.__name__: {name: encode(getattr(value, name)) for name in tables.fields[kind.__name__]}}
     if kind is torch.Size:
         return {"Size": list(value)}
     if kind is tuple:
         return {"tuple": [encode(v) for v in value]}
-    if kind is dict:
-        return {"dict": [[encode(k), encode(v)] for k, v in value.items()]}
-    if kind in _NAMED_KINDS and value in _NAME_OF:
-        return {_NAMED_KINDS[kind]: _NAME_OF[value]}
+    if kind in tables.named_kinds and value in tables.name_of:
+        return {tables.named_kinds[kind]: tables.name_of[value]}
     raise TypeError(f"a {kind.__module__}.{kind.__qualname__} cannot cross the store as JSON; "
                     "the checkpoint agreement passes only plain values and DCP's save plans")
 
@@ -151,9 +175,13 @@ def _decode(data: Any, depth: int = 0) -> Any:
     if not (isinstance(data, dict) and len(data) == 1):
         raise _Bad(f"holds {str(data):.80}, expected a value or a one-key tagged object")
     ((tag, value),) = data.items()
-    decoder = _DECODERS.get(tag) or (_dataclass if tag in _CLASSES else None)
+    decoder = _DECODERS.get(tag)
     if decoder is None:
-        raise _Bad(f"holds an object tagged {tag!r:.60}, which is none of {sorted([*_DECODERS, *_CLASSES])}")
+        tables = _tables()
+        decoder = _named if tag in tables.names else _dataclass if tag in tables.classes else None
+        if decoder is None:
+            known = sorted([*_DECODERS, *tables.names, *tables.classes])
+            raise _Bad(f"holds an object tagged {tag!r:.60}, which is none of {known}")
     return decoder(tag, value, depth + 1)
 
 
@@ -185,24 +213,25 @@ def _size(tag: str, value: Any, depth: int) -> torch.Size:
 
 
 def _named(tag: str, value: Any, depth: int) -> Any:
-    names = _NAMES[tag]
+    names = _tables().names[tag]
     if not isinstance(value, str) or value not in names:
         raise _Bad(f"holds `{tag}` {value!r:.60}, expected one of {sorted(names)}")
     return names[value]
 
 
 def _dataclass(tag: str, value: Any, depth: int) -> Any:
-    cls = _CLASSES[tag]
-    fields = _FIELDS[tag]
+    tables = _tables()
+    cls = tables.classes[tag]
+    fields = tables.fields[tag]
     if not isinstance(value, dict) or set(value) != set(fields):
         got = sorted(value) if isinstance(value, dict) else type(value).__name__
         raise _Bad(f"holds a `{tag}` with fields {got}, expected {sorted(fields)}")
-    hints = _HINTS[tag]
+    hints = tables.hints[tag]
     values = {name: _decode(v, depth) for name, v in value.items()}
     for name, v in values.items():
         if not _fits(v, hints.get(name, Any)):
             raise _Bad(f"holds a `{tag}` whose `{name}` is {v!r:.60}, expected {hints[name]}")
-        pattern = _FILE_NAMES.get((cls, name))
+        pattern = tables.file_names.get((cls, name))
         if pattern is not None and not pattern.fullmatch(v):
             raise _Bad(f"holds a `{tag}` whose `{name}` is {v!r:.60}, expected a bare name `{pattern.pattern}`")
     return cls(**values)
@@ -226,6 +255,5 @@ def _fits(value: Any, hint: Any) -> bool:
     return hint is None and value is None
 
 
-_DECODERS: dict[str, Callable[[str, Any, int], Any]] = {
-    "tuple": _tuple, "dict": _dict, "Size": _size, **{tag: _named for tag in _NAMES},
-}
+#: the tags whose decoding needs no DCP class (the named values and DCP's dataclasses: see `_tables`)
+_DECODERS: dict[str, Callable[[str, Any, int], Any]] = {"tuple": _tuple, "dict": _dict, "Size": _size}
