@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
-from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -25,13 +23,12 @@ from .compile import compile_module, is_compiled_module
 from .config import Config
 from .construction import digests, engine_fingerprints, require_same_construction
 from .distributed import Comm
-from .engine_state import EngineState
-from .export import save_state_dict
+from .engine_getters import DeepSpeedGetters
+from .engine_weights import WeightsSurface
 from .faults import doing
 from .hardware import warn_if_slow_bf16
 from .optim import resolve_optimizer
 from .precision import Precision
-from .pretrained import save_pretrained
 from .schedulers import build_scheduler
 from .zero import make_strategy
 from .zero.optimizer import ZeroOptimizer
@@ -42,7 +39,7 @@ __all__ = ["Engine"]
 logger = logging.getLogger("shardwise")
 
 
-class Engine:
+class Engine(DeepSpeedGetters, WeightsSurface):
     """A model wrapped for data-parallel training; build it with :func:`shardwise.initialize`.
 
     ``engine(batch)`` runs the forward, ``engine.backward(loss)`` the scaled,
@@ -395,164 +392,6 @@ class Engine:
             raise ValueError(f"override_loss_scale({scale!r}): the scale must be > 0, or None for dynamic scaling")
         self.precision.scaler.override = None if scale is None else float(scale)
 
-    # ------------------------------------------------ DeepSpeed's getters
-    @property
-    def local_rank(self) -> int:
-        """This process's rank on its node (torchrun's ``LOCAL_RANK``; 0 without a launcher)."""
-        return int(os.environ.get("LOCAL_RANK", "0"))
-
-    @property
-    def global_rank(self) -> int:
-        """This process's rank in the default process group."""
-        return dist.get_rank() if dist.is_initialized() else 0
-
-    @property
-    def world_size(self) -> int:
-        """The number of processes in the default process group."""
-        return dist.get_world_size() if dist.is_initialized() else 1
-
-    def train_batch_size(self) -> int:
-        """Samples per optimizer step over all ranks (micro batch × accumulation × data-parallel ranks)."""
-        return self._batch_size("train_batch_size", self.batch_sizes.train_batch_size)
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        """Samples per forward on one rank."""
-        return self._batch_size("train_micro_batch_size_per_gpu", self.batch_sizes.micro_batch_size)
-
-    def gradient_accumulation_steps(self) -> int:
-        """Micro-batches accumulated per optimizer step."""
-        return self.batch_sizes.gradient_accumulation_steps
-
-    def _batch_size(self, key: str, value: Optional[int]) -> int:
-        if value is None:
-            raise ValueError(
-                f"`engine.{key}()` is unknown: the config sets no batch size; add "
-                "`train_micro_batch_size_per_gpu` (or `train_batch_size`) to it"
-            )
-        return value
-
-    def fp16_enabled(self) -> bool:
-        return self.precision.dtype == torch.float16
-
-    def bfloat16_enabled(self) -> bool:
-        return self.precision.dtype == torch.bfloat16
-
-    def get_global_grad_norm(self) -> Optional[float]:
-        """L2 norm of all (unscaled) gradients at the last step (inf on overflow); None before any step."""
-        return self.optimizer.last_grad_norm if self.optimizer is not None else None
-
-    def zero_optimization_stage(self) -> int:
-        """The ZeRO stage this engine runs (0-3), as DeepSpeed's getter."""
-        return self.config.zero_optimization.stage
-
-    def gradient_clipping(self) -> float:
-        """The configured gradient-norm clip (0.0: off)."""
-        return self.config.gradient_clipping
-
-    def was_step_applied(self) -> bool:
-        """Whether the last optimizer update at a boundary changed the weights (False after an fp16 overflow)."""
-        return self._step_applied
-
-    # ------------------------------------------------------------ pipelines
-    def train_batch(self, data_iter: Any = None) -> torch.Tensor:
-        """A pipeline engine's call (``shardwise.pipe``); here an error naming the calls to use."""
-        raise RuntimeError(_not_a_pipeline("train_batch"))
-
-    def eval_batch(self, data_iter: Any = None) -> torch.Tensor:
-        """A pipeline engine's call (``shardwise.pipe``); here an error naming the calls to use."""
-        raise RuntimeError(_not_a_pipeline("eval_batch"))
-
-    # --------------------------------------------------------- checkpoints
-    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict[str, Any]] = None) -> str:
-        """Collectively write a checkpoint (every rank its own shard); returns its path."""
-        from .checkpoint import save_checkpoint  # here: the checkpoint layer imports DCP (~1.4 s)
-
-        with doing("save_checkpoint", self._label):
-            return save_checkpoint(self.checkpointable(), save_dir, tag=tag, client_state=client_state)
-
-    def load_checkpoint(
-        self,
-        load_dir: str,
-        tag: Optional[str] = None,
-        *,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False,
-        module_load_fn: Any = None,
-        strict: bool = True,
-    ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
-        """Collectively restore a checkpoint (any world size or stage).
-
-        Returns ``(load_path, client_state)`` as DeepSpeed does, or ``(None, None)``
-        with a warning when ``load_dir`` holds no checkpoint (so resume-if-present
-        code needs no special case).
-        """
-        from .checkpoint import load_checkpoint  # here: the checkpoint layer imports DCP (~1.4 s)
-
-        with doing("load_checkpoint", self._label):
-            return load_checkpoint(
-                self.checkpointable(),
-                load_dir,
-                tag=tag,
-                load_optimizer_states=load_optimizer_states,
-                load_lr_scheduler_states=load_lr_scheduler_states,
-                load_module_only=load_module_only,
-                module_load_fn=module_load_fn,
-                strict=strict,
-            )
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """Write the full weights in the compute dtype to ``save_dir/save_filename`` on rank 0 (collective).
-
-        As DeepSpeed's: fp16/bf16 weights for a mixed-precision engine, fp32
-        otherwise; ``.safetensors`` names get a safetensors file, anything else
-        ``torch.save``.  Tied weights are stored once.  Returns True on every rank.
-        """
-        state = self.state_dict_16bit()
-        if self.comm.rank == 0:
-            save_state_dict(state, Path(save_dir) / save_filename)
-        return True
-
-    def save_pretrained(self, save_dir: str) -> str:
-        """Collective: ``config.json`` + ``model.safetensors`` from any stage, for ``from_pretrained``."""
-        return save_pretrained(self, save_dir)
-
-    def checkpointable(self) -> EngineState:
-        """This engine as the checkpoint layer sees it (``shardwise.checkpoint.protocol.Checkpointable``)."""
-        return EngineState(self)
-
-    # --------------------------------------------------------- inspection
-    def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters, master weights, gradients and optimizer state."""
-        return self.strategy.memory_breakdown()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full-precision ``state_dict`` of the model on rank 0 (``{}`` elsewhere); collective.
-
-        Tied parameters appear under each of their names but as one tensor.
-        """
-        masters = self.strategy.full_master_weights()
-        if self.comm.rank != 0:
-            return {}
-        result: dict[str, torch.Tensor] = {}
-        copies: dict[int, torch.Tensor] = {}
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
-            if id(tensor) not in copies:
-                value = masters.get(id(tensor))
-                if value is None:
-                    value = tensor.detach().clone()
-                    value = value.float() if value.is_floating_point() else value
-                copies[id(tensor)] = value.cpu()
-            result[name] = copies[id(tensor)]
-        return result
-
-    def state_dict_16bit(self) -> dict[str, torch.Tensor]:
-        """:meth:`full_state_dict` with floating tensors in the compute dtype (rank 0; ``{}`` elsewhere; collective)."""
-        state = self.full_state_dict()
-        dtype = self.precision.dtype
-        cast = {id(t): (t.to(dtype) if t.is_floating_point() else t) for t in state.values()}
-        return {name: cast[id(t)] for name, t in state.items()}  # tied names stay one tensor
-
     # ------------------------------------------------------------- compile
     def compile(
         self,
@@ -600,15 +439,6 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"Engine(stage={self.strategy.stage}, dtype={self.precision.dtype}, module={type(self.module).__name__})"
-
-
-def _not_a_pipeline(call: str) -> str:
-    return (
-        f"`engine.{call}(data_iter)` is for pipeline engines, and this is not a pipeline engine (its model is not "
-        "a `shardwise.pipe.PipelineModule` with `num_stages > 1` on several ranks): train with "
-        "`loss = engine(inputs, labels)`, `engine.backward(loss)`, `engine.step()`"
-        + ("" if call == "train_batch" else "; evaluate with `engine.eval()` and `engine(inputs, labels)`")
-    )
 
 
 def _unique(params: Any) -> list[torch.Tensor]:
