@@ -145,3 +145,27 @@ def test_a_change_of_the_trainable_set_carries_the_offloaded_state(tmp_path: Pat
     """One process: freezing and unfreezing a parameter rebuilds the offloaded masters as it does the others."""
     assert_close_params(_freeze_and_thaw(str(tmp_path)), _freeze_and_thaw(None), atol=ATOL)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_sub_group_step_gives_every_buffer_back() -> None:
+    """A step that raises part-way (an I/O error, a bad state) leaves the pool whole: the next step and
+    `memory_breakdown` (which counts the free buffers) do not wait forever on a buffer that never returns."""
+    from shardwise.zero.readahead import BufferPool, pipelined
+
+    pool = BufferPool(3, 64)
+
+    def read(index: int, buffer: torch.Tensor) -> None:
+        buffer.fill_(index)
+
+    def failing(index: int, buffer: torch.Tensor) -> Any:
+        if index == 1:
+            raise OSError("injected: the disk went away")
+        return lambda: None
+
+    try:
+        pipelined([0, 1, 2, 3, 4], [64] * 5, pool, read, failing)
+        raise AssertionError("the injected error did not surface")
+    except OSError as error:
+        assert "injected" in str(error)
+    assert pool.nbytes() == 3 * 64  # all three buffers are back (before the fix this call blocked forever)
+    pipelined([0, 1, 2], [64] * 3, pool, read, lambda index, buffer: (lambda: None))

@@ -228,3 +228,20 @@ def _swap_case(stage: int) -> None:
 def test_swapping_which_parameters_train_matches_one_process() -> None:
     """Freeze one parameter and unfreeze another in the same step (same count), at every stage."""
     run_subtests(_swap_case, [{"stage": s} for s in STAGES])
+
+
+@distributed_test(world_size=2, timeout=120)
+def test_freezing_every_parameter_with_shared_memory_runs_inference() -> None:
+    """After training, freezing everything leaves a flat layout of no elements: its (shared-memory) gradient
+    buffer is empty, not a one-byte segment that cannot be viewed as float32; the model still runs."""
+    model = make_model()
+    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                  {"zero_optimization": {"stage": 1}, "comms": {"shared_memory": True}})
+    engine.backward(engine(*batch(0, dist.get_rank())))
+    engine.step()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    with torch.no_grad():
+        out = engine(batch(1, dist.get_rank())[0])
+    assert torch.isfinite(out).all()
+    engine.destroy()

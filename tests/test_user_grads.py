@@ -262,3 +262,51 @@ def test_several_backwards_before_a_step_add_up_when_the_engine_accumulates_them
         engine.destroy()
         if rank == 0:
             assert_close_params(got, want, atol=ATOL)
+
+
+class _Lookup(nn.Module):
+    """An embedding every rank runs, whose output only some ranks put into their loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(9)
+        self.trunk = nn.Linear(4, 2)
+        self.table = nn.Embedding(8, 2)
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, use_table: bool) -> torch.Tensor:
+        looked_up = self.table(rows)  # runs on every rank: at stage 3 every rank gathers the table
+        out = self.trunk(x)
+        if use_table:
+            out = out + looked_up.sum(0)
+        return (out - 0.5).pow(2).mean()
+
+
+@distributed_test(world_size=2, timeout=240)
+def test_a_parameter_only_another_rank_used_is_stepped_at_every_stage() -> None:
+    """Rank 0 leaves the table out of its loss, rank 1 uses rows 6-7 only: the table had a gradient on a rank,
+    so the step moves all of it (AdamW's weight decay) at every stage, as one process does, although this
+    rank's slice of the reduced gradient may be exactly zero."""
+    rank = dist.get_rank()
+    rows = torch.tensor([6, 7])
+
+    def uses(r: int) -> bool:
+        return r == 1
+
+    ref = _Lookup()
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.5)
+    for step in range(2):
+        (sum(ref(_data(step, r, 3, 4), rows, uses(r)) for r in (0, 1)) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    want = params_of(ref)
+    for stage in STAGES:
+        model = _Lookup()
+        engine = shardwise.initialize(model, lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.5),
+                                      _config(stage))
+        for step in range(2):
+            engine.backward(engine(_data(step, rank, 3, 4), rows, uses(rank)))
+            engine.step()
+        got = _full(engine)
+        engine.destroy()
+        if rank == 0:
+            assert_close_params(got, want, atol=ATOL)

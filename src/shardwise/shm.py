@@ -429,7 +429,8 @@ class SharedMemory:
     def zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Collective while :attr:`active`: a zeroed flat tensor every rank maps (a collective over a region of
         it then reads the peers' copies in place); else, or for another device, a private one."""
-        if self.segment is not None and device.type == "cpu":
+        # numel is the same on every rank, so all skip the set-up alike (nothing trains: an empty buffer)
+        if self.segment is not None and device.type == "cpu" and numel > 0:
             tensor = self.segment.allocate(numel, dtype, self._exchange, self._agree)
             if tensor is not None:
                 return tensor

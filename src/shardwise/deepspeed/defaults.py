@@ -76,7 +76,7 @@ def apply_defaults(
         choices.append(choice)
     if user_backward:
         choices.append(DialectChoice(
-            "several `backward` calls before one `step` add up their gradients, reduced across ranks at `step`",
+            "several `backward` calls before one `step` add up their gradients (each still reduced while autograd runs)",
             "refuse a second `backward` at an accumulation boundary"))
     return config.replace(**update), choices
 

@@ -69,6 +69,9 @@ class PipelineStrategy(Strategy):
     def adding_to_reduced(self) -> contextlib.AbstractContextManager[None]:
         return self.wrapped.adding_to_reduced()
 
+    def optimizer_step(self, inner: Any) -> None:
+        self.wrapped.optimizer_step(inner)
+
     def after_step(self) -> None:
         self.wrapped.after_step()
 

@@ -128,7 +128,7 @@ class Strategy(ABC):
 
     def leaving_unused_alone(self) -> contextlib.AbstractContextManager[None]:
         """Around the optimizer step: parameters no rank had a gradient for are left alone, as torch's
-        optimizers leave a parameter whose ``.grad`` is None (stage 3's pieces are None already)."""
+        optimizers leave a parameter whose ``.grad`` is None."""
         return contextlib.nullcontext()
 
     def optimizer_step(self, inner: Any) -> None:

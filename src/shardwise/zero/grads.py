@@ -79,10 +79,9 @@ class ReducedGrads:
         if self.contiguous is not None:
             grad = self.contiguous.float()
             return torch.dot(grad, grad) if grad.numel() else grad.new_zeros(())
-        total = torch.zeros((), dtype=torch.float32)
-        for index in range(len(self.slices)):
-            total += self.bucket_sq(index)
-        return total
+        if not self.slices:
+            return torch.zeros((), dtype=torch.float32)
+        return torch.stack([self.bucket_sq(index) for index in range(len(self.slices))]).sum()
 
     def scale(self, factor: float) -> None:
         if self.contiguous is not None:

@@ -147,21 +147,15 @@ class Pieces(ABC):
         """The masters' gradients (what the optimizer reads)."""
         return [p.master.grad for p in self.all if p.master is not None and p.master.grad is not None]
 
-    def add_reduced(self, unit: Unit, output: torch.Tensor, had_grad: set[int], trainable: list[int],
-                    scale: float) -> None:
+    def add_reduced(self, unit: Unit, output: torch.Tensor, trainable: list[int], scale: float) -> None:
         """Add ``scale`` times this rank's slice ``output`` of ``unit``'s reduced gradients to the gradients of
         its pieces of the ``trainable`` parameters (fp32, allocated by the first add after :meth:`zero_grads`).
-
-        A parameter no rank had a gradient for (not in ``had_grad`` here, zeros from everywhere) keeps
-        ``.grad`` None, so the optimizer skips it as torch skips a parameter whose ``.grad`` is None.
-        """
+        (Which of them no rank had a gradient for, the step's ``leaving_unused_alone`` knows.)"""
         for piece in self.by_unit.get(unit, ()):
             master = piece.master
             if master is None or piece.index not in trainable:
                 continue
             reduced = piece.local(output)
-            if piece.index not in had_grad and not bool(reduced.any()):
-                continue
             if piece.grad is None:
                 piece.grad = reduced.float().mul(scale)
             else:

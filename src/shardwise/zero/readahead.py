@@ -69,15 +69,29 @@ def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read
             buffer = pool.take(sizes[index])
             reads[position] = (io.submit(read, index, buffer), buffer)
 
-        for position in range(min(ahead, len(order))):
-            start_read(position)
-        for position, index in enumerate(order):
-            future, buffer = reads.pop(position)
-            future.result()
-            write = step(index, buffer)
-            writes.append(io.submit(_then_give, write, pool, buffer))
-            if position + ahead < len(order):
-                start_read(position + ahead)
+        try:
+            for position in range(min(ahead, len(order))):
+                start_read(position)
+            for position, index in enumerate(order):
+                future, buffer = reads.pop(position)
+                try:
+                    future.result()
+                    write = step(index, buffer)
+                except BaseException:
+                    pool.give(buffer)
+                    raise
+                writes.append(io.submit(_then_give, write, pool, buffer))
+                if position + ahead < len(order):
+                    start_read(position + ahead)
+        finally:
+            # On an error too: every read in flight ends and gives its buffer back, so the next step (or
+            # `memory_breakdown`) never waits on a buffer that will not come back.
+            for future, buffer in reads.values():
+                try:
+                    future.result()
+                except BaseException:  # noqa: BLE001 - the first error is the one raised
+                    pass
+                pool.give(buffer)
         for done in writes:
             done.result()
 

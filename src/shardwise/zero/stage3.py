@@ -81,6 +81,10 @@ class Stage3(Strategy):
         self._arrived: dict[Unit, set[int]] = {}
         self._works: list[tuple[Any, Unit, torch.Tensor, torch.Tensor, set[int]]] = []
         self._dirty = False
+        #: (unit, index) of the trainable parameters this rank had a gradient for in this backward
+        self._had: set[tuple[Unit, int]] = set()
+        #: (unit, index) of those any rank had a gradient for since `zero_grad`: the step leaves the rest alone
+        self._used: set[tuple[Unit, int]] = set()
 
     # ================================================================ build
     def attach(self, inner: Optional[Any], initial: Optional[dict[int, torch.Tensor]] = None) -> None:
@@ -148,7 +152,8 @@ class Stage3(Strategy):
         self._next = 0
         if sync:  # reverse order of first use in forward, then the units that forward did not use
             used = [u for u in reversed(list(self.gatherer.forward_order)) if u in self._trainable]
-            self._order = used + [u for u in self.units if u in self._trainable and u not in set(used)]
+            seen = set(used)
+            self._order = used + [u for u in self.units if u in self._trainable and u not in seen]
 
     def _on_grad(self, unit: Unit, index: int, param: torch.Tensor) -> None:
         """Parameter ``index`` of ``unit`` got its gradient: reduce the unit once all of its have."""
@@ -170,6 +175,7 @@ class Stage3(Strategy):
         # fp32 unless `communication_data_type` halves the bytes on the wire; averaged into fp32 below
         wire = self.precision.reduce_dtype
         source, had_grad = unit.take_grads(self._trainable[unit], wire)
+        self._had.update((unit, index) for index in had_grad)
         output = torch.empty(unit.shard_numel, dtype=wire, device=source.device)
         work = self.comm.reduce_scatter(output, source, async_op=True, label=unit.label)
         self._works.append((work, unit, source, output, had_grad))
@@ -179,7 +185,7 @@ class Stage3(Strategy):
     def _complete(self, entry: tuple[Any, ...]) -> None:
         work, unit, _, output, had_grad = entry
         work.wait()
-        self.pieces.add_reduced(unit, output, had_grad, self._trainable[unit], 1.0 / self.comm.world_size)
+        self.pieces.add_reduced(unit, output, self._trainable[unit], 1.0 / self.comm.world_size)
 
     def finish_backward(self) -> None:
         super().finish_backward()
@@ -189,9 +195,38 @@ class Stage3(Strategy):
         for unit in self._order[self._next :]:
             self._launch(unit)
         self._next = len(self._order)
+        used = self._count_used()
         for entry in self._works:
             self._complete(entry)
         self._works = []
+        self._find_used(*used)
+
+    def _count_used(self) -> tuple[Any, torch.Tensor, list[tuple[Unit, int]]]:
+        """Start summing, over the ranks, which trainable parameters had a gradient (as the flat stages do:
+        one small all-reduce per step, in flight with the last reductions)."""
+        keys = [(unit, index) for unit in self.units for index in self._trainable.get(unit, ())]
+        device = self.units[0].shard.device if self.units else torch.device("cpu")
+        flags = torch.tensor([(key in self._had) for key in keys], dtype=torch.float32, device=device)
+        self._had = set()
+        return self.comm.all_reduce(flags, async_op=True, label="which parameters had gradients"), flags, keys
+
+    def _find_used(self, work: Any, flags: torch.Tensor, keys: list[tuple[Unit, int]]) -> None:
+        work.wait()
+        self._used.update(key for key, flag in zip(keys, flags.tolist()) if flag > 0)
+
+    @contextlib.contextmanager
+    def leaving_unused_alone(self) -> Iterator[None]:
+        """While the optimizer steps: the pieces of parameters no rank had a gradient for have ``.grad`` None,
+        as torch leaves a parameter whose ``.grad`` is None (no momentum, no weight decay)."""
+        hidden = [(p.master, p.master.grad) for p in self.pieces.all
+                  if p.master is not None and p.master.grad is not None and (p.unit, p.index) not in self._used]
+        for master, _ in hidden:
+            master.grad = None
+        try:
+            yield
+        finally:
+            for master, grad in hidden:
+                master.grad = grad
 
     # ================================================================ step
     def grad_sq(self) -> torch.Tensor:
@@ -220,6 +255,7 @@ class Stage3(Strategy):
         self._dirty = False
         self._arrived = {}
         self._ready = set()
+        self._used = set()
         self.pieces.zero_grads()
         with torch._C.DisableTorchFunctionSubclass():
             for unit in self.units:
