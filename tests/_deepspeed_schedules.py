@@ -57,3 +57,21 @@ def loss_factor(name: str, step: int, rank: int) -> float:
 def record(name: str) -> dict[str, Any]:
     data: dict[str, Any] = json.loads((fx.FIXTURES / "schedules.json").read_text())[name]
     return data
+
+
+def train_schedule(deepspeed: Any, name: str, rank: int) -> tuple[list[list[float]], list[float], Any]:
+    """The client loop both tools run, as an imports-only port would: ``deepspeed`` is DeepSpeed itself (the
+    generator) or ``shardwise.deepspeed`` (the test).  Returns the lr of every group before each step, this
+    rank's losses, and the engine."""
+    model = fx.Tiny()
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=fx.optimizer(model),
+                                           config=schedule_config(name))
+    lrs, losses = [], []
+    for k in range(STEPS):
+        lrs.append([float(lr) for lr in engine.get_lr()])
+        x, y = fx.batch(k, rank)
+        loss = fx.loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.item()))
+    return lrs, losses, engine

@@ -31,17 +31,7 @@ LOSS_TOLERANCE = 1e-6  # relative
 
 
 def _schedule_run(name: str) -> tuple[list[list[float]], list[float]]:
-    model = fx.Tiny()
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=fx.optimizer(model),
-                                           config=cases.schedule_config(name))
-    lrs, losses = [], []
-    for k in range(cases.STEPS):
-        lrs.append([float(lr) for lr in engine.get_lr()])
-        x, y = fx.batch(k, dist.get_rank())
-        loss = fx.loss_fn(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    lrs, losses, engine = cases.train_schedule(deepspeed, name, dist.get_rank())
     engine.destroy()
     return lrs, losses
 

@@ -81,6 +81,17 @@ def _set_up(step: str, comm: Comm) -> None:
         comm.shm.zeros(NUMEL, torch.float32, torch.device("cpu"))
 
 
+def _timed_set_up(step: str, comm: Comm) -> dict[str, Any]:
+    """Run the set-up step; the error's class name (or "none") and how long it took."""
+    start = time.monotonic()
+    try:
+        _set_up(step, comm)
+        error = "none"
+    except Exception as exc:  # noqa: BLE001 - reported, the test decides
+        error = type(exc).__name__
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
 def _one_case(step: str, point: str, victim: int) -> dict[str, Any]:
     comm = Comm(dist.new_group([0, 1]), timeout=TIMEOUT)
     dist.barrier()  # both ranks start each step together: only the rank that leaves makes a collective wait
@@ -89,15 +100,10 @@ def _one_case(step: str, point: str, victim: int) -> dict[str, Any]:
         assert comm.shm.active, comm.transport
         dist.barrier()
     undo = _arm(point, _raise) if dist.get_rank() == victim else (lambda: None)
-    start = time.monotonic()
     try:
-        _set_up(step, comm)
-        error = "none"
-    except Exception as exc:  # noqa: BLE001 - reported, the test decides
-        error = type(exc).__name__
+        return _timed_set_up(step, comm)
     finally:
         undo()
-    return {"error": error, "seconds": time.monotonic() - start}
 
 
 def _every_raise() -> dict[str, Any]:
@@ -142,13 +148,7 @@ def _killed_at(step: str, point: str, victim: int) -> dict[str, Any]:
         assert comm.shm.active, comm.transport
     if dist.get_rank() == victim:
         _arm(point, die)
-    start = time.monotonic()
-    try:
-        _set_up(step, comm)
-        error = "none"
-    except Exception as exc:  # noqa: BLE001 - reported, the test decides
-        error = type(exc).__name__
-    return {"error": error, "seconds": time.monotonic() - start, "pids": pids, "left": segment_files(pids)}
+    return {**_timed_set_up(step, comm), "pids": pids, "left": segment_files(pids)}
 
 
 KILLS = [("open", "_attach", 1), ("open", "_attach", 0), ("allocate", "_attach", 1), ("allocate", "_agree", 0)]
