@@ -57,7 +57,9 @@ class BufferPool:
 def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read: Read, step: Step) -> None:
     """Run ``step`` over the sub-groups in ``order``, each read ahead into a pool buffer and written behind.
 
-    Returns once every write is on disk; the first I/O error is raised here.
+    Returns once every write is on disk.  The first error of a read, a step or a write is raised here, as
+    soon as the loop sees it (a failed write is not followed by stepping every later sub-group first), and
+    every buffer is back in ``pool`` by then, so the next call does not wait for one that never returns.
     """
     ahead = max(1, pool.count - 1)  # one buffer is the one being stepped
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-offload-io") as io:
@@ -81,6 +83,7 @@ def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read
                     pool.give(buffer)
                     raise
                 writes.append(io.submit(_then_give, write, pool, buffer))
+                _raise_failed(writes)
                 if position + ahead < len(order):
                     start_read(position + ahead)
         finally:
@@ -94,6 +97,13 @@ def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read
                 pool.give(buffer)
         for done in writes:
             done.result()
+
+
+def _raise_failed(writes: Sequence[Future[None]]) -> None:
+    """Raise the error of the first write that failed already (the buffer went back when it ended)."""
+    for done in writes:
+        if done.done() and done.exception() is not None:
+            raise done.exception()  # type: ignore[misc]
 
 
 def _then_give(write: Callable[[], None], pool: BufferPool, buffer: torch.Tensor) -> None:
