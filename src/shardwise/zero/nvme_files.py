@@ -52,7 +52,7 @@ class OffloadIOError(RuntimeError):
 
     def extended(self, more: str) -> OffloadIOError:
         """The same error with ``more`` said after its message (what the caller's state is now)."""
-        return OffloadIOError(f"{self} {more}", rank=self.rank, path=self.path, operation=self.operation,
+        return OffloadIOError(f"{self}. {more}", rank=self.rank, path=self.path, operation=self.operation,
                               error=self.errno)
 
 
@@ -126,7 +126,7 @@ class NvmeFiles:
             yield
         except OSError as exc:
             code = exc.errno
-            cause = f"{errno.errorcode.get(code, 'error')} {exc.strerror or exc}" if code else str(exc)
+            cause = f"{errno.errorcode.get(code, 'error')} ({exc.strerror or exc})" if code else str(exc)
             place = f"{nbytes:,} bytes at byte {offset:,} of " if nbytes else ""
             context = f" ({where})" if where else ""
             raise OffloadIOError(

@@ -1,0 +1,148 @@
+"""An I/O error of NVMe optimizer offload mid-training: a clear error on that rank, the peer told, nothing hangs.
+
+Rank 1's offload I/O fails in the background thread at its fourth step: a write finds the disk full
+(ENOSPC), a read finds the disk broken (EIO), or a file was removed under the job (ENOENT).  Faults are
+injected for real: ``os.pwrite``/``os.preadv`` replaced in rank 1's process for its offload folder's files
+only, or the file unlinked.  Rank 1 must raise `OffloadIOError` naming the rank, the file, the operation,
+the sub-group and the fix, with every pool buffer back (the next step would otherwise wait forever);
+rank 0 must raise `PeerFailedError` quoting it within `comms.timeout` (3 s here).  A second test, in one
+process, shows what the half-updated engine refuses afterwards (step, save) and that a new engine loading
+the last checkpoint trains on to the weights of a run without the fault (atol 1e-6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from _faults_common import COMMS_TIMEOUT, VICTIM, bounded_outcome, fault_config, outcome, record_row, train_step
+from _parity import assert_close_params, batch, make_model, params_of
+
+import shardwise
+from shardwise.testing import run_distributed
+from shardwise.zero.nvme_files import OffloadIOError
+
+#: the parity model's shard (about 1,100 elements a rank) in several sub-groups, each a few hundred
+SUB_GROUP = 300
+ATOL = 1e-6
+
+
+def _offload(nvme: str) -> dict[str, Any]:
+    return {"offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 3},
+            "sub_group_size": SUB_GROUP}
+
+
+def _engine(nvme: str, stage: int = 2) -> Any:
+    model = make_model()
+    config = fault_config(stage, zero_optimization=_offload(nvme))
+    return shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+
+
+@contextlib.contextmanager
+def _failing_syscall(name: str, code: int, folder: Path) -> Iterator[None]:
+    """Inside, ``os.<name>`` fails with ``code`` on files of ``folder`` (the offload I/O), as a broken disk would."""
+    real = getattr(os, name)
+
+    def failing(fd: int, *args: Any) -> Any:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(folder)):
+            raise OSError(code, os.strerror(code))
+        return real(fd, *args)
+
+    setattr(os, name, failing)
+    try:
+        yield
+    finally:
+        setattr(os, name, real)
+
+
+@contextlib.contextmanager
+def _removed(folder: Path) -> Iterator[None]:
+    """The optimizer's first moment is deleted from under the job (a clean-up run on `nvme_path`)."""
+    os.unlink(folder / "exp_avg")
+    yield
+
+
+FAULTS: dict[str, tuple[Callable[[Path], Any], str, str]] = {
+    # fault -> (injection, operation named, the fix named)
+    "the disk fills (ENOSPC on a write)": (lambda f: _failing_syscall("pwrite", errno.ENOSPC, f), "writing",
+                                           "the disk under `zero_optimization.offload_optimizer.nvme_path` is full"),
+    "the disk fails (EIO on a read)": (lambda f: _failing_syscall("preadv", errno.EIO, f), "reading",
+                                       "the disk reported an error: check its health"),
+    "a state file is removed under the job (ENOENT)": (_removed, "reading",
+                                                       "the file was removed while the job used it"),
+}
+
+
+def _fault_mid_training(nvme: str, fault: str) -> dict[str, Any]:
+    engine = _engine(nvme)
+    for step in range(3):
+        train_step(engine, step)
+    masters = engine.strategy.masters
+    inject = FAULTS[fault][0]
+    with inject(masters.files.folder) if dist.get_rank() == VICTIM else contextlib.nullcontext():
+        # rank 0's fourth step ends with the parameters' all-gather in flight: its fifth waits on rank 1
+        result = outcome(lambda: [train_step(engine, step) for step in (3, 4)])
+    # every buffer is back in the pool: counting them takes each once (it would block on a missing one)
+    held = bounded_outcome(masters.pool.nbytes, 10.0)
+    result["pool_whole"] = held["error"] is None
+    result["folder"] = str(masters.files.folder)
+    result["groups"] = len(masters.groups)
+    return result
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_an_offload_io_error_names_rank_file_operation_and_fix(fault: str, tmp_path: Path) -> None:
+    survivor, victim = run_distributed(_fault_mid_training, 2, args=(str(tmp_path), fault), timeout=90)
+    _, operation, fix = FAULTS[fault]
+    assert victim["error"] == "OffloadIOError", victim
+    message = victim["message"]
+    assert message.startswith(f"rank 1: offloaded optimizer state: {operation} "), message
+    assert f"of {victim['folder']}/" in message, message  # the file, by its full path
+    assert f"(sub-group 1 of {victim['groups']}: elements 0-" in message, message
+    assert fix in message, message
+    assert "this engine now refuses to step or save; restart from the last checkpoint" in message, message
+    assert victim["pool_whole"], "a pool buffer was not given back: the next step would wait forever"
+    assert survivor["error"] == "PeerFailedError" and survivor["failed"] == [VICTIM], survivor
+    assert "OffloadIOError" in survivor["message"], survivor
+    assert survivor["seconds"] < COMMS_TIMEOUT, survivor
+    assert survivor["pool_whole"]
+    record_row("disagree", f"NVMe offload: {fault} on rank 1, in the I/O thread", "2",
+               "rank 1 raises `OffloadIOError` naming the file, operation, sub-group and fix, pool buffers "
+               "returned; rank 0 raises `PeerFailedError` quoting it", survivor["seconds"])
+
+
+def _plain_steps(engine: Any, first: int, count: int) -> None:
+    for step in range(first, first + count):
+        engine.backward(engine(*batch(step, 0)))
+        engine.step()
+
+
+def test_an_engine_whose_offloaded_step_failed_refuses_to_step_or_save(tmp_path: Path) -> None:
+    """One process: after a write failed mid-step the files hold a half-updated state; the engine refuses
+    to step or save on it, and a new engine from the last checkpoint trains as if nothing happened."""
+    reference = _engine(str(tmp_path / "reference"))
+    _plain_steps(reference, 0, 5)
+    engine = _engine(str(tmp_path / "nvme"))
+    _plain_steps(engine, 0, 3)
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="three")
+    folder = engine.strategy.masters.files.folder
+    with _failing_syscall("pwrite", errno.ENOSPC, folder), pytest.raises(OffloadIOError):
+        _plain_steps(engine, 3, 1)
+    for action in (engine.step, lambda: engine.save_checkpoint(str(tmp_path / "ckpt"))):  # a retried step too
+        with pytest.raises(RuntimeError, match="offloaded optimizer state is incomplete since a step failed"):
+            action()
+    assert (tmp_path / "ckpt" / "latest").read_text() == "three"
+    engine.destroy()
+    fresh = _engine(str(tmp_path / "nvme"))
+    fresh.load_checkpoint(str(tmp_path / "ckpt"), tag="three")
+    _plain_steps(fresh, 3, 2)
+    assert_close_params(params_of(fresh.module), params_of(reference.module), atol=ATOL)
+    for each in (fresh, reference):
+        each.destroy()
+    assert not folder.exists() and os.listdir(tmp_path / "nvme") == []
