@@ -146,3 +146,13 @@ def test_an_engine_whose_offloaded_step_failed_refuses_to_step_or_save(tmp_path:
     for each in (fresh, reference):
         each.destroy()
     assert not folder.exists() and os.listdir(tmp_path / "nvme") == []
+
+
+def test_a_disk_that_fails_while_initialize_writes_the_masters_is_an_error_there(tmp_path: Path) -> None:
+    """ENOSPC on the first write of the initial masters: `OffloadIOError` at `initialize`, no folder left."""
+    with _failing_syscall("pwrite", errno.ENOSPC, tmp_path), pytest.raises(OffloadIOError) as info:
+        _engine(str(tmp_path))
+    message = str(info.value)
+    assert message.startswith("rank 0: offloaded optimizer state: writing "), message
+    assert "/master (the initial masters) failed: ENOSPC (No space left on device)" in message, message
+    assert os.listdir(tmp_path) == [], "the refused engine's folder is removed"

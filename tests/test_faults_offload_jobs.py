@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from _parity import assert_close_params, make_model, params_of
 import shardwise
 from shardwise.testing import run_distributed
 from shardwise.zero.nvme_files import NvmeFiles
+from shardwise.zero.nvme_folder import Owner, folder_prefix, owner_of, sweep
 
 SUB_GROUP = 300
 ATOL = 1e-6
@@ -90,6 +92,32 @@ def test_a_killed_jobs_folders_are_swept_by_the_next_job_and_live_ones_kept(tmp_
     record_row("death", "NVMe offload: rank 1 killed mid-step; its job's folders stay under `nvme_path`", "2",
                "the next job's set-up on the host removes them; a live process's folder, another host's and another "
                f"pid namespace's are kept (next job, 2 ranks, 1 step: {seconds:.1f} s)", survivor["seconds"])
+
+
+def test_a_folder_name_says_whose_it_is_and_the_sweep_judges_only_those(tmp_path: Path) -> None:
+    """One process: the name round-trips (hyphens in a host name included); names of other programs, of
+    another user's layout or of the old format are never swept, whatever their process ids."""
+    mine = NvmeFiles(str(tmp_path), 3)
+    owner = owner_of(mine.folder.name)
+    assert owner is not None and (owner.pid, owner.rank) == (os.getpid(), 3), mine.folder.name
+    assert mine.folder.name.startswith(folder_prefix(3))
+    assert owner_of("shardwise-gpu-node-7.lan-ns5-pid12-rank0-ab_c1") == Owner("gpu-node-7.lan", 5, 12, 0)
+    dead = _a_dead_pid()
+    others = [f"shardwise-rank0-pid{dead}-abc", "data", f"shardwise-{owner.host}-ns{owner.namespace}-pid{dead}"]
+    for name in others:
+        (tmp_path / name).mkdir()
+    ours_dead = f"shardwise-{owner.host}-ns{owner.namespace}-pid{dead}-rank1-xyz"
+    (tmp_path / ours_dead).mkdir()
+    assert sweep(str(tmp_path)) == [ours_dead]
+    assert sorted(os.listdir(tmp_path)) == sorted([mine.folder.name, *others])
+    mine.remove()
+
+
+def _a_dead_pid() -> int:
+    """The id of a process that has ended (a child, reaped)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
 
 
 # ---------------------------------------------------------------- two jobs on one nvme_path at once

@@ -78,22 +78,26 @@ class OffloadedMasters(Masters):
 
     # ------------------------------------------------------------------ build
     def build(self, initial: Mapping[int, torch.Tensor]) -> None:
-        layout, spec = self.layout, self.spec
         self._flatten(self.dtype)
-        self.files = NvmeFiles(spec.root, spec.rank)
-        numel = layout.shard_numel
+        self.files = NvmeFiles(self.spec.root, self.spec.rank)
         try:
-            self.files.reserve(numel * (4 + spec.state_bytes),
-                               f"fp32 masters and {spec.state_bytes} bytes of optimizer state for each of {numel:,} "
-                               "elements")
-        except RuntimeError:
+            self._fill(self.files, initial)
+        except BaseException:  # refused or failed at initialize: no folder is left behind
             self.files.remove()
+            self.files = None
             raise
-        self.files.create("master", numel * 4)
+
+    def _fill(self, files: NvmeFiles, initial: Mapping[int, torch.Tensor]) -> None:
+        """Claim the disk room the state needs, then write the initial fp32 masters."""
+        layout, spec = self.layout, self.spec
+        numel = layout.shard_numel
+        files.reserve(numel * (4 + spec.state_bytes),
+                      f"fp32 masters and {spec.state_bytes} bytes of optimizer state for each of {numel:,} elements")
+        files.create("master", numel * 4)
         for piece in layout.pieces:
             param = layout.params[piece.param]
             source = initial.get(id(param), param.data).reshape(-1)[piece.start : piece.end]
-            self.files.write_from("master", source.float(), piece.shard_offset * 4)
+            files.write_from("master", source.float(), piece.shard_offset * 4, "the initial masters")
 
     @property
     def _files(self) -> NvmeFiles:
