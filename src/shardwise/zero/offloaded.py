@@ -70,8 +70,8 @@ class OffloadedMasters(Masters):
         largest = max((g.numel for g in self.groups), default=0)
         expected = largest * (4 + spec.state_bytes) + _ALIGN * 4  # master and state, each region aligned
         self.pool = BufferPool(spec.buffer_count, expected, pin=spec.pin_memory and device.type == "cuda")
-        #: master maps lent to a checkpoint, with their version then: a load writes through them (see `_refresh`)
-        self._lent: list[tuple[torch.Tensor, int]] = []
+        #: whether the files may hold masters the model's parameters do not show yet (a checkpoint borrowed them)
+        self.stale = False
         #: why the files no longer hold one step's state (a step failed part-way); None while they do
         self.broken: str | None = None
         self.files: NvmeFiles | None = None
@@ -129,7 +129,6 @@ class OffloadedMasters(Masters):
     def step(self, inner: Any) -> None:
         """One optimizer step over every sub-group: read ahead, step, publish, write behind."""
         self._usable("step")
-        self._lent = []  # the step reads the files and publishes every piece: a load's masters included
         kinds = dict(self.kinds)  # what the reads of this step find on disk (the step may add kinds)
         sizes = [self._regions(g.numel, kinds)[-1][2] for g in self.groups]
         owner = {id(p): i for i, group in enumerate(inner.param_groups) for p in group["params"]}
@@ -144,6 +143,7 @@ class OffloadedMasters(Masters):
         except BaseException as exc:
             self.broken = f"{type(exc).__name__}: {exc}"
             raise
+        self.stale = False  # the step read every piece's master from the files and published it
 
     @staticmethod
     def _regions(numel: int, kinds: Mapping[str, torch.dtype]) -> list[tuple[str, torch.dtype, int]]:
@@ -253,24 +253,24 @@ class OffloadedMasters(Masters):
     def _refresh(self) -> None:
         """After a load wrote the files: their masters into the model's parameters.
 
-        A checkpoint's save and load both borrow the masters' maps (:meth:`piece`); only a load writes
-        through them, which bumps their tensors' version, so a save costs no read of the masters here."""
-        written = any(view._version != version for view, version in self._lent)
-        self._lent = []
-        if not written:
+        Also after a save (the maps do not say who borrowed them): then it re-reads the masters for nothing,
+        but only where the parameters are needed before the next step, which publishes every piece anyway
+        (``full_state_dict``).  Holding the maps to tell by their version would keep every page they touched
+        resident until the next step."""
+        if not self.stale:
             return
         master = self._mapped("master", torch.float32)
         for index, piece in enumerate(self.layout.pieces):
             self._owned(index).copy_(master.narrow(0, piece.shard_offset, piece.numel))
+        self.stale = False
 
     # ------------------------------------------------------------- checkpoint
     def piece(self, index: int, key: torch.Tensor, state: MutableMapping[Any, Any]) -> tuple[torch.Tensor, StateSlot]:
         """Piece ``index``'s master and state slot, as memory maps of its files (writes go to disk)."""
         self._usable("save or load a checkpoint")
         piece = self.layout.pieces[index]
-        master = self._files.mapped_range("master", piece.shard_offset, piece.numel, torch.float32)
-        self._lent.append((master, master._version))  # a load writes through it: `_refresh` notices
-        return master, NvmeSlot(self, index)
+        self.stale = True  # a load writes through the map
+        return self._files.mapped_range("master", piece.shard_offset, piece.numel, torch.float32), NvmeSlot(self, index)
 
     def _mapped(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
         numel = self.layout.shard_numel
