@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -27,6 +28,7 @@ from _parity import assert_close_params, batch, make_model, params_of
 import shardwise
 from shardwise.testing import run_distributed
 from shardwise.zero.nvme_files import OffloadIOError
+from shardwise.zero.readahead import BufferPool, pipelined
 
 #: the parity model's shard (about 1,100 elements a rank) in several sub-groups, each a few hundred
 SUB_GROUP = 300
@@ -156,3 +158,28 @@ def test_a_disk_that_fails_while_initialize_writes_the_masters_is_an_error_there
     assert message.startswith("rank 0: offloaded optimizer state: writing "), message
     assert "/master (the initial masters) failed: ENOSPC (No space left on device)" in message, message
     assert os.listdir(tmp_path) == [], "the refused engine's folder is removed"
+
+
+def test_a_failed_write_stops_the_step_at_once_with_every_buffer_back() -> None:
+    """The I/O pipeline alone: sub-group 0's write fails; the loop raises right after stepping sub-group 1
+    (the first point it looks, once that write ended), not after stepping all ten, and the pool is whole."""
+    pool = BufferPool(3, 64)
+    written = threading.Event()
+    stepped: list[int] = []
+
+    def failing_write() -> None:
+        try:
+            raise OSError(errno.EIO, "injected")
+        finally:
+            written.set()
+
+    def step(index: int, buffer: torch.Tensor) -> Callable[[], None]:
+        if index == 1:
+            assert written.wait(10.0)  # sub-group 0's write has ended (failed) before sub-group 1's is queued
+        stepped.append(index)
+        return failing_write if index == 0 else (lambda: None)
+
+    with pytest.raises(OSError, match="injected"):
+        pipelined(range(10), [64] * 10, pool, lambda index, buffer: None, step)
+    assert stepped == [0, 1], stepped
+    assert pool.nbytes() == 3 * 64

@@ -82,8 +82,7 @@ def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read
                 except BaseException:
                     pool.give(buffer)
                     raise
-                writes.append(io.submit(_then_give, write, pool, buffer))
-                _raise_failed(writes)
+                writes = _unfinished([*writes, io.submit(_then_give, write, pool, buffer)])
                 if position + ahead < len(order):
                     start_read(position + ahead)
         finally:
@@ -99,11 +98,17 @@ def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read
             done.result()
 
 
-def _raise_failed(writes: Sequence[Future[None]]) -> None:
-    """Raise the error of the first write that failed already (the buffer went back when it ended)."""
-    for done in writes:
-        if done.done() and done.exception() is not None:
-            raise done.exception()  # type: ignore[misc]
+def _unfinished(writes: list[Future[None]]) -> list[Future[None]]:
+    """The writes still to finish; raises the error of the first that failed (its buffer went back already).
+
+    Finished ones are dropped, so each check looks at no more than the pool's buffers."""
+    pending = []
+    for write in writes:
+        if not write.done():
+            pending.append(write)
+        elif write.exception() is not None:  # judged once: a write ending meanwhile is kept, not lost
+            raise write.exception()  # type: ignore[misc]
+    return pending
 
 
 def _then_give(write: Callable[[], None], pool: BufferPool, buffer: torch.Tensor) -> None:
