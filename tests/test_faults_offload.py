@@ -57,7 +57,7 @@ def test_a_too_small_nvme_path_is_an_error_before_training(tmp_path: Path, monke
     # a disk with 10 kB free: the parity model's fp32 masters and Adam state need 12 bytes x 2232 elements
     monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=10_000))
     message, seconds = _refusal(lambda: _initialize(str(tmp_path)), RuntimeError)
-    assert "has 10,000 bytes free and this rank's offloaded optimizer needs 26,784" in message, message
+    assert "has 10,000 bytes free and this rank's offloaded optimizer state needs 26,784" in message, message
     assert "point `zero_optimization.offload_optimizer.nvme_path` at a larger disk" in message
     assert list(tmp_path.iterdir()) == [], "the refused engine's folder is removed"
     record_row("misuse", "`offload_optimizer.nvme_path` has too little free space", "1-2",

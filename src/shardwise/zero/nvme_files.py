@@ -34,9 +34,11 @@ import torch
 from .nvme_folder import folder_prefix, sweep
 from .nvme_room import claim_room
 
-__all__ = ["NvmeFiles", "OffloadIOError", "check_room"]
+__all__ = ["OPTIMIZER_KEY", "NvmeFiles", "OffloadIOError", "check_room"]
 
-_KEY = "zero_optimization.offload_optimizer.nvme_path"
+#: the config key errors name by default (parameter offload passes its own)
+OPTIMIZER_KEY = "zero_optimization.offload_optimizer.nvme_path"
+_KEY = OPTIMIZER_KEY
 
 
 class OffloadIOError(RuntimeError):
@@ -67,15 +69,15 @@ def check_room(path: str, needed: int, rank: int, what: str) -> None:
             f"{needed:,} ({what}); free space there, point `{_KEY}` at a larger disk, or use more ranks")
 
 
-def _make_folder(root: str, rank: int) -> Path:
+def _make_folder(root: str, rank: int, key: str) -> Path:
     try:
         os.makedirs(root, exist_ok=True)
         sweep(root)  # folders of killed processes of this host: their state is lost already
         return Path(tempfile.mkdtemp(prefix=folder_prefix(rank), dir=root))
     except OSError as exc:
         raise RuntimeError(
-            f"rank {rank}: cannot make this rank's offload folder under `{_KEY}` {root!r} ({exc}); "
-            f"set `{_KEY}` to a writable directory") from exc
+            f"rank {rank}: cannot make this rank's offload folder under `{key}` {root!r} ({exc}); "
+            f"set `{key}` to a writable directory") from exc
 
 
 def _remove_if_creator(folder: str, creator: int) -> None:
@@ -89,24 +91,26 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().data
 
 
-def _fix(error: int | None) -> str:
+def _fix(error: int | None, key: str) -> str:
     """What probably happened, and what to do, for an I/O error number."""
     if error in (errno.ENOSPC, errno.EDQUOT):
-        return f"the disk under `{_KEY}` is full: free space there or point `{_KEY}` at a larger disk"
+        return f"the disk under `{key}` is full: free space there or point `{key}` at a larger disk"
     if error == errno.ENOENT:
         return ("the file was removed while the job used it (a clean-up of the folder, or another process): keep "
-                f"other processes and clean-up jobs out of the folders under `{_KEY}` while a job runs")
+                f"other processes and clean-up jobs out of the folders under `{key}` while a job runs")
     if error in (errno.EACCES, errno.EPERM, errno.EROFS):
         return "the file may no longer be written (its permissions changed, or the disk was remounted read-only)"
-    return "the disk reported an error: check its health (`dmesg`, `smartctl`) or point `nvme_path` at another disk"
+    return f"the disk reported an error: check its health (`dmesg`, `smartctl`) or point `{key}` at another disk"
 
 
 class NvmeFiles:
-    """Named files of raw tensor bytes in this rank's own folder under ``root``."""
+    """Named files of raw tensor bytes in this rank's own folder under ``root``.
 
-    def __init__(self, root: str, rank: int) -> None:
-        self.rank = rank
-        self.folder = _make_folder(root, rank)
+    ``key`` (the config key of ``root``) and ``label`` (what the files hold) are what errors name."""
+
+    def __init__(self, root: str, rank: int, key: str = OPTIMIZER_KEY, label: str = "offloaded optimizer state") -> None:
+        self.rank, self.key, self.label = rank, key, label
+        self.folder = _make_folder(root, rank, key)
         self.bytes_read = 0
         self.bytes_written = 0
         self._count = threading.Lock()  # the I/O thread and the caller both count
@@ -117,7 +121,7 @@ class NvmeFiles:
 
     def reserve(self, needed: int, what: str) -> None:
         """Claim ``needed`` bytes on the disk; raise when this host's ranks using it need more than is free."""
-        claim_room(self.folder, needed, self.rank, what)
+        claim_room(self.folder, needed, self.rank, what, self.key, self.label)
 
     @contextlib.contextmanager
     def _failing(self, operation: str, name: str, offset: int, nbytes: int, where: str) -> Iterator[None]:
@@ -130,8 +134,8 @@ class NvmeFiles:
             place = f"{nbytes:,} bytes at byte {offset:,} of " if nbytes else ""
             context = f" ({where})" if where else ""
             raise OffloadIOError(
-                f"rank {self.rank}: offloaded optimizer state: {operation} {place}{self.path(name)}{context} "
-                f"failed: {cause}; {_fix(code)}", rank=self.rank, path=str(self.path(name)), operation=operation,
+                f"rank {self.rank}: {self.label}: {operation} {place}{self.path(name)}{context} "
+                f"failed: {cause}; {_fix(code, self.key)}", rank=self.rank, path=str(self.path(name)), operation=operation,
                 error=code) from exc
 
     def create(self, name: str, nbytes: int) -> None:

@@ -77,8 +77,11 @@ def claims_beside(folder: Path) -> list[Claim]:
     return sorted((c for c in found if c is not None), key=lambda c: (c.folder != folder, c.rank, c.pid))
 
 
-def claim_room(folder: Path, needed: int, rank: int, what: str) -> None:
-    """Claim ``needed`` bytes for ``folder``'s rank and raise when this host's ranks on the disk do not fit."""
+def claim_room(folder: Path, needed: int, rank: int, what: str, key: str = _KEY,
+               label: str = "offloaded optimizer state") -> None:
+    """Claim ``needed`` bytes for ``folder``'s rank and raise when this host's ranks on the disk do not fit.
+
+    ``what`` says what the bytes are for; ``key`` and ``label`` are the config key and the state errors name."""
     _write_claim(folder, needed)
     free = shutil.disk_usage(folder).free
     claims = claims_beside(folder)
@@ -87,16 +90,16 @@ def claim_room(folder: Path, needed: int, rank: int, what: str) -> None:
     root = str(folder.parent)
     if len(claims) <= 1:
         raise RuntimeError(
-            f"rank {rank}: `{_KEY}` {root!r} has {free:,} bytes free and this rank's offloaded optimizer needs "
-            f"{needed:,} ({what}); free space there, point `{_KEY}` at a larger disk, or use more ranks")
-    raise RuntimeError(_shared_message(rank, root, free, claims, what))
+            f"rank {rank}: `{key}` {root!r} has {free:,} bytes free and this rank's {label} needs {needed:,} "
+            f"({what}); free space there, point `{key}` at a larger disk, or use more ranks")
+    raise RuntimeError(_shared_message(rank, root, free, claims, what, key))
 
 
-def _shared_message(rank: int, root: str, free: int, claims: list[Claim], what: str) -> str:
+def _shared_message(rank: int, root: str, free: int, claims: list[Claim], what: str, key: str) -> str:
     total = sum(c.to_write for c in claims)
     each = "; ".join(
         f"rank {c.rank} (pid {c.pid}{', this rank: ' + what if i == 0 else ''}): {c.to_write:,} still to write"
         + (f" of {c.needed:,}" if c.to_write != c.needed else "") for i, c in enumerate(claims))
-    return (f"rank {rank}: `{_KEY}` {root!r} has {free:,} bytes free, and the {len(claims)} ranks of this host "
+    return (f"rank {rank}: `{key}` {root!r} has {free:,} bytes free, and the {len(claims)} ranks of this host "
             f"offloading to that disk need {total:,} bytes more there together ({each}); free space there, "
-            f"give each rank its own disk (`{_KEY}`), or spread the ranks over more hosts")
+            f"give each rank its own disk (`{key}`), or spread the ranks over more hosts")
