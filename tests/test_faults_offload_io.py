@@ -183,3 +183,21 @@ def test_a_failed_write_stops_the_step_at_once_with_every_buffer_back() -> None:
         pipelined(range(10), [64] * 10, pool, lambda index, buffer: None, step)
     assert stepped == [0, 1], stepped
     assert pool.nbytes() == 3 * 64
+
+
+def test_a_truncated_state_file_is_an_error_at_save_not_zeros_or_a_crash(tmp_path: Path) -> None:
+    """A state file cut short under the job: a checkpoint's map of it would have grown it with zeros (torch's
+    `from_file`) or crashed the process with SIGBUS past its end; it is an `OffloadIOError` naming the file."""
+    engine = _engine(str(tmp_path / "nvme"))
+    _plain_steps(engine, 0, 2)
+    cut = engine.strategy.masters.files.path("exp_avg_sq")
+    os.truncate(cut, 100)
+    with pytest.raises(Exception) as info:
+        engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    chain = [info.value, info.value.__cause__, info.value.__context__]
+    assert any(isinstance(e, OffloadIOError) for e in chain), repr(info.value)
+    message = str(info.value)
+    assert "mapping " in message and f"of {cut} failed: EIO (the file holds 100 bytes, fewer than" in message, message
+    assert "the file was cut short while the job used it" in message, message
+    assert not (tmp_path / "ckpt" / "t").exists()
+    engine.destroy()

@@ -91,8 +91,21 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().data
 
 
-def _fix(error: int | None, key: str) -> str:
-    """What probably happened, and what to do, for an I/O error number."""
+class _CutShort(OSError):
+    """A file holds fewer bytes than this rank wrote there."""
+
+
+def _check_size(size: int, needed: int) -> None:
+    if size < needed:
+        raise _CutShort(errno.EIO, f"the file holds {size:,} bytes, fewer than the {needed:,} it should")
+
+
+def _fix(exc: OSError, key: str) -> str:
+    """What probably happened, and what to do, for an I/O error."""
+    error = exc.errno
+    if isinstance(exc, _CutShort):
+        return ("the file was cut short while the job used it (another process or a clean-up wrote to it): keep "
+                f"other processes and clean-up jobs out of the folders under `{key}` while a job runs")
     if error in (errno.ENOSPC, errno.EDQUOT):
         return f"the disk under `{key}` is full: free space there or point `{key}` at a larger disk"
     if error == errno.ENOENT:
@@ -135,7 +148,7 @@ class NvmeFiles:
             context = f" ({where})" if where else ""
             raise OffloadIOError(
                 f"rank {self.rank}: {self.label}: {operation} {place}{self.path(name)}{context} "
-                f"failed: {cause}; {_fix(code, self.key)}", rank=self.rank, path=str(self.path(name)), operation=operation,
+                f"failed: {cause}; {_fix(exc, self.key)}", rank=self.rank, path=str(self.path(name)), operation=operation,
                 error=code) from exc
 
     def create(self, name: str, nbytes: int) -> None:
@@ -172,7 +185,10 @@ class NvmeFiles:
             try:
                 done = 0
                 while done < len(view):
-                    done += os.pwrite(fd, view[done:], offset + done)
+                    wrote = os.pwrite(fd, view[done:], offset + done)
+                    if wrote <= 0:  # a regular file never does this; looping on it would hang the step
+                        raise OSError(errno.EIO, f"the write stopped {done:,} bytes in")
+                    done += wrote
             finally:
                 os.close(fd)
         self._counted(written=len(view))
@@ -180,8 +196,8 @@ class NvmeFiles:
     def mapped(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The file as a tensor whose writes go to the file (a shared memory map; the page cache holds it)."""
         with self._failing("mapping", name, 0, numel * dtype.itemsize, ""):
-            if not self.path(name).exists():  # torch's own error would not say which file
-                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))
+            # torch would grow a short file with zeros (state silently lost) and not name a missing one
+            _check_size(os.stat(self.path(name)).st_size, numel * dtype.itemsize)
             return torch.from_file(str(self.path(name)), shared=True, size=numel, dtype=dtype)
 
     def mapped_range(self, name: str, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -197,6 +213,7 @@ class NvmeFiles:
         with self._failing("mapping", name, first, numel * dtype.itemsize, ""):
             fd = os.open(self.path(name), os.O_RDWR)
             try:
+                _check_size(os.fstat(fd).st_size, base + length)  # a page past the end would be SIGBUS, not an error
                 region = mmap.mmap(fd, length, offset=base)
             finally:
                 os.close(fd)
