@@ -171,7 +171,7 @@ class NvmeFiles:
                 while done < len(view):
                     got = os.preadv(fd, [view[done:]], offset + done)
                     if got <= 0:
-                        raise OSError(errno.EIO, f"the file ended {done:,} bytes into the read")
+                        raise _CutShort(errno.EIO, f"the file ended {done:,} bytes into the read")
                     done += got
             finally:
                 os.close(fd)
