@@ -16,6 +16,7 @@ import contextlib
 import errno
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -117,6 +118,44 @@ def test_an_offload_io_error_names_rank_file_operation_and_fix(fault: str, tmp_p
     record_row("disagree", f"NVMe offload: {fault} on rank 1, in the I/O thread", "2",
                "rank 1 raises `OffloadIOError` naming the file, operation, sub-group and fix, pool buffers "
                "returned; rank 0 raises `PeerFailedError` quoting it", survivor["seconds"])
+
+
+#: `comms.timeout` of the stalled-disk test, and how long rank 1's disk stalls (longer: rank 0 must not wait it out)
+STALL_TIMEOUT, STALL_S = 1.5, 2.5
+
+
+def _stall_mid_training(nvme: str) -> dict[str, Any]:
+    model = make_model()
+    config = fault_config(2, zero_optimization=_offload(nvme), comms={"timeout": STALL_TIMEOUT})
+    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+    for step in range(3):
+        train_step(engine, step)
+    folder, real, once = engine.strategy.masters.files.folder, os.pwrite, threading.Event()
+
+    def stalled(fd: int, *args: Any) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(folder)) and not once.is_set():
+            once.set()
+            time.sleep(STALL_S)  # the disk stops answering for a while, then answers
+        return real(fd, *args)
+
+    if dist.get_rank() == VICTIM:
+        os.pwrite = stalled
+    return outcome(lambda: [train_step(engine, step) for step in (3, 4)])
+
+
+def test_a_stalled_disk_is_named_busy_in_step_at_the_timeout(tmp_path: Path) -> None:
+    """Rank 1's offload write stalls longer than `comms.timeout`: rank 0 gives up at the timeout naming rank 1
+    alive and busy in `step` (not a wait as long as the disk's), and rank 1 fails once it comes back."""
+    survivor, stalled = run_distributed(_stall_mid_training, 2, args=(str(tmp_path),), timeout=90)
+    assert survivor["error"] == "CommError", survivor
+    message = survivor["message"]
+    assert f"within `comms.timeout` = {STALL_TIMEOUT:g} s" in message, message
+    assert "rank 1: busy in `step` of engine" in message, message
+    assert STALL_TIMEOUT <= survivor["seconds"] < STALL_S, survivor
+    assert stalled["error"] is not None, "rank 1 cannot finish its next step once rank 0 gave up"
+    record_row("disagree", "NVMe offload: rank 1's disk stalls (a write waits longer than `comms.timeout`)", "2",
+               "rank 0 raises `CommError` at `comms.timeout`: rank 1 is alive and busy in `step`",
+               survivor["seconds"])
 
 
 def _plain_steps(engine: Any, first: int, count: int) -> None:
