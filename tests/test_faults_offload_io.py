@@ -82,8 +82,8 @@ FAULTS: dict[str, tuple[Callable[[Path], Any], str, str]] = {
 }
 
 
-def _fault_mid_training(nvme: str, fault: str) -> dict[str, Any]:
-    engine = _engine(nvme)
+def _fault_mid_training(nvme: str, fault: str, stage: int) -> dict[str, Any]:
+    engine = _engine(nvme, stage)
     for step in range(3):
         train_step(engine, step)
     masters = engine.strategy.masters
@@ -99,9 +99,10 @@ def _fault_mid_training(nvme: str, fault: str) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_an_offload_io_error_names_rank_file_operation_and_fix(fault: str, tmp_path: Path) -> None:
-    survivor, victim = run_distributed(_fault_mid_training, 2, args=(str(tmp_path), fault), timeout=90)
+def test_an_offload_io_error_names_rank_file_operation_and_fix(fault: str, stage: int, tmp_path: Path) -> None:
+    survivor, victim = run_distributed(_fault_mid_training, 2, args=(str(tmp_path), fault, stage), timeout=90)
     _, operation, fix = FAULTS[fault]
     assert victim["error"] == "OffloadIOError", victim
     message = victim["message"]
@@ -115,7 +116,7 @@ def test_an_offload_io_error_names_rank_file_operation_and_fix(fault: str, tmp_p
     assert "OffloadIOError" in survivor["message"], survivor
     assert survivor["seconds"] < COMMS_TIMEOUT, survivor
     assert survivor["pool_whole"]
-    record_row("disagree", f"NVMe offload: {fault} on rank 1, in the I/O thread", "2",
+    record_row("disagree", f"NVMe offload: {fault} on rank 1, in the I/O thread", str(stage),
                "rank 1 raises `OffloadIOError` naming the file, operation, sub-group and fix, pool buffers "
                "returned; rank 0 raises `PeerFailedError` quoting it", survivor["seconds"])
 
