@@ -1,13 +1,15 @@
 """An I/O error of NVMe optimizer offload mid-training: a clear error on that rank, the peer told, nothing hangs.
 
-Rank 1's offload I/O fails in the background thread at its fourth step: a write finds the disk full
-(ENOSPC), a read finds the disk broken (EIO), or a file was removed under the job (ENOENT).  Faults are
-injected for real: ``os.pwrite``/``os.preadv`` replaced in rank 1's process for its offload folder's files
-only, or the file unlinked.  Rank 1 must raise `OffloadIOError` naming the rank, the file, the operation,
-the sub-group and the fix, with every pool buffer back (the next step would otherwise wait forever);
-rank 0 must raise `PeerFailedError` quoting it within `comms.timeout` (3 s here).  A second test, in one
-process, shows what the half-updated engine refuses afterwards (step, save) and that a new engine loading
-the last checkpoint trains on to the weights of a run without the fault (atol 1e-6).
+Rank 1's offload I/O fails in the background thread at its fourth step (stages 1 and 2): a write finds the
+disk full (ENOSPC), a read finds the disk broken (EIO), or a file was removed under the job (ENOENT).
+Faults are injected for real: ``os.pwrite``/``os.preadv`` replaced in rank 1's process for its offload
+folder's files only, or the file unlinked.  Rank 1 must raise `OffloadIOError` naming the rank, the file,
+the operation, the sub-group and the fix, with every pool buffer back (the next step would otherwise wait
+forever); rank 0 must raise `PeerFailedError` quoting it within `comms.timeout` (3 s here).  A disk that
+stalls longer than `comms.timeout` is named busy in `step`.  In one process: what the half-updated engine
+refuses afterwards (step, save), and that a new engine loading the last checkpoint trains on to the
+weights of a run without the fault (atol 1e-6); a failed write stops the pipeline at once; a failure
+writing the initial masters, and a state file cut short, are errors naming the file.
 """
 
 from __future__ import annotations
