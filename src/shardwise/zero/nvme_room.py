@@ -2,7 +2,7 @@
 
 Several ranks of one host usually share one ``nvme_path`` and so one disk; each needs its own share, and a
 check that looks at one rank passes for each of them while together they fill the disk mid-training.  So a
-rank first writes what it needs into its own folder (a *claim*: ``room``, written whole by a rename), then
+rank first writes what it needs into its own folder (a *claim*: ``.room``, written whole by a rename), then
 adds up the claims of every live folder of this host on the same file system (same ``st_dev``), less what
 each has written already (that has left the free space), and compares the total with the free space.
 
@@ -24,7 +24,7 @@ from .nvme_folder import is_ours_to_judge, owner_of, running
 __all__ = ["CLAIM", "Claim", "claim_room", "claims_beside"]
 
 #: the file in a rank's folder that says how many bytes the rank needs there
-CLAIM = "room"
+CLAIM = ".room"  # hidden: no optimizer state kind is named so
 _KEY = "zero_optimization.offload_optimizer.nvme_path"
 
 
@@ -40,7 +40,7 @@ class Claim:
 
 
 def _write_claim(folder: Path, needed: int) -> None:
-    partial = folder / f".{CLAIM}.partial"
+    partial = folder / f"{CLAIM}.partial"
     partial.write_text(str(needed))
     os.replace(partial, folder / CLAIM)  # a reader sees the whole number or no claim
 
@@ -49,7 +49,7 @@ def _written(folder: Path) -> int:
     """Bytes the folder's files take on disk (sparse parts excluded, block rounding not counted)."""
     total = 0
     for entry in os.scandir(folder):
-        if entry.name in (CLAIM, f".{CLAIM}.partial"):
+        if entry.name in (CLAIM, f"{CLAIM}.partial"):
             continue
         stat = entry.stat(follow_symlinks=False)
         total += min(stat.st_size, stat.st_blocks * 512)
