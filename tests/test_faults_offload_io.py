@@ -243,3 +243,19 @@ def test_a_truncated_state_file_is_an_error_at_save_not_zeros_or_a_crash(tmp_pat
     assert "the file was cut short while the job used it" in message, message
     assert not (tmp_path / "ckpt" / "t").exists()
     engine.destroy()
+
+
+def test_a_buffer_that_cannot_grow_stays_in_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Growing a pool buffer runs out of memory: the error is raised and the old buffer is still counted."""
+    pool = BufferPool(2, 64)
+    real = torch.empty
+
+    def no_memory(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise MemoryError("injected: no memory for a larger buffer")
+
+    monkeypatch.setattr(torch, "empty", no_memory)
+    with pytest.raises(MemoryError, match="injected"):
+        pipelined([0], [128], pool, lambda index, buffer: None, lambda index, buffer: (lambda: None))
+    monkeypatch.setattr(torch, "empty", real)
+    assert bounded_outcome(pool.nbytes, 10.0)["error"] is None, "a buffer was lost: counting them waits forever"
+    assert pool.nbytes() == 2 * 64

@@ -40,7 +40,11 @@ class BufferPool:
         """A buffer of at least ``nbytes`` (waits for one to come back from a write)."""
         buffer = self._free.get()
         if buffer.numel() < nbytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            try:
+                buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            except BaseException:
+                self._free.put(buffer)  # out of memory: the pool keeps its count, or a later take waits forever
+                raise
         return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
