@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import queue
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -73,7 +73,7 @@ def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read
         def start_read(position: int) -> None:
             index = order[position]
             buffer = pool.take(sizes[index])
-            reads[position] = (io.submit(read, index, buffer), buffer)
+            reads[position] = (_submit(io, pool, buffer, read, index, buffer), buffer)
 
         try:
             for position in range(min(ahead, len(order))):
@@ -86,7 +86,7 @@ def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read
                 except BaseException:
                     pool.give(buffer)
                     raise
-                writes = _unfinished([*writes, io.submit(_then_give, write, pool, buffer)])
+                writes = _unfinished([*writes, _submit(io, pool, buffer, _then_give, write, pool, buffer)])
                 if position + ahead < len(order):
                     start_read(position + ahead)
         finally:
@@ -100,6 +100,16 @@ def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read
                 pool.give(buffer)
         for done in writes:
             done.result()
+
+
+def _submit(io: ThreadPoolExecutor, pool: BufferPool, buffer: torch.Tensor, call: Callable[..., None],
+            *args: Any) -> Future[None]:
+    """``io.submit(call, *args)``, giving ``buffer`` back if it cannot be queued (an interrupt, shutdown at exit)."""
+    try:
+        return io.submit(call, *args)
+    except BaseException:
+        pool.give(buffer)
+        raise
 
 
 def _unfinished(writes: list[Future[None]]) -> list[Future[None]]:
