@@ -58,15 +58,14 @@ class OffloadIOError(RuntimeError):
                               error=self.errno)
 
 
-def check_room(path: str, needed: int, rank: int, what: str) -> None:
-    """Raise before training when ``path`` cannot hold ``needed`` more bytes (``shutil.disk_usage``).
-
-    Counts this rank only; :meth:`NvmeFiles.reserve` counts every rank of the host on the disk."""
+def check_room(path: str, needed: int, rank: int, what: str, key: str = _KEY, whose: str = "offloaded optimizer") -> None:
+    """Raise before training when ``path`` cannot hold ``needed`` more bytes (``shutil.disk_usage``); ``key``
+    is the config key that named the path, ``whose`` what is offloaded there."""
     free = shutil.disk_usage(path).free
     if free < needed:
         raise RuntimeError(
-            f"rank {rank}: `{_KEY}` {path!r} has {free:,} bytes free and this rank's offloaded optimizer needs "
-            f"{needed:,} ({what}); free space there, point `{_KEY}` at a larger disk, or use more ranks")
+            f"rank {rank}: `{key}` {path!r} has {free:,} bytes free and this rank's {whose} needs "
+            f"{needed:,} ({what}); free space there, point `{key}` at a larger disk, or use more ranks")
 
 
 def _make_folder(root: str, rank: int, key: str) -> Path:
