@@ -57,7 +57,7 @@ def test_a_too_small_nvme_path_is_an_error_before_training(tmp_path: Path, monke
     # a disk with 10 kB free: the parity model's fp32 masters and Adam state need 12 bytes x 2232 elements
     monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=10_000))
     message, seconds = _refusal(lambda: _initialize(str(tmp_path)), RuntimeError)
-    assert "has 10,000 bytes free and this rank's offloaded optimizer needs 26,784" in message, message
+    assert "has 10,000 bytes free and this rank's offloaded optimizer state needs 26,784" in message, message
     assert "point `zero_optimization.offload_optimizer.nvme_path` at a larger disk" in message
     assert list(tmp_path.iterdir()) == [], "the refused engine's folder is removed"
     record_row("misuse", "`offload_optimizer.nvme_path` has too little free space", "1-2",
@@ -101,3 +101,25 @@ def test_files_are_removed_when_a_process_exits_without_destroy(tmp_path: Path) 
     folder = Path(done.stdout.strip().splitlines()[-1])
     assert folder.parent == tmp_path, done.stdout
     assert not folder.exists() and list(tmp_path.iterdir()) == []
+
+
+_FORKED_CHILD_EXITS = """
+import os, sys
+from shardwise.zero.nvme_files import NvmeFiles
+files = NvmeFiles(sys.argv[1], 0)
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # runs the exit handlers it inherited, the folder's removal among them
+os.waitpid(child, 0)
+print(files.folder.exists(), flush=True)
+"""
+
+
+def test_a_forked_child_that_exits_leaves_its_parents_folder(tmp_path: Path) -> None:
+    """The removal at exit is the creating process's only: a forked child (a data-loader worker, a
+    `subprocess` helper) inherits the exit handler, and running it would delete the live parent's state."""
+    done = subprocess.run([sys.executable, "-c", _FORKED_CHILD_EXITS, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True"], done.stdout
+    assert list(tmp_path.iterdir()) == [], "the parent still removed its folder at its own exit"

@@ -34,7 +34,7 @@ from .frozen import Kept
 from .grads import ReducedGrads
 from .layout import Bucket, FlatLayout
 from .masters_base import Gather, Masters
-from .nvme_files import NvmeFiles, check_room
+from .nvme_files import NvmeFiles, OffloadIOError
 from .offload_plan import OffloadSpec, plan_sub_groups
 from .readahead import BufferPool, pipelined
 
@@ -70,33 +70,49 @@ class OffloadedMasters(Masters):
         largest = max((g.numel for g in self.groups), default=0)
         expected = largest * (4 + spec.state_bytes) + _ALIGN * 4  # master and state, each region aligned
         self.pool = BufferPool(spec.buffer_count, expected, pin=spec.pin_memory and device.type == "cuda")
-        #: whether the files may hold masters the model's parameters do not show yet (after a load)
+        #: whether the files may hold masters the model's parameters do not show yet (a checkpoint borrowed them)
         self.stale = False
+        #: why the files no longer hold one step's state (a step failed part-way); None while they do
+        self.broken: str | None = None
         self.files: NvmeFiles | None = None
 
     # ------------------------------------------------------------------ build
     def build(self, initial: Mapping[int, torch.Tensor]) -> None:
-        layout, spec = self.layout, self.spec
         self._flatten(self.dtype)
-        self.files = NvmeFiles(spec.root, spec.rank)
-        numel = layout.shard_numel
+        self.files = NvmeFiles(self.spec.root, self.spec.rank)
         try:
-            check_room(str(self.files.folder), numel * (4 + spec.state_bytes), spec.rank,
-                       f"fp32 masters and {spec.state_bytes} bytes of optimizer state for each of {numel:,} elements")
-        except RuntimeError:
+            self._fill(self.files, initial)
+        except BaseException:  # refused or failed at initialize: no folder is left behind
             self.files.remove()
+            self.files = None
             raise
-        self.files.create("master", numel * 4)
+
+    def _fill(self, files: NvmeFiles, initial: Mapping[int, torch.Tensor]) -> None:
+        """Claim the disk room the state needs, then write the initial fp32 masters."""
+        layout, spec = self.layout, self.spec
+        numel = layout.shard_numel
+        files.reserve(numel * (4 + spec.state_bytes),
+                      f"fp32 masters and {spec.state_bytes} bytes of optimizer state for each of {numel:,} elements")
+        files.create("master", numel * 4)
         for piece in layout.pieces:
             param = layout.params[piece.param]
             source = initial.get(id(param), param.data).reshape(-1)[piece.start : piece.end]
-            self.files.write_from("master", source.float(), piece.shard_offset * 4)
+            files.write_from("master", source.float(), piece.shard_offset * 4, "the initial masters")
 
     @property
     def _files(self) -> NvmeFiles:
         if self.files is None:
             raise RuntimeError("the offloaded masters were closed (`engine.destroy()` ran); build a new engine")
         return self.files
+
+    def _usable(self, doing: str) -> NvmeFiles:
+        """The files, unless a failed step left them half-updated (stepping or saving them would spread that)."""
+        if self.broken is not None:
+            raise RuntimeError(
+                f"rank {self.spec.rank}: cannot {doing}: this engine's offloaded optimizer state is incomplete since "
+                f"a step failed part-way ({self.broken}); some sub-groups hold the new step and some the old. "
+                "Build a new engine and `load_checkpoint` the last checkpoint")
+        return self._files
 
     def steps(self, grads: ReducedGrads) -> dict[int, torch.Tensor]:
         layout = self.layout
@@ -112,12 +128,22 @@ class OffloadedMasters(Masters):
     # ------------------------------------------------------------------- step
     def step(self, inner: Any) -> None:
         """One optimizer step over every sub-group: read ahead, step, publish, write behind."""
+        self._usable("step")
         kinds = dict(self.kinds)  # what the reads of this step find on disk (the step may add kinds)
         sizes = [self._regions(g.numel, kinds)[-1][2] for g in self.groups]
         owner = {id(p): i for i, group in enumerate(inner.param_groups) for p in group["params"]}
-        pipelined(range(len(self.groups)), sizes, self.pool, lambda g, buffer: self._read(g, buffer, kinds),
-                  lambda g, buffer: self._step_group(inner, owner, g, self._views(g, buffer, kinds)))
-        self.stale = False
+        try:
+            pipelined(range(len(self.groups)), sizes, self.pool, lambda g, buffer: self._read(g, buffer, kinds),
+                      lambda g, buffer: self._step_group(inner, owner, g, self._views(g, buffer, kinds)))
+        except OffloadIOError as exc:
+            self.broken = f"{exc.operation} {exc.path} failed"
+            raise exc.extended("This step updated part of the offloaded state only: this engine now refuses to "
+                               "step or save; restart from the last checkpoint (a new engine and "
+                               "`load_checkpoint`)") from exc.__cause__
+        except BaseException as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+            raise
+        self.stale = False  # the step read every piece's master from the files and published it
 
     @staticmethod
     def _regions(numel: int, kinds: Mapping[str, torch.dtype]) -> list[tuple[str, torch.dtype, int]]:
@@ -135,10 +161,15 @@ class OffloadedMasters(Masters):
             views[kind] = buffer.narrow(0, end - size, size).view(dtype)
         return views
 
+    def _where(self, g: int) -> str:
+        """Sub-group ``g`` in words, for an I/O error."""
+        group = self.groups[g]
+        return f"sub-group {g + 1} of {len(self.groups)}: elements {group.start:,}-{group.end:,} of this rank's shard"
+
     def _read(self, g: int, buffer: torch.Tensor, kinds: Mapping[str, torch.dtype]) -> None:
         start = self.groups[g].start
         for kind, view in self._views(g, buffer, kinds).items():
-            self._files.read_into(kind, view, start * view.element_size())
+            self._files.read_into(kind, view, start * view.element_size(), self._where(g))
 
     def _step_group(self, inner: Any, owner: dict[int, int], g: int, views: dict[str, torch.Tensor]) -> Any:
         group = self.groups[g]
@@ -196,12 +227,12 @@ class OffloadedMasters(Masters):
 
     def _write(self, g: int, views: dict[str, torch.Tensor], fresh: list[list[tuple[str, int, torch.Tensor]]]) -> None:
         """On the I/O thread: sub-group ``g``'s buffer back to its files, and state this step created."""
-        files, start = self._files, self.groups[g].start
+        files, start, where = self._files, self.groups[g].start, self._where(g)
         for kind, view in views.items():
-            files.write_from(kind, view, start * view.element_size())
+            files.write_from(kind, view, start * view.element_size(), where)
         for items in fresh:
             for kind, shard_at, value in items:
-                files.write_from(kind, value, shard_at * value.element_size())
+                files.write_from(kind, value, shard_at * value.element_size(), where)
 
     def _owned(self, index: int) -> torch.Tensor:
         """Piece ``index``'s elements in the model's flat parameter buffer."""
@@ -220,7 +251,12 @@ class OffloadedMasters(Masters):
         self._refresh()
 
     def _refresh(self) -> None:
-        """After a load wrote the files: their masters into the model's parameters."""
+        """After a load wrote the files: their masters into the model's parameters.
+
+        Also after a save (the maps do not say who borrowed them): then it re-reads the masters for nothing,
+        but only where the parameters are needed before the next step, which publishes every piece anyway
+        (``full_state_dict``).  Holding the maps to tell by their version would keep every page they touched
+        resident until the next step."""
         if not self.stale:
             return
         master = self._mapped("master", torch.float32)
@@ -231,9 +267,10 @@ class OffloadedMasters(Masters):
     # ------------------------------------------------------------- checkpoint
     def piece(self, index: int, key: torch.Tensor, state: MutableMapping[Any, Any]) -> tuple[torch.Tensor, StateSlot]:
         """Piece ``index``'s master and state slot, as memory maps of its files (writes go to disk)."""
-        self.stale = True  # a load may write through them
+        self._usable("save or load a checkpoint")
         piece = self.layout.pieces[index]
-        return self._mapped("master", torch.float32).narrow(0, piece.shard_offset, piece.numel), NvmeSlot(self, index)
+        self.stale = True  # a load writes through the map
+        return self._files.mapped_range("master", piece.shard_offset, piece.numel, torch.float32), NvmeSlot(self, index)
 
     def _mapped(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
         numel = self.layout.shard_numel
@@ -258,6 +295,7 @@ class OffloadedMasters(Masters):
     def export(self, state: MutableMapping[Any, Any], steps: dict[int, torch.Tensor], comm: Comm,
                gather: Gather) -> dict[int, Kept]:
         # A change of the trainable set gathers every parameter's state whole; it is read from disk for that.
+        self._usable("change the trainable set")
         for index, key in enumerate(self.keys):
             entries = NvmeSlot(self, index).get()
             if entries:
@@ -300,7 +338,7 @@ class NvmeSlot:
         piece, chunks = masters.layout.pieces[self.index], masters.chunks_of[self.index]
         out = dict(masters.small[chunks[0]])
         for kind in sorted(set.intersection(*(masters.chunk_kinds[c] for c in chunks))):
-            out[kind] = masters._mapped(kind, masters.kinds[kind]).narrow(0, piece.shard_offset, piece.numel)
+            out[kind] = masters._files.mapped_range(kind, piece.shard_offset, piece.numel, masters.kinds[kind])
         return out
 
     def set(self, state: dict[str, Any]) -> None:
@@ -314,7 +352,7 @@ class NvmeSlot:
             if kind not in masters.kinds:
                 masters.kinds[kind] = value.dtype
                 masters._files.create(kind, masters.layout.shard_numel * value.element_size())
-            target = masters._mapped(kind, masters.kinds[kind]).narrow(0, piece.shard_offset, piece.numel)
+            target = masters._files.mapped_range(kind, piece.shard_offset, piece.numel, masters.kinds[kind])
             target.copy_(value.reshape(-1))
 
 

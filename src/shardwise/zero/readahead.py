@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import queue
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -40,7 +40,11 @@ class BufferPool:
         """A buffer of at least ``nbytes`` (waits for one to come back from a write)."""
         buffer = self._free.get()
         if buffer.numel() < nbytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            try:
+                buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            except BaseException:
+                self._free.put(buffer)  # out of memory: the pool keeps its count, or a later take waits forever
+                raise
         return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
@@ -57,7 +61,9 @@ class BufferPool:
 def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read: Read, step: Step) -> None:
     """Run ``step`` over the sub-groups in ``order``, each read ahead into a pool buffer and written behind.
 
-    Returns once every write is on disk; the first I/O error is raised here.
+    Returns once every write is on disk.  The first error of a read, a step or a write is raised here, as
+    soon as the loop sees it (a failed write is not followed by stepping every later sub-group first), and
+    every buffer is back in ``pool`` by then, so the next call does not wait for one that never returns.
     """
     ahead = max(1, pool.count - 1)  # one buffer is the one being stepped
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-offload-io") as io:
@@ -67,7 +73,7 @@ def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read
         def start_read(position: int) -> None:
             index = order[position]
             buffer = pool.take(sizes[index])
-            reads[position] = (io.submit(read, index, buffer), buffer)
+            reads[position] = (_submit(io, pool, buffer, read, index, buffer), buffer)
 
         try:
             for position in range(min(ahead, len(order))):
@@ -80,7 +86,7 @@ def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read
                 except BaseException:
                     pool.give(buffer)
                     raise
-                writes.append(io.submit(_then_give, write, pool, buffer))
+                writes = _unfinished([*writes, _submit(io, pool, buffer, _then_give, write, pool, buffer)])
                 if position + ahead < len(order):
                     start_read(position + ahead)
         finally:
@@ -94,6 +100,29 @@ def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read
                 pool.give(buffer)
         for done in writes:
             done.result()
+
+
+def _submit(io: ThreadPoolExecutor, pool: BufferPool, buffer: torch.Tensor, call: Callable[..., None],
+            *args: Any) -> Future[None]:
+    """``io.submit(call, *args)``, giving ``buffer`` back if it cannot be queued (an interrupt, shutdown at exit)."""
+    try:
+        return io.submit(call, *args)
+    except BaseException:
+        pool.give(buffer)
+        raise
+
+
+def _unfinished(writes: list[Future[None]]) -> list[Future[None]]:
+    """The writes still to finish; raises the error of the first that failed (its buffer went back already).
+
+    Finished ones are dropped, so each check looks at no more than the pool's buffers."""
+    pending = []
+    for write in writes:
+        if not write.done():
+            pending.append(write)
+        elif write.exception() is not None:  # judged once: a write ending meanwhile is kept, not lost
+            raise write.exception()  # type: ignore[misc]
+    return pending
 
 
 def _then_give(write: Callable[[], None], pool: BufferPool, buffer: torch.Tensor) -> None:
