@@ -28,23 +28,24 @@ __all__ = ["NvmeFiles", "check_room"]
 _KEY = "zero_optimization.offload_optimizer.nvme_path"
 
 
-def check_room(path: str, needed: int, rank: int, what: str) -> None:
-    """Raise before training when ``path`` cannot hold ``needed`` more bytes (``shutil.disk_usage``)."""
+def check_room(path: str, needed: int, rank: int, what: str, key: str = _KEY, whose: str = "offloaded optimizer") -> None:
+    """Raise before training when ``path`` cannot hold ``needed`` more bytes (``shutil.disk_usage``); ``key``
+    is the config key that named the path, ``whose`` what is offloaded there."""
     free = shutil.disk_usage(path).free
     if free < needed:
         raise RuntimeError(
-            f"rank {rank}: `{_KEY}` {path!r} has {free:,} bytes free and this rank's offloaded optimizer needs "
-            f"{needed:,} ({what}); free space there, point `{_KEY}` at a larger disk, or use more ranks")
+            f"rank {rank}: `{key}` {path!r} has {free:,} bytes free and this rank's {whose} needs "
+            f"{needed:,} ({what}); free space there, point `{key}` at a larger disk, or use more ranks")
 
 
-def _make_folder(root: str, rank: int) -> Path:
+def _make_folder(root: str, rank: int, key: str) -> Path:
     try:
         os.makedirs(root, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=f"shardwise-rank{rank}-pid{os.getpid()}-", dir=root))
     except OSError as exc:
         raise RuntimeError(
-            f"rank {rank}: cannot make this rank's offload folder under `{_KEY}` {root!r} ({exc}); "
-            f"set `{_KEY}` to a writable directory") from exc
+            f"rank {rank}: cannot make this rank's offload folder under `{key}` {root!r} ({exc}); "
+            f"set `{key}` to a writable directory") from exc
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -55,8 +56,8 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
 class NvmeFiles:
     """Named files of raw tensor bytes in this rank's own folder under ``root``."""
 
-    def __init__(self, root: str, rank: int) -> None:
-        self.folder = _make_folder(root, rank)
+    def __init__(self, root: str, rank: int, key: str = _KEY) -> None:
+        self.folder = _make_folder(root, rank, key)
         self.bytes_read = 0
         self.bytes_written = 0
         self._count = threading.Lock()  # the I/O thread and the caller both count
