@@ -79,8 +79,9 @@ def _parity_case(nvme: str, what: str, bf16: bool = False) -> None:
     assert not offloaded.optimizer.inner.state or what == "param", "optimizer state stays on disk between steps"
     if what != "optimizer":  # max_in_cpu 0: no shard stays in host memory between uses
         assert offloaded.memory_breakdown()["parameters"] == 0, offloaded.memory_breakdown()
-        files = offloaded.strategy.shards.files
-        assert files.bytes_read > 0 and files.bytes_written > 0
+        shards = offloaded.strategy.shards
+        assert shards.files.bytes_read > 0 and shards.files.bytes_written > 0
+        assert shards.ahead_hits > 0, "the gatherer's prefetch read shards ahead"
     if what != "param":
         pieces = offloaded.strategy.pieces
         assert len(pieces._planned()[1]) >= 3 and max(g.numel for g in pieces._planned()[1]) <= SUB_GROUP
@@ -125,26 +126,52 @@ def _round_trip(root: str) -> None:
     assert os.listdir(nvme) == [], os.listdir(nvme)
 
 
-def _freeze_and_thaw(nvme: Optional[str]) -> dict[str, torch.Tensor]:
-    engine = _engine(nvme, micro=1)
+def _freeze_and_thaw(nvme: Optional[str], frozen_at_start: bool) -> dict[str, torch.Tensor]:
+    """fc1.weight stops training at step 3 and trains again at step 6, its master and Adam state carried
+    (or, ``frozen_at_start``, is frozen at initialize and starts training at step 3 from its shard)."""
+    model = make_model()
+    model.fc1.weight.requires_grad_(not frozen_at_start)
+    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+                                  _config(nvme, "both", micro=1))
     for step in range(9):
-        if step in (3, 6):  # fc1.weight stops training, then trains again: its master and Adam state carried
-            engine.module.fc1.weight.requires_grad_(step == 6)
+        if step in (3, 6):
+            engine.module.fc1.weight.requires_grad_(step == 6 or frozen_at_start)
         _train(engine, step, 1)
     params = _full(engine)
     engine.destroy()
     return params
 
 
-def _freezing(root: str) -> None:
-    assert_close_params(_freeze_and_thaw(str(Path(root) / "nvme")), _freeze_and_thaw(None), atol=ATOL)
+def _freezing(root: str, frozen_at_start: bool) -> None:
+    got = _freeze_and_thaw(str(Path(root) / "nvme"), frozen_at_start)
+    assert_close_params(got, _freeze_and_thaw(None, frozen_at_start), atol=ATOL)
+
+
+def _built_partitioned(nvme: Optional[str]) -> dict[str, torch.Tensor]:
+    config = _config(nvme, "both")
+    torch.manual_seed(0)
+    with shardwise.zero.Init(config=config):
+        model = make_model()
+    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), config)
+    _train(engine, 0, 4)
+    params = _full(engine)
+    engine.destroy()
+    return params
+
+
+def _zero_init(root: str) -> None:
+    """A model built by ``zero.Init`` trains offloaded as it trains without offload."""
+    assert_close_params(_built_partitioned(str(Path(root) / "nvme")), _built_partitioned(None), atol=ATOL)
 
 
 @distributed_test(world_size=2, timeout=240)
-def test_stage3_offloaded_checkpoints_load_into_a_plain_engine_and_back_and_freezing_carries_state(
+def test_stage3_offload_checkpoints_freezing_and_zero_init(
         tmp_path: Path) -> None:
     run_subtests(_round_trip, [{"root": str(tmp_path / "trip")}])
-    run_subtests(_freezing, [{"root": str(tmp_path / "freeze")}])
+    run_subtests(_freezing, [{"root": str(tmp_path / "freeze"), "frozen_at_start": False},
+                             {"root": str(tmp_path / "thaw"), "frozen_at_start": True}])
+    run_subtests(_zero_init, [{"root": str(tmp_path / "init")}])
+    assert [os.listdir(tmp_path / where / "nvme") for where in ("trip", "freeze", "thaw", "init")] == [[]] * 4
 
 
 def test_offload_param_nvme_is_accepted_at_stage_3_only_and_on_cpu_jobs() -> None:
@@ -157,3 +184,9 @@ def test_offload_param_nvme_is_accepted_at_stage_3_only_and_on_cpu_jobs() -> Non
         Config.load({"zero_optimization": {"stage": 2, "offload_param": section}}).resolve(device="cpu")
     with pytest.raises(ConfigError, match="on a cuda job is not built yet"):
         Config.load({"zero_optimization": {"stage": 3, "offload_param": section}}).resolve(device="cuda")
+
+
+def test_offload_param_cpu_on_a_cpu_job_is_an_info_line_about_the_parameters() -> None:
+    config = Config.load({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}).resolve(device="cpu")
+    (note,) = [n for n in config.notes if n.path == "zero_optimization.offload_param"]
+    assert "holds already" in note.message and "where the parameters already are" in note.message, note.message

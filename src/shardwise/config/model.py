@@ -287,13 +287,13 @@ def _check_offload(data: dict[str, Any], device: torch.device) -> list[Note]:
         if section.get("device") == "nvme":
             notes += _check_nvme(zero, path, device)
             continue
+        what = "optimizer state and step" if key == "offload_optimizer" else "parameters"
         if device.type != "cpu":
-            what = "optimizer state and step" if key == "offload_optimizer" else "parameters"
             raise ConfigError(
                 f"`{path}.device: cpu` turns on ZeRO-Offload ({what} on the CPU while the model trains on "
                 f"{device.type}), a DeepSpeed feature shardwise does not implement; remove `{path}`")
         notes.append(Note(path, f"`{path}.device: cpu` holds already: this job runs on the CPU, where the "
-                                "optimizer state and step already are"))
+                                f"{what} already are"))
     return notes
 
 

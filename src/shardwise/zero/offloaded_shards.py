@@ -14,7 +14,8 @@ read from torch's version counter, which every in-place write through it or a vi
 written shard is written back.  Shards leave host memory, least recently used first, when the cache holds
 more than ``max_in_cpu`` elements, and only at points where no view of them is held
 (:meth:`~.params.Unit.shard_released`: a unit freed after use, a unit's masters published); a shard an
-all-gather is still reading never leaves.
+all-gather is still reading never leaves, nor one read ahead (at most ``offload_param.buffer_count`` of
+those, past the units the gatherer prefetches) before its gather takes it.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class ShardCache:
         #: the shards in host memory, least recently used first
         self.resident: OrderedDict[NvmeShard, None] = OrderedDict()
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-param-io")
+        #: uses that found their shard read ahead, and uses that had to read it then (for the measurement)
+        self.ahead_hits = 0
+        self.misses = 0
 
     def place(self, shard: torch.Tensor, owner: Gathers) -> "NvmeShard":
         """A new run of the file for ``shard`` (written there); the host copy then leaves as the cache decides."""
@@ -89,8 +93,8 @@ class ShardCache:
         for shard in list(self.resident):
             if held <= self.max_in_cpu:
                 return
-            if shard.owner.gathering:
-                continue  # an all-gather is reading it
+            if shard.owner.gathering or shard.pending is not None:
+                continue  # an all-gather is reading it, or it was read ahead for a gather to come
             held -= shard.numel
             shard.evict()
 
@@ -123,8 +127,10 @@ class NvmeShard:
         if self.pending is not None:
             self.pending.result()
             self.pending = None
+            self.cache.ahead_hits += 1
         if self.tensor is None:
             self._read(self._allocate())
+            self.cache.misses += 1
         self.cache.touch(self)
         assert self.tensor is not None  # read above
         return self.tensor
