@@ -71,6 +71,8 @@ class OffloadedPieces(Pieces):
         self.chunk_keys: list[torch.Tensor] = []
         #: whether the files may hold masters the shards do not show yet (a checkpoint load maps them)
         self.stale = False
+        #: the unit the last sub-group published into, which the next may go on with
+        self._waiting: list[Unit] = []
 
     # ------------------------------------------------------------------ build
     def begin(self, inner: Any, numel: int) -> None:
@@ -158,12 +160,14 @@ class OffloadedPieces(Pieces):
     def step(self, inner: Any) -> None:
         """One optimizer step over every sub-group with something to step: read ahead, step, publish, write behind."""
         self.publish()  # after a load: the files' masters into the shards first
+        self._release_published([])  # (a unit a failed step left pinned)
         chunks, groups = self._planned()
         kinds = dict(self.kinds)  # what the reads of this step find on disk (the step may add kinds)
         sizes = [_regions(g.numel, kinds)[-1][2] for g in groups]
         order = [g.index for g in groups if any(self._steps(chunks[c]) for c in g.chunks)]
         pipelined(order, sizes, self.pool, lambda g, buffer: self._read(groups[g], buffer, kinds),
                   lambda g, buffer: self._step_group(inner, groups[g], _views(groups[g].numel, buffer, kinds)))
+        self._release_published([])
 
     def _steps(self, chunk: Chunk) -> bool:
         """Whether the chunk's piece trains and has a gradient this step (else torch would leave it alone)."""
@@ -184,9 +188,20 @@ class OffloadedPieces(Pieces):
             inner.step()
         fresh = [self._take_state(inner, index, views, group.start) for index in loaded]
         self._note_kinds(fresh)
-        for unit in {self.all[chunks[index].piece].unit: None for index in loaded}:
-            unit.shard_released()  # published: a shard offloaded too may leave host memory
+        self._release_published([self.all[chunks[index].piece].unit for index in loaded])
         return lambda: self._write(group, views, fresh)
+
+    def _release_published(self, units: list[Unit]) -> None:
+        """Units whose masters are all published may let their shards leave host memory (an offloaded shard);
+        the last one may go on into the next sub-group, so it waits (read and written once a step, not twice)."""
+        waiting = units[-1:]
+        done = [unit for unit in dict.fromkeys([*self._waiting, *units]) if unit not in waiting]
+        for unit in waiting:
+            unit.pin_shard(True)  # before any release below lets the cache choose what leaves
+        for unit in done:
+            unit.pin_shard(False)
+            unit.shard_released()
+        self._waiting = waiting
 
     def _load(self, inner: Any, index: int, views: dict[str, torch.Tensor], start: int) -> torch.Tensor:
         """Point chunk ``index``'s tensor, gradient and state at the sub-group's buffer."""

@@ -34,10 +34,10 @@ _KEY = "zero_optimization.offload_param.nvme_path"
 
 
 class Gathers(Protocol):
-    """What owns a shard (a unit): whether an all-gather is reading the shard now."""
+    """What owns a shard (a unit): whether the shard must stay in host memory now (an all-gather reads it)."""
 
     @property
-    def gathering(self) -> bool: ...
+    def shard_busy(self) -> bool: ...
 
 
 class ShardCache:
@@ -93,8 +93,8 @@ class ShardCache:
         for shard in list(self.resident):
             if held <= self.max_in_cpu:
                 return
-            if shard.owner.gathering or shard.pending is not None:
-                continue  # an all-gather is reading it, or it was read ahead for a gather to come
+            if shard.owner.shard_busy or shard.pending is not None:
+                continue  # an all-gather reads it, a step publishes into it, or it was read ahead for a gather
             held -= shard.numel
             shard.evict()
 

@@ -244,6 +244,7 @@ class Unit:
         self._persistent = persistent
         self._holders = 0
         self._work: Optional[Work] = None
+        self._shard_pinned = False
 
     # ---------------------------------------------------------------- shard
     @property
@@ -271,9 +272,13 @@ class Unit:
             self.storage.read_ahead()
 
     @property
-    def gathering(self) -> bool:
-        """Whether an all-gather from the shard is in flight (the shard must stay in host memory)."""
-        return self.state is UnitState.GATHERING
+    def shard_busy(self) -> bool:
+        """Whether the shard must stay in host memory: an all-gather from it is in flight, or it is pinned."""
+        return self.state is UnitState.GATHERING or self._shard_pinned
+
+    def pin_shard(self, pinned: bool) -> None:
+        """While pinned, a shard kept in a file stays in host memory (a step publishing into it over sub-groups)."""
+        self._shard_pinned = pinned
 
     def shard_released(self) -> None:
         """Nothing holds a view of the shard now: one kept in a file may leave host memory."""
