@@ -5,8 +5,8 @@ job per setting (so each peak is its own) and prints, per rank: peak resident me
 growth over the process before ``initialize``, the median step time, and the bytes the offload read and
 wrote per step against theory.  Stage 2 runs no offload and ``offload_optimizer: nvme``; stage 3 also
 ``offload_param: nvme`` (``max_in_cpu`` 0 unless ``--max-in-cpu``) and both.  Theory per step, per
-element of this rank's shard, for AdamW in fp32: the optimizer's 12 bytes (master and two moments) read
-and written once; a parameter shard's 4 bytes read three times (the forward's gather, the backward's,
+element of this rank's shard, for AdamW: the optimizer's 12 bytes (fp32 master and two moments) read
+and written once; a parameter shard's 4 bytes (2 with ``--bf16``) read three times (the forward's gather, the backward's,
 the step publishing into it) and written once.  Also the disk's own write and read bandwidth on
 ``--nvme`` for scale.  The figures in docs/offload.md come from here.
 """
@@ -28,7 +28,7 @@ from torch import nn
 import shardwise
 from shardwise.testing import run_distributed
 
-from .worker import rss_bytes
+from .worker import _reset_peak_rss, rss_bytes
 
 __all__ = ["disk_bandwidth", "main", "measure"]
 
@@ -55,12 +55,16 @@ def _zero(stage: int, what: str, nvme: str, sub_group: int, buffers: int, max_in
 
 
 def measure(millions: int, steps: int, nvme: str, sub_group: int, buffers: int, stage: int = 2,
-            what: str = "optimizer", max_in_cpu: int = 0) -> dict[str, Any]:
+            what: str = "optimizer", max_in_cpu: int = 0, bf16: bool = False) -> dict[str, Any]:
     """One rank's figures for a run at ``stage`` offloading ``what`` (none, optimizer, param, both) to ``nvme``."""
     before = rss_bytes()
     model = _model(millions)
     zero = _zero(stage, what, nvme, sub_group, buffers, max_in_cpu)
-    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), {"zero_optimization": zero})
+    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                  {"zero_optimization": zero, "bf16": {"enabled": bf16}})
+    init_peak = rss_bytes("VmHWM")
+    _trim()
+    _reset_peak_rss()  # the training peak apart from initialize's (where the whole model exists once)
     data = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
     times, moved = [], (0, 0)
     for step in range(steps + 2):  # two warm-up steps: the first creates Adam's state
@@ -73,15 +77,22 @@ def measure(millions: int, steps: int, nvme: str, sub_group: int, buffers: int, 
             times.append(time.perf_counter() - start)
     read, written = (now - then for now, then in zip(_moved(engine), moved))
     shard = _shard_numel(engine)
-    theory = {"none": (0, 0), "optimizer": (12, 12), "param": (12, 4), "both": (24, 16)}[what]
-    held = rss_bytes()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the process holds, less what glibc keeps of freed memory
+    width = 2 if bf16 else 4  # a shard's bytes per element
+    theory = {"none": (0, 0), "optimizer": (12, 12), "param": (3 * width, width),
+              "both": (12 + 3 * width, 12 + width)}[what]
+    train_peak, held = rss_bytes("VmHWM"), rss_bytes()
+    _trim()
     trimmed = rss_bytes()
     engine.destroy()
-    return {"peak_rss": rss_bytes("VmHWM"), "growth": rss_bytes("VmHWM") - before, "held": held - before,
-            "trimmed": trimmed - before,
+    return {"peak_rss": init_peak, "growth": init_peak - before, "train_peak": train_peak - before,
+            "held": held - before, "trimmed": trimmed - before,
             "step_ms": statistics.median(times) * 1e3, "read_per_step": read / steps,
             "written_per_step": written / steps, "theory": (theory[0] * shard, theory[1] * shard), "shard": shard}
+
+
+def _trim() -> None:
+    """Give back what glibc keeps of freed heap memory (what is left is what the process really holds)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _shard_numel(engine: Any) -> int:
@@ -129,6 +140,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--sub-group", type=int, default=262_144)
     parser.add_argument("--buffers", type=int, default=4)
     parser.add_argument("--max-in-cpu", type=int, default=0, help="offload_param.max_in_cpu (stage 3)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 compute (fp32 masters)")
     parser.add_argument("--nvme", default=None, help="folder on the disk to offload to (default: a temp folder)")
     args = parser.parse_args(argv)
     nvme = args.nvme or tempfile.mkdtemp(prefix="offload-bench-")
@@ -136,10 +148,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"disk under {nvme}: write {write:.0f} MiB/s (fsync'd), read {read:.0f} MiB/s (page cache dropped)")
     for what in SETTINGS[args.stage]:
         ranks = run_distributed(measure, 2, args=(args.params, args.steps, nvme, args.sub_group, args.buffers,
-                                                  args.stage, what, args.max_in_cpu), timeout=600)
+                                                  args.stage, what, args.max_in_cpu, args.bf16), timeout=600)
         for rank, r in enumerate(ranks):
             print(f"stage {args.stage} offload {what:9} rank {rank}: peak RSS {r['peak_rss'] / 2**20:.0f} MiB "
-                  f"(+{r['growth'] / 2**20:.0f} MiB over before initialize; after the steps +{r['held'] / 2**20:.0f}, "
+                  f"(+{r['growth'] / 2**20:.0f} MiB over before initialize; training peak "
+                  f"+{r['train_peak'] / 2**20:.0f}; after the steps +{r['held'] / 2**20:.0f}, "
                   f"+{r['trimmed'] / 2**20:.0f} after malloc_trim), step {r['step_ms']:.0f} ms, read "
                   f"{r['read_per_step'] / 1e6:.1f} MB written {r['written_per_step'] / 1e6:.1f} MB per step "
                   f"(theory {r['theory'][0] / 1e6:.1f} / {r['theory'][1] / 1e6:.1f} MB for {r['shard']:,} elements)")
