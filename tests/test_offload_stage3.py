@@ -3,9 +3,11 @@
 Same math: over 20 steps on 2 ranks, with accumulation and clipping, a stage 3 engine with
 `offload_optimizer: nvme`, with `offload_param: nvme`, and with both, trains to the weights stage 3
 trains without offload (fp32 and bf16, atol 1e-6: the step is torch's own over the same fp32 masters, so
-they agree to the bit here).  Its checkpoints load into a plain stage 3 engine and back; a parameter
-frozen mid-run and thawed again carries its master and state; every offload folder is gone after
-`destroy`.  The shards' host cache holds `max_in_cpu` elements at most between uses.
+they agree to the bit here).  Its checkpoints load into a plain stage 3 engine and back, and reshard
+from 2 ranks to 1; a parameter frozen mid-run (or at initialize) and thawed carries its master and
+state; a `zero.Init`-built model and writes through `GatheredParameters` train as without offload;
+every offload folder is gone after `destroy`.  With `max_in_cpu: 0` no shard stays in host memory
+between uses.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from _parity import assert_close_params, batch, make_model, params_of
 
 import shardwise
 from shardwise.config import Config, ConfigError
-from shardwise.testing import distributed_test, run_subtests
+from shardwise.testing import distributed_test, run_distributed, run_subtests
 from shardwise.zero.offloaded_pieces import OffloadedPieces
 
 #: small enough that this rank's pieces span several sub-groups, the embedding's cut across them
@@ -212,3 +214,25 @@ def test_offload_param_cpu_on_a_cpu_job_is_an_info_line_about_the_parameters() -
     config = Config.load({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}).resolve(device="cpu")
     notes = [n.message for n in config.notes if n.path == "zero_optimization.offload_param"]
     assert any("holds already" in n and "where the parameters already are" in n for n in notes), notes
+
+
+def _save_offloaded(root: str) -> None:
+    engine = _engine(str(Path(root) / "nvme"), micro=1)
+    _train(engine, 0, 3)
+    engine.save_checkpoint(str(Path(root) / "two"), tag="t")
+    engine.destroy()
+
+
+def test_a_stage3_offloaded_checkpoint_reshards_onto_one_rank(tmp_path: Path) -> None:
+    """Saved by 2 offloaded ranks, loaded by 1 rank with and without offload: same weights, same next steps."""
+    run_distributed(_save_offloaded, 2, args=(str(tmp_path),), timeout=180)
+    engines = [_engine(str(tmp_path / "nvme1"), micro=1), _engine(None, micro=1)]
+    for engine in engines:
+        engine.load_checkpoint(str(tmp_path / "two"), tag="t")
+    assert_close_params(_full(engines[0]), _full(engines[1]), atol=0.0)
+    for engine in engines:
+        _train(engine, 3, 2)
+    assert_close_params(_full(engines[0]), _full(engines[1]), atol=ATOL)
+    for engine in engines:
+        engine.destroy()
+    assert list((tmp_path / "nvme1").iterdir()) == []
