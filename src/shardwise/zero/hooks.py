@@ -29,8 +29,9 @@ hook, so the entry point does not matter: ``engine(x)``, ``engine.module(x)``,
   (``stage3_prefetch_bucket_size`` elements, at most
   ``stage3_max_live_parameters`` gathered), and backward does the same in
   reverse; with ``offload_param: nvme`` the shards of the next
-  ``buffer_count`` units past those start reading from their file.  A unit released in forward stays gathered when the recording says
-  it is used again within ``stage3_max_reuse_distance`` elements.  When the
+  ``buffer_count`` units past those start reading from their file.  A
+  unit released in forward stays gathered when the recording says it is
+  used again within ``stage3_max_reuse_distance`` elements.  When the
   order changes (a branch), prefetches only go to waste: gathering on use is
   what guarantees correctness.
 

@@ -31,9 +31,11 @@ Step.  ``after_step`` copies the updated pieces into the local slice of each
 unit (nothing to copy in fp32): no communication, the next forward gathers
 the new values.  Only the persistent unit is re-gathered.
 
-The pieces and their masters (and the choice between masters that are the
-shards and separate fp32 ones) live in :mod:`.pieces`; the hooks that gather
-and free units in :mod:`.hooks`.
+The pieces and their masters live in :mod:`.pieces` (masters that are the
+shards, or separate fp32 ones) and :mod:`.offloaded_pieces` (masters and
+optimizer state in files, ``offload_optimizer: nvme``), chosen once by
+:mod:`.pieces_choice`; shards kept in a file (``offload_param: nvme``) in
+:mod:`.offloaded_shards`; the hooks that gather and free units in :mod:`.hooks`.
 """
 
 from __future__ import annotations
