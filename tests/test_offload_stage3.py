@@ -5,7 +5,8 @@ Same math: over 20 steps on 2 ranks, with accumulation and clipping, a stage 3 e
 trains without offload (fp32 and bf16, atol 1e-6: the step is torch's own over the same fp32 masters, so
 they agree to the bit here).  Its checkpoints load into a plain stage 3 engine and back, and reshard
 from 2 ranks to 1; a parameter frozen mid-run (or at initialize) and thawed carries its master and
-state; a `zero.Init`-built model and writes through `GatheredParameters` train as without offload;
+state; a `zero.Init`-built model, writes through `GatheredParameters` and `zero.load_state_dict` train as
+without offload;
 every offload folder is gone after `destroy`.  With `max_in_cpu: 0` no shard stays in host memory
 between uses.
 """
@@ -139,13 +140,16 @@ def _modified(nvme: Optional[str]) -> dict[str, torch.Tensor]:
             if dist.get_rank() == 0:
                 param.mul_(0.5)
     _train(engine, 2, 2)
+    shardwise.zero.load_state_dict(engine.module, make_model(seed=1).state_dict())  # unit by unit, into the files
+    _train(engine, 4, 2)
     params = _full(engine)
     engine.destroy()
     return params
 
 
 def _modifying(root: str) -> None:
-    """Values written through ``GatheredParameters(modifier_rank=0)`` reach the shards' file and the masters' file."""
+    """Values written through ``GatheredParameters(modifier_rank=0)`` or ``zero.load_state_dict`` reach the
+    shards' file and the masters' file."""
     assert_close_params(_modified(str(Path(root) / "nvme")), _modified(None), atol=ATOL)
 
 
