@@ -298,9 +298,9 @@ class OffloadedPieces(Pieces):
         dtype = self.kinds.get(kind, torch.float32)
         return self._files.mapped(kind, self.numel, dtype).narrow(0, self.at[piece], piece.numel)
 
-    def shards(self, state: Any) -> list[ParamShard]:
+    def shards(self, state: Any, loading: bool = True) -> list[ParamShard]:
         """Each trainable piece's master and state as memory maps of the files (a load writes through them)."""
-        self.stale = True
+        self.stale = self.stale or loading  # the loaded masters reach the shards at the next publish
         return [ParamShard(p.name, p.unit.shapes[p.index], p.start, p.end, self.region("master", p), p.group,
                            PieceSlot(self, p))
                 for p in self.all if p.master is not None]

@@ -226,8 +226,9 @@ class Pieces(ABC):
                 piece.local(shard).copy_(master)
 
     # ----------------------------------------------------------- checkpoint
-    def shards(self, state: Any) -> list[ParamShard]:
-        """One :class:`ParamShard` per trainable piece (``state``: the inner optimizer's)."""
+    def shards(self, state: Any, loading: bool = True) -> list[ParamShard]:
+        """One :class:`ParamShard` per trainable piece (``state``: the inner optimizer's; ``loading``: a
+        checkpoint load may write through them)."""
         return [
             ParamShard(p.name, p.unit.shapes[p.index], p.start, p.end, p.master, p.group, OptimizerSlot(state, p.master))
             for p in self.all

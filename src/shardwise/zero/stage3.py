@@ -319,7 +319,7 @@ class Stage3(Strategy):
         groups = {id(p.param): p.group for p in pieces.all}
         frozen = [p.param for p in pieces.all if p.master is None]
         if not loading:
-            yield pieces.shards(self.inner.state) + store.shards(frozen, names, groups)
+            yield pieces.shards(self.inner.state, loading=False) + store.shards(frozen, names, groups)
             return
         by_param: dict[int, Piece] = {id(p.param): p for p in pieces.all}
         with store.loading(frozen, lambda p: names[id(p)] in wanted, lambda p: pieces.fresh_kept(by_param[id(p)]),
