@@ -45,6 +45,7 @@ def train_capped(layers: int, what: str, nvme: str, steps: int = 3) -> dict[str,
     zero.update(stage3_max_reuse_distance=0, stage3_max_live_parameters=20_000_000)
     config = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": 1}
     start = time.perf_counter()
+    torch.manual_seed(0)
     with shardwise.zero.Init(config=config):
         model = gpt.GPT(gpt.GPTConfig(vocab_size=256, block_size=64, n_layer=layers, n_head=16, n_embd=1024))
     numel = sum(p.numel() for p in model.parameters())
