@@ -6,8 +6,8 @@ growth over the process before ``initialize``, the median step time, and the byt
 wrote per step against theory.  Stage 2 runs no offload and ``offload_optimizer: nvme``; stage 3 also
 ``offload_param: nvme`` (``max_in_cpu`` 0 unless ``--max-in-cpu``) and both.  Theory per step, per
 element of this rank's shard, for AdamW: the optimizer's 12 bytes (fp32 master and two moments) read
-and written once; a parameter shard's 4 bytes (2 with ``--bf16``) read three times (the forward's gather, the backward's,
-the step publishing into it) and written once.  Also the disk's own write and read bandwidth on
+and written once; a parameter shard's 4 bytes (2 with ``--bf16``) read twice (the forward's gather and the
+backward's) and written once (the step publishing into it, unread).  Also the disk's own write and read bandwidth on
 ``--nvme`` for scale.  The figures in docs/offload.md come from here.
 """
 
@@ -78,8 +78,8 @@ def measure(millions: int, steps: int, nvme: str, sub_group: int, buffers: int, 
     read, written = (now - then for now, then in zip(_moved(engine), moved))
     shard = _shard_numel(engine)
     width = 2 if bf16 else 4  # a shard's bytes per element
-    theory = {"none": (0, 0), "optimizer": (12, 12), "param": (3 * width, width),
-              "both": (12 + 3 * width, 12 + width)}[what]
+    theory = {"none": (0, 0), "optimizer": (12, 12), "param": (2 * width, width),
+              "both": (12 + 2 * width, 12 + width)}[what]
     train_peak, held = rss_bytes("VmHWM"), rss_bytes()
     _trim()
     trimmed = rss_bytes()

@@ -249,7 +249,7 @@ def _moved_per_step(nvme: str) -> dict[str, Any]:
 
 def test_bytes_moved_per_step_equal_theory(tmp_path: Path) -> None:
     """`benchmarks.offload` at stage 3: per step, the optimizer's 12 bytes an element read and written once,
-    a shard's 4 bytes read three times (forward, backward, the step publishing) and written once."""
+    a shard's 4 bytes read twice (the forward's gather, the backward's) and written once (the step, unread)."""
     for rank in run_distributed(_moved_per_step, 2, args=(str(tmp_path),), timeout=180):
         for what, figures in rank.items():
             moved = (figures["read_per_step"], figures["written_per_step"])

@@ -235,7 +235,7 @@ class OffloadedPieces(Pieces):
             if where is None or where.narrow(0, at, chunk.numel).data_ptr() != value.data_ptr():
                 fresh.append((kind, chunk.shard_at, value.detach().reshape(-1)))
         piece = self.all[chunk.piece]
-        piece.local(piece.unit.shard).narrow(0, chunk.at, chunk.numel).copy_(key.detach())
+        piece.unit.write_shard([(piece.offset + chunk.at, key.detach())])  # an offloaded shard: into its file, unread
         key.data, key.grad = _placeholder(chunk.numel), None
         return fresh
 
@@ -266,9 +266,7 @@ class OffloadedPieces(Pieces):
         if not self.stale:
             return
         for unit, pieces in self.by_unit.items():
-            for piece in pieces:
-                if piece.master is not None:
-                    piece.local(unit.shard).copy_(self.region("master", piece))
+            unit.write_shard([(p.offset, self.region("master", p)) for p in pieces if p.master is not None])
             unit.shard_released()
         self.stale = False
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -144,6 +144,16 @@ class NvmeShard:
                 f"{shard.dtype} tensor of shape {tuple(shard.shape)} (it is {self.dtype}, {tuple(self.shape)}); "
                 "cast the model before `shardwise.initialize`, not after")
         self.get().copy_(shard)
+
+    def write(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
+        if self.pending is not None or self.tensor is not None:
+            shard = self.get()  # in host memory (or on its way): written there, written back when it leaves
+            for at, values in parts:
+                shard.narrow(0, at, values.numel()).copy_(values)
+            return
+        for at, values in parts:  # only in the file: the parts go there, nothing is read
+            cast = values.detach().to(self.dtype).contiguous()
+            self.cache.files.write_from("params", cast, self.offset + at * self.dtype.itemsize)
 
     def released(self) -> None:
         self.cache.trim()

@@ -131,6 +131,9 @@ class ShardStorage(Protocol):
     def put(self, shard: torch.Tensor) -> None:
         """The shard becomes ``shard`` (a new tensor, e.g. cast)."""
 
+    def write(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Elements ``[at, at + len(values))`` of the shard take ``values`` (cast), for each ``(at, values)``."""
+
     def released(self) -> None:
         """No view of the shard is held any more: a point where shards kept in files may leave host memory."""
 
@@ -156,6 +159,10 @@ class InMemoryShard:
 
     def put(self, shard: torch.Tensor) -> None:
         self.shard = shard
+
+    def write(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
+        if parts:  # one foreach call: stage 3 publishes every piece of a unit after each step
+            torch._foreach_copy_([self.shard.narrow(0, at, v.numel()) for at, v in parts], [v for _, v in parts])
 
     def released(self) -> None:
         pass
@@ -279,6 +286,11 @@ class Unit:
     def pin_shard(self, pinned: bool) -> None:
         """While pinned, a shard kept in a file stays in host memory (a step publishing into it over sub-groups)."""
         self._shard_pinned = pinned
+
+    def write_shard(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Elements ``[at, at + len(values))`` of this rank's slice take ``values`` (cast to its dtype), for each
+        ``(at, values)``; a shard kept in a file and not in host memory takes them in the file, unread."""
+        self.storage.write(parts)
 
     def shard_released(self) -> None:
         """Nothing holds a view of the shard now: one kept in a file may leave host memory."""

@@ -288,10 +288,10 @@ class SeparateMasters(Pieces):
         return piece.local(piece.unit.shard).float()
 
     def publish(self) -> None:
-        for unit, pieces in self.by_unit.items():  # a unit at a time: a shard kept in a file may then leave memory
-            pairs = [(p.local(unit.shard), p.master) for p in pieces if p.master is not None]
-            if pairs:
-                torch._foreach_copy_([local for local, _ in pairs], [master for _, master in pairs])
+        for unit, pieces in self.by_unit.items():  # a unit at a time: a shard kept in a file goes there unread
+            parts = [(p.offset, p.master) for p in pieces if p.master is not None]
+            if parts:
+                unit.write_shard(parts)
                 unit.shard_released()
 
     def _take(self, piece: Piece, values: torch.Tensor) -> None:
