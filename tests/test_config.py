@@ -135,10 +135,9 @@ def test_loss_scale_window_zero() -> None:
 
 
 def test_not_implemented_deepspeed_key() -> None:
-    (line,) = problems_of({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}})
-    assert line == ("`zero_optimization.offload_param.device: nvme` turns on ZeRO-Infinity offload to nvme, "
-                    "which shardwise does not implement yet (only `offload_optimizer` goes to nvme); remove the "
-                    "section or set `device: none`")
+    (line,) = problems_of({"zero_optimization": {"stage": 3, "offload_param": {"device": "disk", "nvme_path": "/x"}}})
+    assert line == ("`zero_optimization.offload_param.device: disk` is not an offload device; expected `cpu`, "
+                    "`nvme` or `none`; set one of them or remove the section")
 
 
 def test_all_problems_are_listed_together() -> None:

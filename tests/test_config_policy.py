@@ -100,7 +100,6 @@ def test_real_patterns_are_accepted_with_notes() -> None:
 
 
 @pytest.mark.parametrize(("raw", "feature"), [
-    ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}, "offload to nvme"),
     ({"zero_optimization": {"zero_quantized_weights": True}}, "ZeRO++ quantized weights"),
     ({"tensorboard": {"enabled": True, "output_path": "x"}}, "the TensorBoard monitor"),
     ({"gradient_allreduce_op": "sum"}, "summing gradients"),

@@ -1,7 +1,7 @@
 """Faults of optimizer offload to NVMe (docs/offload.md): each is a clear error at `initialize`, or cleaned up.
 
 An unwritable or too-small `nvme_path` fails before any training step, naming the rank, the path, the bytes
-needed and the fix; an offload not built yet (stage 3, parameters) is a config error; this rank's folder is
+needed and the fix; offload at a stage that does not shard what it offloads is a config error; this rank's folder is
 gone after `engine.destroy()` and after a process that never called it exits.  One process each, so fast.
 """
 
@@ -65,13 +65,13 @@ def test_a_too_small_nvme_path_is_an_error_before_training(tmp_path: Path, monke
 
 
 @pytest.mark.parametrize("stage,section,says", [
-    (3, "offload_optimizer", "is built for ZeRO stages 1 and 2, and this is stage 3"),
-    (2, "offload_param", "`zero_optimization.offload_param.device: nvme` turns on ZeRO-Infinity offload to nvme"),
+    (0, "offload_optimizer", "needs ZeRO stage 1, 2 or 3, and this is stage 0"),
+    (2, "offload_param", "`zero_optimization.offload_param.device: nvme` needs ZeRO stage 3, and this is stage 2"),
 ])
-def test_offload_not_built_yet_is_a_config_error(tmp_path: Path, stage: int, section: str, says: str) -> None:
+def test_offload_at_a_stage_without_it_is_a_config_error(tmp_path: Path, stage: int, section: str, says: str) -> None:
     message, seconds = _refusal(lambda: _initialize(str(tmp_path), stage, section), ConfigError)
     assert says in message, message
-    record_row("misuse", f"`{section}: {{device: nvme}}` at stage {stage} (not built yet)", str(stage),
+    record_row("misuse", f"`{section}: {{device: nvme}}` at stage {stage} (nothing of it sharded there)", str(stage),
                "`ConfigError` naming the key and the fix", seconds)
 
 

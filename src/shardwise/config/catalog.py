@@ -184,7 +184,8 @@ CATALOG: dict[str, Entry] = {
     "data_types": switch("choosing the gradient-accumulation, parameter or buffer dtype", _all_false, "remove it"),
     "pipeline": knob("settings of DeepSpeed's pipeline engine, which apply only to a DeepSpeed PipelineModule"),
     "aio": knob("it tunes DeepSpeed's async-I/O library; shardwise's NVMe offload reads ahead and writes behind "
-                "with its own threads, `offload_optimizer.buffer_count` sub-groups deep"),
+                "with its own threads, `offload_optimizer.buffer_count` sub-groups and `offload_param.buffer_count` "
+                "shards deep"),
     "timers": knob("DeepSpeed's throughput timers; `wall_clock_breakdown` times shardwise's phases"),
     # ---- checkpoint
     "checkpoint.tag_validation": knob(

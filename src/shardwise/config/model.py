@@ -275,7 +275,8 @@ def _stage_notes(zero: ZeroConfig) -> list[Note]:
 
 def _check_offload(data: dict[str, Any], device: torch.device) -> list[Note]:
     """`offload_*: {device: cpu}` holds already on a CPU job; `offload_optimizer: {device: nvme}` acts at
-    stages 1-2 of a CPU job; anything else is an offload not built yet."""
+    stages 1-3 of a CPU job and `offload_param: {device: nvme}` at stage 3; anything else is an offload not
+    built yet."""
     zero = data["zero_optimization"]
     notes = []
     for key in ("offload_optimizer", "offload_param"):
@@ -286,31 +287,38 @@ def _check_offload(data: dict[str, Any], device: torch.device) -> list[Note]:
         if section.get("device") == "nvme":
             notes += _check_nvme(zero, path, device)
             continue
+        what = "optimizer state and step" if key == "offload_optimizer" else "parameters"
         if device.type != "cpu":
-            what = "optimizer state and step" if key == "offload_optimizer" else "parameters"
             raise ConfigError(
                 f"`{path}.device: cpu` turns on ZeRO-Offload ({what} on the CPU while the model trains on "
                 f"{device.type}), a DeepSpeed feature shardwise does not implement; remove `{path}`")
         notes.append(Note(path, f"`{path}.device: cpu` holds already: this job runs on the CPU, where the "
-                                "optimizer state and step already are"))
+                                f"{what} already are"))
     return notes
 
 
 def _check_nvme(zero: dict[str, Any], path: str, device: torch.device) -> list[Note]:
-    """Optimizer offload to NVMe is built for the flat stages (1-2) of a CPU job."""
-    stage = zero.get("stage", 0)
-    if stage not in (1, 2):
-        why = ("stage 3 keeps its optimizer state per unit, and offloading it is not built yet" if stage == 3
-               else "stage 0 keeps no sharded optimizer state to offload")
-        raise ConfigError(f"`{path}.device: nvme` is built for ZeRO stages 1 and 2, and this is stage {stage} "
-                          f"({why}); set `zero_optimization.stage` to 1 or 2, or remove `{path}`")
+    """Offload to NVMe is built for CPU jobs: the optimizer's at stages 1-3, the parameters' at stage 3."""
+    stage, key = zero.get("stage", 0), path.split(".")[-1]
+    stages = (1, 2, 3) if key == "offload_optimizer" else (3,)
+    if stage not in stages:
+        why = ("stage 0 keeps no sharded optimizer state to offload" if key == "offload_optimizer"
+               else "only stage 3 partitions the parameters themselves")
+        wanted = "1, 2 or 3" if key == "offload_optimizer" else "3"
+        raise ConfigError(f"`{path}.device: nvme` needs ZeRO stage {wanted}, and this is stage {stage} ({why}); "
+                          f"set `zero_optimization.stage` to {wanted}, or remove `{path}`")
     if device.type != "cpu":
-        raise ConfigError(f"`{path}.device: nvme` on a {device.type} job is not built yet (it steps on the host "
-                          f"and is built for CPU jobs); remove `{path}`")
-    notes = [Note(path, f"`{path}.device: nvme`: this rank's fp32 master weights and optimizer state live in files "
-                        f"under {zero[path.split('.')[-1]]['nvme_path']!r}, stepped "
-                        f"{zero.get('sub_group_size', 1_000_000_000)} elements at a time (docs/offload.md)")]
-    if zero[path.split(".")[-1]].get("pin_memory"):
+        raise ConfigError(f"`{path}.device: nvme` on a {device.type} job is not built yet (it is built for CPU "
+                          f"jobs, where the model trains on the host); remove `{path}`")
+    section = zero[key]
+    if key == "offload_optimizer":
+        what = (f"this rank's fp32 master weights and optimizer state live in files under {section['nvme_path']!r}, "
+                f"stepped {zero.get('sub_group_size', 1_000_000_000)} elements at a time")
+    else:
+        what = (f"this rank's shard of each unit of parameters lives in a file under {section['nvme_path']!r}, at most "
+                f"{section.get('max_in_cpu', 1_000_000_000)} elements of them in host memory")
+    notes = [Note(path, f"`{path}.device: nvme`: {what} (docs/offload.md)")]
+    if section.get("pin_memory"):
         notes.append(Note(f"{path}.pin_memory", f"`{path}.pin_memory` changes nothing on a CPU job: nothing is "
                                                 "copied to an accelerator"))
     return notes

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from .auto import BATCH_KEYS, resolves_later
 from .catalog import ALIASES, CATALOG, OFFLOAD_KEYS, Entry, is_auto
 from .errors import MAX_SHOWN, problem_line, shown_value, suggest
 from .notes import Note
-from .sections import OffloadConfig, OptimizerConfig, SchedulerConfig, field_default, section_of
+from .sections import OffloadSection, OptimizerConfig, SchedulerConfig, field_default, section_of
 
 __all__ = ["Prepared", "coerce", "prepare"]
 
@@ -74,6 +74,11 @@ def prepare(raw: Any, root: type[BaseModel], prefix: tuple[str, ...] = ()) -> Pr
         return Prepared(raw)
     walk = _Walk(prefix)
     return Prepared(walk.section(root, raw, ()), walk.notes, walk.problems, walk.pending)
+
+
+#: per offload section, the keys that act when its device is nvme (the others tune DeepSpeed's own swapping)
+_NVME_ACTING = {"offload_optimizer": frozenset({"nvme_path", "buffer_count", "pin_memory", "ratio"}),
+                "offload_param": frozenset({"nvme_path", "buffer_count", "pin_memory", "max_in_cpu"})}
 
 
 class _Walk:
@@ -134,7 +139,7 @@ class _Walk:
             shown = self.shown(here)
             read = f"`{shown}: {str(value).lower()}` is read as `{shown}.stage: {int(value)}` (DeepSpeed's legacy form)"
             self.notes.append(Note(shown, read))
-        elif sub is OffloadConfig:
+        elif sub is not None and issubclass(sub, OffloadSection):
             offload = self._offload(value, here)
             if offload is not None:
                 out[key] = offload
@@ -180,8 +185,8 @@ class _Walk:
             self.notes.append(Note(self.shown(here), f"`{self.shown(here)}: auto` became {default!r} (the default)"))
 
     def _offload(self, value: Any, here: tuple[str, ...]) -> dict[str, Any] | None:
-        """An offload section: `none` is off, `cpu` is kept for `resolve` to check, `nvme` acts for the optimizer
-        only (parameters to nvme are an error)."""
+        """An offload section: `none` is off, `cpu` and `nvme` are kept for `resolve` to check (`nvme` with the
+        keys that act)."""
         shown = self.shown(here)
         if value is None:  # the default: nothing to say
             return None
@@ -198,27 +203,27 @@ class _Walk:
         if device in ("none", "auto", ""):
             self.notes.append(Note(shown, f"`{shown}` leaves ZeRO-Offload off (`device: none`), as in shardwise: ignored"))
             return None
-        if device == "nvme" and here[-1] == "offload_optimizer":
+        if device == "nvme":
             return self._nvme(value, here)
         if device != "cpu":
             self.problems.append(
-                f"`{shown}.device: {device}` turns on ZeRO-Infinity offload to {device}, which shardwise does not "
-                "implement yet (only `offload_optimizer` goes to nvme); remove the section or set `device: none`")
+                f"`{shown}.device: {device}` is not an offload device; expected `cpu`, `nvme` or `none`; "
+                "set one of them or remove the section")
             return None
         self._tuning_note(value, shown, set())
         return {"device": "cpu"}
 
     def _nvme(self, value: Mapping[str, Any], here: tuple[str, ...]) -> dict[str, Any]:
-        """Optimizer offload to NVMe: the keys that act are kept for the section's model to validate."""
+        """Offload to NVMe: the keys that act are kept for the section's model to validate."""
         shown = self.shown(here)
-        acting = {"nvme_path", "buffer_count", "pin_memory", "ratio"}
+        acting = _NVME_ACTING[here[-1]]
         out: dict[str, Any] = {"device": "nvme"}
         for key in sorted(acting & {str(k) for k in value}):
             out[key] = value[key] if key == "nvme_path" else self._coerced(value[key], (*here, key))
         self._tuning_note(value, shown, acting)
         return out
 
-    def _tuning_note(self, value: Mapping[str, Any], shown: str, acting: set[str]) -> None:
+    def _tuning_note(self, value: Mapping[str, Any], shown: str, acting: Set[str]) -> None:
         tuning = sorted(str(k) for k in value if k in OFFLOAD_KEYS and k != "device" and k not in acting)
         if tuning:
             names = ", ".join(f"`{k}`" for k in tuning)

@@ -19,7 +19,7 @@ from .optimizers import DEEPSPEED_ONLY_OPTIMIZERS, OPTIMIZERS, OptimizerSpec
 from .schedules import DEEPSPEED_ONLY_SCHEDULES, REQUIRED, SCHEDULES, param_problems
 
 __all__ = [
-    "BF16Config", "CheckpointConfig", "CommsConfig", "FP16Config", "OffloadConfig", "OptimizerConfig", "SchedulerConfig",
+    "BF16Config", "CheckpointConfig", "CommsConfig", "FP16Config", "OffloadConfig", "OffloadParamConfig", "OffloadSection", "OptimizerConfig", "SchedulerConfig",
     "Section", "ZeroConfig",
 ]
 
@@ -182,22 +182,34 @@ class BF16Config(Section):
     enabled: bool = False
 
 
-class OffloadConfig(Section):
-    """`zero_optimization.offload_optimizer` / `offload_param`: `device: cpu` or (optimizer only) `nvme`.
+class OffloadSection(Section):
+    """What both offload sections share: `device`, `nvme_path`, `buffer_count`, `pin_memory`.
 
-    `cpu`: on a CPU job that is where the state already lives, so it is accepted; on a GPU job
-    `Config.resolve` rejects it (ZeRO-Offload to host memory is not built yet). `nvme` (optimizer
-    offload at stages 1-2, docs/offload.md): this rank's fp32 masters and optimizer state live in files
-    under `nvme_path`, stepped `sub_group_size` elements at a time with at most `buffer_count`
-    sub-groups in host memory. `device: none` is dropped as off before this model sees the section.
+    `device: cpu`: on a CPU job that is where the state already lives, so it is accepted; on a GPU job
+    `Config.resolve` rejects it (ZeRO-Offload to host memory is not built yet). `device: none` is dropped
+    as off before these models see the section.
     """
 
     device: Literal["cpu", "nvme"] = "cpu"
     #: the folder under which each rank of each job makes its own uniquely named folder
     nvme_path: str | None = None
+    pin_memory: bool = False
+
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self) -> "OffloadSection":
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("`device: nvme` needs `nvme_path`, the folder the offloaded state is written under; "
+                             "add `nvme_path: /path/to/fast/disk`")
+        return self
+
+
+class OffloadConfig(OffloadSection):
+    """`zero_optimization.offload_optimizer`: `nvme` (stages 1-3 of a CPU job, docs/offload.md) keeps this rank's
+    fp32 masters and optimizer state in files under `nvme_path`, stepped `sub_group_size` elements at a time
+    with at most `buffer_count` sub-groups in host memory."""
+
     #: sub-groups of state in host memory at once: the one stepped, those read ahead, those written behind
     buffer_count: Count = Field(default=4, ge=1, le=1024)
-    pin_memory: bool = False
     #: the share of the optimizer state offloaded; only all of it (1.0) is built
     ratio: Real = Field(default=1.0, gt=0, le=1)
 
@@ -210,12 +222,17 @@ class OffloadConfig(Section):
                 "remove the key or set it to 1.0")
         return value
 
-    @model_validator(mode="after")
-    def _nvme_needs_a_path(self) -> "OffloadConfig":
-        if self.device == "nvme" and not self.nvme_path:
-            raise ValueError("`device: nvme` needs `nvme_path`, the folder the offloaded state is written under; "
-                             "add `nvme_path: /path/to/fast/disk`")
-        return self
+
+class OffloadParamConfig(OffloadSection):
+    """`zero_optimization.offload_param` (stage 3): `nvme` (a CPU job, docs/offload.md) keeps each unit's local
+    shard (this rank's 1/N, compute dtype) in a file under `nvme_path`; gathering a unit reads it (read ahead
+    where the gatherer prefetches, at most `buffer_count` shards at once), and host memory keeps at most
+    `max_in_cpu` elements of shards between uses."""
+
+    #: shards read ahead at once (DeepSpeed: buffers in the parameter swap pool)
+    buffer_count: Count = Field(default=5, ge=1, le=1024)
+    #: elements of shards kept in host memory at most, between uses (DeepSpeed's default)
+    max_in_cpu: Count = Field(default=1_000_000_000, ge=0, le=MAX_ELEMENTS)
 
 
 class ZeroConfig(Section):
@@ -240,7 +257,7 @@ class ZeroConfig(Section):
     #: elements of the optimizer state stepped at a time when it is offloaded to NVMe (DeepSpeed's default)
     sub_group_size: Count = Field(default=1_000_000_000, gt=0, le=MAX_ELEMENTS)
     offload_optimizer: OffloadConfig | None = None
-    offload_param: OffloadConfig | None = None
+    offload_param: OffloadParamConfig | None = None
 
 
 class CheckpointConfig(Section):

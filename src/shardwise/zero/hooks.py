@@ -28,8 +28,10 @@ hook, so the entry point does not matter: ``engine(x)``, ``engine.module(x)``,
   starts all-gathers for the upcoming units ahead of use
   (``stage3_prefetch_bucket_size`` elements, at most
   ``stage3_max_live_parameters`` gathered), and backward does the same in
-  reverse.  A unit released in forward stays gathered when the recording says
-  it is used again within ``stage3_max_reuse_distance`` elements.  When the
+  reverse; with ``offload_param: nvme`` the shards of the next
+  ``buffer_count`` units past those start reading from their file.  A
+  unit released in forward stays gathered when the recording says it is
+  used again within ``stage3_max_reuse_distance`` elements.  When the
   order changes (a branch), prefetches only go to waste: gathering on use is
   what guarantees correctness.
 
@@ -48,6 +50,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .offloaded_shards import offloads_params
 from .params import Unit, checksum, move, not_gathered_error, param_name, prepare_for_compile, unit_of
 from .traced import outside_graphs
 
@@ -139,6 +142,8 @@ class Gatherer:
         self.prefetch_numel = int(zero_config.stage3_prefetch_bucket_size)
         self.max_live = int(zero_config.stage3_max_live_parameters)
         self.reuse_distance = int(zero_config.stage3_max_reuse_distance)
+        #: units past the prefetched ones whose shards start coming from their file (`offload_param: nvme`)
+        self.read_ahead = int(zero_config.offload_param.buffer_count) if offloads_params(zero_config) else 0
         self._handles: list[Any] = []
         self._stack: list[_Call] = []
         self._trace: list[Unit] = []
@@ -223,6 +228,8 @@ class Gatherer:
                 live += unit.numel
                 budget -= unit.numel
             index += 1
+        for unit in trace[index : index + self.read_ahead]:
+            unit.read_ahead()  # shards kept in files: read while this stretch computes, gathered later
         return index
 
     # ------------------------------------------------------------ forward

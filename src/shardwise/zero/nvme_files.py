@@ -34,7 +34,7 @@ import torch
 from .nvme_folder import folder_prefix, sweep
 from .nvme_room import claim_room
 
-__all__ = ["OPTIMIZER_KEY", "NvmeFiles", "OffloadIOError", "check_room"]
+__all__ = ["OPTIMIZER_KEY", "NvmeFiles", "OffloadIOError"]
 
 #: the config key errors name by default (parameter offload passes its own)
 OPTIMIZER_KEY = "zero_optimization.offload_optimizer.nvme_path"
@@ -56,16 +56,6 @@ class OffloadIOError(RuntimeError):
         """The same error with ``more`` said after its message (what the caller's state is now)."""
         return OffloadIOError(f"{self}. {more}", rank=self.rank, path=self.path, operation=self.operation,
                               error=self.errno)
-
-
-def check_room(path: str, needed: int, rank: int, what: str, key: str = _KEY, whose: str = "offloaded optimizer") -> None:
-    """Raise before training when ``path`` cannot hold ``needed`` more bytes (``shutil.disk_usage``); ``key``
-    is the config key that named the path, ``whose`` what is offloaded there."""
-    free = shutil.disk_usage(path).free
-    if free < needed:
-        raise RuntimeError(
-            f"rank {rank}: `{key}` {path!r} has {free:,} bytes free and this rank's {whose} needs "
-            f"{needed:,} ({what}); free space there, point `{key}` at a larger disk, or use more ranks")
 
 
 def _make_folder(root: str, rank: int, key: str) -> Path:

@@ -34,6 +34,8 @@ from ..distributed import Comm, Work
 from . import traced
 
 __all__ = [
+    "InMemoryShard",
+    "ShardStorage",
     "Unit",
     "checksum",
     "UnitError",
@@ -114,6 +116,64 @@ def move(rank: int, what: str, current: _S, to: _S, allowed: Mapping[_S, frozens
     )
 
 
+# ------------------------------------------------------------- the local shard
+class ShardStorage(Protocol):
+    """Where a unit's local shard lives: in memory (:class:`InMemoryShard`), or in a file with a bounded host
+    cache (``offload_param: {device: nvme}``, :mod:`.offloaded_shards`)."""
+
+    @property
+    def device(self) -> torch.device:
+        """The device the shard's values are used on."""
+
+    def get(self) -> torch.Tensor:
+        """The shard, in host memory (read from its file if it is not)."""
+
+    def put(self, shard: torch.Tensor) -> None:
+        """The shard becomes ``shard`` (a new tensor, e.g. cast)."""
+
+    def write(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Elements ``[at, at + len(values))`` of the shard take ``values`` (cast), for each ``(at, values)``."""
+
+    def released(self) -> None:
+        """No view of the shard is held any more: a point where shards kept in files may leave host memory."""
+
+    def read_ahead(self) -> None:
+        """The shard will be needed soon: start reading it if it is not in host memory."""
+
+    def held_bytes(self) -> int:
+        """Bytes of the shard in host memory now."""
+
+
+class InMemoryShard:
+    """The shard as a tensor of its own, always in memory (no offload)."""
+
+    def __init__(self, shard: torch.Tensor) -> None:
+        self.shard = shard
+
+    @property
+    def device(self) -> torch.device:
+        return self.shard.device
+
+    def get(self) -> torch.Tensor:
+        return self.shard
+
+    def put(self, shard: torch.Tensor) -> None:
+        self.shard = shard
+
+    def write(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
+        if parts:  # one foreach call: stage 3 publishes every piece of a unit after each step
+            torch._foreach_copy_([self.shard.narrow(0, at, v.numel()) for at, v in parts], [v for _, v in parts])
+
+    def released(self) -> None:
+        pass
+
+    def read_ahead(self) -> None:
+        pass
+
+    def held_bytes(self) -> int:
+        return self.shard.numel() * self.shard.element_size()
+
+
 # ------------------------------------------------------------------ the unit
 class UnitState(enum.Enum):
     """Where a unit's full values are."""
@@ -180,7 +240,8 @@ class Unit:
         self.padded = -(-total // world) * world if total else world
         self.shard_numel = self.padded // world
         self.full: torch.Tensor = torch.empty(0)
-        self.shard: torch.Tensor = torch.empty(0)
+        #: where this rank's slice lives (:attr:`shard` reads it)
+        self.storage: ShardStorage = InMemoryShard(torch.empty(0))
         self.pristine: Optional[torch.Tensor] = None
         #: where the full values are; changed only by :meth:`_move`
         self.state = UnitState.GATHERED  # until `build` keeps its shard and frees the rest
@@ -190,6 +251,50 @@ class Unit:
         self._persistent = persistent
         self._holders = 0
         self._work: Optional[Work] = None
+        self._shard_pinned = False
+
+    # ---------------------------------------------------------------- shard
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's slice of the unit, in the compute dtype (read from its file first where it lives in one)."""
+        return self.storage.get()
+
+    @shard.setter
+    def shard(self, value: torch.Tensor) -> None:
+        self.storage.put(value)
+
+    @property
+    def device(self) -> torch.device:
+        """The device the unit's values live on (without reading an offloaded shard)."""
+        return self.storage.device
+
+    def keep_shard_in(self, storage: ShardStorage) -> None:
+        """From now on the shard lives in ``storage`` (which took its values; it may leave host memory now)."""
+        self.storage = storage
+        self.shard_released()
+
+    def read_ahead(self) -> None:
+        """This unit will be gathered soon: a shard kept in a file starts coming into host memory."""
+        if self.state is UnitState.SHARDED:
+            self.storage.read_ahead()
+
+    @property
+    def shard_busy(self) -> bool:
+        """Whether the shard must stay in host memory: an all-gather from it is in flight, or it is pinned."""
+        return self.state is UnitState.GATHERING or self._shard_pinned
+
+    def pin_shard(self, pinned: bool) -> None:
+        """While pinned, a shard kept in a file stays in host memory (a step publishing into it over sub-groups)."""
+        self._shard_pinned = pinned
+
+    def write_shard(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Elements ``[at, at + len(values))`` of this rank's slice take ``values`` (cast to its dtype), for each
+        ``(at, values)``; a shard kept in a file and not in host memory takes them in the file, unread."""
+        self.storage.write(parts)
+
+    def shard_released(self) -> None:
+        """Nothing holds a view of the shard now: one kept in a file may leave host memory."""
+        self.storage.released()
 
     # ------------------------------------------------------------- holders
     @property
@@ -255,7 +360,7 @@ class Unit:
     def take_grads(self, indices: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, set[int]]:
         """The gradients of parameters ``indices`` in one full-size flat tensor of ``dtype`` (zeros where a
         parameter has none), and which had one; their ``param.grad`` is released."""
-        flat = torch.zeros(self.padded, dtype=dtype, device=self.shard.device)
+        flat = torch.zeros(self.padded, dtype=dtype, device=self.device)
         had_grad = set()
         with torch._C.DisableTorchFunctionSubclass():
             for index in indices:
@@ -322,6 +427,7 @@ class Unit:
         if self.state is not UnitState.PERSISTENT:
             self._move(UnitState.SHARDED, "free its full values")
             self.full.untyped_storage().resize_(0)
+        self.shard_released()  # freed after use: a shard kept in a file drops its host copy
 
     def scatter_from_full(self, src: Optional[int] = None) -> None:
         """After the full values changed: optionally take ``src``'s values (collective), update the shard."""
@@ -360,7 +466,7 @@ class Unit:
         The first down-cast keeps the fp32 shard in ``pristine`` so master
         weights can start from exact values.
         """
-        device = device or self.shard.device
+        device = device or self.device
         dtype = dtype or self.shard.dtype
         if self.pristine is None and self.shard.dtype == torch.float32 and dtype != torch.float32:
             self.pristine = self.shard
@@ -377,7 +483,7 @@ class Unit:
             self.full.untyped_storage().resize_(0)
 
     def element_bytes(self) -> int:
-        return self.shard.element_size()
+        return self.full.element_size()  # the shard's dtype, without reading an offloaded shard
 
     def __repr__(self) -> str:
         state = self.state.value

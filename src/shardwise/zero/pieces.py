@@ -8,7 +8,8 @@ class each (as :mod:`.masters` does for the flat stages):
 * :class:`ShardsAreMasters` (fp32 compute): a master is a view of the unit's
   shard itself, as in torch FSDP; nothing is copied after a step, and values
   written into the shard are the masters' values already.
-* :class:`SeparateMasters` (fp16/bf16): a master is an fp32 copy of its piece,
+* :class:`SeparateMasters` (fp16/bf16, or any dtype when the shards live in
+  files, ``offload_param: {device: nvme}``): a master is an fp32 copy of its piece,
   cast into the shard after each step, and updated when new values are written
   into the unit (``GatheredParameters(modifier_rank=...)``, an in-place write in
   a forward, ``zero.load_state_dict``).
@@ -31,7 +32,7 @@ from ..param_state import OptimizerSlot, ParamShard
 from .frozen import FrozenStore, Kept
 from .params import Unit
 
-__all__ = ["Piece", "Pieces", "SeparateMasters", "ShardsAreMasters", "choose_pieces"]
+__all__ = ["Piece", "Pieces", "SeparateMasters", "ShardsAreMasters", "exact_values"]
 
 
 @dataclass(eq=False)
@@ -99,6 +100,10 @@ class Pieces(ABC):
     @abstractmethod
     def from_shard(self, piece: Piece) -> torch.Tensor:
         """A master made from the piece's elements in the shard (where no fp32 value was kept)."""
+
+    def begin(self, inner: Any, numel: int) -> None:
+        """Before the first :meth:`add`: the inner optimizer (None: inference) and at most how many elements
+        this rank's pieces will hold (an arrangement that keeps them outside memory makes room for them)."""
 
     def optimizer_params(self, originals: list[nn.Parameter]) -> list[torch.Tensor]:
         """What the inner optimizer steps in place of the param group ``originals``: the trainable masters."""
@@ -169,6 +174,10 @@ class Pieces(ABC):
                 piece.master.grad = None
 
     # -------------------------------------------------- values to the model
+    def step(self, inner: Any) -> None:
+        """Step the inner optimizer over the trainable masters (an offloaded arrangement steps a part at a time)."""
+        inner.step()
+
     @abstractmethod
     def publish(self) -> None:
         """After a step: the updated masters into the units' shards."""
@@ -217,8 +226,9 @@ class Pieces(ABC):
                 piece.local(shard).copy_(master)
 
     # ----------------------------------------------------------- checkpoint
-    def shards(self, state: Any) -> list[ParamShard]:
-        """One :class:`ParamShard` per trainable piece (``state``: the inner optimizer's)."""
+    def shards(self, state: Any, loading: bool = True) -> list[ParamShard]:
+        """One :class:`ParamShard` per trainable piece (``state``: the inner optimizer's; ``loading``: a
+        checkpoint load may write through them)."""
         return [
             ParamShard(p.name, p.unit.shapes[p.index], p.start, p.end, p.master, p.group, OptimizerSlot(state, p.master))
             for p in self.all
@@ -234,6 +244,18 @@ class Pieces(ABC):
         local = piece.local(piece.unit.shard)
         if local.data_ptr() != kept.master.data_ptr():
             local.copy_(kept.master)
+
+    def close(self) -> None:
+        """Let go of what the arrangement holds outside memory (files of an offloaded one; ``engine.destroy()``)."""
+
+
+def exact_values(piece: Piece, values: torch.Tensor) -> torch.Tensor:
+    """The piece's exact fp32 values at build: in its unit's shard when that is fp32 (``unit.build`` freed
+    ``values`` then, it became the full buffer), else in ``values`` (the unit's full fp32 values)."""
+    shard = piece.unit.shard
+    if shard.dtype == torch.float32:
+        return piece.local(shard)
+    return values.narrow(0, piece.unit.offsets[piece.index] + piece.start, piece.numel)
 
 
 class ShardsAreMasters(Pieces):
@@ -260,15 +282,17 @@ class SeparateMasters(Pieces):
     """fp16/bf16 compute: a master is an fp32 copy of its piece (see the module docstring)."""
 
     def _initial_master(self, piece: Piece, values: torch.Tensor) -> torch.Tensor:
-        return values.narrow(0, piece.unit.offsets[piece.index] + piece.start, piece.numel).clone()
+        return exact_values(piece, values).clone()  # fp32 too, where the shards live in files
 
     def from_shard(self, piece: Piece) -> torch.Tensor:
         return piece.local(piece.unit.shard).float()
 
     def publish(self) -> None:
-        pairs = [(p.local(p.unit.shard), p.master) for p in self.all if p.master is not None]
-        if pairs:
-            torch._foreach_copy_([local for local, _ in pairs], [master for _, master in pairs])
+        for unit, pieces in self.by_unit.items():  # a unit at a time: a shard kept in a file goes there unread
+            parts = [(p.offset, p.master) for p in pieces if p.master is not None]
+            if parts:
+                unit.write_shard(parts)
+                unit.shard_released()
 
     def _take(self, piece: Piece, values: torch.Tensor) -> None:
         master = self.master_or_kept(piece)
@@ -278,8 +302,3 @@ class SeparateMasters(Pieces):
     def master_bytes(self) -> int:
         masters = [p.master for p in self.all if p.master is not None]
         return sum(m.numel() * m.element_size() for m in masters) + self.frozen.master_bytes()
-
-
-def choose_pieces(dtype: torch.dtype, rank: int) -> Pieces:
-    """The arrangement for compute dtype ``dtype``: in fp32 the shards are the masters."""
-    return ShardsAreMasters(rank) if dtype == torch.float32 else SeparateMasters(rank)

@@ -31,9 +31,11 @@ Step.  ``after_step`` copies the updated pieces into the local slice of each
 unit (nothing to copy in fp32): no communication, the next forward gathers
 the new values.  Only the persistent unit is re-gathered.
 
-The pieces and their masters (and the choice between masters that are the
-shards and separate fp32 ones) live in :mod:`.pieces`; the hooks that gather
-and free units in :mod:`.hooks`.
+The pieces and their masters live in :mod:`.pieces` (masters that are the
+shards, or separate fp32 ones) and :mod:`.offloaded_pieces` (masters and
+optimizer state in files, ``offload_optimizer: nvme``), chosen once by
+:mod:`.pieces_choice`; shards kept in a file (``offload_param: nvme``) in
+:mod:`.offloaded_shards`; the hooks that gather and free units in :mod:`.hooks`.
 """
 
 from __future__ import annotations
@@ -50,8 +52,11 @@ from ..param_state import ParamShard
 from .base import Apply, Strategy, module_order, tensor_bytes
 from .gathered import GatheredParameters
 from .hooks import Gatherer
+from .offload_plan import offload_spec
+from .offloaded_shards import ShardCache, offloads_params, shard_cache
 from .params import Unit, UnitError, is_partitioned, restore_parameter, unit_of
-from .pieces import Piece, choose_pieces
+from .pieces import Piece
+from .pieces_choice import choose_pieces
 
 __all__ = ["Stage3"]
 
@@ -67,8 +72,12 @@ class Stage3(Strategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.units: list[Unit] = []
-        #: the pieces and their masters, arranged for the compute dtype once (fp32: the shards are the masters)
-        self.pieces = choose_pieces(self.precision.dtype, self.comm.rank)
+        #: the pieces and their masters, arranged once: for the compute dtype (fp32: the shards are the masters)
+        #: and for offload (masters and state in files; shards in files need masters apart from them)
+        offload = offload_spec(self.zero_config, self.comm.rank, None)  # the optimizer's own estimate: at attach
+        self.pieces = choose_pieces(self.precision.dtype, self.comm.rank, offload, offloads_params(self.zero_config))
+        #: the shards' file and host cache where `offload_param` is nvme (made with the units)
+        self.shards: Optional[ShardCache] = None
         self.gatherer = Gatherer(self.module, self.units, self.zero_config, self.pieces, self.comm.rank)
         self._groups: list[list[nn.Parameter]] = []
         self._params: list[nn.Parameter] = []  # the optimizer's parameters, module order
@@ -104,12 +113,19 @@ class Stage3(Strategy):
     def _build_units(self) -> None:
         group_of = {id(p): g for g, params in enumerate(self._groups) for p in params}
         threshold = int(self.zero_config.stage3_param_persistence_threshold)
-        for params, names, persistent in unit_specs(self.module, threshold):
+        specs = unit_specs(self.module, threshold)
+        world = self.comm.world_size
+        bound = sum(max(1, -(-sum(p.numel() for p in params) // world)) for params, _, _ in specs)  # shard elements
+        self.pieces.begin(self.inner, bound)
+        self.shards = shard_cache(self.zero_config, self.comm.rank, bound, self.precision.dtype)
+        for params, names, persistent in specs:
             unit = Unit(len(self.units), params, names, self.comm, self.gatherer, persistent)
             values = _initial_flat(unit, self.initial)
             unit.build(values, self.precision.dtype)
             # after build: in fp32 `values` became the (now freed) full buffer, and the masters are the shard
             self.pieces.add(unit, values, group_of)
+            if self.shards is not None:
+                unit.keep_shard_in(self.shards.place(unit.shard, unit))
             self.units.append(unit)
 
     def _point_optimizer(self) -> None:
@@ -205,7 +221,7 @@ class Stage3(Strategy):
         """Start summing, over the ranks, which trainable parameters had a gradient (as the flat stages do:
         one small all-reduce per step, in flight with the last reductions)."""
         keys = [(unit, index) for unit in self.units for index in self._trainable.get(unit, ())]
-        device = self.units[0].shard.device if self.units else torch.device("cpu")
+        device = self.units[0].device if self.units else torch.device("cpu")
         flags = torch.tensor([(key in self._had) for key in keys], dtype=torch.float32, device=device)
         self._had = set()
         return self.comm.all_reduce(flags, async_op=True, label="which parameters had gradients"), flags, keys
@@ -241,6 +257,9 @@ class Stage3(Strategy):
         if factor != 1.0 and grads:
             torch._foreach_mul_(grads, factor)
 
+    def optimizer_step(self, inner: Any) -> None:
+        self.pieces.step(inner)  # an offloaded arrangement steps a sub-group at a time
+
     def after_step(self) -> None:
         self.pieces.publish()
         for unit in self.units:
@@ -264,7 +283,7 @@ class Stage3(Strategy):
 
     # ========================================================== accounting
     def memory_breakdown(self) -> dict[str, int]:
-        params = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
+        params = sum(u.storage.held_bytes() for u in self.units)  # an offloaded shard: only while in host memory
         params += sum(u.padded * u.element_bytes() for u in self.units if u.persistent)
         params += tensor_bytes([p for p in self.module.parameters() if not is_partitioned(p)])
         grads = [p.grad for p in self.pieces.all if p.grad is not None]
@@ -300,7 +319,7 @@ class Stage3(Strategy):
         groups = {id(p.param): p.group for p in pieces.all}
         frozen = [p.param for p in pieces.all if p.master is None]
         if not loading:
-            yield pieces.shards(self.inner.state) + store.shards(frozen, names, groups)
+            yield pieces.shards(self.inner.state, loading=False) + store.shards(frozen, names, groups)
             return
         by_param: dict[int, Piece] = {id(p.param): p for p in pieces.all}
         with store.loading(frozen, lambda p: names[id(p)] in wanted, lambda p: pieces.fresh_kept(by_param[id(p)]),
@@ -362,6 +381,10 @@ class Stage3(Strategy):
             unit.unpersist()
             unit.free()
         self.units = []
+        self.pieces.close()
+        if self.shards is not None:
+            self.shards.close()
+            self.shards = None
 
 
 def _check_module(module: nn.Module, comm: Comm) -> None:
