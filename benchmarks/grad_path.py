@@ -58,6 +58,10 @@ _ROOT = str(Path(shardwise.__file__).resolve().parent) + "/"
 #: scaler, the parameter gathers in flight): left out of the "gradient only" count, as the issue's own count did
 BOOKKEEPING = frozenset({"faults/ledger.py", "checks.py", "precision.py", "zero/pending.py", "log.py"})
 
+#: what ``Comm`` calls beneath a collective when ranks are launched (shared memory, the exit watch, the fault
+#: control): a one-process trace never reaches them; the several-rank report gives counts with and without
+TRANSPORT = frozenset({"shm.py", "exit.py", "faults/control.py"})
+
 
 class PathCount:
     """The calls between shardwise files along the path, with their counts."""
@@ -167,17 +171,40 @@ def trace_path(stage: int) -> PathCount:
     return count
 
 
+def _rank_zero_path(stage: int) -> Optional[PathCount]:
+    """In a rank of :func:`trace_ranks`: the traced path on rank 0 (the others only take part)."""
+    count = trace_path(stage)
+    # the harness called the traced function: autograd-style, from outside the path
+    count.calls = [("" if caller == "testing.py" else caller, callee) for caller, callee in count.calls]
+    return count if torch.distributed.get_rank() == 0 else None
+
+
+def trace_ranks(stage: int, world_size: int) -> PathCount:
+    """:func:`trace_path` on ``world_size`` gloo ranks (rank 0's path): with more than one rank the flat
+    stages shard, so the norm's all-reduce and the regather of updated slices are on the path too."""
+    if world_size == 1:
+        return trace_path(stage)
+    from shardwise.testing import run_distributed  # the harness only when ranks are launched
+
+    path = run_distributed(_rank_zero_path, world_size, args=(stage,), timeout=300)[0]
+    assert path is not None
+    return path
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3))
+    parser.add_argument("--world-size", type=int, default=1, help="gloo ranks to trace on (rank 0's path)")
     parser.add_argument("--json", action="store_true", help="print the counts and the path as JSON")
     args = parser.parse_args(argv)
-    raw = trace_path(args.stage)
+    raw = trace_ranks(args.stage, args.world_size)
     one = raw.one_gradient()
     counts = {
         "one gradient, gradient only": one.counts(BOOKKEEPING), "one gradient, every file": one.counts(),
         "raw (every hook), gradient only": raw.counts(BOOKKEEPING), "raw (every hook), every file": raw.counts(),
     }
+    if args.world_size > 1:
+        counts["one gradient, gradient only, above the transport"] = one.counts(BOOKKEEPING | TRANSPORT)
     if args.json:
         print(json.dumps(counts, indent=1))
         return 0
