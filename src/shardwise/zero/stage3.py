@@ -27,7 +27,7 @@ dropped by it) and ``param.grad`` is released.  Units are reduced in
 a fixed order (reverse order of first use in forward, then the rest), so all
 ranks issue the same collectives in the same order.
 
-Step.  ``after_step`` copies the updated pieces into the local slice of each
+Step.  ``step`` (through ``Pieces.step``) copies the updated pieces into the local slice of each
 unit (nothing to copy in fp32): no communication, the next forward gathers
 the new values.  Only the persistent unit is re-gathered.
 
@@ -233,9 +233,9 @@ class Stage3(Strategy):
     def _refresh_gathered(self) -> None:
         """Gathered units of trainable parameters hold stale full values after a step: a persistent unit, or
         one something holds, is re-gathered; any other is dropped (the next use gathers it)."""
-        for unit in self._trainable:
+        for unit in self.units:
             state = unit.state
-            if state is UnitState.SHARDED:
+            if unit not in self._trainable or state is UnitState.SHARDED:
                 continue
             if state is UnitState.PERSISTENT or unit.holders:
                 unit.refresh()
