@@ -1,8 +1,8 @@
-"""A gradient's path (``python -m benchmarks.grad_path``), one process.
+"""A gradient's path (``python -m benchmarks.grad_path``).
 
 The counter's "one gradient" rule on made-up episodes; the measured path at stages 2 and 3 held
 to what docs/life-of-a-gradient.md records (so a change that lengthens it fails here, naming the
-path); stage 3's backward leaves no unit held and no call waiting for gradients; ``take_grads``
+path), and what two ranks add to it (traced on two gloo ranks); stage 3's backward leaves no unit held and no call waiting for gradients; ``take_grads``
 writes zeros where it must without a memset of the whole unit.
 """
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `benchmarks` is a top-level package next to src/
 
-from benchmarks.grad_path import BOOKKEEPING, PathCount, trace_path  # noqa: E402
+from benchmarks.grad_path import BOOKKEEPING, TRANSPORT, PathCount, trace_path, trace_ranks  # noqa: E402
 
 #: (files, switches) of one gradient's path, gradient only, one process: the figures the doc records
 LIMITS = {2: (7, 15), 3: (6, 19)}
@@ -65,6 +65,14 @@ def test_measured_path_stays_as_short_as_recorded(stage: int) -> None:
     visited = {part for step in one["path"] for part in step.split(" > ")}
     # no super() stop in base.py, no layout helper, no call into the module hooks when nothing waits there
     assert visited.isdisjoint({"zero/base.py", "zero/layout.py", "zero/hooks.py"}), one["path"]
+
+
+def test_two_ranks_add_the_norm_all_reduce_and_the_regather_at_stage_2_only() -> None:
+    """With two ranks the flat stages shard: the norm's all-reduce and the all-gather join the path."""
+    for stage, extra in ((2, ["zero/optimizer.py > distributed.py", "zero/flat.py > distributed.py"]), (3, [])):
+        alone = trace_path(stage).one_gradient().counts(BOOKKEEPING)["path"]
+        ranks = trace_ranks(stage, 2).one_gradient().counts(BOOKKEEPING | TRANSPORT)["path"]
+        assert sorted(ranks) == sorted(alone + extra), (stage, alone, ranks)
 
 
 def _stage3_engine() -> shardwise.Engine:
