@@ -2,8 +2,9 @@
 
 The counter's "one gradient" rule on made-up episodes; the measured path at stages 2 and 3 held
 to what docs/life-of-a-gradient.md records (so a change that lengthens it fails here, naming the
-path), and what two ranks add to it (traced on two gloo ranks); stage 3's backward leaves no unit held and no call waiting for gradients; ``take_grads``
-writes zeros where it must without a memset of the whole unit.
+path), and what two ranks add to it (traced on two gloo ranks); stage 3's backward leaves no
+unit held and no call waiting for gradients; ``take_grads`` writes zeros where it must without a
+memset of the whole unit.
 """
 
 from __future__ import annotations
