@@ -18,6 +18,7 @@ from torch import nn
 
 import shardwise
 from shardwise.distributed import Comm
+from shardwise.zero.base import Backward
 from shardwise.zero.grads import FlatGrads, StagedGrads, private_zeros
 from shardwise.zero.layout import FlatLayout
 from shardwise.zero.masters import InPlaceMasters, ParamsAreMasters, SeparateMasters
@@ -60,14 +61,18 @@ def _layout() -> tuple[FlatLayout, nn.Parameter]:
     return FlatLayout([param], 1 << 10, 1, 0), param
 
 
+def _never(source: torch.Tensor, output: torch.Tensor) -> tuple[object, None]:
+    raise AssertionError("no reduction expected here")
+
+
 def test_flat_storage_copies_a_fresh_gradient_over_its_view_never_adds() -> None:
     layout, param = _layout()
-    grads = FlatGrads(layout, torch.float32, torch.device("cpu"), private_zeros)
+    grads = FlatGrads(layout, torch.float32, torch.device("cpu"), private_zeros, Backward(), _never)
     param.grad = torch.full((3,), 2.0)
     assert grads.take(0, param)
     assert param.grad.data_ptr() == grads.flat.data_ptr()  # param.grad is now the buffer's view
     param.grad = torch.full((3,), 5.0)  # cleared, then a fresh gradient: it is the truth
-    grads.on_grad(0, param, boundary=False)
+    grads.keep(0, param, boundary=False)
     assert torch.equal(grads.flat[:3], torch.full((3,), 5.0))  # 5, not 2 + 5
     param.grad = None
     assert not grads.take(0, param) and torch.equal(param.grad, torch.zeros(3))  # zeros, and "not used"
@@ -75,11 +80,11 @@ def test_flat_storage_copies_a_fresh_gradient_over_its_view_never_adds() -> None
 
 def test_staged_storage_takes_at_the_boundary_only_and_frees_the_gradient() -> None:
     layout, param = _layout()
-    grads = StagedGrads(layout, torch.float32, torch.device("cpu"), private_zeros)
+    grads = StagedGrads(layout, torch.float32, torch.device("cpu"), private_zeros, Backward(), _never)
     param.grad = torch.full((3,), 2.0)
-    grads.on_grad(0, param, boundary=False)  # between boundaries: left in param.grad
+    grads.keep(0, param, boundary=False)  # between boundaries: left in param.grad
     assert param.grad is not None and grads.nbytes() == 12 + grads.reduced.nbytes()
-    grads.on_grad(0, param, boundary=True)
+    grads.keep(0, param, boundary=True)
     assert param.grad is None
     assert torch.equal(grads.comm_input(layout.buckets[0])[:3], torch.full((3,), 2.0))
     assert not grads.take(0, param)  # no gradient: zeros for the sum

@@ -233,8 +233,8 @@ class Engine(DeepSpeedGetters, WeightsSurface):
             self._backwards += 1
             self._accumulated += 1
             self._reduced = self._reduced or sync
-            trained = self.strategy.trained_count()
-            if self.strategy.arrivals == 0 and trained:
+            # (counted only when no gradient arrived: not on the path of every backward)
+            if self.strategy.backward.arrivals == 0 and (trained := self.strategy.trained_count()):
                 raise RuntimeError(
                     f"rank {self.comm.rank}: the loss passed to `backward` of {self.label} reached none of its "
                     f"{trained} trainable parameter(s); most likely it was computed by another engine (call that "

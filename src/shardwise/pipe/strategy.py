@@ -60,20 +60,14 @@ class PipelineStrategy(Strategy):
     def finish_backward(self) -> None:
         self.wrapped.finish_backward()
 
-    def scale_grads(self, factor: float) -> None:
-        self.wrapped.scale_grads(factor)
+    def step(self, inner: Any, factor: float) -> None:
+        self.wrapped.step(inner, factor)
 
-    def leaving_unused_alone(self) -> contextlib.AbstractContextManager[None]:
-        return self.wrapped.leaving_unused_alone()
+    def sync_params_from_master(self) -> None:
+        self.wrapped.sync_params_from_master()
 
     def adding_to_reduced(self) -> contextlib.AbstractContextManager[None]:
         return self.wrapped.adding_to_reduced()
-
-    def optimizer_step(self, inner: Any) -> None:
-        self.wrapped.optimizer_step(inner)
-
-    def after_step(self) -> None:
-        self.wrapped.after_step()
 
     def zero_grad(self) -> None:
         self.wrapped.zero_grad()

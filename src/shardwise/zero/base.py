@@ -6,15 +6,21 @@ the stage's business.  The step pipeline is the same for all stages:
 
 ``start_backward(sync)`` → autograd (the stage's hooks reduce gradients when
 ``sync``) → ``finish_backward()`` → ``grad_sq()`` (local) → [all-reduce if
-``shards_grads``] → overflow check, unscale and clip via ``scale_grads`` →
-inner optimizer step over ``master`` pieces → ``after_step()`` (master → model
-parameters) → ``zero_grad()``.
+``shards_grads``] → overflow check and the unscale/clip factor (the optimizer) →
+``step(inner, factor)``: gradients scaled, the inner optimizer stepped over the
+stage's masters (parameters no rank had a gradient for left alone), the updated
+masters written into the model's parameters → ``zero_grad()``.
+
+``start_backward`` and ``finish_backward`` are each stage's own (no shared
+``super()`` part): they are on every gradient's path, and what they share is
+three fields of :class:`Backward`.
 """
 
 from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -25,7 +31,7 @@ from ..ownership import owner_label
 from ..param_state import ParamShard
 from ..precision import Precision
 
-__all__ = ["Strategy", "group_index", "module_order", "tensor_bytes"]
+__all__ = ["Backward", "Strategy", "group_index", "module_order", "tensor_bytes"]
 
 #: what a load applies once every rank has read its part (may be collective)
 Apply = Callable[[], None]
@@ -71,6 +77,23 @@ def group_index(groups: list[list[nn.Parameter]]) -> dict[int, int]:
     return {id(p): g for g, params in enumerate(groups) for p in params}
 
 
+@dataclass
+class Backward:
+    """What one engine's current backward is doing: written by the stage's ``start_backward`` and
+    ``finish_backward``, read by its gradient hooks (which may live on another object: the flat stages'
+    gradient storage)."""
+
+    #: whether this backward reduces (an accumulation boundary outside ``no_sync``)
+    sync: bool = False
+    #: between this engine's start_backward and finish_backward (another engine's backward
+    #: can reach this model's parameters: a GAN's generator loss flows through the discriminator)
+    active: bool = False
+    #: gradients of this engine's trainable parameters produced by its current backward
+    arrivals: int = 0
+    #: counts this engine's backwards: per-backward state elsewhere is reset when it changes
+    serial: int = 0
+
+
 class Strategy(ABC):
     """One ZeRO stage: where parameters, gradients and master weights live."""
 
@@ -87,12 +110,7 @@ class Strategy(ABC):
         self.precision = precision
         self.zero_config = zero_config
         self.inner: Any = None  # the inner optimizer; None for an inference-only engine
-        self.sync = False
-        #: between this engine's start_backward and finish_backward (another engine's backward
-        #: can reach this model's parameters: a GAN's generator loss flows through the discriminator)
-        self.in_backward = False
-        #: gradients of this engine's trainable parameters produced by its current backward
-        self.arrivals = 0
+        self.backward = Backward()
 
     def attach(self, inner: Optional[Any], initial: Optional[dict[int, torch.Tensor]] = None) -> None:
         """Take over the inner optimizer's param groups (None: inference only).
@@ -103,41 +121,29 @@ class Strategy(ABC):
         self.inner = inner
         self.initial = initial or {}
 
+    @abstractmethod
     def start_backward(self, sync: bool) -> None:
-        """Called before autograd runs; ``sync`` says whether to reduce this time."""
-        self.sync = sync
-        self.in_backward = True
-        self.arrivals = 0
+        """Called before autograd runs; ``sync`` says whether to reduce this time (sets :attr:`backward`)."""
 
+    @abstractmethod
     def finish_backward(self) -> None:
-        """Called after autograd: flush and wait for gradient reduction."""
-        self.in_backward = False
+        """Called after autograd: flush and wait for gradient reduction (``backward.active`` becomes False)."""
 
     @abstractmethod
     def grad_sq(self) -> torch.Tensor:
         """Sum of squares of this rank's reduced (still loss-scaled) fp32 gradients."""
 
     @abstractmethod
-    def scale_grads(self, factor: float) -> None:
-        """Multiply the reduced gradients by ``factor`` (unscale and clip)."""
+    def step(self, inner: Any, factor: float) -> None:
+        """The optimizer step, asked for once: the reduced gradients multiplied by ``factor`` (unscale and
+        clip), ``inner`` stepped over this stage's masters with the parameters no rank had a gradient for
+        left alone (as torch's optimizers leave a parameter whose ``.grad`` is None), and the updated
+        masters written into the model's parameters (collective where they are sharded)."""
 
     def adding_to_reduced(self) -> contextlib.AbstractContextManager[None]:
         """Around a second reducing backward before one step: the next reduction adds to the last one's result
         instead of replacing it (stage 3's reduction adds to its pieces' gradients already)."""
         return contextlib.nullcontext()
-
-    def leaving_unused_alone(self) -> contextlib.AbstractContextManager[None]:
-        """Around the optimizer step: parameters no rank had a gradient for are left alone, as torch's
-        optimizers leave a parameter whose ``.grad`` is None."""
-        return contextlib.nullcontext()
-
-    def optimizer_step(self, inner: Any) -> None:
-        """Step the inner optimizer over this stage's masters (inside ``leaving_unused_alone``)."""
-        inner.step()
-
-    @abstractmethod
-    def after_step(self) -> None:
-        """Copy updated master weights into the model's parameters."""
 
     @abstractmethod
     def zero_grad(self) -> None:
@@ -190,9 +196,9 @@ class Strategy(ABC):
         self.settle()
         return contextlib.nullcontext()
 
+    @abstractmethod
     def sync_params_from_master(self) -> None:
         """Write master weights into the model's parameters (collective; after loading)."""
-        self.after_step()
 
     def refresh_trainable(self) -> None:
         """Rebuild whatever depends on the set of trainable parameters."""
@@ -202,7 +208,7 @@ class Strategy(ABC):
         return False
 
     def trained_count(self) -> int:
-        """How many parameters this stage reduces gradients for (their hooks count ``arrivals``)."""
+        """How many parameters this stage reduces gradients for (their hooks count ``backward.arrivals``)."""
         return 0
 
     def has_pending_grads(self) -> bool:

@@ -1,32 +1,33 @@
 """Flat-bucket strategies (stages 0, 1 and 2): full parameters on every rank.
 
 What the three stages share lives here: the :class:`~.layout.FlatLayout`,
-gradient buckets reduced asynchronously from autograd hooks while backward is
-still running, the optimizer step over this rank's masters, and carrying state
-across a change of the trainable set.  Where gradients live is the stage's
+the optimizer step over this rank's masters, the all-gather of the updated
+slices behind the next forward, and carrying state across a change of the
+trainable set.  Where gradients live is the stage's
 :attr:`FlatStrategy.grad_storage` (:mod:`.grads`), built once per layout with
-the allocator the transport offers; the masters' arrangement is chosen beside
-it (:mod:`.masters`).  A stage differs only in how it reduces and regathers
-and which storage it uses:
+the allocator the transport offers: each parameter's post-accumulate hook is
+the storage's, which launches a complete bucket itself.  The masters'
+arrangement is chosen beside it (:mod:`.masters`).  A stage differs only in how
+it reduces (its ``_reduce``) and which storage it uses:
 
-* stage 0 (:mod:`.stage0`): one shard; each bucket is all-reduced and the
-  masters are copied into the parameters; a flat gradient buffer;
+* stage 0 (:mod:`.stage0`): one shard; each bucket is all-reduced, and the
+  step writes every parameter itself; a flat gradient buffer;
 * stage 1 (:mod:`.stage1`): N shards; each bucket is reduce-scattered and the
   updated slices are all-gathered; a flat gradient buffer;
 * stage 2 (:mod:`.stage2`): as stage 1, with gradients staged per bucket at
   the boundary instead of living in a full-size buffer.
 
-A bucket is
-launched once all of its parameters' gradients are in *and* every earlier
-bucket has been launched, so all ranks issue the same collectives in the same
-order even when their autograd orders differ.
+A bucket is launched once all of its parameters' gradients are in *and* every
+earlier bucket has been launched, so all ranks issue the same collectives in
+the same order even when their autograd orders differ.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from abc import abstractmethod
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -36,9 +37,10 @@ from ..param_state import ParamShard
 from .base import Strategy, group_index, module_order, tensor_bytes
 from .frozen import FrozenStore, Kept
 from .grads import Allocate, FlatGrads, GradStorage, private_zeros
-from .layout import Bucket, FlatLayout
+from .layout import FlatLayout
 from .masters import Masters, ParamsAreMasters, choose_masters
 from .offload_plan import offload_spec
+from .pending import PendingGathers
 
 __all__ = ["FlatStrategy"]
 
@@ -58,25 +60,23 @@ class FlatStrategy(Strategy):
         self.device = torch.device("cpu")
         # empty until `attach` builds them (inference: they stay empty)
         self.layout = FlatLayout([], 1, 1, 0)
-        self.grads: GradStorage = self.grad_storage(self.layout, self.precision.dtype, self.device, private_zeros)
+        self.grads: GradStorage = self._storage(private_zeros)
         self.masters: Masters = ParamsAreMasters(self.layout, self.precision.dtype, self.device)
         self.frozen = FrozenStore()
         #: per parameter id, the fp32 tensor the inner optimizer steps
         self.steps: dict[int, torch.Tensor] = {}
+        #: per bucket, (the model's region of it, this rank's updated slice inside it): what the step
+        #: all-gathers (empty with one shard: the step wrote every parameter)
+        self._gathers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: updated parameters still being gathered; waited for on first use (:mod:`.pending`)
+        self.pending = PendingGathers()
         self._hooks: list[Any] = []
         self._groups: list[list[nn.Parameter]] = []
         self._order: list[nn.Parameter] = []
         self._mask: tuple[bool, ...] = ()
-        # in flight: (work, what to do once it is done)
-        self._works: list[tuple[Work, Callable[[], None]]] = []
         self._dirty = False
-        #: per parameter, at the last reduction: whether any rank had a gradient for it (see `_count_used`)
-        self._used: list[bool] = []
         #: indices of the parameters no rank had a gradient for at the last reduction: the step leaves them alone
         self._unused: list[int] = []
-        self._used_work: Optional[tuple[Work, torch.Tensor]] = None
-        #: (sum of squared reduced gradients, the gradients' tensor versions when it was taken)
-        self._sq_parts: Optional[tuple[torch.Tensor, tuple[int, ...]]] = None
 
     def _num_shards(self) -> int:
         return self.comm.world_size
@@ -97,146 +97,53 @@ class FlatStrategy(Strategy):
         rank = self.comm.rank if self.num_shards > 1 else 0
         self.layout = FlatLayout(params, self.zero_config.reduce_bucket_size, self.num_shards, rank)
         self.device = params[0].device if params else torch.device("cpu")
-        self.grads = self.grad_storage(self.layout, self.precision.dtype, self.device, self._allocator())
+        self.grads = self._storage(self._allocator())
         offload = offload_spec(self.zero_config, self.comm.rank, self.inner)
         self.masters = choose_masters(self.layout, self.precision.dtype, self.device, self.grads, offload)
         self.masters.build(initial)
         self.steps = self.masters.steps(self.grads.reduced)
+        # fixed views for the life of this layout; one shard: the step wrote every parameter, nothing to gather
+        self._gathers = self.masters.gather_pairs() if self.layout.num_shards > 1 else []
         for group, originals in zip(self.inner.param_groups, self._groups):
             group["params"] = [self.steps[id(p)] for p in originals if id(p) in self.steps]
-        self._register_hooks()
-        self._reset_backward()
+        for index, param in enumerate(self.layout.params):  # straight to the storage: no stop here on the way
+            self._hooks.append(param.register_post_accumulate_grad_hook(functools.partial(self.grads.on_grad, index)))
         self._unused = []
+
+    def _storage(self, allocate: Allocate) -> GradStorage:
+        return self.grad_storage(self.layout, self.precision.dtype, self.device, allocate, self.backward,
+                                 self._reduce, self.precision.reduce_dtype)
 
     def _allocator(self) -> Allocate:
         """Memory every rank maps when collectives go through shared memory (a reduction then reads the
         peers' gradients in place), else this process's own; the same choice on every rank."""
         return self.comm.shm.zeros if self.comm.shm.active else private_zeros
 
-    def _register_hooks(self) -> None:
-        for index, param in enumerate(self.layout.params):
-            self._hooks.append(param.register_post_accumulate_grad_hook(self._hook_for(index)))
-
-    def _hook_for(self, index: int) -> Any:
-        def on_grad(param: torch.Tensor) -> None:
-            self._on_grad(index, param)
-
-        return on_grad
-
     # --------------------------------------------------------------- backward
-    def _reset_backward(self) -> None:
-        self._pending = [len(b.params) for b in self.layout.buckets]
-        self._seen = [False] * len(self.layout.params)
-        self._used = [True] * len(self.layout.params)
-        self._next = 0
-        self._works = []
-
     def start_backward(self, sync: bool) -> None:
         self.settle()  # parameters no forward used, and masters the next step writes
-        self._sq_parts = None
-        super().start_backward(sync)
+        backward = self.backward
+        backward.sync, backward.active, backward.arrivals = sync, True, 0
+        backward.serial += 1  # the storage starts this backward afresh at its first hook
         self._dirty = True
-        self._reset_backward()
-
-    def _on_grad(self, index: int, param: torch.Tensor) -> None:
-        """Autograd's hook: the storage keeps the gradient; at a boundary, a complete bucket is launched."""
-        # another engine's backward can reach this model: keep the gradient, reduce nothing
-        boundary = self.in_backward and self.sync and not self._seen[index]
-        self.grads.on_grad(index, param, boundary)
-        if self.in_backward:
-            self.arrivals += 1
-        if not boundary:
-            return
-        self._seen[index] = True
-        bucket, _ = self.layout.bucket_of[index]
-        self._pending[bucket.index] -= 1
-        self._launch_ready()
-
-    def _flush(self, bucket: Bucket) -> None:
-        """Before ``bucket`` is reduced: take the gradients of the parameters whose hook did not fire in this
-        backward (accumulated earlier, or none since they were cleared: zeros, and not used here)."""
-        for index in bucket.params:
-            if not self._seen[index]:
-                self._seen[index] = True
-                self._used[index] = self.grads.take(index, self.layout.params[index])
-
-    def _launch_ready(self) -> None:
-        buckets = self.layout.buckets
-        while self._next < len(buckets) and self._pending[self._next] == 0:
-            self._launch(buckets[self._next])
-            self._next += 1
-
-    def _launch(self, bucket: Bucket) -> None:
-        source = self.grads.comm_input(bucket)
-        output = self.grads.reduced.slices[bucket.index]
-        wire = self.precision.reduce_dtype
-        if wire == source.dtype:
-            work, pending = self._reduce(source, output)
-            self._works.append((work, lambda: self._keep_owned(bucket, source, pending)))
-            return
-        # `communication_data_type`: half the bytes on the wire, the result averaged back into fp32
-        low = source.to(wire)
-        low_out = torch.empty(output.numel(), dtype=wire, device=output.device)
-        work, pending = self._reduce(low, low_out)
-
-        def finish() -> None:
-            self._keep_owned(bucket, low, pending)
-            output.copy_(low_out)
-
-        self._works.append((work, finish))
-
-    def _keep_owned(self, bucket: Bucket, source: torch.Tensor, pending: Optional[torch.Tensor]) -> None:
-        """After an all-reduce that stood in for a reduce-scatter: copy this rank's slice where it belongs."""
-        if pending is None:
-            return
-        owned = source.narrow(0, self.layout.rank * bucket.shard_numel, bucket.shard_numel)
-        if owned.data_ptr() != pending.data_ptr():
-            pending.copy_(owned)
 
     @abstractmethod
     def _reduce(self, source: torch.Tensor, output: torch.Tensor) -> tuple[Work, Optional[torch.Tensor]]:
-        """Start averaging one bucket: ``source`` (full size) into ``output`` (this rank's slice).
+        """The stage's collective (:data:`.grads.Reduce`): start averaging one bucket, ``source`` (full size,
+        any float dtype) into ``output`` (this rank's slice).
 
-        Returns the work and, when the collective leaves the result in ``source``
-        instead, the slice to copy this rank's part into once it is done.
+        Returns the work and, when the collective leaves the result full-size instead (an all-reduce
+        standing in for a reduce-scatter), the tensor holding it: the storage keeps this rank's slice.
         """
 
     def finish_backward(self) -> None:
-        super().finish_backward()
-        if not self.sync:
+        self.backward.active = False
+        if not self.backward.sync:
             return
-        for bucket in self.layout.buckets[self._next :]:
-            self._flush(bucket)
-            self._launch(bucket)
-        self._next = len(self.layout.buckets)
-        self._count_used()
-        parts: list[torch.Tensor] = []
-        for index, (work, finish) in enumerate(self._works):  # one per bucket, in bucket order
-            work.wait()
-            finish()
-            # This bucket's share of the gradient norm, while later buckets are still in flight.
-            parts.append(self.grads.reduced.bucket_sq(index))
-        self._works = []
-        self.grads.reduced_all()
-        self._sq_parts = (torch.stack(parts).sum() if parts else torch.zeros(()), self.grads.reduced.versions())
-        self._find_unused()
-
-    def _count_used(self) -> None:
-        """Start summing, over the ranks, which parameters had a gradient (DDP's ``find_unused_parameters``).
-
-        One small all-reduce per step, in flight with the buckets: torch's optimizers leave a parameter
-        whose ``.grad`` is None alone (no momentum, no weight decay), and so does the step here for a
-        parameter no rank had a gradient for, at every stage alike.
-        """
-        used = torch.tensor(self._used, dtype=torch.float32, device=self.device)
-        self._used_work = (self.comm.all_reduce(used, async_op=True, label="which parameters had gradients"), used)
-
-    def _find_unused(self) -> None:
-        if self._used_work is None:
-            return
-        work, used = self._used_work
-        self._used_work = None
-        work.wait()
+        used = torch.tensor(self.grads.finish(), dtype=torch.float32, device=self.device)
+        # DDP's `find_unused_parameters`: torch's optimizers leave a parameter whose `.grad` is None alone (no
+        # momentum, no weight decay), and so does the step here for one no rank had a gradient for
+        self.comm.all_reduce(used, label="which parameters had gradients")
         self._unused = (used == 0).nonzero().view(-1).tolist()
 
     @contextlib.contextmanager
@@ -254,7 +161,7 @@ class FlatStrategy(Strategy):
         self._unused = sorted(unused & set(self._unused))
 
     @contextlib.contextmanager
-    def leaving_unused_alone(self) -> Iterator[None]:
+    def _leaving_unused_alone(self) -> Iterator[None]:
         """While the optimizer steps: the parameters no rank had a gradient for have ``.grad`` None.
 
         The model's own ``.grad`` stays None afterwards, as DDP leaves a globally unused parameter's.
@@ -275,26 +182,34 @@ class FlatStrategy(Strategy):
 
     # ------------------------------------------------------------------- step
     def grad_sq(self) -> torch.Tensor:
-        """This rank's sum of squared reduced gradients: the per-bucket sums ``finish_backward`` took while
-        waiting on the reduction, unless something wrote to the gradients since (then computed afresh)."""
-        parts = self._sq_parts
-        if parts is not None and parts[1] == self.grads.reduced.versions():
-            return parts[0]
-        return self.grads.reduced.sq()
+        """This rank's sum of squared reduced gradients (taken while the reduction was waited for)."""
+        return self.grads.reduced.norm_share()
 
-    def scale_grads(self, factor: float) -> None:
+    def step(self, inner: Any, factor: float) -> None:
+        self.settle()
         if factor != 1.0:
             self.grads.reduced.scale(factor)
-
-    def optimizer_step(self, inner: Any) -> None:
-        self.masters.step(inner)  # an offloaded arrangement steps a sub-group at a time
-
-    def after_step(self) -> None:
+        with self._leaving_unused_alone():
+            self.masters.step(inner)  # steps (an offloaded arrangement a sub-group at a time) and publishes
         self._regather()
 
-    @abstractmethod
+    def sync_params_from_master(self) -> None:
+        self.settle()
+        self.masters.publish()
+        self._regather()
+
     def _regather(self) -> None:
-        """Make the model's parameters equal to the updated masters (collective when sharded)."""
+        """Start the all-gather of every bucket's updated slice, in forward order, and return.
+
+        The last bucket holds the first layers (buckets follow backward order), so it goes first.
+        """
+        params = self.layout.params
+        for bucket, (region, owned) in reversed(list(zip(self.layout.buckets, self._gathers))):
+            work = self.comm.all_gather(region, owned, async_op=True, label=f"parameters, bucket {bucket.index}")
+            self.pending.start(bucket.index, work, [params[i] for i in bucket.params])
+
+    def settle(self) -> None:
+        self.pending.wait_all()
 
     def zero_grad(self) -> None:
         """Gradients become None, as torch's default; the storage is overwritten, not zeroed (:mod:`.grads`)."""

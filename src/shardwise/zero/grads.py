@@ -1,6 +1,6 @@
-"""Where the flat stages keep gradients: chosen once per stage, beside the masters' arrangement.
+"""Where the flat stages keep gradients, from autograd's hooks to the reduced gradient.
 
-Two storages, one class each:
+Chosen once per stage, beside the masters' arrangement.  Two storages, one class each:
 
 * :class:`FlatGrads` (stages 0 and 1): one full-size flat buffer that
   ``param.grad`` views into, as DDP's ``gradient_as_bucket_view``; a bucket is
@@ -17,6 +17,14 @@ Each also says where this rank's averaged fp32 gradient lands
 shard) and whether ``param.grad`` holds the full-size gradient the masters may
 step in place (:attr:`GradStorage.in_params`).
 
+The storage is where a gradient goes first: each parameter's post-accumulate
+hook is :meth:`GradStorage.on_grad`.  At a boundary it counts the bucket's
+arrivals, and a bucket complete (with every earlier one launched, so all ranks
+issue the same collectives in the same order) is handed to the stage's
+collective (the ``reduce`` it was built with: the one thing stages 0, 1 and 2
+do differently there).  :meth:`GradStorage.finish` waits for every bucket and
+takes the gradient norm's share of each while later ones are still in flight.
+
 ``param.grad`` is the truth, as in plain PyTorch: whatever cleared it (the
 engine's ``zero_grad``, ``module.zero_grad()``, ``p.grad = None``) discarded
 what the storage held, and autograd hands over a fresh tensor that holds
@@ -26,17 +34,23 @@ everything since; it is copied over the storage, never added.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .base import tensor_bytes
+from ..distributed import Work
+from .base import Backward, tensor_bytes
 from .layout import Bucket, FlatLayout
 
-__all__ = ["Allocate", "FlatGrads", "GradStorage", "ReducedGrads", "StagedGrads", "private_zeros"]
+__all__ = ["Allocate", "FlatGrads", "GradStorage", "Reduce", "ReducedGrads", "StagedGrads", "private_zeros"]
 
 #: ``allocate(numel, dtype, device)``: a zeroed flat tensor (collective when the memory is shared)
 Allocate = Callable[[int, torch.dtype, torch.device], torch.Tensor]
+
+#: the stage's collective, ``reduce(source, output)``: start averaging ``source`` (a bucket's local gradients,
+#: full size, any float dtype) into ``output`` (this rank's slice); returns the work and, when the result is
+#: left full-size instead (an all-reduce standing in for a reduce-scatter), the tensor holding it
+Reduce = Callable[[torch.Tensor, torch.Tensor], tuple[Work, Optional[torch.Tensor]]]
 
 
 def private_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -52,6 +66,8 @@ class ReducedGrads:
         #: all of them as one tensor when they are contiguous (one kernel for the norm)
         self.contiguous = contiguous
         self._owned = owned
+        #: (sum of squares taken while the reduction was waited for, the slices' versions then)
+        self._share: Optional[tuple[torch.Tensor, tuple[int, ...]]] = None
 
     @classmethod
     def in_buffer(cls, layout: FlatLayout, grad_flat: torch.Tensor) -> "ReducedGrads":
@@ -75,13 +91,29 @@ class ReducedGrads:
         return tuple(s._version for s in self.slices)
 
     def sq(self) -> torch.Tensor:
-        """Sum of squares (this rank's part)."""
+        """Sum of squares (this rank's part), computed now."""
         if self.contiguous is not None:
             grad = self.contiguous.float()
             return torch.dot(grad, grad) if grad.numel() else grad.new_zeros(())
         if not self.slices:
             return torch.zeros((), dtype=torch.float32)
         return torch.stack([self.bucket_sq(index) for index in range(len(self.slices))]).sum()
+
+    def note_share(self, sq: torch.Tensor) -> None:
+        """The sum of squares was taken as the reduction finished: :meth:`norm_share` returns it while the
+        gradients stay untouched."""
+        self._share = (sq, self.versions())
+
+    def forget_share(self) -> None:
+        self._share = None
+
+    def norm_share(self) -> torch.Tensor:
+        """This rank's sum of squares: the one noted while the reduction was waited for, unless something
+        wrote to the gradients since (a user's own scaling between backward and step: then computed afresh)."""
+        share = self._share
+        if share is not None and share[1] == self.versions():
+            return share[0]
+        return self.sq()
 
     def scale(self, factor: float) -> None:
         if self.contiguous is not None:
@@ -97,19 +129,130 @@ class ReducedGrads:
         return self.contiguous.numel() * self.contiguous.element_size()
 
 
+class _InFlight(NamedTuple):
+    """One bucket's reduction: what to wait for and where its result goes."""
+
+    work: Work
+    bucket: Bucket
+    #: the full-size result to keep this rank's slice of (None: the collective wrote ``landed`` itself)
+    full: Optional[torch.Tensor]
+    #: this rank's slice as the collective leaves it (in the wire dtype)
+    landed: torch.Tensor
+    #: the fp32 slice the optimizer reads, when ``landed`` is a low-precision copy of it (else None)
+    output: Optional[torch.Tensor]
+
+
 class GradStorage(ABC):
-    """This rank's gradients for a :class:`FlatLayout`, from autograd's hooks to the reduction."""
+    """This rank's gradients for a :class:`FlatLayout`, from autograd's hooks to the reduction.
+
+    ``backward`` is the strategy's (what the current backward does); ``reduce`` the stage's collective;
+    ``wire`` the dtype gradients travel in (``communication_data_type``), averaged back into fp32.
+    """
 
     #: whether ``param.grad`` holds the full-size gradient, averaged in place (the masters may be the params)
     in_params = False
 
-    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, allocate: Allocate) -> None:
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, allocate: Allocate,
+                 backward: Backward, reduce: Reduce, wire: torch.dtype = torch.float32) -> None:
         self.layout = layout
         self.device = device
-        self.reduced = ReducedGrads.separate(layout, device)
+        self.backward = backward
+        self._reduce = reduce
+        self._wire = wire
+        self.reduced = self._reduced_grads(dtype)
+        self._reset()
 
+    def _reduced_grads(self, dtype: torch.dtype) -> ReducedGrads:
+        return ReducedGrads.separate(self.layout, self.device)
+
+    # ---------------------------------------------------------- per backward
+    def _reset(self) -> None:
+        """A new backward of the engine: nothing seen, nothing launched."""
+        self._serial = self.backward.serial
+        self._pending = [len(b.params) for b in self.layout.buckets]
+        self._seen = [False] * len(self.layout.params)
+        #: per parameter: whether this rank had a gradient for it (see :meth:`finish`)
+        self._used = [True] * len(self.layout.params)
+        self._next = 0
+        self._works: list[_InFlight] = []
+        self.reduced.forget_share()
+
+    def on_grad(self, index: int, param: torch.Tensor) -> None:
+        """Autograd's post-accumulate hook of parameter ``index``: keep the gradient; at a boundary, launch
+        each bucket once it is complete and every earlier one is launched."""
+        backward = self.backward
+        if backward.serial != self._serial:
+            self._reset()
+        # another engine's backward can reach this model: keep the gradient, reduce nothing
+        boundary = backward.active and backward.sync and not self._seen[index]
+        self.keep(index, param, boundary)
+        if backward.active:
+            backward.arrivals += 1
+        if not boundary:
+            return
+        self._seen[index] = True
+        bucket, _ = self.layout.bucket_of[index]
+        self._pending[bucket.index] -= 1
+        buckets = self.layout.buckets
+        while self._next < len(buckets) and self._pending[self._next] == 0:
+            self._launch(buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Hand ``bucket`` to the stage's collective (in the wire dtype), its result landing in fp32."""
+        source = self.comm_input(bucket)
+        output = self.reduced.slices[bucket.index]
+        if self._wire == output.dtype:
+            work, full = self._reduce(source, output)
+            self._works.append(_InFlight(work, bucket, full, output, None))
+            return
+        # `communication_data_type`: half the bytes on the wire, the result averaged back into fp32 (a copy:
+        # the storage's own gradients stay as they are)
+        low = source.to(self._wire, copy=True)
+        landed = torch.empty(output.numel(), dtype=self._wire, device=output.device)
+        work, full = self._reduce(low, landed)
+        self._works.append(_InFlight(work, bucket, full, landed, output))
+
+    def _complete(self, flight: _InFlight) -> None:
+        flight.work.wait()
+        bucket = flight.bucket
+        if flight.full is not None:  # an all-reduce stood in for a reduce-scatter: keep this rank's slice
+            owned = flight.full.narrow(0, self.layout.rank * bucket.shard_numel, bucket.shard_numel)
+            if owned.data_ptr() != flight.landed.data_ptr():
+                flight.landed.copy_(owned)
+        if flight.output is not None:
+            flight.output.copy_(flight.landed)
+
+    def finish(self) -> list[bool]:
+        """After a reducing backward's autograd: take the gradients whose hook did not fire, launch what is
+        left, wait for every bucket (noting the norm's share of each while later ones are in flight).
+        Returns, per parameter, whether this rank had a gradient for it."""
+        if self.backward.serial != self._serial:
+            self._reset()  # no hook of this backward fired
+        for bucket in self.layout.buckets[self._next :]:
+            self._flush(bucket)
+            self._launch(bucket)
+        self._next = len(self.layout.buckets)
+        parts = []
+        for index, flight in enumerate(self._works):  # one per bucket, in bucket order
+            self._complete(flight)
+            parts.append(self.reduced.bucket_sq(index))
+        self._works = []
+        self._reduced_all()
+        self.reduced.note_share(torch.stack(parts).sum() if parts else torch.zeros(()))
+        return self._used
+
+    def _flush(self, bucket: Bucket) -> None:
+        """Before ``bucket`` is reduced: take the gradients of the parameters whose hook did not fire in this
+        backward (accumulated earlier, or none since they were cleared: zeros, and not used here)."""
+        for index in bucket.params:
+            if not self._seen[index]:
+                self._seen[index] = True
+                self._used[index] = self.take(index, self.layout.params[index])
+
+    # -------------------------------------------------------- the storage's own
     @abstractmethod
-    def on_grad(self, index: int, param: torch.Tensor, boundary: bool) -> None:
+    def keep(self, index: int, param: torch.Tensor, boundary: bool) -> None:
         """Autograd finished accumulating ``param``'s gradient; ``boundary``: the first time in a backward
         that reduces, so it goes where the reduction reads it (as :meth:`take` does)."""
 
@@ -122,7 +265,7 @@ class GradStorage(ABC):
     def comm_input(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's summed local gradients as a full-size tensor, the reduction's input."""
 
-    def reduced_all(self) -> None:
+    def _reduced_all(self) -> None:
         """Every bucket's reduction has finished."""
 
     @abstractmethod
@@ -135,17 +278,21 @@ class FlatGrads(GradStorage):
 
     in_params = True
 
-    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, allocate: Allocate) -> None:
-        self.layout = layout
-        self.device = device
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, allocate: Allocate,
+                 backward: Backward, reduce: Reduce, wire: torch.dtype = torch.float32) -> None:
         self.flat = allocate(layout.padded_numel, dtype, device)
         # each parameter's gradient view, built once: every hook compares against it
         self._views = [layout.param_slice(self.flat, i).view_as(p) for i, p in enumerate(layout.params)]
-        # fp32: the averages land in the buffer itself; fp16/bf16: in an fp32 shard of their own
-        in_place = dtype == torch.float32
-        self.reduced = ReducedGrads.in_buffer(layout, self.flat) if in_place else ReducedGrads.separate(layout, device)
+        self._regions = [layout.bucket_slice(self.flat, b) for b in layout.buckets]
+        super().__init__(layout, dtype, device, allocate, backward, reduce, wire)
 
-    def on_grad(self, index: int, param: torch.Tensor, boundary: bool) -> None:
+    def _reduced_grads(self, dtype: torch.dtype) -> ReducedGrads:
+        # fp32: the averages land in the buffer itself; fp16/bf16: in an fp32 shard of their own
+        if dtype == torch.float32:
+            return ReducedGrads.in_buffer(self.layout, self.flat)
+        return ReducedGrads.separate(self.layout, self.device)
+
+    def keep(self, index: int, param: torch.Tensor, boundary: bool) -> None:
         self.take(index, param)  # at every backward, boundary or not: the buffer is where gradients accumulate
 
     def take(self, index: int, param: torch.Tensor) -> bool:
@@ -166,8 +313,9 @@ class FlatGrads(GradStorage):
         return grad is not None
 
     def comm_input(self, bucket: Bucket) -> torch.Tensor:
-        region = self.layout.bucket_slice(self.flat, bucket)
-        return region if region.dtype == torch.float32 else region.float()
+        # in the compute dtype: the stage's collective casts it once, where it needs fp32 (stage 0 straight
+        # into the fp32 slice it averages in place, instead of a cast copy and then a copy)
+        return self._regions[bucket.index]
 
     def nbytes(self) -> int:
         return tensor_bytes(self.flat) + self.reduced.nbytes()
@@ -176,11 +324,12 @@ class FlatGrads(GradStorage):
 class StagedGrads(GradStorage):
     """Per-bucket fp32 staging at the boundary; ``param.grad`` full-size only between boundaries (stage 2)."""
 
-    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, allocate: Allocate) -> None:
-        super().__init__(layout, dtype, device, allocate)
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, allocate: Allocate,
+                 backward: Backward, reduce: Reduce, wire: torch.dtype = torch.float32) -> None:
         self._staging: dict[int, torch.Tensor] = {}
+        super().__init__(layout, dtype, device, allocate, backward, reduce, wire)
 
-    def on_grad(self, index: int, param: torch.Tensor, boundary: bool) -> None:
+    def keep(self, index: int, param: torch.Tensor, boundary: bool) -> None:
         if boundary:  # between boundaries the gradient accumulates in `param.grad`, where autograd put it
             self.take(index, param)
 
@@ -204,7 +353,7 @@ class StagedGrads(GradStorage):
             self._staging[bucket.index] = staging
         return staging
 
-    def reduced_all(self) -> None:
+    def _reduced_all(self) -> None:
         self._staging.clear()
 
     def nbytes(self) -> int:

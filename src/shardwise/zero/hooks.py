@@ -151,6 +151,8 @@ class Gatherer:
         self._next_use: list[Optional[int]] = []
         self._cursor = 0
         self._bw_calls: list[_Call] = []
+        #: per unit, the backward calls with no post-backward that hold it: released when its gradients are in
+        self.held_for_grads: dict[Unit, list[_Call]] = {}
         self._bw_extra: list[Unit] = []
         self._bw_task = -1
         self._bw_trace: list[Unit] = []
@@ -447,6 +449,9 @@ class Gatherer:
             self.acquire(unit)
         call.held = list(call.units)
         self._bw_calls.append(call)
+        if not call.post:
+            for unit in call.units:
+                self.held_for_grads.setdefault(unit, []).append(call)
         self._prefetch_backward(call)
 
     def _prefetch_backward(self, call: _Call) -> None:
@@ -464,8 +469,8 @@ class Gatherer:
 
     def grads_ready(self, unit: Unit) -> None:
         """All trainable parameters of ``unit`` have their gradient: calls with no post-backward let go."""
-        for call in self._bw_calls:
-            if not call.post and unit in call.held:
+        for call in self.held_for_grads.pop(unit, ()):
+            if unit in call.held:
                 call.held.remove(unit)
                 self.release(unit)
 
@@ -477,6 +482,7 @@ class Gatherer:
         for unit in extra:
             self.release(unit)
         self._bw_calls = []
+        self.held_for_grads = {}
         self._bw_task = -1
         self._move(TrainingState.IDLE, "end a backward")
         self.free_idle()

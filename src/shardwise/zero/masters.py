@@ -9,7 +9,8 @@ Four arrangements of the master weights, one class each:
   flat buffer of the model; this rank's slice of each bucket *is* its master,
   so the all-gather after the step runs in place and no copy exists.
 * :class:`SeparateMasters` (fp16/bf16): the parameters live in a flat buffer of
-  the compute dtype; the masters are a separate fp32 shard, cast when published.
+  the compute dtype; the masters are a separate fp32 shard, cast into this
+  rank's slice of it when published (the all-gather then runs in place too).
 
 Chosen beside the gradient storage (:mod:`.grads`), whose averaged gradients
 the masters' ``.grad`` view.  The strategy asks its arrangement for what to step and what to gather and
@@ -26,7 +27,7 @@ from ..distributed import Comm
 from ..param_state import KeptSlot, OptimizerSlot
 from .frozen import Kept
 from .grads import GradStorage, ReducedGrads
-from .layout import Bucket, FlatLayout
+from .layout import FlatLayout
 from .masters_base import Gather, Masters
 from .offload_plan import OffloadSpec
 from .offloaded import OffloadedMasters
@@ -47,9 +48,6 @@ class ParamsAreMasters(Masters):
 
     def gather_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return []  # the optimizer updated the parameters themselves
-
-    def copy_into_params(self) -> None:
-        pass
 
     def shard(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.layout.params]) if self.layout.params else torch.zeros(0)
@@ -87,7 +85,7 @@ class InPlaceMasters(Masters):
 
     def build(self, initial: Mapping[int, torch.Tensor]) -> None:
         self._flatten(torch.float32)
-        self.slices = [self.layout.owned_slice(self.param_flat, b) for b in self.layout.buckets]
+        self.slices = self.owned  # the masters are this rank's slices of the model's buffer: nothing to publish
 
     def shard(self) -> torch.Tensor:
         return torch.cat(self.slices) if self.slices else torch.zeros(0)
@@ -110,9 +108,6 @@ class SeparateMasters(Masters):
             param = layout.params[piece.param]
             source = initial.get(id(param), param.data).reshape(-1)
             self.master.narrow(0, piece.shard_offset, piece.numel).copy_(source[piece.start : piece.end])
-
-    def _published(self, bucket: Bucket) -> torch.Tensor:
-        return self.slices[bucket.index].to(self.dtype)
 
     def shard(self) -> torch.Tensor:
         return self.master

@@ -16,7 +16,7 @@ from ..param_state import OptimizerSlot, StateSlot
 from .carry import export_state, import_state
 from .frozen import Kept
 from .grads import ReducedGrads
-from .layout import Bucket, FlatLayout
+from .layout import FlatLayout
 
 __all__ = ["Gather", "Masters"]
 
@@ -37,6 +37,8 @@ class Masters(ABC):
         self.param_flat = torch.empty(0)
         #: per bucket, this rank's fp32 master slice
         self.slices: list[torch.Tensor] = []
+        #: per bucket, this rank's slice of ``param_flat`` (where :meth:`publish` writes the masters)
+        self.owned: list[torch.Tensor] = []
 
     @abstractmethod
     def build(self, initial: Mapping[int, torch.Tensor]) -> None:
@@ -50,6 +52,7 @@ class Masters(ABC):
             view = layout.param_slice(self.param_flat, index)
             view.copy_(param.detach().reshape(-1))
             param.data = view.view_as(param)
+        self.owned = [layout.owned_slice(self.param_flat, b) for b in layout.buckets]
 
     def steps(self, grads: ReducedGrads) -> dict[int, torch.Tensor]:
         """Per parameter id, the fp32 tensor the inner optimizer steps, its ``.grad`` wired to ``grads``."""
@@ -64,24 +67,20 @@ class Masters(ABC):
         return views
 
     def gather_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per bucket: (the model's region of it, this rank's master slice in the compute dtype).
+        """Per bucket: (the model's region of it, this rank's slice inside that region), fixed views.
 
-        An all-gather of each pair re-assembles the updated parameters; with one
-        shard, copying the second into the first does.
+        After :meth:`publish` this rank's slice holds its updated values, so an all-gather of each pair,
+        in place, re-assembles the updated parameters.
         """
         layout = self.layout
-        return [(layout.bucket_slice(self.param_flat, b), self._published(b)) for b in layout.buckets]
+        return [(layout.bucket_slice(self.param_flat, b), owned) for b, owned in zip(layout.buckets, self.owned)]
 
-    def _published(self, bucket: Bucket) -> torch.Tensor:
-        return self.slices[bucket.index]
-
-    def copy_into_params(self) -> None:
-        """One shard: write the masters into the model's parameters (cast to the compute dtype)."""
-        layout = self.layout
-        for bucket in layout.buckets:
-            region, master = layout.bucket_slice(self.param_flat, bucket), self.slices[bucket.index]
-            if region.data_ptr() != master.data_ptr():
-                region.copy_(master)
+    def publish(self) -> None:
+        """Write the masters into this rank's slice of the model's parameters (cast to the compute dtype);
+        nothing where they are that slice already (or where the parameters are the masters)."""
+        for owned, master in zip(self.owned, self.slices):
+            if owned.data_ptr() != master.data_ptr():
+                owned.copy_(master)
 
     @abstractmethod
     def shard(self) -> torch.Tensor:
@@ -94,8 +93,10 @@ class Masters(ABC):
         return {id(p): layout.param_slice(flat, i).view_as(p).clone() for i, p in enumerate(layout.params)}
 
     def step(self, inner: Any) -> None:
-        """Step the inner optimizer over the masters (an offloaded arrangement steps them a part at a time)."""
+        """Step the inner optimizer over the masters and :meth:`publish` them (an offloaded arrangement steps
+        them a part at a time)."""
         inner.step()
+        self.publish()
 
     def piece(self, index: int, key: torch.Tensor, state: MutableMapping[Any, Any]) -> tuple[torch.Tensor, StateSlot]:
         """Piece ``index``'s writable fp32 master and where its optimizer state lives, for a checkpoint

@@ -32,7 +32,7 @@ from ..param_state import StateSlot, is_per_element
 from .carry import export_state
 from .frozen import Kept
 from .grads import ReducedGrads
-from .layout import Bucket, FlatLayout
+from .layout import FlatLayout
 from .masters_base import Gather, Masters
 from .nvme_files import NvmeFiles, OffloadIOError
 from .offload_plan import OffloadSpec, plan_sub_groups
@@ -240,15 +240,8 @@ class OffloadedMasters(Masters):
         return self.layout.param_slice(self.param_flat, piece.param).narrow(0, piece.start, piece.numel)
 
     # ------------------------------------------------------------- publishing
-    def gather_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        self._refresh()
-        return super().gather_pairs()
-
-    def _published(self, bucket: Bucket) -> torch.Tensor:
-        return self.layout.owned_slice(self.param_flat, bucket)  # the step wrote the updated values there
-
-    def copy_into_params(self) -> None:
-        self._refresh()
+    def publish(self) -> None:
+        self._refresh()  # the step wrote the updated values into this rank's slice already
 
     def _refresh(self) -> None:
         """After a load wrote the files: their masters into the model's parameters.

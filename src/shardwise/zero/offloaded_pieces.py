@@ -157,7 +157,7 @@ class OffloadedPieces(Pieces):
             self.chunk_kinds[chunk], self.small[chunk] = set(), {}
 
     # ------------------------------------------------------------------- step
-    def step(self, inner: Any) -> None:
+    def _step_inner(self, inner: Any) -> None:
         """One optimizer step over every sub-group with something to step: read ahead, step, publish, write behind."""
         self.publish()  # after a load: the files' masters into the shards first
         self._release_published([])  # (a unit a failed step left pinned)

@@ -19,7 +19,10 @@ class ZeroOptimizer(ShardwiseOptimizer):
     One all-reduce of a single scalar (the squared gradient norm, for sharded
     gradients) serves both clipping and overflow detection: an inf or NaN
     anywhere makes the global sum non-finite on every rank, so all ranks skip
-    the same step.
+    the same step.  The strategy is asked twice: for this rank's share of the
+    norm (a pipeline's strategy takes its tied copies out of it before the sum,
+    :mod:`shardwise.pipe.strategy`), and for the step itself with the factor
+    that unscales and clips.
     """
 
     def __init__(
@@ -62,10 +65,7 @@ class ZeroOptimizer(ShardwiseOptimizer):
         if self.clip > 0:
             # torch.nn.utils.clip_grad_norm_'s rule, so results match it exactly
             factor *= min(1.0, self.clip / (self.last_grad_norm + 1e-6))
-        self.strategy.scale_grads(factor)
-        with self.strategy.leaving_unused_alone():
-            self.strategy.optimizer_step(self.inner)
-        self.strategy.after_step()
+        self.strategy.step(self.inner, factor)  # scale, leave unused alone, step the masters, publish them
         self.precision.scaler.update(overflow=False)
         return True
 

@@ -360,15 +360,20 @@ class Unit:
     def take_grads(self, indices: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, set[int]]:
         """The gradients of parameters ``indices`` in one full-size flat tensor of ``dtype`` (zeros where a
         parameter has none), and which had one; their ``param.grad`` is released."""
-        flat = torch.zeros(self.padded, dtype=dtype, device=self.device)
+        # every element is written once below (a gradient, or zeros), so no memset of the whole unit first
+        flat = torch.empty(self.padded, dtype=dtype, device=self.device)
+        flat.narrow(0, self.numel, self.padded - self.numel).zero_()
+        wanted = set(indices)
         had_grad = set()
         with torch._C.DisableTorchFunctionSubclass():
-            for index in indices:
-                param = self.params[index]
-                if param.grad is not None:
-                    self.param_view(flat, index).copy_(param.grad)
-                    param.grad = None
-                    had_grad.add(index)
+            for index, param in enumerate(self.params):
+                view = self.param_view(flat, index)
+                if index not in wanted or param.grad is None:
+                    view.zero_()
+                    continue
+                view.copy_(param.grad)
+                param.grad = None
+                had_grad.add(index)
         return flat, had_grad
 
     def view_params(self) -> None:

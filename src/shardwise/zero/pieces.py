@@ -155,7 +155,7 @@ class Pieces(ABC):
     def add_reduced(self, unit: Unit, output: torch.Tensor, trainable: list[int], scale: float) -> None:
         """Add ``scale`` times this rank's slice ``output`` of ``unit``'s reduced gradients to the gradients of
         its pieces of the ``trainable`` parameters (fp32, allocated by the first add after :meth:`zero_grads`).
-        (Which of them no rank had a gradient for, the step's ``leaving_unused_alone`` knows.)"""
+        (Which of them no rank had a gradient for, :meth:`step` is told.)"""
         for piece in self.by_unit.get(unit, ()):
             master = piece.master
             if master is None or piece.index not in trainable:
@@ -167,6 +167,25 @@ class Pieces(ABC):
                 piece.grad.add_(reduced, alpha=scale)
             master.grad = piece.grad
 
+    def step(self, inner: Any, factor: float, used: set[tuple[Unit, int]]) -> None:
+        """The optimizer step over this rank's masters, in one call: their gradients multiplied by ``factor``
+        (unscale and clip), ``inner`` stepped with the pieces of parameters no rank had a gradient for (their
+        ``(unit, index)`` not in ``used``) left alone, as torch leaves a parameter whose ``.grad`` is None (no
+        momentum, no weight decay), then the updated masters published into the shards."""
+        grads = self.grads()
+        if factor != 1.0 and grads:
+            torch._foreach_mul_(grads, factor)
+        hidden = [(p.master, p.master.grad) for p in self.all
+                  if p.master is not None and p.master.grad is not None and (p.unit, p.index) not in used]
+        for master, _ in hidden:
+            master.grad = None
+        try:
+            self._step_inner(inner)
+        finally:
+            for master, grad in hidden:
+                master.grad = grad
+        self.publish()
+
     def zero_grads(self) -> None:
         for piece in self.all:
             piece.grad = None  # the next reduction allocates it again
@@ -174,7 +193,7 @@ class Pieces(ABC):
                 piece.master.grad = None
 
     # -------------------------------------------------- values to the model
-    def step(self, inner: Any) -> None:
+    def _step_inner(self, inner: Any) -> None:
         """Step the inner optimizer over the trainable masters (an offloaded arrangement steps a part at a time)."""
         inner.step()
 

@@ -3,7 +3,8 @@
 Every rank holds everything.  Gradients live in one flat buffer that
 ``param.grad`` views into (as DDP's ``gradient_as_bucket_view``); each bucket
 is all-reduced asynchronously as soon as autograd has filled it.  In fp32 the
-model's own parameters are the master weights, so memory matches DDP.
+model's own parameters are the master weights, so memory matches DDP; with one
+shard the step writes every parameter itself, so there is nothing to regather.
 """
 
 from __future__ import annotations
@@ -28,9 +29,6 @@ class Stage0(FlatStrategy):
 
     def _reduce(self, source: torch.Tensor, output: torch.Tensor) -> tuple[Work, Optional[torch.Tensor]]:
         if source.data_ptr() != output.data_ptr():
-            output.copy_(source)  # bf16/fp16: the fp32 copy of the bucket is averaged where the optimizer reads it
+            # bf16/fp16: the bucket cast once, straight into the fp32 slice the optimizer reads, averaged there
+            output.copy_(source)
         return self.comm.all_reduce(output, async_op=True), None
-
-    def _regather(self) -> None:
-        # every rank stepped every master: copy them into the parameters (nothing to do when they are the same)
-        self.masters.copy_into_params()

@@ -3,7 +3,7 @@
 Gradients stay full-size on every rank (a flat buffer ``param.grad`` views
 into); at the accumulation boundary each bucket is reduce-scattered, so a rank
 receives the averaged gradient of exactly the slice it owns, steps that slice,
-and all-gathers the updated parameters.
+and all-gathers the updated parameters (:meth:`.FlatStrategy._regather`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 
 from ..distributed import Work
 from .flat import FlatStrategy
-from .pending import PendingGathers
 
 __all__ = ["Stage1", "uses_reduce_scatter"]
 
@@ -41,8 +40,6 @@ class Stage1(FlatStrategy):
         super().__init__(*args, **kwargs)
         self.reduce_scatter = uses_reduce_scatter(self.zero_config.reduce_scatter, self.comm.backend,
                                                   self.comm.shm.active)
-        #: updated parameters still being gathered; waited for on first use (:mod:`.pending`)
-        self.pending = PendingGathers()
 
     def describe_reduction(self) -> str:
         how = "reduce-scatter" if self.reduce_scatter else "all-reduce, keeping this rank's slice"
@@ -50,22 +47,9 @@ class Stage1(FlatStrategy):
         return f"gradients averaged by {how} ({why}: `zero_optimization.reduce_scatter`)"
 
     def _reduce(self, source: torch.Tensor, output: torch.Tensor) -> tuple[Work, Optional[torch.Tensor]]:
+        if source.dtype != output.dtype:
+            source = source.to(output.dtype)  # bf16/fp16 gradients averaged in fp32
         if not self.reduce_scatter:
             # Twice the bytes of a reduce-scatter, then the owned slice is kept.
-            return self.comm.all_reduce(source, async_op=True), output
+            return self.comm.all_reduce(source, async_op=True), source
         return self.comm.reduce_scatter(output, source, async_op=True), None
-
-    def _regather(self) -> None:
-        """Start the all-gather of every bucket's updated slices, in forward order, and return.
-
-        The last bucket holds the first layers (buckets follow backward order), so it goes first.
-        """
-        self.pending.wait_all()
-        pairs = self.masters.gather_pairs()  # empty where the optimizer updated the parameters themselves
-        params = self.layout.params
-        for bucket, (region, master) in reversed(list(zip(self.layout.buckets, pairs))):
-            work = self.comm.all_gather(region, master, async_op=True, label=f"parameters, bucket {bucket.index}")
-            self.pending.start(bucket.index, work, [params[i] for i in bucket.params])
-
-    def settle(self) -> None:
-        self.pending.wait_all()

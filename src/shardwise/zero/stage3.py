@@ -27,7 +27,7 @@ dropped by it) and ``param.grad`` is released.  Units are reduced in
 a fixed order (reverse order of first use in forward, then the rest), so all
 ranks issue the same collectives in the same order.
 
-Step.  ``after_step`` copies the updated pieces into the local slice of each
+Step.  ``step`` (through ``Pieces.step``) copies the updated pieces into the local slice of each
 unit (nothing to copy in fp32): no communication, the next forward gathers
 the new values.  Only the persistent unit is re-gathered.
 
@@ -54,7 +54,7 @@ from .gathered import GatheredParameters
 from .hooks import Gatherer
 from .offload_plan import offload_spec
 from .offloaded_shards import ShardCache, offloads_params, shard_cache
-from .params import Unit, UnitError, is_partitioned, restore_parameter, unit_of
+from .params import Unit, UnitError, UnitState, is_partitioned, restore_parameter, unit_of
 from .pieces import Piece
 from .pieces_choice import choose_pieces
 
@@ -92,6 +92,8 @@ class Stage3(Strategy):
         self._dirty = False
         #: (unit, index) of the trainable parameters this rank had a gradient for in this backward
         self._had: set[tuple[Unit, int]] = set()
+        #: where the reduced gradients live (the flags' all-reduce must use the same device as the collectives)
+        self._grad_device = torch.device("cpu")
         #: (unit, index) of those any rank had a gradient for since `zero_grad`: the step leaves the rest alone
         self._used: set[tuple[Unit, int]] = set()
 
@@ -161,7 +163,9 @@ class Stage3(Strategy):
 
     # ============================================================ backward
     def start_backward(self, sync: bool) -> None:
-        super().start_backward(sync)
+        backward = self.backward
+        backward.sync, backward.active, backward.arrivals = sync, True, 0
+        backward.serial += 1
         self._dirty = True
         self._arrived = {}
         self._ready = set()
@@ -173,15 +177,17 @@ class Stage3(Strategy):
 
     def _on_grad(self, unit: Unit, index: int, param: torch.Tensor) -> None:
         """Parameter ``index`` of ``unit`` got its gradient: reduce the unit once all of its have."""
-        if unit not in self._trainable or not self.in_backward:
+        backward = self.backward
+        if unit not in self._trainable or not backward.active:
             return  # (not in this engine's backward: another engine's loss reached this model)
-        self.arrivals += 1
+        backward.arrivals += 1
         arrived = self._arrived.setdefault(unit, set())
         arrived.add(index)
         if len(arrived) < len(self._trainable[unit]):
             return
-        self.gatherer.grads_ready(unit)
-        if self.sync and unit not in self._ready:
+        if unit in self.gatherer.held_for_grads:  # a call with no post-backward holds it until now
+            self.gatherer.grads_ready(unit)
+        if backward.sync and unit not in self._ready:
             self._ready.add(unit)
             while self._next < len(self._order) and self._order[self._next] in self._ready:
                 self._launch(self._order[self._next])
@@ -192,6 +198,7 @@ class Stage3(Strategy):
         wire = self.precision.reduce_dtype
         source, had_grad = unit.take_grads(self._trainable[unit], wire)
         self._had.update((unit, index) for index in had_grad)
+        self._grad_device = source.device
         output = torch.empty(unit.shard_numel, dtype=wire, device=source.device)
         work = self.comm.reduce_scatter(output, source, async_op=True, label=unit.label)
         self._works.append((work, unit, source, output, had_grad))
@@ -204,45 +211,26 @@ class Stage3(Strategy):
         self.pieces.add_reduced(unit, output, self._trainable[unit], 1.0 / self.comm.world_size)
 
     def finish_backward(self) -> None:
-        super().finish_backward()
+        self.backward.active = False
         self.gatherer.forward_order = {}
-        if not self.sync:
+        if not self.backward.sync:
             return
         for unit in self._order[self._next :]:
             self._launch(unit)
         self._next = len(self._order)
-        used = self._count_used()
         for entry in self._works:
             self._complete(entry)
         self._works = []
-        self._find_used(*used)
+        self._note_used()
 
-    def _count_used(self) -> tuple[Any, torch.Tensor, list[tuple[Unit, int]]]:
-        """Start summing, over the ranks, which trainable parameters had a gradient (as the flat stages do:
-        one small all-reduce per step, in flight with the last reductions)."""
+    def _note_used(self) -> None:
+        """Sum, over the ranks, which trainable parameters had a gradient (as the flat stages do: one small
+        all-reduce per reducing backward); the step leaves the others alone."""
         keys = [(unit, index) for unit in self.units for index in self._trainable.get(unit, ())]
-        device = self.units[0].device if self.units else torch.device("cpu")
-        flags = torch.tensor([(key in self._had) for key in keys], dtype=torch.float32, device=device)
+        flags = torch.tensor([(key in self._had) for key in keys], dtype=torch.float32, device=self._grad_device)
         self._had = set()
-        return self.comm.all_reduce(flags, async_op=True, label="which parameters had gradients"), flags, keys
-
-    def _find_used(self, work: Any, flags: torch.Tensor, keys: list[tuple[Unit, int]]) -> None:
-        work.wait()
+        self.comm.all_reduce(flags, label="which parameters had gradients")
         self._used.update(key for key, flag in zip(keys, flags.tolist()) if flag > 0)
-
-    @contextlib.contextmanager
-    def leaving_unused_alone(self) -> Iterator[None]:
-        """While the optimizer steps: the pieces of parameters no rank had a gradient for have ``.grad`` None,
-        as torch leaves a parameter whose ``.grad`` is None (no momentum, no weight decay)."""
-        hidden = [(p.master, p.master.grad) for p in self.pieces.all
-                  if p.master is not None and p.master.grad is not None and (p.unit, p.index) not in self._used]
-        for master, _ in hidden:
-            master.grad = None
-        try:
-            yield
-        finally:
-            for master, grad in hidden:
-                master.grad = grad
 
     # ================================================================ step
     def grad_sq(self) -> torch.Tensor:
@@ -252,23 +240,25 @@ class Stage3(Strategy):
         norms = torch._foreach_norm(grads)
         return torch.stack(norms).square().sum()
 
-    def scale_grads(self, factor: float) -> None:
-        grads = self.pieces.grads()
-        if factor != 1.0 and grads:
-            torch._foreach_mul_(grads, factor)
+    def step(self, inner: Any, factor: float) -> None:
+        self.pieces.step(inner, factor, self._used)  # scale, leave unused alone, step, publish into the shards
+        self._refresh_gathered()
 
-    def optimizer_step(self, inner: Any) -> None:
-        self.pieces.step(inner)  # an offloaded arrangement steps a sub-group at a time
-
-    def after_step(self) -> None:
+    def sync_params_from_master(self) -> None:
         self.pieces.publish()
+        self._refresh_gathered()
+
+    def _refresh_gathered(self) -> None:
+        """Gathered units of trainable parameters hold stale full values after a step: a persistent unit, or
+        one something holds, is re-gathered; any other is dropped (the next use gathers it)."""
         for unit in self.units:
-            if unit not in self._trainable or not unit.gathered:
+            state = unit.state
+            if unit not in self._trainable or state is UnitState.SHARDED:
                 continue
-            if unit.holders == 0 and not unit.persistent:
-                self.gatherer.drop(unit)  # stale full values: drop them, the next use re-gathers
-            else:
+            if state is UnitState.PERSISTENT or unit.holders:
                 unit.refresh()
+            else:
+                self.gatherer.drop(unit)
 
     def zero_grad(self) -> None:
         self._dirty = False

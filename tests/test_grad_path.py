@@ -1,0 +1,127 @@
+"""A gradient's path (``python -m benchmarks.grad_path``).
+
+The counter's "one gradient" rule on made-up episodes; the measured path at stages 2 and 3 held
+to what docs/life-of-a-gradient.md records (so a change that lengthens it fails here, naming the
+path), and what two ranks add to it (traced on two gloo ranks); stage 3's backward leaves no
+unit held and no call waiting for gradients; ``take_grads`` writes zeros where it must without a
+memset of the whole unit.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise
+from shardwise.zero.params import UnitState
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # `benchmarks` is a top-level package next to src/
+
+from benchmarks.grad_path import BOOKKEEPING, TRANSPORT, PathCount, trace_path, trace_ranks  # noqa: E402
+
+#: (files, switches) of one gradient's path, gradient only, one process: the figures the doc records
+LIMITS = {2: (7, 15), 3: (6, 19)}
+
+
+def _path(calls: list[tuple[str, str, int | None]]) -> PathCount:
+    path = PathCount()
+    for caller, callee, episode in calls:
+        path.calls.append((caller, callee))
+        path.episodes.append(episode)
+    return path
+
+
+def test_one_gradient_drops_the_hooks_that_repeat_the_start_of_the_launching_one() -> None:
+    hook, launch, reduce = ("engine.py", "zero/grads.py"), ("zero/grads.py", "zero/stage1.py"), \
+        ("zero/stage1.py", "distributed.py")
+    raw = _path([("", "engine.py", None), (*hook, 0), (*hook, 1), (*hook, 2), (*launch, 2), (*reduce, 2),
+                 (*hook, 3), (*hook, 4), ("engine.py", "zero/flat.py", None)])
+    one = raw.one_gradient()
+    # episodes 0, 1, 3 and 4 repeat the start of episode 2, the one whose arrival launched the bucket
+    assert one.calls == [("", "engine.py"), hook, launch, reduce, ("engine.py", "zero/flat.py")]
+    assert raw.counts()["switches"] - one.counts()["switches"] == 4
+
+
+def test_identical_launching_episodes_count_once_and_different_ones_all_stay() -> None:
+    hook, other = ("engine.py", "zero/grads.py"), ("zero/grads.py", "zero/stage1.py")
+    side = ("engine.py", "zero/hooks.py")
+    raw = _path([(*hook, 0), (*other, 0), (*hook, 1), (*other, 1), (*side, 2)])
+    assert raw.one_gradient().calls == [hook, other, side]
+
+
+@pytest.mark.parametrize("stage", sorted(LIMITS))
+def test_measured_path_stays_as_short_as_recorded(stage: int) -> None:
+    raw = trace_path(stage)
+    one = raw.one_gradient().counts(BOOKKEEPING)
+    files, switches = LIMITS[stage]
+    assert one["files"] <= files and one["switches"] <= switches, one["path"]
+    # four parameters: the raw count has three more hook calls than one gradient's path
+    assert raw.counts(BOOKKEEPING)["switches"] == one["switches"] + 3
+    visited = {part for step in one["path"] for part in step.split(" > ")}
+    # no super() stop in base.py, no layout helper, no call into the module hooks when nothing waits there
+    assert visited.isdisjoint({"zero/base.py", "zero/layout.py", "zero/hooks.py"}), one["path"]
+
+
+def test_two_ranks_add_the_norm_all_reduce_and_the_regather_at_stage_2_only() -> None:
+    """With two ranks the flat stages shard: the norm's all-reduce and the all-gather join the path."""
+    for stage, extra in ((2, ["zero/optimizer.py > distributed.py", "zero/flat.py > distributed.py"]), (3, [])):
+        alone = trace_path(stage).one_gradient().counts(BOOKKEEPING)["path"]
+        ranks = trace_ranks(stage, 2).one_gradient().counts(BOOKKEEPING | TRANSPORT)["path"]
+        assert sorted(ranks) == sorted(alone + extra), (stage, alone, ranks)
+
+
+def _stage3_engine() -> shardwise.Engine:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    # no persistent unit: every module's unit is gathered and freed by the hooks
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    return shardwise.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+
+
+def test_stage3_backward_releases_every_unit_and_forgets_the_calls_waiting_for_gradients() -> None:
+    engine = _stage3_engine()
+    gatherer = engine.strategy.gatherer
+    released: list[tuple[int, int]] = []  # (unit, its holders once its gradients were in), during backward
+    ready = gatherer.grads_ready
+
+    def noting(unit: object) -> None:
+        ready(unit)
+        released.append((engine.strategy.units.index(unit), unit.holders))
+
+    gatherer.grads_ready = noting
+    for _ in range(2):
+        released.clear()
+        engine.backward(engine(torch.randn(2, 8)).pow(2).sum())  # the first layer's input needs no gradient
+        # the first layer's call has no post-backward: its unit is let go as soon as its gradients are in,
+        # and only that unit is looked up there (the others are released by their post-backward)
+        assert released == [(0, 0)]
+        assert gatherer.held_for_grads == {}
+        assert all(u.holders == 0 and u.state is UnitState.SHARDED for u in engine.strategy.units)
+        engine.step()
+    engine.destroy()
+
+
+def test_take_grads_writes_zeros_for_no_gradient_frozen_and_padding() -> None:
+    engine = _stage3_engine()
+    unit = engine.strategy.units[0]  # the first Linear: weight (index 0) and bias (index 1)
+    engine(torch.randn(2, 8)).sum().backward()  # a plain backward: gradients stay in `param.grad`
+    with torch._C.DisableTorchFunctionSubclass():
+        weight_grad = unit.params[0].grad.clone()
+        unit.params[1].grad = None  # this rank had no gradient for the bias
+    flat, had = unit.take_grads([0, 1], torch.float32)
+    assert had == {0}
+    assert torch.equal(unit.param_view(flat, 0), weight_grad)
+    assert torch.count_nonzero(flat[unit.offsets[1]:]) == 0  # the bias's zeros and the padding
+    with torch._C.DisableTorchFunctionSubclass():
+        unit.params[0].grad = torch.ones_like(weight_grad)
+    flat, had = unit.take_grads([1], torch.float32)  # the weight not asked for (frozen): zeros, grad untouched
+    with torch._C.DisableTorchFunctionSubclass():
+        assert had == set() and torch.count_nonzero(flat) == 0 and unit.params[0].grad is not None
+        unit.params[0].grad = None
+    engine.destroy()
