@@ -3,8 +3,8 @@
 In one process (the bugs are local to a rank): a shard read that fails half-way (EIO from `os.preadv`,
 after half the bytes arrived) or is interrupted leaves no host copy, so the next use reads the file again,
 the unit stays sharded and a re-run forward computes with the right weights; a failed read ahead is raised
-once, naming the unit, and not again; a unit left gathering with no all-gather refuses to finish the
-gather.  With `max_in_cpu: 0`, no shard stays in host memory after `full_state_dict`, a step (the
+once, naming the unit, and not again (nor at all by a step writing into that shard); a unit left
+gathering with no all-gather refuses to finish the gather.  With `max_in_cpu: 0`, no shard stays in host memory after `full_state_dict`, a step (the
 persistent unit's refresh), a thaw or `zero.load_state_dict`, nor a read ahead of a unit a pass did not
 use; a thawed piece's master is a copy, not a view of the shard's host copy; `destroy` writes nothing
 back into the file it deletes.
@@ -158,6 +158,23 @@ def test_a_failed_read_ahead_is_raised_once_naming_the_unit(tmp_path: Path) -> N
             assert torch.equal(got[name], param.detach()), name
     for each in (engine, reference):
         each.destroy()
+
+
+def test_a_write_into_a_shard_whose_read_ahead_failed_goes_to_the_file(tmp_path: Path) -> None:
+    """A step publishing into a shard whose read ahead failed: the read ahead is dropped, not raised (its
+    values were never used), and the parts are written into the file."""
+    engine = _engine(tmp_path)
+    unit = _unit(engine, "fc2.weight")
+    expected = _in_file(engine, unit)
+    expected[:3] = torch.tensor([1.0, 2.0, 3.0])
+    on_io_thread = lambda: threading.current_thread().name.startswith("shardwise-param-io")  # noqa: E731
+    with _failing_reads(lambda view: None, on_io_thread) as failed:
+        unit.read_ahead()
+        unit.write_shard([(0, torch.tensor([1.0, 2.0, 3.0]))])
+    assert failed and unit.storage.pending is None  # type: ignore[attr-defined]
+    unit.shard_released()
+    assert torch.equal(_in_file(engine, unit), expected)
+    engine.destroy()
 
 
 def test_a_unit_gathering_with_no_all_gather_in_flight_refuses_to_finish(tmp_path: Path) -> None:

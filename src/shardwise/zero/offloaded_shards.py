@@ -13,7 +13,8 @@ keeps that copy's memory alive rather than pointing at freed memory).  Whether i
 read from torch's version counter, which every in-place write through it or a view of it bumps: only a
 written shard is written back.  Shards leave host memory, least recently used first, when the cache holds
 more than ``max_in_cpu`` elements, and only at points where no view of them is held
-(:meth:`~.params.Unit.shard_released`: a unit freed after use, a unit's masters published); a shard an
+(:meth:`~.params.Unit.shard_released`: a unit freed after use, a unit's masters published, a shard read
+outside a gather: re-gathered, loaded, turned into masters); a shard an
 all-gather is still reading never leaves, nor one read ahead (at most ``offload_param.buffer_count`` of
 those, past the units the gatherer prefetches) before its gather takes it; a read ahead that the pass which
 asked for it did not use becomes an ordinary host copy when the pass ends (:meth:`NvmeShard.settle_read_ahead`).
@@ -162,8 +163,10 @@ class NvmeShard:
         self.get().copy_(shard)
 
     def write(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
-        if self.pending is not None or self.tensor is not None:
-            shard = self.get()  # in host memory (or on its way): written there, written back when it leaves
+        if self.pending is not None:
+            self._settle(self.pending)  # a failed read ahead is dropped: the parts go to the file instead
+        if self.tensor is not None:
+            shard = self.get()  # in host memory: written there, written back when it leaves
             for at, values in parts:
                 shard.narrow(0, at, values.numel()).copy_(values)
             return
