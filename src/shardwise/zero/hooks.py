@@ -144,6 +144,8 @@ class Gatherer:
         self.reuse_distance = int(zero_config.stage3_max_reuse_distance)
         #: units past the prefetched ones whose shards start coming from their file (`offload_param: nvme`)
         self.read_ahead = int(zero_config.offload_param.buffer_count) if offloads_params(zero_config) else 0
+        #: units whose shards this pass (forward or backward) asked to read ahead: settled when it ends
+        self._read_ahead: dict[Unit, None] = {}
         self._handles: list[Any] = []
         self._stack: list[_Call] = []
         self._trace: list[Unit] = []
@@ -232,7 +234,15 @@ class Gatherer:
             index += 1
         for unit in trace[index : index + self.read_ahead]:
             unit.read_ahead()  # shards kept in files: read while this stretch computes, gathered later
+            self._read_ahead[unit] = None
         return index
+
+    def _settle_read_aheads(self) -> None:
+        """A pass ended: shards read ahead for units it did not gather (a branch not taken) stop holding
+        read-ahead slots and leave host memory as ``max_in_cpu`` says, instead of staying pending for good."""
+        units, self._read_ahead = self._read_ahead, {}
+        for unit in units:
+            unit.settle_read_ahead()
 
     # ------------------------------------------------------------ forward
     def _in_backward(self) -> bool:
@@ -298,6 +308,7 @@ class Gatherer:
         self._move(after, "end a forward")
         self._write_back(list(self._written))  # persistent units, and units written outside their call
         self.free_idle()
+        self._settle_read_aheads()
         self._last = self._trace
         self._next_use = _next_use(self._last)
         self._trace = []
@@ -486,6 +497,7 @@ class Gatherer:
         self._bw_task = -1
         self._move(TrainingState.IDLE, "end a backward")
         self.free_idle()
+        self._settle_read_aheads()
 
 
 def module_units(root: nn.Module) -> dict[nn.Module, list[Unit]]:

@@ -13,9 +13,15 @@ keeps that copy's memory alive rather than pointing at freed memory).  Whether i
 read from torch's version counter, which every in-place write through it or a view of it bumps: only a
 written shard is written back.  Shards leave host memory, least recently used first, when the cache holds
 more than ``max_in_cpu`` elements, and only at points where no view of them is held
-(:meth:`~.params.Unit.shard_released`: a unit freed after use, a unit's masters published); a shard an
+(:meth:`~.params.Unit.shard_released`: a unit freed after use, a unit's masters published, a shard read
+outside a gather: re-gathered, loaded, turned into masters); a shard an
 all-gather is still reading never leaves, nor one read ahead (at most ``offload_param.buffer_count`` of
-those, past the units the gatherer prefetches) before its gather takes it.
+those, past the units the gatherer prefetches) before its gather takes it; a read ahead that the pass which
+asked for it did not use becomes an ordinary host copy when the pass ends (:meth:`NvmeShard.settle_read_ahead`).
+
+A read becomes the host copy only once it succeeded: a read that fails or is interrupted part-way leaves
+the shard only in its file, so the next use reads it again (and a failed read ahead is forgotten once
+its error was raised), never a half-read copy used as the weights or written back over the file.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from .nvme_files import NvmeFiles
+from .nvme_files import NvmeFiles, OffloadIOError
 
 __all__ = ["NvmeShard", "ShardCache", "offloads_params", "shard_cache"]
 
@@ -34,10 +40,14 @@ _KEY = "zero_optimization.offload_param.nvme_path"
 
 
 class Gathers(Protocol):
-    """What owns a shard (a unit): whether the shard must stay in host memory now (an all-gather reads it)."""
+    """What owns a shard (a unit): whether the shard must stay in host memory now (an all-gather reads it),
+    and how errors name it."""
 
     @property
     def shard_busy(self) -> bool: ...
+
+    @property
+    def label(self) -> str: ...
 
 
 class ShardCache:
@@ -63,6 +73,8 @@ class ShardCache:
         #: uses that found their shard read ahead, and uses that had to read it then (for the measurement)
         self.ahead_hits = 0
         self.misses = 0
+        #: set by `engine.destroy()`: the file is deleted next, so no host copy leaves (nor is written back)
+        self.closing = False
 
     def place(self, shard: torch.Tensor, owner: Gathers) -> "NvmeShard":
         """A new run of the file for ``shard`` (written there); the host copy then leaves as the cache decides."""
@@ -88,6 +100,8 @@ class ShardCache:
 
     def trim(self) -> None:
         """Shards leave host memory, least recently used first, until at most ``max_in_cpu`` elements remain."""
+        if self.closing:
+            return  # writing back into a file about to be deleted is wasted I/O
         held = self.held_numel()
         for shard in list(self.resident):
             if held <= self.max_in_cpu:
@@ -116,23 +130,27 @@ class NvmeShard:
         #: the host copy (None: only in the file)
         self.tensor: Optional[torch.Tensor] = tensor
         self.clean = -1  # its version counter when it and the file last agreed (-1: never)
-        self.pending: Optional[Future[None]] = None
+        self.pending: Optional[Future[torch.Tensor]] = None
 
     @property
     def device(self) -> torch.device:
         return self._device
 
+    @property
+    def _where(self) -> str:
+        return f"the shard of {self.owner.label}"  # what an I/O error names besides the file
+
     def get(self) -> torch.Tensor:
         if self.pending is not None:
-            self.pending.result()
-            self.pending = None
+            self._take(self._finish_read_ahead(self.pending))
             self.cache.ahead_hits += 1
-        if self.tensor is None:
-            self._read(self._allocate())
+        tensor = self.tensor
+        if tensor is None:
+            tensor = self._read()
+            self._take(tensor)  # only now: a read that raised left nothing behind
             self.cache.misses += 1
         self.cache.touch(self)
-        assert self.tensor is not None  # read above
-        return self.tensor
+        return tensor
 
     def put(self, shard: torch.Tensor) -> None:
         if shard is self.tensor:
@@ -145,49 +163,88 @@ class NvmeShard:
         self.get().copy_(shard)
 
     def write(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
-        if self.pending is not None or self.tensor is not None:
-            shard = self.get()  # in host memory (or on its way): written there, written back when it leaves
+        if self.pending is not None:
+            self._settle(self.pending)  # a failed read ahead is dropped: the parts go to the file instead
+        if self.tensor is not None:
+            shard = self.get()  # in host memory: written there, written back when it leaves
             for at, values in parts:
                 shard.narrow(0, at, values.numel()).copy_(values)
             return
         for at, values in parts:  # only in the file: the parts go there, nothing is read
             cast = values.detach().to(self.dtype).contiguous()
-            self.cache.files.write_from("params", cast, self.offset + at * self.dtype.itemsize)
+            self.cache.files.write_from("params", cast, self.offset + at * self.dtype.itemsize, where=self._where)
 
     def released(self) -> None:
         self.cache.trim()
 
     def read_ahead(self) -> None:
-        if self.tensor is not None or self.cache.reading_ahead() >= self.cache.ahead:
+        if self.tensor is not None or self.pending is not None or self.cache.reading_ahead() >= self.cache.ahead:
             return
-        self.pending = self.cache.io.submit(self._read, self._allocate())
+        self.pending = self.cache.io.submit(self._read)
         self.cache.touch(self)
 
+    def settle_read_ahead(self) -> None:
+        """A read ahead no gather took (the pass went another way) becomes an ordinary host copy, which may
+        leave now; one that failed is dropped (its values were never used: the next use reads the file)."""
+        if self.pending is not None:
+            self._settle(self.pending)
+            self.cache.trim()
+
     def held_bytes(self) -> int:
-        return 0 if self.tensor is None else self.numel * self.dtype.itemsize
+        held = self.tensor is not None or self.pending is not None  # a read ahead's tensor exists already
+        return self.numel * self.dtype.itemsize if held else 0
 
     # ------------------------------------------------------------------ I/O
-    def _allocate(self) -> torch.Tensor:
-        """A fresh host copy (a new tensor each time: a view of an evicted one keeps its own memory alive)."""
-        self.tensor = torch.empty(self.shape, dtype=self.dtype, device=self._device)
-        return self.tensor
+    def _read(self) -> torch.Tensor:
+        """A fresh host copy read from the file (a new tensor each time: a view of an evicted one keeps its own
+        memory alive); it becomes :attr:`tensor` only once the read succeeded (:meth:`_take`)."""
+        tensor = torch.empty(self.shape, dtype=self.dtype, device=self._device)
+        self.cache.files.read_into("params", tensor, self.offset, where=self._where)
+        return tensor
 
-    def _read(self, tensor: torch.Tensor) -> None:
-        self.cache.files.read_into("params", tensor, self.offset)
+    def _take(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
         self.clean = tensor._version  # the read wrote through a byte view, which torch does not count
+
+    def _settle(self, pending: Future[torch.Tensor]) -> None:
+        """The read ahead ``pending`` ends without a use: cancelled, taken as the host copy, or dropped."""
+        if pending.cancel():  # not started yet
+            self._forget_read_ahead()
+            return
+        try:
+            self._take(self._finish_read_ahead(pending))
+        except OffloadIOError:
+            pass  # nothing read is kept; a disk that keeps failing fails the next use, naming the unit
+
+    def _finish_read_ahead(self, pending: Future[torch.Tensor]) -> torch.Tensor:
+        """Wait for the read ahead ``pending``; a failed one is forgotten (so the next use reads again) and
+        raised, saying so."""
+        try:
+            tensor = pending.result()
+        except OffloadIOError as exc:
+            self._forget_read_ahead()
+            raise exc.extended("The read ahead was dropped: the next use of this shard reads it again") from exc
+        except Exception:
+            self._forget_read_ahead()
+            raise
+        self.pending = None
+        return tensor
+
+    def _forget_read_ahead(self) -> None:
+        self.pending = None
+        self.cache.resident.pop(self, None)
 
     def write_back(self, force: bool = False) -> None:
         """The host copy into the file, if anything wrote it since it last agreed with the file."""
         tensor = self.tensor
         if tensor is not None and (force or tensor._version != self.clean):
-            self.cache.files.write_from("params", tensor, self.offset)
+            self.cache.files.write_from("params", tensor, self.offset, where=self._where)
             self.clean = tensor._version
 
     def evict(self) -> None:
         """Write the host copy back if it was written, then let it go."""
         if self.pending is not None:
-            self.pending.result()
-            self.pending = None
+            self._settle(self.pending)  # (trim never evicts a shard read ahead; a direct call may)
         self.write_back()
         self.tensor = None
         self.cache.resident.pop(self, None)

@@ -140,6 +140,9 @@ class ShardStorage(Protocol):
     def read_ahead(self) -> None:
         """The shard will be needed soon: start reading it if it is not in host memory."""
 
+    def settle_read_ahead(self) -> None:
+        """The pass that read the shard ahead ended without using it: the read stops holding a slot."""
+
     def held_bytes(self) -> int:
         """Bytes of the shard in host memory now."""
 
@@ -168,6 +171,9 @@ class InMemoryShard:
         pass
 
     def read_ahead(self) -> None:
+        pass
+
+    def settle_read_ahead(self) -> None:
         pass
 
     def held_bytes(self) -> int:
@@ -277,6 +283,11 @@ class Unit:
         """This unit will be gathered soon: a shard kept in a file starts coming into host memory."""
         if self.state is UnitState.SHARDED:
             self.storage.read_ahead()
+
+    def settle_read_ahead(self) -> None:
+        """The pass that read this unit's shard ahead ended: a read ahead its gather did not take stops
+        holding one of the ``buffer_count`` slots and may leave host memory."""
+        self.storage.settle_read_ahead()
 
     @property
     def shard_busy(self) -> bool:
@@ -395,16 +406,25 @@ class Unit:
 
     def gather(self, async_op: bool = False) -> None:
         """Start the all-gather of a sharded unit (collective); without ``async_op`` also finish it."""
+        # The shard first: reading it from its file may fail (or be interrupted), and the unit must then stay
+        # sharded, not be left gathering with no all-gather to fill its full buffer.
+        shard = self.shard
         self._move(UnitState.GATHERING, "start a gather")
         storage = self.full.untyped_storage()
         storage.resize_(self.padded * self.full.element_size())
-        self._work = self.comm.all_gather(self.full, self.shard, async_op=True, label=self.label)
+        self._work = self.comm.all_gather(self.full, shard, async_op=True, label=self.label)
         if not async_op:
             self.wait()
 
     def wait(self) -> None:
         """Finish a gather started with ``async_op=True`` (``GATHERING`` → ``GATHERED``)."""
         work, self._work = self._work, None  # None unless a gather is in flight: then the move raises
+        if work is None and self.state is UnitState.GATHERING:
+            raise UnitError(
+                f"rank {self.comm.rank}: {self!r} is gathering but no all-gather is in flight (expected one "
+                "started by `gather()`, found none: it raised before or while it ran), so its full values "
+                "were never filled; the engine cannot use this unit again: restart from the last checkpoint"
+            )
         if work is not None:
             work.wait()
         self._move(UnitState.GATHERED, "finish a gather")
@@ -455,6 +475,7 @@ class Unit:
         """Re-gather a gathered unit from the (updated) shards (collective); a sharded unit raises."""
         self._expect_gathered("refresh its full values")
         self.comm.all_gather(self.full, self.shard, label=self.label)
+        self.shard_released()  # only read (a persistent unit is never freed, where shards are released)
 
     def _expect_gathered(self, action: str) -> None:
         self.settle()

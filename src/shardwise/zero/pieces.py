@@ -117,6 +117,7 @@ class Pieces(ABC):
         for piece in self.all:
             if piece.param.requires_grad and piece.master is None:
                 self._unfreeze(piece, state)
+                piece.unit.shard_released()  # read for a master: a shard kept in a file may leave (`max_in_cpu`)
                 moved = True
             elif not piece.param.requires_grad and piece.master is not None:
                 self._freeze(piece, piece.master, state)
@@ -304,7 +305,9 @@ class SeparateMasters(Pieces):
         return exact_values(piece, values).clone()  # fp32 too, where the shards live in files
 
     def from_shard(self, piece: Piece) -> torch.Tensor:
-        return piece.local(piece.unit.shard).float()
+        # a copy even in fp32 (shards kept in files): a view would be the shard's host copy, kept alive past
+        # its eviction and no longer the shard
+        return piece.local(piece.unit.shard).to(torch.float32, copy=True)
 
     def publish(self) -> None:
         for unit, pieces in self.by_unit.items():  # a unit at a time: a shard kept in a file goes there unread

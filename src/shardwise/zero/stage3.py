@@ -290,7 +290,10 @@ class Stage3(Strategy):
     def full_master_weights(self) -> dict[int, torch.Tensor]:
         result: dict[int, torch.Tensor] = {}
         for unit in self.units:
-            shard = unit.shard.float()
+            # a copy even in fp32: `fill` writes into it, and the shard itself must not change (nor, kept in a
+            # file, be marked written)
+            shard = unit.shard.to(torch.float32, copy=True)
+            unit.shard_released()  # only read: a shard kept in a file may leave (`max_in_cpu`)
             self.pieces.fill(unit, shard)
             full = torch.empty(unit.padded, dtype=torch.float32, device=shard.device)
             self.comm.all_gather(full, shard)
@@ -359,6 +362,8 @@ class Stage3(Strategy):
                 "backward or `GatheredParameters` block is running); destroy the engine outside them"
             )
         self.gatherer.remove()
+        if self.shards is not None:
+            self.shards.closing = True  # the files are deleted below: no host copy is written back first
         for hook in self._grad_hooks.values():
             hook.remove()
         self._grad_hooks = {}

@@ -185,19 +185,20 @@ def _load_units(module: nn.Module, comm: Comm, reader: Optional[_Reader], plan: 
         partial, was_gathered = len(loaded) < len(unit.params), unit.gathered
         if partial:
             unit.ensure_gathered()  # parameters the source lacks keep their current values
-        values = torch.empty(unit.shard_numel, dtype=torch.float32, device=unit.shard.device)
+        values = torch.empty(unit.shard_numel, dtype=torch.float32, device=unit.device)
         pieces = _full_values(unit, names, loaded, reader, plan) if reader is not None else None
         comm.scatter(values, pieces, src=0)
         if partial and not was_gathered:
             unit.free()
         unit.load_shard(values)
         unit.owner.on_values_loaded(unit, values, loaded)
+        unit.shard_released()  # done with it: a shard kept in a file may leave host memory (`max_in_cpu`)
 
 
 def _full_values(unit: Unit, names: dict[int, str], loaded: set[int], reader: _Reader,
                  plan: _Plan) -> list[torch.Tensor]:
     """Rank 0: the unit's full fp32 values (one unit in memory), cut into the ranks' slices."""
-    flat = torch.zeros(unit.padded, dtype=torch.float32, device=unit.shard.device)
+    flat = torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
     with torch._C.DisableTorchFunctionSubclass():
         for index in range(len(unit.params)):
             target = unit.param_view(flat, index)
