@@ -31,7 +31,9 @@ __all__ = ["Arrangement", "OffloadSlot", "SubGroupStepper", "placeholder", "pool
 _ALIGN = 64
 
 #: per chunk of a sub-group: (kind, element of the shard it starts at, values) of state the step created
-Fresh = list[list[tuple[str, int, torch.Tensor]]]
+_Fresh = list[list[tuple[str, int, torch.Tensor]]]
+#: a chunk a step loads: its index, the tensor its param group holds (``.grad``: the piece's gradient), that group
+_Load = tuple[int, torch.Tensor, int]
 
 
 def placeholder(numel: int) -> torch.Tensor:
@@ -84,12 +86,20 @@ class SubGroupStepper:
         """One optimizer step over every sub-group with a chunk to step: read ahead, step, publish, write behind."""
         kinds = dict(self.kinds)  # what the reads of this step find on disk (the step may add kinds)
         sizes = [_regions(g.numel, kinds)[-1][2] for g in self.groups]
-        owner = {id(p): i for i, group in enumerate(inner.param_groups) for p in group["params"]}
-        held = [arrangement.stepped(chunk) for chunk in self.chunks]
-        order = [g.index for g in self.groups if any(held[c] is not None for c in g.chunks)]
+        loads = self._loads(inner, arrangement)
+        order = [g.index for g in self.groups if loads[g.index]]  # a sub-group with nothing to step: no I/O
         pipelined(order, sizes, self.pool, lambda g, buffer: self._read(g, buffer, kinds),
-                  lambda g, buffer: self._step_group(inner, arrangement, owner, held, g,
+                  lambda g, buffer: self._step_group(inner, arrangement, g, loads[g],
                                                      _views(self.groups[g].numel, buffer, kinds)))
+
+    def _loads(self, inner: Any, arrangement: Arrangement) -> list[list[_Load]]:
+        """Per sub-group, the chunks this step loads, each with the tensor its param group holds and that group."""
+        owner = {id(p): i for i, group in enumerate(inner.param_groups) for p in group["params"]}
+        loads = []
+        for group in self.groups:
+            held = [(index, arrangement.stepped(self.chunks[index])) for index in group.chunks]
+            loads.append([(index, tensor, owner[id(tensor)]) for index, tensor in held if tensor is not None])
+        return loads
 
     def _where(self, g: int) -> str:
         """Sub-group ``g`` in words, for an I/O error (empty where the arrangement names none)."""
@@ -104,17 +114,17 @@ class SubGroupStepper:
         for kind, view in _views(group.numel, buffer, kinds).items():
             files.read_into(kind, view, group.start * view.element_size(), where)
 
-    def _step_group(self, inner: Any, arrangement: Arrangement, owner: dict[int, int],
-                    held: list[Optional[torch.Tensor]], g: int, views: dict[str, torch.Tensor]) -> Callable[[], None]:
-        group = self.groups[g]
+    def _step_group(self, inner: Any, arrangement: Arrangement, g: int, loads: list[_Load],
+                    views: dict[str, torch.Tensor]) -> Callable[[], None]:
+        """Step sub-group ``g``'s chunks in ``loads`` in its buffer; returns what writes the buffer back."""
+        start = self.groups[g].start
         params: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
-        loaded = [(index, tensor) for index in group.chunks if (tensor := held[index]) is not None]
-        for index, tensor in loaded:
-            params[owner[id(tensor)]].append(self._load(inner, index, tensor.grad, views, group.start))
+        for index, tensor, param_group in loads:
+            params[param_group].append(self._load(inner, index, tensor.grad, views, start))
         with _only(inner, params):
             inner.step()
-        updated = [(self.chunks[index], self.keys[index].detach()) for index, _ in loaded]
-        fresh = [self._take_state(inner, index, views, group.start) for index, _ in loaded]
+        updated = [(self.chunks[index], self.keys[index].detach()) for index, _, _ in loads]
+        fresh = [self._take_state(inner, index, views, start) for index, _, _ in loads]
         arrangement.publish_sub_group(updated)
         self._note_kinds(fresh)
         return lambda: self._write(g, views, fresh)
@@ -152,7 +162,7 @@ class SubGroupStepper:
         key.data, key.grad = placeholder(chunk.numel), None
         return fresh
 
-    def _note_kinds(self, fresh: Fresh) -> None:
+    def _note_kinds(self, fresh: _Fresh) -> None:
         """Files for kinds of state the optimizer just created (made here: later writes go into them)."""
         for items in fresh:
             for kind, _, value in items:
@@ -164,7 +174,7 @@ class SubGroupStepper:
             self.kinds[kind] = dtype
             self.files().create(kind, self.numel * dtype.itemsize)
 
-    def _write(self, g: int, views: dict[str, torch.Tensor], fresh: Fresh) -> None:
+    def _write(self, g: int, views: dict[str, torch.Tensor], fresh: _Fresh) -> None:
         """On the I/O thread: sub-group ``g``'s buffer back to its files, then the state this step created."""
         files, start, where = self.files(), self.groups[g].start, self._where(g)
         for kind, view in views.items():
