@@ -9,8 +9,9 @@ pool buffer (:mod:`.readahead`), points the chunks' tensors, gradients and state
 own ``step`` over those chunks only, takes their state back out, hands the updated masters to the
 arrangement (:class:`Arrangement`), and writes the buffer back while the next sub-group is stepped.
 
-What differs between the two stays with them: where a piece's gradient and param group are, which chunks a
-step passes by, and where updated masters go (the flat parameter buffer, or the units' shards).
+What differs between the two stays with them: which tensor the inner optimizer holds for a piece (its
+``.grad`` the gradient; the param group holding it is the chunk's), which chunks a step passes by, and
+where updated masters go (the flat parameter buffer, or the units' shards).
 """
 
 from __future__ import annotations
