@@ -90,7 +90,8 @@ def _parity_case(nvme: str, what: str, bf16: bool = False) -> None:
         assert shards.ahead_hits > 0, "the gatherer's prefetch read shards ahead"
     if what != "param":
         pieces = offloaded.strategy.pieces
-        assert len(pieces._planned()[1]) >= 3 and max(g.numel for g in pieces._planned()[1]) <= SUB_GROUP
+        groups = pieces._planned().groups
+        assert len(groups) >= 3 and max(g.numel for g in groups) <= SUB_GROUP
     offloaded.destroy()
     plain.destroy()
     assert not any(folder.exists() for folder in folders), f"{folders} left after destroy"

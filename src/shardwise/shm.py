@@ -68,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 from .faults.liveness import PeerWatch
+from .processes import running
 
 __all__ = ["CHUNK", "SharedMemory", "ShmWork", "SharedSegment", "open_segment", "supported", "sweep"]
 
@@ -596,7 +597,7 @@ def sweep() -> list[str]:
         return removed
     for name in names:
         match = _NAME.fullmatch(name)
-        if match is None or _running(int(match.group(1))):
+        if match is None or running(int(match.group(1))):
             continue
         path = os.path.join(_DIRECTORY, name)
         try:
@@ -606,13 +607,3 @@ def sweep() -> list[str]:
         except OSError:
             continue  # removed meanwhile, or not ours
     return removed
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # it exists, owned by someone else
-    return True

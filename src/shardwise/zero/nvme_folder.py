@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ..processes import running
+
 __all__ = ["Owner", "folder_prefix", "is_ours_to_judge", "owner_of", "running", "sweep"]
 
 _NAME = re.compile(r"shardwise-(?P<host>[A-Za-z0-9.-]+)-ns(?P<ns>\d+)-pid(?P<pid>\d+)-rank(?P<rank>\d+)-[A-Za-z0-9_]+")
@@ -68,17 +70,6 @@ def owner_of(name: str) -> Optional[Owner]:
 def is_ours_to_judge(owner: Owner) -> bool:
     """Whether ``owner``'s process id can be checked from here (same host, same pid namespace)."""
     return owner.host == _host() and owner.namespace == _namespace()
-
-
-def running(pid: int) -> bool:
-    """Whether process ``pid`` exists (on this host, in this pid namespace)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # it exists, owned by someone else
-    return True
 
 
 def sweep(root: str) -> list[str]:

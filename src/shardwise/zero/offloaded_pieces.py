@@ -11,40 +11,34 @@ gradient, in memory as without offload, so clipping and the unused-parameter rul
 The step (:meth:`OffloadedPieces.step`) cuts the runs into sub-groups (:mod:`.offload_plan`); for each, one
 background thread reads master and state into a pool buffer ahead of time, the chunks' tensors are pointed at
 it, torch's own ``step`` runs over that sub-group only, the updated masters are cast into their units' shards,
-and the thread writes the sub-group back while the next one is stepped (:mod:`.readahead`).  Between steps
-the inner optimizer's ``state`` is empty.
+and the thread writes the sub-group back while the next one is stepped: the loop stages 1-2 share
+(:mod:`.offload_step`).  What is this arrangement's own: a step passes by the chunks of pieces that are
+frozen or have no gradient, and updated masters go into the units' shards, each unit let go once the step
+is past it.  Between steps the inner optimizer's ``state`` is empty.
 
 A piece that stops training takes its master and state out of the files into
 :attr:`~.pieces.Pieces.frozen` (host memory), as the other arrangements keep them, and puts them back when
 it trains again; a checkpoint sees a trainable piece's master and state as memory maps of the files
-(:class:`PieceSlot`).
+(:class:`~.offload_step.OffloadSlot`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 
-from ..param_state import KeptSlot, ParamShard, is_per_element
+from ..param_state import KeptSlot, ParamShard
 from .frozen import Kept
 from .layout import Piece as Run
 from .nvme_files import NvmeFiles
-from .offload_plan import Chunk, OffloadSpec, SubGroup, plan_sub_groups, state_bytes_per_element
+from .offload_plan import Chunk, OffloadSpec, plan_sub_groups, state_bytes_per_element
+from .offload_step import OffloadSlot, SubGroupStepper, copy_value, placeholder, pool_for
 from .params import Unit
 from .pieces import Piece, Pieces, exact_values
-from .readahead import BufferPool, pipelined
+from .readahead import BufferPool
 
-__all__ = ["OffloadedPieces", "PieceSlot"]
-
-#: byte alignment of each kind inside a sub-group's buffer (a typed view needs its element size at least)
-_ALIGN = 64
-
-
-def _placeholder(numel: int) -> torch.Tensor:
-    """A tensor of ``numel`` elements that holds one: what the optimizer holds for a piece between steps."""
-    return torch.zeros(1).expand(numel)
+__all__ = ["OffloadedPieces"]
 
 
 class OffloadedPieces(Pieces):
@@ -63,12 +57,10 @@ class OffloadedPieces(Pieces):
         self.kinds: dict[str, torch.dtype] = {}
         self.files: Optional[NvmeFiles] = None
         self.pool = BufferPool(0)
-        #: the plan, made once every piece is added: chunks, sub-groups, and per chunk what its state is
-        self._plan: Optional[tuple[list[Chunk], list[SubGroup]]] = None
-        self.chunks_of: dict[Piece, list[int]] = {}
-        self.chunk_kinds: list[set[str]] = []
-        self.small: list[dict[str, Any]] = []
-        self.chunk_keys: list[torch.Tensor] = []
+        #: the sub-groups, and per chunk what its state is, made once every piece is added
+        self._stepper: Optional[SubGroupStepper] = None
+        #: each piece's index in the plan
+        self._index: dict[Piece, int] = {}
         #: whether the files may hold masters the shards do not show yet (a checkpoint load maps them)
         self.stale = False
         #: the unit the last sub-group published into, which the next may go on with
@@ -103,10 +95,10 @@ class OffloadedPieces(Pieces):
             if piece.master is not None:  # trainable at initialize: its exact values start its master
                 source = exact_values(piece, values)
                 self._files.write_from("master", source.float().contiguous(), self.at[piece] * 4)
-        self._plan = None
+        self._stepper = None
 
     def _initial_master(self, piece: Piece, values: torch.Tensor) -> torch.Tensor:
-        return _placeholder(piece.numel)  # the values go to the file (`add`)
+        return placeholder(piece.numel)  # the values go to the file (`add`)
 
     def from_shard(self, piece: Piece) -> torch.Tensor:
         return piece.local(piece.unit.shard).float()
@@ -118,25 +110,25 @@ class OffloadedPieces(Pieces):
                                "build a new engine")
         return self.files
 
-    def _planned(self) -> tuple[list[Chunk], list[SubGroup]]:
-        """Chunks and sub-groups of every piece's run, made once the pieces are known."""
-        if self._plan is None:
+    def _planned(self) -> SubGroupStepper:
+        """The sub-groups of every piece's run and the step over them, made once the pieces are known."""
+        if self._stepper is None:
             runs = [Run(index, piece.start, piece.end, self.at[piece]) for index, piece in enumerate(self.all)]
             chunks, groups = plan_sub_groups(runs, self.spec.sub_group_size)
-            self.chunks_of = {piece: [] for piece in self.all}
-            for index, chunk in enumerate(chunks):
-                self.chunks_of[self.all[chunk.piece]].append(index)
-            self.chunk_kinds = [set() for _ in chunks]
-            self.small = [{} for _ in chunks]
-            self.chunk_keys = [_placeholder(chunk.numel) for chunk in chunks]
-            largest = max((g.numel for g in groups), default=0)
-            self.pool = BufferPool(self.spec.buffer_count, largest * (4 + self.state_bytes) + _ALIGN * 4)
-            self._plan = chunks, groups
-        return self._plan
+            self.pool = pool_for(groups, self.spec.buffer_count, self.state_bytes)
+            self._stepper = SubGroupStepper(chunks, groups, self.pool, lambda: self._files, self.kinds, self.numel,
+                                            name_sub_groups=False)
+            self._index = {piece: index for index, piece in enumerate(self.all)}
+        return self._stepper
+
+    def _slot(self, piece: Piece) -> OffloadSlot:
+        """The piece's optimizer state, as memory maps of its files and its chunks' small values."""
+        stepper = self._planned()
+        return OffloadSlot(stepper, self._index[piece], piece.numel, lambda kind: self.region(kind, piece))
 
     # -------------------------------------------------------- trainability
     def _freeze(self, piece: Piece, master: torch.Tensor, state: Any) -> None:
-        kept_state = {k: _copy(v) for k, v in PieceSlot(self, piece).get().items()}
+        kept_state = {k: copy_value(v) for k, v in self._slot(piece).get().items()}
         self.frozen.keep(piece.param, Kept(piece.start, piece.end, self.region("master", piece).clone(),
                                            KeptSlot(kept_state)))
         self._forget_state(piece)
@@ -148,48 +140,33 @@ class OffloadedPieces(Pieces):
         self.region("master", piece).copy_(kept.master if kept is not None else self.from_shard(piece))
         self._forget_state(piece)
         if kept is not None and kept.state:
-            PieceSlot(self, piece).set(kept.state)
-        piece.master = _placeholder(piece.numel)
+            self._slot(piece).set(kept.state)
+        piece.master = placeholder(piece.numel)
 
     def _forget_state(self, piece: Piece) -> None:
-        self._planned()
-        for chunk in self.chunks_of[piece]:
-            self.chunk_kinds[chunk], self.small[chunk] = set(), {}
+        stepper = self._planned()
+        stepper.forget(self._index[piece])
 
     # ------------------------------------------------------------------- step
     def _step_inner(self, inner: Any) -> None:
         """One optimizer step over every sub-group with something to step: read ahead, step, publish, write behind."""
         self.publish()  # after a load: the files' masters into the shards first
         self._release_published([])  # (a unit a failed step left pinned)
-        chunks, groups = self._planned()
-        kinds = dict(self.kinds)  # what the reads of this step find on disk (the step may add kinds)
-        sizes = [_regions(g.numel, kinds)[-1][2] for g in groups]
-        order = [g.index for g in groups if any(self._steps(chunks[c]) for c in g.chunks)]
-        pipelined(order, sizes, self.pool, lambda g, buffer: self._read(groups[g], buffer, kinds),
-                  lambda g, buffer: self._step_group(inner, groups[g], _views(groups[g].numel, buffer, kinds)))
+        self._planned().step(inner, self)
         self._release_published([])
 
-    def _steps(self, chunk: Chunk) -> bool:
-        """Whether the chunk's piece trains and has a gradient this step (else torch would leave it alone)."""
+    def stepped(self, chunk: Chunk) -> Optional[torch.Tensor]:
+        """The chunk's master where its piece trains and has a gradient this step (else torch would leave it
+        alone: the step passes it by, and a sub-group of such chunks only is neither read nor written)."""
         master = self.all[chunk.piece].master
-        return master is not None and master.grad is not None
+        return master if master is not None and master.grad is not None else None
 
-    def _read(self, group: SubGroup, buffer: torch.Tensor, kinds: Mapping[str, torch.dtype]) -> None:
-        for kind, view in _views(group.numel, buffer, kinds).items():
-            self._files.read_into(kind, view, group.start * view.element_size())
-
-    def _step_group(self, inner: Any, group: SubGroup, views: dict[str, torch.Tensor]) -> Any:
-        chunks = self._planned()[0]
-        stepped: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
-        loaded = [c for c in group.chunks if self._steps(chunks[c])]
-        for index in loaded:
-            stepped[self.all[chunks[index].piece].group].append(self._load(inner, index, views, group.start))
-        with _only(inner, stepped):
-            inner.step()
-        fresh = [self._take_state(inner, index, views, group.start) for index in loaded]
-        self._note_kinds(fresh)
-        self._release_published([self.all[chunks[index].piece].unit for index in loaded])
-        return lambda: self._write(group, views, fresh)
+    def publish_sub_group(self, updated: list[tuple[Chunk, torch.Tensor]]) -> None:
+        """The updated masters cast into their units' shards; units the step is past may let theirs go."""
+        for chunk, master in updated:
+            piece = self.all[chunk.piece]
+            piece.unit.write_shard([(piece.offset + chunk.at, master)])  # an offloaded shard: into its file, unread
+        self._release_published([self.all[chunk.piece].unit for chunk, _ in updated])
 
     def _release_published(self, units: list[Unit]) -> None:
         """Units whose masters are all published may let their shards leave host memory (an offloaded shard);
@@ -202,63 +179,6 @@ class OffloadedPieces(Pieces):
             unit.pin_shard(False)
             unit.shard_released()
         self._waiting = waiting
-
-    def _load(self, inner: Any, index: int, views: dict[str, torch.Tensor], start: int) -> torch.Tensor:
-        """Point chunk ``index``'s tensor, gradient and state at the sub-group's buffer."""
-        chunk, key = self._planned()[0][index], self.chunk_keys[index]
-        at = chunk.shard_at - start
-        master = self.all[chunk.piece].master
-        assert master is not None and master.grad is not None  # `_steps` chose it
-        key.data = views["master"].narrow(0, at, chunk.numel)
-        key.grad = master.grad.narrow(0, chunk.at, chunk.numel)
-        entries = dict(self.small[index])
-        entries.update({kind: views[kind].narrow(0, at, chunk.numel) for kind in self.chunk_kinds[index]})
-        if entries:
-            inner.state[key] = entries  # torch keys state by the tensor it steps
-        return key
-
-    def _take_state(self, inner: Any, index: int, views: dict[str, torch.Tensor],
-                    start: int) -> list[tuple[str, int, torch.Tensor]]:
-        """Take chunk ``index``'s state out of the optimizer, cast its master into the shard, let its tensor go.
-
-        Returns the per-element tensors that are not in the buffer already (created by this step)."""
-        chunk, key = self._planned()[0][index], self.chunk_keys[index]
-        at = chunk.shard_at - start
-        entries = inner.state.pop(key, {})
-        self.small[index] = {k: v for k, v in entries.items() if not is_per_element(v, chunk.numel)}
-        fresh = []
-        for kind, value in entries.items():
-            if not is_per_element(value, chunk.numel):
-                continue
-            self.chunk_kinds[index].add(kind)
-            where = views.get(kind)
-            if where is None or where.narrow(0, at, chunk.numel).data_ptr() != value.data_ptr():
-                fresh.append((kind, chunk.shard_at, value.detach().reshape(-1)))
-        piece = self.all[chunk.piece]
-        piece.unit.write_shard([(piece.offset + chunk.at, key.detach())])  # an offloaded shard: into its file, unread
-        key.data, key.grad = _placeholder(chunk.numel), None
-        return fresh
-
-    def _note_kinds(self, fresh: list[list[tuple[str, int, torch.Tensor]]]) -> None:
-        """Files for kinds of state the optimizer just created (made here: later writes go into them)."""
-        for items in fresh:
-            for kind, _, value in items:
-                self._kind_file(kind, value.dtype)
-
-    def _kind_file(self, kind: str, dtype: torch.dtype) -> None:
-        if kind not in self.kinds:
-            self.kinds[kind] = dtype
-            self._files.create(kind, self.numel * dtype.itemsize)
-
-    def _write(self, group: SubGroup, views: dict[str, torch.Tensor],
-               fresh: list[list[tuple[str, int, torch.Tensor]]]) -> None:
-        """On the I/O thread: the sub-group's buffer back to its files, then the state this step created."""
-        files = self._files
-        for kind, view in views.items():
-            files.write_from(kind, view, group.start * view.element_size())
-        for items in fresh:
-            for kind, at, value in items:
-                files.write_from(kind, value, at * value.element_size())
 
     # ------------------------------------------------- values to the model
     def publish(self) -> None:
@@ -300,7 +220,7 @@ class OffloadedPieces(Pieces):
         """Each trainable piece's master and state as memory maps of the files (a load writes through them)."""
         self.stale = self.stale or loading  # the loaded masters reach the shards at the next publish
         return [ParamShard(p.name, p.unit.shapes[p.index], p.start, p.end, self.region("master", p), p.group,
-                           PieceSlot(self, p))
+                           self._slot(p))
                 for p in self.all if p.master is not None]
 
     def close(self) -> None:
@@ -308,65 +228,3 @@ class OffloadedPieces(Pieces):
         if self.files is not None:
             self.files.remove()
             self.files = None
-
-
-class PieceSlot:
-    """One offloaded piece's optimizer state: per-element tensors map its files, the rest is its first chunk's."""
-
-    def __init__(self, pieces: OffloadedPieces, piece: Piece) -> None:
-        self.pieces = pieces
-        self.piece = piece
-
-    def get(self) -> dict[str, Any]:
-        pieces = self.pieces
-        pieces._planned()
-        chunks = pieces.chunks_of[self.piece]
-        out = dict(pieces.small[chunks[0]])
-        for kind in sorted(set.intersection(*(pieces.chunk_kinds[c] for c in chunks))):
-            out[kind] = pieces.region(kind, self.piece)
-        return out
-
-    def set(self, state: dict[str, Any]) -> None:
-        pieces, piece = self.pieces, self.piece
-        pieces._planned()
-        per_element = {k: v for k, v in state.items() if is_per_element(v, piece.numel)}
-        for chunk in pieces.chunks_of[piece]:  # each chunk is stepped as its own tensor: its own `step` and the like
-            pieces.small[chunk] = {k: _copy(v) for k, v in state.items() if k not in per_element}
-            pieces.chunk_kinds[chunk] = set(per_element)
-        for kind, value in per_element.items():
-            pieces._kind_file(kind, value.dtype)
-            pieces.region(kind, piece).copy_(value.reshape(-1))
-
-
-def _regions(numel: int, kinds: Mapping[str, torch.dtype]) -> list[tuple[str, torch.dtype, int]]:
-    """(kind, dtype, end byte) of each kind in a sub-group's buffer, the master first, each region aligned."""
-    end, out = 0, []
-    for kind, dtype in [("master", torch.float32), *sorted(kinds.items())]:
-        end = -(-end // _ALIGN) * _ALIGN + numel * dtype.itemsize
-        out.append((kind, dtype, end))
-    return out
-
-
-def _views(numel: int, buffer: torch.Tensor, kinds: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
-    views = {}
-    for kind, dtype, end in _regions(numel, kinds):
-        size = numel * dtype.itemsize
-        views[kind] = buffer.narrow(0, end - size, size).view(dtype)
-    return views
-
-
-def _copy(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value
-
-
-@contextlib.contextmanager
-def _only(inner: Any, stepped: list[list[torch.Tensor]]) -> Iterator[None]:
-    """Param group ``i`` holds only ``stepped[i]`` (hyperparameters untouched), then all its tensors again."""
-    saved = [group["params"] for group in inner.param_groups]
-    for group, tensors in zip(inner.param_groups, stepped):
-        group["params"] = tensors
-    try:
-        yield
-    finally:
-        for group, params in zip(inner.param_groups, saved):
-            group["params"] = params

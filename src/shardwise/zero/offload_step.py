@@ -1,0 +1,252 @@
+"""The step both NVMe-offloaded arrangements share: sub-group by sub-group, read ahead, step, write behind.
+
+Stages 1-2 (:class:`~.offloaded.OffloadedMasters`) and stage 3 (:class:`~.offloaded_pieces.OffloadedPieces`)
+keep each piece's fp32 master and per-element optimizer state as a run of elements in files laid out alike
+(``master``, ``exp_avg``, ...), cut into chunks and sub-groups by :mod:`.offload_plan`.  A
+:class:`SubGroupStepper` holds what the inner optimizer keeps of each chunk between steps (its other, small
+state values and which kinds of state it has in the files) and runs the step: it reads a sub-group into a
+pool buffer (:mod:`.readahead`), points the chunks' tensors, gradients and state at that buffer, runs torch's
+own ``step`` over those chunks only, takes their state back out, hands the updated masters to the
+arrangement (:class:`Arrangement`), and writes the buffer back while the next sub-group is stepped.
+
+What differs between the two stays with them: which tensor the inner optimizer holds for a piece (its
+``.grad`` the gradient; the param group holding it is the chunk's), which chunks a step passes by, and
+where updated masters go (the flat parameter buffer, or the units' shards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
+
+import torch
+
+from ..param_state import is_per_element
+from .nvme_files import NvmeFiles
+from .offload_plan import Chunk, SubGroup
+from .readahead import BufferPool, pipelined
+
+__all__ = ["Arrangement", "OffloadSlot", "SubGroupStepper", "placeholder", "pool_for"]
+
+#: byte alignment of each kind inside a sub-group's buffer (a typed view needs its element size at least)
+_ALIGN = 64
+
+#: per chunk of a sub-group: (kind, element of the shard it starts at, values) of state the step created
+_Fresh = list[list[tuple[str, int, torch.Tensor]]]
+#: a chunk a step loads: its index, the tensor its param group holds (``.grad``: the piece's gradient), that group
+_Load = tuple[int, torch.Tensor, int]
+
+
+def placeholder(numel: int) -> torch.Tensor:
+    """A tensor of ``numel`` elements that holds one: what the optimizer holds for a chunk between steps."""
+    return torch.zeros(1).expand(numel)
+
+
+def pool_for(groups: list[SubGroup], count: int, state_bytes: int, pin: bool = False) -> BufferPool:
+    """``count`` buffers sized for the largest sub-group's master and ``state_bytes`` of state per element."""
+    largest = max((g.numel for g in groups), default=0)
+    return BufferPool(count, largest * (4 + state_bytes) + _ALIGN * 4, pin=pin)  # each region aligned
+
+
+class Arrangement(Protocol):
+    """What an offloaded arrangement tells the shared step about its pieces."""
+
+    def stepped(self, chunk: Chunk) -> Optional[torch.Tensor]:
+        """The tensor the inner optimizer's param group holds for the chunk's piece (its ``.grad`` the piece's
+        gradient, None where torch leaves it alone), or None where this step passes the chunk by."""
+        ...
+
+    def publish_sub_group(self, updated: list[tuple[Chunk, torch.Tensor]]) -> None:
+        """One sub-group's updated fp32 masters (views of its buffer, valid until its write) to the model."""
+        ...
+
+
+class SubGroupStepper:
+    """The chunks and sub-groups of a rank's files, what the optimizer keeps of each chunk, and the step."""
+
+    def __init__(self, chunks: list[Chunk], groups: list[SubGroup], pool: BufferPool,
+                 files: Callable[[], NvmeFiles], kinds: dict[str, torch.dtype], numel: int,
+                 name_sub_groups: bool) -> None:
+        """``files`` gives the open files (or raises once they are closed); ``kinds`` (the caller's, added to
+        here) maps each kind there is a file for to its dtype; each file holds ``numel`` elements;
+        ``name_sub_groups``: whether an I/O error names the sub-group it happened in."""
+        self.chunks, self.groups, self.pool = chunks, groups, pool
+        self.files, self.kinds, self.numel = files, kinds, numel
+        self.name_sub_groups = name_sub_groups
+        #: per piece (by index), its chunks
+        self.chunks_of: dict[int, list[int]] = {}
+        for index, chunk in enumerate(chunks):
+            self.chunks_of.setdefault(chunk.piece, []).append(index)
+        #: per chunk: the kinds it has state in, its other (small) state values, the tensor the optimizer steps
+        self.chunk_kinds: list[set[str]] = [set() for _ in chunks]
+        self.small: list[dict[str, Any]] = [{} for _ in chunks]
+        self.keys = [placeholder(chunk.numel) for chunk in chunks]
+
+    # ------------------------------------------------------------------- step
+    def step(self, inner: Any, arrangement: Arrangement) -> None:
+        """One optimizer step over every sub-group with a chunk to step: read ahead, step, publish, write behind."""
+        kinds = dict(self.kinds)  # what the reads of this step find on disk (the step may add kinds)
+        sizes = [_regions(g.numel, kinds)[-1][2] for g in self.groups]
+        loads = self._loads(inner, arrangement)
+        order = [g.index for g in self.groups if loads[g.index]]  # a sub-group with nothing to step: no I/O
+        pipelined(order, sizes, self.pool, lambda g, buffer: self._read(g, buffer, kinds),
+                  lambda g, buffer: self._step_group(inner, arrangement, g, loads[g],
+                                                     _views(self.groups[g].numel, buffer, kinds)))
+
+    def _loads(self, inner: Any, arrangement: Arrangement) -> list[list[_Load]]:
+        """Per sub-group, the chunks this step loads, each with the tensor its param group holds and that group."""
+        owner = {id(p): i for i, group in enumerate(inner.param_groups) for p in group["params"]}
+        loads = []
+        for group in self.groups:
+            held = [(index, arrangement.stepped(self.chunks[index])) for index in group.chunks]
+            loads.append([(index, tensor, owner[id(tensor)]) for index, tensor in held if tensor is not None])
+        return loads
+
+    def _where(self, g: int) -> str:
+        """Sub-group ``g`` in words, for an I/O error (empty where the arrangement names none)."""
+        if not self.name_sub_groups:
+            return ""
+        group = self.groups[g]
+        return (f"sub-group {g + 1} of {len(self.groups)}: elements {group.start:,}-{group.end:,} "
+                "of this rank's shard")
+
+    def _read(self, g: int, buffer: torch.Tensor, kinds: Mapping[str, torch.dtype]) -> None:
+        group, files, where = self.groups[g], self.files(), self._where(g)
+        for kind, view in _views(group.numel, buffer, kinds).items():
+            files.read_into(kind, view, group.start * view.element_size(), where)
+
+    def _step_group(self, inner: Any, arrangement: Arrangement, g: int, loads: list[_Load],
+                    views: dict[str, torch.Tensor]) -> Callable[[], None]:
+        """Step sub-group ``g``'s chunks in ``loads`` in its buffer; returns what writes the buffer back."""
+        start = self.groups[g].start
+        params: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
+        for index, tensor, param_group in loads:
+            params[param_group].append(self._load(inner, index, tensor.grad, views, start))
+        with _only(inner, params):
+            inner.step()
+        updated = [(self.chunks[index], self.keys[index].detach()) for index, _, _ in loads]
+        fresh = [self._take_state(inner, index, views, start) for index, _, _ in loads]
+        arrangement.publish_sub_group(updated)
+        self._note_kinds(fresh)
+        return lambda: self._write(g, views, fresh)
+
+    def _load(self, inner: Any, index: int, grad: Optional[torch.Tensor], views: dict[str, torch.Tensor],
+              start: int) -> torch.Tensor:
+        """Point chunk ``index``'s tensor, gradient (of its piece: None to be left alone) and state at the buffer."""
+        chunk, key = self.chunks[index], self.keys[index]
+        at = chunk.shard_at - start
+        key.data = views["master"].narrow(0, at, chunk.numel)
+        key.grad = None if grad is None else grad.narrow(0, chunk.at, chunk.numel)
+        entries = dict(self.small[index])
+        entries.update({kind: views[kind].narrow(0, at, chunk.numel) for kind in self.chunk_kinds[index]})
+        if entries:
+            inner.state[key] = entries  # torch keys state by the tensor it steps
+        return key
+
+    def _take_state(self, inner: Any, index: int, views: dict[str, torch.Tensor],
+                    start: int) -> list[tuple[str, int, torch.Tensor]]:
+        """Take chunk ``index``'s state out of the optimizer and let its tensor go.
+
+        Returns the per-element tensors that are not in the buffer already (created by this step)."""
+        chunk, key = self.chunks[index], self.keys[index]
+        at = chunk.shard_at - start
+        entries = inner.state.pop(key, {})
+        self.small[index] = {k: v for k, v in entries.items() if not is_per_element(v, chunk.numel)}
+        fresh = []
+        for kind, value in entries.items():
+            if not is_per_element(value, chunk.numel):
+                continue
+            self.chunk_kinds[index].add(kind)
+            where = views.get(kind)
+            if where is None or where.narrow(0, at, chunk.numel).data_ptr() != value.data_ptr():
+                fresh.append((kind, chunk.shard_at, value.detach().reshape(-1)))
+        key.data, key.grad = placeholder(chunk.numel), None
+        return fresh
+
+    def _note_kinds(self, fresh: _Fresh) -> None:
+        """Files for kinds of state the optimizer just created (made here: later writes go into them)."""
+        for items in fresh:
+            for kind, _, value in items:
+                self.kind_file(kind, value.dtype)
+
+    def kind_file(self, kind: str, dtype: torch.dtype) -> None:
+        """A file for state ``kind`` unless there is one."""
+        if kind not in self.kinds:
+            self.kinds[kind] = dtype
+            self.files().create(kind, self.numel * dtype.itemsize)
+
+    def _write(self, g: int, views: dict[str, torch.Tensor], fresh: _Fresh) -> None:
+        """On the I/O thread: sub-group ``g``'s buffer back to its files, then the state this step created."""
+        files, start, where = self.files(), self.groups[g].start, self._where(g)
+        for kind, view in views.items():
+            files.write_from(kind, view, start * view.element_size(), where)
+        for items in fresh:
+            for kind, shard_at, value in items:
+                files.write_from(kind, value, shard_at * value.element_size(), where)
+
+    def forget(self, piece: int) -> None:
+        """Piece ``piece`` has no optimizer state any more."""
+        for chunk in self.chunks_of.get(piece, []):
+            self.chunk_kinds[chunk], self.small[chunk] = set(), {}
+
+
+class OffloadSlot:
+    """One offloaded piece's optimizer state: per-element tensors map its files, the rest is its first chunk's."""
+
+    def __init__(self, stepper: SubGroupStepper, piece: int, numel: int,
+                 region: Callable[[str], torch.Tensor]) -> None:
+        """``region(kind)``: the piece's ``numel`` elements of file ``kind`` as a memory map."""
+        self.stepper, self.chunks, self.numel, self.region = stepper, stepper.chunks_of.get(piece, []), numel, region
+
+    def get(self) -> dict[str, Any]:
+        stepper = self.stepper
+        out = dict(stepper.small[self.chunks[0]])
+        for kind in sorted(set.intersection(*(stepper.chunk_kinds[c] for c in self.chunks))):
+            out[kind] = self.region(kind)
+        return out
+
+    def set(self, state: dict[str, Any]) -> None:
+        stepper = self.stepper
+        per_element = {k: v for k, v in state.items() if is_per_element(v, self.numel)}
+        for chunk in self.chunks:  # each chunk is stepped as its own tensor: its own copy of `step` and the like
+            stepper.small[chunk] = {k: copy_value(v) for k, v in state.items() if k not in per_element}
+            stepper.chunk_kinds[chunk] = set(per_element)
+        for kind, value in per_element.items():
+            stepper.kind_file(kind, value.dtype)
+            self.region(kind).copy_(value.reshape(-1))
+
+
+def copy_value(value: Any) -> Any:
+    """A copy of a state value: tensors cloned, the rest as it is."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _regions(numel: int, kinds: Mapping[str, torch.dtype]) -> list[tuple[str, torch.dtype, int]]:
+    """(kind, dtype, end byte) of each kind in a sub-group's buffer, the master first, each region aligned."""
+    end, out = 0, []
+    for kind, dtype in [("master", torch.float32), *sorted(kinds.items())]:
+        end = -(-end // _ALIGN) * _ALIGN + numel * dtype.itemsize
+        out.append((kind, dtype, end))
+    return out
+
+
+def _views(numel: int, buffer: torch.Tensor, kinds: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
+    """Each kind's typed view of its region of a sub-group's buffer."""
+    views = {}
+    for kind, dtype, end in _regions(numel, kinds):
+        size = numel * dtype.itemsize
+        views[kind] = buffer.narrow(0, end - size, size).view(dtype)
+    return views
+
+
+@contextlib.contextmanager
+def _only(inner: Any, stepped: list[list[torch.Tensor]]) -> Iterator[None]:
+    """Param group ``i`` holds only ``stepped[i]`` (hyperparameters untouched), then all its tensors again."""
+    saved = [group["params"] for group in inner.param_groups]
+    for group, tensors in zip(inner.param_groups, stepped):
+        group["params"] = tensors
+    try:
+        yield
+    finally:
+        for group, params in zip(inner.param_groups, saved):
+            group["params"] = params
