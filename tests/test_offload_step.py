@@ -60,8 +60,7 @@ def _setup(root: Path) -> tuple[SubGroupStepper, NvmeFiles, list[Piece], list[to
     initial = [torch.randn(n, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(SIZES)]
     for run, values in zip(runs, initial):
         files.write_from("master", values, run.shard_offset * 4)
-    stepper = SubGroupStepper(chunks, groups, pool_for(groups, 3, STATE_BYTES), lambda: files, {}, at,
-                              name_sub_groups=True)
+    stepper = SubGroupStepper(chunks, groups, pool_for(groups, 3, STATE_BYTES), lambda: files, {}, at)
     return stepper, files, runs, initial
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
 import torch
 
 from ..param_state import is_per_element
-from .nvme_files import NvmeFiles
+from .nvme_files import NvmeFiles, OffloadIOError
 from .offload_plan import Chunk, SubGroup
 from .readahead import BufferPool, pipelined
 
@@ -65,14 +65,11 @@ class SubGroupStepper:
     """The chunks and sub-groups of a rank's files, what the optimizer keeps of each chunk, and the step."""
 
     def __init__(self, chunks: list[Chunk], groups: list[SubGroup], pool: BufferPool,
-                 files: Callable[[], NvmeFiles], kinds: dict[str, torch.dtype], numel: int,
-                 name_sub_groups: bool) -> None:
+                 files: Callable[[], NvmeFiles], kinds: dict[str, torch.dtype], numel: int) -> None:
         """``files`` gives the open files (or raises once they are closed); ``kinds`` (the caller's, added to
-        here) maps each kind there is a file for to its dtype; each file holds ``numel`` elements;
-        ``name_sub_groups``: whether an I/O error names the sub-group it happened in."""
+        here) maps each kind there is a file for to its dtype; each file holds ``numel`` elements."""
         self.chunks, self.groups, self.pool = chunks, groups, pool
         self.files, self.kinds, self.numel = files, kinds, numel
-        self.name_sub_groups = name_sub_groups
         #: per piece (by index), its chunks
         self.chunks_of: dict[int, list[int]] = {}
         for index, chunk in enumerate(chunks):
@@ -81,10 +78,37 @@ class SubGroupStepper:
         self.chunk_kinds: list[set[str]] = [set() for _ in chunks]
         self.small: list[dict[str, Any]] = [{} for _ in chunks]
         self.keys = [placeholder(chunk.numel) for chunk in chunks]
+        #: why the files no longer hold one step's state (a step failed part-way); None while they do
+        self.broken: Optional[str] = None
+
+    def check_whole(self, doing: str) -> None:
+        """Raise unless the files hold one step's state: after a step failed part-way, stepping, saving or
+        changing the trainable set would spread a state that is half the new step and half the old."""
+        if self.broken is not None:
+            raise RuntimeError(
+                f"rank {self.files().rank}: cannot {doing}: this engine's offloaded optimizer state is incomplete "
+                f"since a step failed part-way ({self.broken}); some sub-groups hold the new step and some the "
+                "old. Build a new engine and `load_checkpoint` the last checkpoint")
 
     # ------------------------------------------------------------------- step
     def step(self, inner: Any, arrangement: Arrangement) -> None:
-        """One optimizer step over every sub-group with a chunk to step: read ahead, step, publish, write behind."""
+        """One optimizer step over every sub-group with a chunk to step: read ahead, step, publish, write behind.
+
+        A step that fails part-way leaves the engine refusing to step, save or change its trainable set
+        (:meth:`check_whole`): no roll-back, as the files would need a second copy of the state."""
+        self.check_whole("step")
+        try:
+            self._step(inner, arrangement)
+        except OffloadIOError as exc:
+            self.broken = f"{exc.operation} {exc.path} failed"
+            raise exc.extended("This step updated part of the offloaded state only: this engine now refuses to "
+                               "step or save; restart from the last checkpoint (a new engine and "
+                               "`load_checkpoint`)") from exc.__cause__
+        except BaseException as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def _step(self, inner: Any, arrangement: Arrangement) -> None:
         kinds = dict(self.kinds)  # what the reads of this step find on disk (the step may add kinds)
         sizes = [_regions(g.numel, kinds)[-1][2] for g in self.groups]
         loads = self._loads(inner, arrangement)
@@ -103,9 +127,7 @@ class SubGroupStepper:
         return loads
 
     def _where(self, g: int) -> str:
-        """Sub-group ``g`` in words, for an I/O error (empty where the arrangement names none)."""
-        if not self.name_sub_groups:
-            return ""
+        """Sub-group ``g`` in words, for an I/O error."""
         group = self.groups[g]
         return (f"sub-group {g + 1} of {len(self.groups)}: elements {group.start:,}-{group.end:,} "
                 "of this rank's shard")

@@ -37,7 +37,7 @@ from .frozen import Kept
 from .grads import ReducedGrads
 from .layout import FlatLayout
 from .masters_base import Gather, Masters
-from .nvme_files import NvmeFiles, OffloadIOError
+from .nvme_files import NvmeFiles
 from .offload_plan import Chunk, OffloadSpec, plan_sub_groups
 from .offload_step import OffloadSlot, SubGroupStepper, placeholder, pool_for
 
@@ -55,13 +55,11 @@ class OffloadedMasters(Masters):
         self.kinds: dict[str, torch.dtype] = {}
         self.pool = pool_for(self.groups, spec.buffer_count, spec.state_bytes, spec.pin_memory and device.type == "cuda")
         self.stepper = SubGroupStepper(chunks, self.groups, self.pool, lambda: self._files, self.kinds,
-                                       layout.shard_numel, name_sub_groups=True)
+                                       layout.shard_numel)
         #: per piece, the tensor the param group holds (its ``.grad`` is the piece's gradient)
         self.keys: list[torch.Tensor] = []
         #: whether the files may hold masters the model's parameters do not show yet (a checkpoint borrowed them)
         self.stale = False
-        #: why the files no longer hold one step's state (a step failed part-way); None while they do
-        self.broken: str | None = None
         self.files: NvmeFiles | None = None
 
     # ------------------------------------------------------------------ build
@@ -95,11 +93,7 @@ class OffloadedMasters(Masters):
 
     def _usable(self, doing: str) -> NvmeFiles:
         """The files, unless a failed step left them half-updated (stepping or saving them would spread that)."""
-        if self.broken is not None:
-            raise RuntimeError(
-                f"rank {self.spec.rank}: cannot {doing}: this engine's offloaded optimizer state is incomplete since "
-                f"a step failed part-way ({self.broken}); some sub-groups hold the new step and some the old. "
-                "Build a new engine and `load_checkpoint` the last checkpoint")
+        self.stepper.check_whole(doing)
         return self._files
 
     def steps(self, grads: ReducedGrads) -> dict[int, torch.Tensor]:
@@ -115,18 +109,9 @@ class OffloadedMasters(Masters):
 
     # ------------------------------------------------------------------- step
     def step(self, inner: Any) -> None:
-        """One optimizer step over every sub-group: read ahead, step, publish, write behind."""
-        self._usable("step")
-        try:
-            self.stepper.step(inner, self)
-        except OffloadIOError as exc:
-            self.broken = f"{exc.operation} {exc.path} failed"
-            raise exc.extended("This step updated part of the offloaded state only: this engine now refuses to "
-                               "step or save; restart from the last checkpoint (a new engine and "
-                               "`load_checkpoint`)") from exc.__cause__
-        except BaseException as exc:
-            self.broken = f"{type(exc).__name__}: {exc}"
-            raise
+        """One optimizer step over every sub-group: read ahead, step, publish, write behind (a step that
+        fails part-way leaves the engine refusing to step or save: :meth:`.SubGroupStepper.step`)."""
+        self.stepper.step(inner, self)
         self.stale = False  # the step read every piece's master from the files and published it
 
     def stepped(self, chunk: Chunk) -> torch.Tensor:

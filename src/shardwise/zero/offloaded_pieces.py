@@ -101,7 +101,7 @@ class OffloadedPieces(Pieces):
         return placeholder(piece.numel)  # the values go to the file (`add`)
 
     def from_shard(self, piece: Piece) -> torch.Tensor:
-        return piece.local(piece.unit.shard).float()
+        return piece.local(piece.unit.shard).to(torch.float32, copy=True)  # never a view of a host copy
 
     @property
     def _files(self) -> NvmeFiles:
@@ -116,8 +116,7 @@ class OffloadedPieces(Pieces):
             runs = [Run(index, piece.start, piece.end, self.at[piece]) for index, piece in enumerate(self.all)]
             chunks, groups = plan_sub_groups(runs, self.spec.sub_group_size)
             self.pool = pool_for(groups, self.spec.buffer_count, self.state_bytes)
-            self._stepper = SubGroupStepper(chunks, groups, self.pool, lambda: self._files, self.kinds, self.numel,
-                                            name_sub_groups=False)
+            self._stepper = SubGroupStepper(chunks, groups, self.pool, lambda: self._files, self.kinds, self.numel)
             self._index = {piece: index for index, piece in enumerate(self.all)}
         return self._stepper
 
@@ -128,6 +127,7 @@ class OffloadedPieces(Pieces):
 
     # -------------------------------------------------------- trainability
     def _freeze(self, piece: Piece, master: torch.Tensor, state: Any) -> None:
+        self._planned().check_whole("change the trainable set")
         kept_state = {k: copy_value(v) for k, v in self._slot(piece).get().items()}
         self.frozen.keep(piece.param, Kept(piece.start, piece.end, self.region("master", piece).clone(),
                                            KeptSlot(kept_state)))
@@ -136,6 +136,7 @@ class OffloadedPieces(Pieces):
         piece.master, piece.grad = None, None
 
     def _unfreeze(self, piece: Piece, state: Any) -> None:
+        self._planned().check_whole("change the trainable set")
         kept = self.frozen.take(piece.param)
         self.region("master", piece).copy_(kept.master if kept is not None else self.from_shard(piece))
         self._forget_state(piece)
@@ -218,6 +219,7 @@ class OffloadedPieces(Pieces):
 
     def shards(self, state: Any, loading: bool = True) -> list[ParamShard]:
         """Each trainable piece's master and state as memory maps of the files (a load writes through them)."""
+        self._planned().check_whole("save or load a checkpoint")
         self.stale = self.stale or loading  # the loaded masters reach the shards at the next publish
         return [ParamShard(p.name, p.unit.shapes[p.index], p.start, p.end, self.region("master", p), p.group,
                            self._slot(p))
