@@ -35,7 +35,7 @@ class DialectChoice:
 
 
 def apply_defaults(
-    config: Config, client_optimizer: bool, user_backward: bool = True
+    config: Config, client_optimizer: bool, user_backward: bool = True, client_scheduler: bool = False
 ) -> tuple[Config, list[DialectChoice]]:
     """`config` with DeepSpeed's defaults for the keys it leaves unset, and the choices made.
 
@@ -71,7 +71,7 @@ def apply_defaults(
         update["optimizer"] = None
         _warn(f"deepspeed dialect: an optimizer was passed to `initialize`, so the config's `optimizer` section "
               f"(`{config.optimizer.type}`) is ignored, as DeepSpeed ignores it; remove the section to silence this")
-    for key, value, choice in (*_schedule_start(config), *_stage0_hysteresis(config)):
+    for key, value, choice in (*_schedule_start(config, client_scheduler), *_stage0_hysteresis(config)):
         update[key] = value
         choices.append(choice)
     if user_backward:
@@ -81,11 +81,14 @@ def apply_defaults(
     return config.replace(**update), choices
 
 
-def _schedule_start(config: Config) -> list[tuple[str, Any, DialectChoice]]:
+def _schedule_start(config: Config, client_scheduler: bool) -> list[tuple[str, Any, DialectChoice]]:
     """DeepSpeed's schedules start at iteration -1: the first optimizer step runs at `warmup_min_lr`
-    (WarmupCosineLR: 0), step `k` at iteration `k - 1`."""
+    (WarmupCosineLR: 0), step `k` at iteration `k - 1`. A section whose params are all `auto` gives way
+    to a scheduler passed to `initialize` (Hugging Face's templates), so nothing of it starts."""
     section = config.scheduler
     if section is None or "deepspeed_start" in section.model_fields_set:
+        return []
+    if client_scheduler and not section.params and any(p.startswith("scheduler.params.") for p in config.pending):
         return []
     return [("scheduler", section.model_copy(update={"deepspeed_start": True}), DialectChoice(
         f"`scheduler` `{section.type}` starts as DeepSpeed's: optimizer step k runs at the schedule's iteration k-1, "
