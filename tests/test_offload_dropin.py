@@ -358,3 +358,18 @@ def test_zero_init_remote_device_several_engines_and_freezing_with_nvme(tmp_path
     run_subtests(_freezing, [{"stage": 2, "nvme": nvme}, {"stage": 3, "nvme": nvme}])
     assert sorted(os.listdir(tmp_path)) == ["alone", "teacher"], os.listdir(tmp_path)
     assert os.listdir(tmp_path / "alone") == [] and os.listdir(tmp_path / "teacher") == []
+
+
+def test_a_value_replacing_an_auto_is_kept_and_the_line_about_the_old_value_goes() -> None:
+    """`Config.replace` as the dialect uses it: a value given where `auto` waited is not re-filled by `resolve`,
+    and a line about the replaced key's old value (`gradient_clipping: auto` became 0.0) is not logged."""
+    loaded = shardwise.Config.load({"gradient_clipping": "auto",
+                                    "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "weight_decay": "auto"}}})
+    assert "optimizer.params.weight_decay" in loaded.pending
+    assert any(note.path == "gradient_clipping" for note in loaded.notes)
+    section = loaded.optimizer.model_copy(update={"params": {"lr": 0.1, "weight_decay": 0.0}})
+    resolved = loaded.replace(optimizer=section, gradient_clipping=1.0).resolve()
+    assert resolved.optimizer.params["weight_decay"] == 0.0 and resolved.gradient_clipping == 1.0
+    assert not any("gradient_clipping" in note.message or "weight_decay" in note.message for note in resolved.notes)
+    kept = loaded.replace(optimizer=loaded.optimizer).resolve()  # a section given back unchanged still waits
+    assert kept.optimizer.params.get("weight_decay") is None and any("weight_decay: auto" in n.message for n in kept.notes)

@@ -42,7 +42,8 @@ def apply_defaults(
     `gradient_clipping` absent (or `auto`): 1.0. `checkpoint.save_rng_state` absent: false, so
     `load_checkpoint` leaves the RNG alone as DeepSpeed's does. A client optimizer with an
     `optimizer` section: the section is dropped (with a warning), as DeepSpeed ignores it. `Adam`/`AdamW`
-    without `weight_decay`: 0.0 (DeepSpeed's own Adams; torch's AdamW would decay by 0.01). With
+    without `weight_decay`: 0.0 (DeepSpeed's own Adams; torch's AdamW would decay by 0.01; `weight_decay: auto`
+    follows `auto`'s rule instead, torch's default, said in its own line). With
     `user_backward` (not a pipeline, whose `train_batch` runs backward itself), the choice that
     several backwards before a step accumulate (the caller sets the engine's `accumulates_backwards`).
     A `scheduler` section without `deepspeed_start`: true (DeepSpeed's schedules start one iteration
@@ -62,7 +63,10 @@ def apply_defaults(
             "`load_checkpoint` leaves the RNG state alone (`checkpoint.save_rng_state` is not set)",
             "save and restore it; set `checkpoint.save_rng_state: true` for that"))
     section = config.optimizer
-    if section is not None and not client_optimizer and _adam_without_decay(section.type, section.params):
+    # `weight_decay: auto` resolves by `auto`'s rule (torch's default) and says so in its own line
+    wait_for_auto = "optimizer.params.weight_decay" in config.pending
+    if (section is not None and not client_optimizer and not wait_for_auto
+            and _adam_without_decay(section.type, section.params)):
         update["optimizer"] = section.model_copy(update={"params": {**section.params, "weight_decay": 0.0}})
         choices.append(DialectChoice(
             f"`optimizer.type: {section.type}` without `weight_decay` gets weight_decay 0.0, as DeepSpeed's fused "
