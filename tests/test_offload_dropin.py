@@ -97,9 +97,11 @@ def _full(engine: Any) -> dict[str, torch.Tensor]:
         return params_of(engine.module)
 
 
-def _run(config: dict[str, Any], dialect: bool, client: bool, steps: int = 4) -> tuple[dict[str, Any], list[str], str]:
+def _run(config: dict[str, Any], dialect: bool, client: bool, save_to: Optional[str] = None,
+         steps: int = 4) -> tuple[dict[str, Any], list[str], str]:
     """Train one engine from `config`: its weights, the lines logged while it was built and trained, and what
-    `_check_said` found wrong in them (reported by the caller once every rank is past its collectives)."""
+    `_check_said` (and, given `save_to`, `_check_saved`) found wrong (reported by the caller once every rank is
+    past its collectives)."""
     model = _hf_model()
     with _logged() as lines:
         if not dialect:
@@ -114,9 +116,15 @@ def _run(config: dict[str, Any], dialect: bool, client: bool, steps: int = 4) ->
             engine, _, _, _ = deepspeed.initialize(model=model, config=config)
         _client_loop(engine, steps)
     weights = _full(engine)
+    if save_to is not None:  # as Hugging Face's Trainer does at the end with `stage3_gather_16bit_weights_...`
+        engine.save_16bit_model(save_to, "pytorch_model.bin")
+        dist.barrier()
     wrong = ""
     try:
         _check_said(lines, engine)
+        if save_to is not None and dist.get_rank() == 0:
+            saved = torch.load(Path(save_to) / "pytorch_model.bin", weights_only=True)
+            assert_close_params({k: v.float() for k, v in saved.items()}, weights, atol=0.0)
     except AssertionError as error:  # rank 0 alone has lines: raising here would leave rank 1 in a collective
         wrong = str(error)
     engine.destroy()
@@ -189,7 +197,9 @@ def _config_case(name: str, nvme: str, dialect: bool = True, client: bool = Fals
     config = _fixture(name, nvme)
     if edit is not None:
         edit(config)
-    offloaded, lines, wrong = _run(config, dialect, client)
+    gathers = config["zero_optimization"].get("stage3_gather_16bit_weights_on_model_save", False)
+    save_to = str(Path(nvme).parent / f"saved-{name}-{dialect}") if gathers else None
+    offloaded, lines, wrong = _run(config, dialect, client, save_to)
     plain, _, wrong_plain = _run(_without_offload(config), dialect, client)
     dist.barrier()
     assert os.listdir(nvme) == [], f"{os.listdir(nvme)} left under nvme_path after destroy"
@@ -209,7 +219,8 @@ def _to_nvme(nvme: str) -> Callable[[dict[str, Any]], None]:
 
 @distributed_test(world_size=2, timeout=120)
 def test_real_offload_configs_train_as_the_same_config_without_offload(tmp_path: Path) -> None:
-    nvme = str(tmp_path)
+    nvme = str(tmp_path / "nvme")
+    os.makedirs(nvme, exist_ok=True)
     run_subtests(_config_case, [
         {"name": "hf_ds_config_zero3.json", "nvme": nvme, "client": True},
         {"name": "hf_ds_config_zero3_nvme.json", "nvme": nvme},
