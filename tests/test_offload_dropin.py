@@ -107,7 +107,7 @@ def _run(config: dict[str, Any], dialect: bool, client: bool, save_to: Optional[
         if not dialect:
             engine = shardwise.initialize(model, config=config)
         elif client:  # as Hugging Face's Trainer passes them: the config's `auto` sections give way
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            optimizer = torch.optim.AdamW(_hf_groups(model), lr=1e-2)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
             engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                    config=config)
@@ -129,6 +129,13 @@ def _run(config: dict[str, Any], dialect: bool, client: bool, save_to: Optional[
         wrong = str(error)
     engine.destroy()
     return weights, lines, wrong
+
+
+def _hf_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Hugging Face's Trainer's two groups: weights decay, biases do not (and get their own lr here)."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if not n.endswith("bias")], "weight_decay": 0.1},
+            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0, "lr": 3e-2}]
 
 
 _AUTO_LINE = re.compile(r"`([\w.]+): auto` became (.+?) \(")
@@ -209,6 +216,11 @@ def _config_case(name: str, nvme: str, dialect: bool = True, client: bool = Fals
         _check_lines(lines, config, nvme, client)
 
 
+def _small_sub_groups(config: dict[str, Any]) -> None:
+    """Sub-groups smaller than a rank's shard (the template's 1e9 makes one), so the step is tiled."""
+    config["zero_optimization"]["sub_group_size"] = 300
+
+
 def _to_nvme(nvme: str) -> Callable[[dict[str, Any]], None]:
     """The DeepSpeed-Chat config as users switch it to NVMe: `device: nvme` and a path, small sub-groups."""
     def edit(config: dict[str, Any]) -> None:
@@ -224,6 +236,7 @@ def test_real_offload_configs_train_as_the_same_config_without_offload(tmp_path:
     run_subtests(_config_case, [
         {"name": "hf_ds_config_zero3.json", "nvme": nvme, "client": True},
         {"name": "hf_ds_config_zero3_nvme.json", "nvme": nvme},
+        {"name": "hf_ds_config_zero3_nvme.json", "nvme": nvme, "client": True, "edit": _small_sub_groups},
         {"name": "hf_ds_config_zero3_nvme.json", "nvme": nvme, "dialect": False},
         {"name": "zero3_offload.json", "nvme": nvme},
         {"name": "zero2_offload_optimizer.json", "nvme": nvme},
@@ -338,27 +351,30 @@ def _distillation(root: str) -> None:
 # ------------------------------------------------------------------ the trainable set changes mid-run
 
 
-def _freeze_and_thaw(stage: int, nvme: Optional[str]) -> dict[str, torch.Tensor]:
-    """fc1.weight stops training at step 3 and trains again at step 6 (noticed by the engine itself)."""
+def _freeze_and_thaw(stage: int, nvme: Optional[str], frozen_at_start: bool = False) -> dict[str, torch.Tensor]:
+    """fc1.weight stops training at step 3 and trains again at step 6 (noticed by the engine itself); or,
+    `frozen_at_start` (LLaVA's first stage trains only its projector), starts frozen and trains from step 3."""
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 500}
     if nvme is not None and stage == 2:
         zero.update(offload_optimizer={"device": "nvme", "nvme_path": nvme, "buffer_count": 2}, sub_group_size=300)
     if nvme is not None and stage == 3:  # the masters in memory, the shards in files
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0}
     model = make_model()
+    model.fc1.weight.requires_grad_(not frozen_at_start)
     engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
                                   {"zero_optimization": zero, "gradient_clipping": 0.5})
     for step in range(9):
         if step in (3, 6):
-            engine.module.fc1.weight.requires_grad_(step == 6)
+            engine.module.fc1.weight.requires_grad_(step == 6 or frozen_at_start)
         _step(engine, step)
     weights = _full(engine)
     engine.destroy()
     return weights
 
 
-def _freezing(stage: int, nvme: str) -> None:
-    assert_close_params(_freeze_and_thaw(stage, nvme), _freeze_and_thaw(stage, None), atol=ATOL)
+def _freezing(stage: int, nvme: str, frozen_at_start: bool = False) -> None:
+    got = _freeze_and_thaw(stage, nvme, frozen_at_start)
+    assert_close_params(got, _freeze_and_thaw(stage, None, frozen_at_start), atol=ATOL)
 
 
 @distributed_test(world_size=2, timeout=120)
@@ -366,7 +382,9 @@ def test_zero_init_remote_device_several_engines_and_freezing_with_nvme(tmp_path
     nvme = str(tmp_path)
     run_subtests(_remote_device_case, [{"nvme": nvme, "remote_device": "nvme"}, {"nvme": nvme, "remote_device": "cpu"}])
     run_subtests(_distillation, [{"root": nvme}])
-    run_subtests(_freezing, [{"stage": 2, "nvme": nvme}, {"stage": 3, "nvme": nvme}])
+    run_subtests(_freezing, [{"stage": 2, "nvme": nvme}, {"stage": 3, "nvme": nvme},
+                             {"stage": 2, "nvme": nvme, "frozen_at_start": True},
+                             {"stage": 3, "nvme": nvme, "frozen_at_start": True}])
     assert sorted(os.listdir(tmp_path)) == ["alone", "teacher"], os.listdir(tmp_path)
     assert os.listdir(tmp_path / "alone") == [] and os.listdir(tmp_path / "teacher") == []
 
