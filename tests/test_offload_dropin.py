@@ -7,13 +7,16 @@
   `shardwise.deepspeed.initialize` with DeepSpeed's client loop (and through `shardwise.initialize` where the
   dialect does not matter) to the weights of the same config without its offload sections (fp32, atol 1e-6).
   Every info line rank 0 logs is checked: each `auto` became what the engine holds, each offload line
-  names what happens, no line names a key the file does not have.
+  names what happens, no line names a key the file does not have. The templates are also run as Hugging
+  Face's Trainer runs them (its two param groups and an lr scheduler passed; `save_16bit_model` at the end,
+  whose file holds the trained weights).
 * `shardwise.deepspeed.zero.Init(remote_device="nvme" | "cpu", config_dict_or_path=cfg)`: a model built under
   it trains as one built without offload; `nvme` without `offload_param: nvme` is an error naming both.
 * A ZeRO-3 NVMe teacher beside a ZeRO-2 student in one process train as each does alone; each engine's
   folders go at its own `destroy`.
-* A parameter frozen and thawed mid-run with NVMe offload at stage 2 (2 ranks) and stage 3 (parameters
-  only on NVMe) trains as without offload.
+* A parameter frozen and thawed mid-run, or frozen at initialize and thawed, with NVMe offload at stage 2
+  (2 ranks) and stage 3 (parameters only on NVMe) trains as without offload; so does LLaVA's first stage
+  (embedding frozen, the rest passed as `model_parameters`) at stages 1-3 with NVMe.
 """
 
 from __future__ import annotations
@@ -377,6 +380,29 @@ def _freezing(stage: int, nvme: str, frozen_at_start: bool = False) -> None:
     assert_close_params(got, _freeze_and_thaw(stage, None, frozen_at_start), atol=ATOL)
 
 
+def _projector_only(stage: int, nvme: Optional[str]) -> dict[str, torch.Tensor]:
+    """LLaVA's first stage: the embedding frozen, only the rest passed as `model_parameters`."""
+    zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 500}
+    if nvme is not None:
+        zero.update(offload_optimizer={"device": "nvme", "nvme_path": nvme}, sub_group_size=300)
+    if nvme is not None and stage == 3:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0}
+    config = {"zero_optimization": zero, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}}
+    model = _hf_model()
+    model.embed.weight.requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trained, config=config)
+    _client_loop(engine, 4)
+    weights = _full(engine)
+    engine.destroy()
+    return weights
+
+
+def _subset_case(stage: int, nvme: str) -> None:
+    assert_close_params(_projector_only(stage, nvme), _projector_only(stage, None), atol=ATOL)
+
+
 @distributed_test(world_size=2, timeout=120)
 def test_zero_init_remote_device_several_engines_and_freezing_with_nvme(tmp_path: Path) -> None:
     nvme = str(tmp_path)
@@ -385,6 +411,7 @@ def test_zero_init_remote_device_several_engines_and_freezing_with_nvme(tmp_path
     run_subtests(_freezing, [{"stage": 2, "nvme": nvme}, {"stage": 3, "nvme": nvme},
                              {"stage": 2, "nvme": nvme, "frozen_at_start": True},
                              {"stage": 3, "nvme": nvme, "frozen_at_start": True}])
+    run_subtests(_subset_case, [{"stage": stage, "nvme": nvme} for stage in (1, 2, 3)])
     assert sorted(os.listdir(tmp_path)) == ["alone", "teacher"], os.listdir(tmp_path)
     assert os.listdir(tmp_path / "alone") == [] and os.listdir(tmp_path / "teacher") == []
 
