@@ -5,7 +5,8 @@
   `nvme_path`, `sub_group_size`, ...), a LLaVA-style `zero3_offload.json` and a DeepSpeed-Chat-style ZeRO-2
   `offload_optimizer: cpu` one (also switched to NVMe, as users do). Each trains through
   `shardwise.deepspeed.initialize` with DeepSpeed's client loop (and through `shardwise.initialize` where the
-  dialect does not matter) to the weights of the same config without its offload sections (fp32, atol 1e-6).
+  dialect does not matter) to the weights of the same config without its offload sections (fp32, atol 1e-6;
+  the NVMe template with a bfloat16 model, whose `bf16.enabled: auto` turns bf16 on, too).
   Every info line rank 0 logs is checked: each `auto` became what the engine holds, each offload line
   names what happens, no line names a key the file does not have. The templates are also run as Hugging
   Face's Trainer runs them (its two param groups and an lr scheduler passed; `save_16bit_model` at the end,
@@ -101,11 +102,11 @@ def _full(engine: Any) -> dict[str, torch.Tensor]:
 
 
 def _run(config: dict[str, Any], dialect: bool, client: bool, save_to: Optional[str] = None,
-         steps: int = 4) -> tuple[dict[str, Any], list[str], str]:
+         bf16: bool = False, steps: int = 4) -> tuple[dict[str, Any], list[str], str]:
     """Train one engine from `config`: its weights, the lines logged while it was built and trained, and what
     `_check_said` (and, given `save_to`, `_check_saved`) found wrong (reported by the caller once every rank is
-    past its collectives)."""
-    model = _hf_model()
+    past its collectives). `bf16`: a bfloat16 model, so `bf16.enabled: auto` turns bf16 on."""
+    model = _hf_model().to(torch.bfloat16) if bf16 else _hf_model()
     with _logged() as lines:
         if not dialect:
             engine = shardwise.initialize(model, config=config)
@@ -203,14 +204,14 @@ def _check_lines(lines: list[str], config: dict[str, Any], nvme: Optional[str], 
 
 
 def _config_case(name: str, nvme: str, dialect: bool = True, client: bool = False,
-                 edit: Optional[Callable[[dict[str, Any]], None]] = None) -> None:
+                 edit: Optional[Callable[[dict[str, Any]], None]] = None, bf16: bool = False) -> None:
     config = _fixture(name, nvme)
     if edit is not None:
         edit(config)
     gathers = config["zero_optimization"].get("stage3_gather_16bit_weights_on_model_save", False)
     save_to = str(Path(nvme).parent / f"saved-{name}-{dialect}") if gathers else None
-    offloaded, lines, wrong = _run(config, dialect, client, save_to)
-    plain, _, wrong_plain = _run(_without_offload(config), dialect, client)
+    offloaded, lines, wrong = _run(config, dialect, client, save_to, bf16)
+    plain, _, wrong_plain = _run(_without_offload(config), dialect, client, bf16=bf16)
     dist.barrier()
     assert os.listdir(nvme) == [], f"{os.listdir(nvme)} left under nvme_path after destroy"
     assert_close_params(offloaded, plain, atol=ATOL)
@@ -240,6 +241,7 @@ def test_real_offload_configs_train_as_the_same_config_without_offload(tmp_path:
         {"name": "hf_ds_config_zero3.json", "nvme": nvme, "client": True},
         {"name": "hf_ds_config_zero3_nvme.json", "nvme": nvme},
         {"name": "hf_ds_config_zero3_nvme.json", "nvme": nvme, "client": True, "edit": _small_sub_groups},
+        {"name": "hf_ds_config_zero3_nvme.json", "nvme": nvme, "edit": _small_sub_groups, "bf16": True},
         {"name": "hf_ds_config_zero3_nvme.json", "nvme": nvme, "dialect": False},
         {"name": "zero3_offload.json", "nvme": nvme},
         {"name": "zero2_offload_optimizer.json", "nvme": nvme},
