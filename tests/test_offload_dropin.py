@@ -279,7 +279,8 @@ def _remote_device_case(nvme: str, remote_device: str) -> None:
     if dist.get_rank() == 0:
         said = {"nvme": f"zero.Init(remote_device='nvme'): each rank's shards are built in host memory and stay there "
                         f"until `initialize`, which moves them into files under {nvme!r}",
-                "cpu": "zero.Init(remote_device='cpu'): each rank's shards are built in host memory; `initialize`"}
+                "cpu": "zero.Init(remote_device='cpu'): each rank's shards are built where the model makes its "
+                       "parameters (host memory unless torch's default device is set); `initialize` then places"}
         assert any(said[remote_device] in line for line in lines), lines
 
 

@@ -68,9 +68,9 @@ def _remote_device_line(remote_device: Optional[str], config: Optional[Config]) 
     if remote_device == "nvme" and section is not None:
         return ("zero.Init(remote_device='nvme'): each rank's shards are built in host memory and stay there until "
                 f"`initialize`, which moves them into files under {section.nvme_path!r} (`offload_param: nvme`)")
-    return ("zero.Init(remote_device='cpu'): each rank's shards are built in host memory; `initialize` then places "
-            "them as the config says (`offload_param: nvme`: in files; otherwise on the job's device, the host on a "
-            "CPU job)")
+    return ("zero.Init(remote_device='cpu'): each rank's shards are built where the model makes its parameters "
+            "(host memory unless torch's default device is set); `initialize` then places them as the config says "
+            "(`offload_param: nvme`: in files; otherwise on the job's device, the host on a CPU job)")
 
 
 class Init:
