@@ -101,23 +101,29 @@ def _full(engine: Any) -> dict[str, torch.Tensor]:
         return params_of(engine.module)
 
 
+def _build(config: dict[str, Any], dialect: bool, client: bool, bf16: bool) -> Any:
+    """An engine from `config`: through `shardwise.deepspeed` (with Hugging Face's optimizer and scheduler when
+    `client`) or `shardwise.initialize`. `bf16`: a bfloat16 model, so `bf16.enabled: auto` turns bf16 on."""
+    model = _hf_model().to(torch.bfloat16) if bf16 else _hf_model()
+    if not dialect:
+        return shardwise.initialize(model, config=config)
+    if not client:
+        return deepspeed.initialize(model=model, config=config)[0]
+    # as Hugging Face's Trainer passes them: the config's all-`auto` sections give way
+    optimizer = torch.optim.AdamW(_hf_groups(model), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    engine = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)[0]
+    assert engine.lr_scheduler is scheduler
+    return engine
+
+
 def _run(config: dict[str, Any], dialect: bool, client: bool, save_to: Optional[str] = None,
          bf16: bool = False, steps: int = 4) -> tuple[dict[str, Any], list[str], str]:
     """Train one engine from `config`: its weights, the lines logged while it was built and trained, and what
-    `_check_said` (and, given `save_to`, `_check_saved`) found wrong (reported by the caller once every rank is
-    past its collectives). `bf16`: a bfloat16 model, so `bf16.enabled: auto` turns bf16 on."""
-    model = _hf_model().to(torch.bfloat16) if bf16 else _hf_model()
+    `_check_said` (and, given `save_to`, the saved 16-bit file) found wrong, reported by the caller once every
+    rank is past its collectives."""
     with _logged() as lines:
-        if not dialect:
-            engine = shardwise.initialize(model, config=config)
-        elif client:  # as Hugging Face's Trainer passes them: the config's `auto` sections give way
-            optimizer = torch.optim.AdamW(_hf_groups(model), lr=1e-2)
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                                   config=config)
-            assert engine.lr_scheduler is scheduler
-        else:
-            engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+        engine = _build(config, dialect, client, bf16)
         _client_loop(engine, steps)
     weights = _full(engine)
     if save_to is not None:  # as Hugging Face's Trainer does at the end with `stage3_gather_16bit_weights_...`
