@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
 from torch import nn
 
 from . import auto
@@ -175,7 +175,11 @@ class Config(Section):
             raise ValueError(f"Config.replace: unknown setting(s) {unknown}; expected top-level keys of `Config`")
         copy = self.model_copy(update=changes)
         dropped = {key for key, value in changes.items() if value is None}
-        copy._pending = {path: how for path, how in self._pending.items() if path.split(".")[0] not in dropped}
+        # An `auto` the new value now gives (the dialect's `weight_decay: 0.0`) no longer waits for `resolve`.
+        copy._pending = {path: how for path, how in self._pending.items()
+                         if path.split(".")[0] not in dropped and not _gives(changes, path)}
+        # A line about a key's old value (`gradient_clipping: auto` became 0.0) is no longer true.
+        copy._notes = tuple(note for note in self._notes if _top_level_key(note.path) not in changes)
         return copy
 
     def to_dict(self) -> dict[str, Any]:
@@ -212,6 +216,10 @@ class Config(Section):
         `total_num_steps: auto`. Logs the info lines (rank 0, once per line per config).
         """
         data = self.to_dict()
+        for key in ("offload_optimizer", "offload_param"):  # read again below: as written, not every default
+            section = getattr(self.zero_optimization, key)
+            if section is not None:
+                data["zero_optimization"][key] = section.model_dump(exclude_unset=True)
         facts = auto.Facts(model, optimizer, lr_scheduler, total_num_steps)
         notes = auto.fill(data, self._pending, facts)
         notes += _check_offload(data, torch.device(device))
@@ -224,6 +232,28 @@ class Config(Section):
         resolved._notes = self._notes + tuple(notes) + resolved._notes
         resolved._announced = announce(resolved._notes, self._announced)
         return resolved
+
+
+def _top_level_key(shown: str) -> str | None:
+    """The top-level key a note at `shown` is about, when it is about a whole top-level key (else None)."""
+    parts = shown.split(".")
+    if len(parts) == 3 and parts[0] == "engines":
+        parts = parts[2:]
+    return parts[0] if len(parts) == 1 else None
+
+
+def _gives(changes: Mapping[str, Any], path: str) -> bool:
+    """Whether `changes` set a value at the dotted `path` (a field set on a section, or a key of its dict)."""
+    key, *rest = path.split(".")
+    node: Any = changes.get(key)
+    for part in rest:
+        if isinstance(node, BaseModel) and part in node.model_fields_set:
+            node = getattr(node, part)
+        elif isinstance(node, Mapping) and part in node:
+            node = node[part]
+        else:
+            return False
+    return node is not None
 
 
 def _batch_sizes(train: int | None, micro: int | None, gas: int | None, world: int) -> BatchSizes:

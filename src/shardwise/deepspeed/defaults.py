@@ -35,14 +35,15 @@ class DialectChoice:
 
 
 def apply_defaults(
-    config: Config, client_optimizer: bool, user_backward: bool = True
+    config: Config, client_optimizer: bool, user_backward: bool = True, client_scheduler: bool = False
 ) -> tuple[Config, list[DialectChoice]]:
     """`config` with DeepSpeed's defaults for the keys it leaves unset, and the choices made.
 
     `gradient_clipping` absent (or `auto`): 1.0. `checkpoint.save_rng_state` absent: false, so
     `load_checkpoint` leaves the RNG alone as DeepSpeed's does. A client optimizer with an
     `optimizer` section: the section is dropped (with a warning), as DeepSpeed ignores it. `Adam`/`AdamW`
-    without `weight_decay`: 0.0 (DeepSpeed's own Adams; torch's AdamW would decay by 0.01). With
+    without `weight_decay`: 0.0 (DeepSpeed's own Adams; torch's AdamW would decay by 0.01; `weight_decay: auto`
+    follows `auto`'s rule instead, torch's default, said in its own line). With
     `user_backward` (not a pipeline, whose `train_batch` runs backward itself), the choice that
     several backwards before a step accumulate (the caller sets the engine's `accumulates_backwards`).
     A `scheduler` section without `deepspeed_start`: true (DeepSpeed's schedules start one iteration
@@ -62,7 +63,10 @@ def apply_defaults(
             "`load_checkpoint` leaves the RNG state alone (`checkpoint.save_rng_state` is not set)",
             "save and restore it; set `checkpoint.save_rng_state: true` for that"))
     section = config.optimizer
-    if section is not None and not client_optimizer and _adam_without_decay(section.type, section.params):
+    # `weight_decay: auto` resolves by `auto`'s rule (torch's default) and says so in its own line
+    wait_for_auto = "optimizer.params.weight_decay" in config.pending
+    if (section is not None and not client_optimizer and not wait_for_auto
+            and _adam_without_decay(section.type, section.params)):
         update["optimizer"] = section.model_copy(update={"params": {**section.params, "weight_decay": 0.0}})
         choices.append(DialectChoice(
             f"`optimizer.type: {section.type}` without `weight_decay` gets weight_decay 0.0, as DeepSpeed's fused "
@@ -71,7 +75,7 @@ def apply_defaults(
         update["optimizer"] = None
         _warn(f"deepspeed dialect: an optimizer was passed to `initialize`, so the config's `optimizer` section "
               f"(`{config.optimizer.type}`) is ignored, as DeepSpeed ignores it; remove the section to silence this")
-    for key, value, choice in (*_schedule_start(config), *_stage0_hysteresis(config)):
+    for key, value, choice in (*_schedule_start(config, client_scheduler), *_stage0_hysteresis(config)):
         update[key] = value
         choices.append(choice)
     if user_backward:
@@ -81,11 +85,14 @@ def apply_defaults(
     return config.replace(**update), choices
 
 
-def _schedule_start(config: Config) -> list[tuple[str, Any, DialectChoice]]:
+def _schedule_start(config: Config, client_scheduler: bool) -> list[tuple[str, Any, DialectChoice]]:
     """DeepSpeed's schedules start at iteration -1: the first optimizer step runs at `warmup_min_lr`
-    (WarmupCosineLR: 0), step `k` at iteration `k - 1`."""
+    (WarmupCosineLR: 0), step `k` at iteration `k - 1`. A section whose params are all `auto` gives way
+    to a scheduler passed to `initialize` (Hugging Face's templates), so nothing of it starts."""
     section = config.scheduler
     if section is None or "deepspeed_start" in section.model_fields_set:
+        return []
+    if client_scheduler and not section.params and any(p.startswith("scheduler.params.") for p in config.pending):
         return []
     return [("scheduler", section.model_copy(update={"deepspeed_start": True}), DialectChoice(
         f"`scheduler` `{section.type}` starts as DeepSpeed's: optimizer step k runs at the schedule's iteration k-1, "

@@ -126,7 +126,7 @@ def initialize(
     init_distributed(distributed_port=distributed_port, timeout=timedelta(seconds=loaded.dist_timeout))
     # A multi-stage pipeline engine runs backward and step itself, inside `train_batch`.
     stepped_by_user = not isinstance(model, PipelineModule) or model.num_stages == 1
-    dialect, choices = apply_defaults(loaded, optimizer is not None, stepped_by_user)
+    dialect, choices = apply_defaults(loaded, optimizer is not None, stepped_by_user, lr_scheduler is not None)
     engine = shardwise.initialize(model, optimizer=optimizer, config=dialect, lr_scheduler=lr_scheduler,
                                   model_parameters=model_parameters)
     engine.accumulates_backwards = stepped_by_user

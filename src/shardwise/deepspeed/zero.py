@@ -41,9 +41,11 @@ def Init(  # noqa: N802 - DeepSpeed's name; a function returning the context man
 ) -> _zero.Init:
     """Build modules already partitioned for ZeRO stage 3, with DeepSpeed's arguments.
 
-    `remote_device` `cpu` (or None), `pin_memory`, `mem_efficient_linear` and `dtype` are
-    accepted and change nothing (the engine casts to the config's dtype). Arguments that turn on
-    a feature shardwise lacks (NVMe, ZeRO++ quantization, model or sequence parallel groups, a
+    `pin_memory`, `mem_efficient_linear` and `dtype` are accepted and change nothing (the engine
+    casts to the config's dtype). `remote_device` `cpu` or `nvme`: the shards are built in host
+    memory and `initialize` places them as the config's `offload_param` says (`nvme` needs
+    `offload_param: {device: nvme}` in the config; an info line says what happens). Arguments that
+    turn on a feature shardwise lacks (ZeRO++ quantization, model or sequence parallel groups, a
     parameter swapper) are errors.
     """
     lacking = _unsupported(
@@ -51,11 +53,9 @@ def Init(  # noqa: N802 - DeepSpeed's name; a function returning the context man
         zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights,
         sequence_data_parallel_group=sequence_data_parallel_group, param_swapper=param_swapper,
     )
-    if remote_device not in (None, "cpu", "none"):
-        lacking.append(f"`remote_device={remote_device!r}`")
     if lacking:
         raise ValueError(f"shardwise.deepspeed.zero.Init: {', '.join(lacking)} turn(s) on DeepSpeed features shardwise "
-                         "does not implement (offload to NVMe, ZeRO++ quantization, model/sequence parallelism); "
+                         "does not implement (ZeRO++ quantization, model/sequence parallelism, a parameter swapper); "
                          "remove them")
     if config is not None and config_dict_or_path is not None:
         raise ValueError("shardwise.deepspeed.zero.Init got both `config` and `config_dict_or_path`; pass one")
@@ -63,4 +63,4 @@ def Init(  # noqa: N802 - DeepSpeed's name; a function returning the context man
         # DeepSpeed scripts write `Init(config_dict_or_path=cfg, enabled=stage == 3)` for every stage.
         return _zero.Init(enabled=False)
     chosen = config if config is not None else config_dict_or_path
-    return _zero.Init(config=chosen, process_group=data_parallel_group, module=module)
+    return _zero.Init(config=chosen, process_group=data_parallel_group, module=module, remote_device=remote_device)

@@ -25,6 +25,7 @@ exit; nothing else in the process changes.
 from __future__ import annotations
 
 import contextlib
+import logging
 from types import TracebackType
 from typing import Any, Iterator, Optional
 
@@ -40,7 +41,36 @@ from .params import Unit, gather_units, not_gathered_error, param_name, unit_of
 __all__ = ["Init"]
 
 _ALIASES = {"config_dict_or_path": "config", "data_parallel_group": "process_group"}
-_IGNORED = {"remote_device", "pin_memory", "mem_efficient_linear", "dtype", "mpu"}
+_IGNORED = {"pin_memory", "mem_efficient_linear", "dtype", "mpu"}
+_REMOTE_DEVICES = (None, "none", "cpu", "nvme")
+logger = logging.getLogger("shardwise")
+
+
+def _remote_device_line(remote_device: Optional[str], config: Optional[Config]) -> Optional[str]:
+    """What DeepSpeed's ``remote_device`` means here, or an error when the config cannot honour it.
+
+    Whatever it says, ``zero.Init`` builds this rank's shards in host memory; where they live for
+    training is the config's ``offload_param`` (`initialize` writes them to NVMe when it says so).
+    """
+    if remote_device not in _REMOTE_DEVICES:
+        raise ValueError(f"zero.Init: `remote_device={remote_device!r}`; expected one of 'none', 'cpu' or 'nvme' "
+                         "(DeepSpeed's values); pass one of them or leave it out")
+    section = config.zero_optimization.offload_param if config is not None else None
+    device = section.device if section is not None else "none"
+    if remote_device == "nvme" and device != "nvme":
+        raise ValueError(
+            f"zero.Init: `remote_device='nvme'` asks for the parameters on NVMe, but the config's "
+            f"`zero_optimization.offload_param.device` is {device!r}"
+            f"{'' if config is not None else ' (no config was passed)'}; add `offload_param: {{device: nvme, "
+            "nvme_path: /local_nvme}` to the config passed as `config`, or pass `remote_device='cpu'`")
+    if remote_device in (None, "none"):
+        return None
+    if remote_device == "nvme" and section is not None:
+        return ("zero.Init(remote_device='nvme'): each rank's shards are built in host memory and stay there until "
+                f"`initialize`, which moves them into files under {section.nvme_path!r} (`offload_param: nvme`)")
+    return ("zero.Init(remote_device='cpu'): each rank's shards are built where the model makes its parameters "
+            "(host memory unless torch's default device is set); `initialize` then places them as the config says "
+            "(`offload_param: nvme`: in files; otherwise on the job's device, the host on a CPU job)")
 
 
 class Init:
@@ -51,22 +81,28 @@ class Init:
     later passed to ``shardwise.initialize``; ``enabled=False`` makes the
     context a no-op; ``module=`` partitions an existing module right away.
     DeepSpeed's ``config_dict_or_path`` and ``data_parallel_group`` are
-    accepted as aliases; ``remote_device``, ``pin_memory``,
-    ``mem_efficient_linear``, ``dtype`` and ``mpu`` are accepted and ignored
-    (the engine casts to the config's dtype).
+    accepted as aliases; ``pin_memory``, ``mem_efficient_linear``, ``dtype``
+    and ``mpu`` are accepted and ignored (the engine casts to the config's
+    dtype). ``remote_device`` (DeepSpeed's ``None``, ``'cpu'`` or ``'nvme'``):
+    the shards are built in host memory whatever it says, and ``initialize``
+    puts them where the config's ``offload_param`` says (``'nvme'`` needs
+    ``offload_param: {device: nvme}`` in ``config``, else it is an error);
+    an info line says which.
     """
 
     def __init__(self, config: Any = None, process_group: Optional[dist.ProcessGroup] = None,
                  enabled: bool = True, module: Optional[nn.Module] = None, **kwargs: Any) -> None:
-        options: dict[str, Any] = {"config": config, "process_group": process_group}
+        options: dict[str, Any] = {"config": config, "process_group": process_group,
+                                   "remote_device": kwargs.pop("remote_device", None)}
         for key, value in kwargs.items():
             if key in _ALIASES:
                 options[_ALIASES[key]] = value
             elif key not in _IGNORED:
-                known = sorted(["config", "process_group", "enabled", "module", *_ALIASES, *_IGNORED])
+                known = sorted(["config", "process_group", "enabled", "module", "remote_device", *_ALIASES, *_IGNORED])
                 raise TypeError(f"zero.Init got an unknown argument `{key}`; known arguments: {known}")
         self.enabled = enabled
         self.config = Config.load(options["config"]) if options["config"] is not None else None
+        line = _remote_device_line(options["remote_device"], self.config) if enabled else None
         if self.config is not None and self.config.zero_optimization.stage != 3:
             raise ValueError(
                 f"zero.Init partitions parameters for ZeRO stage 3, but the config has "
@@ -74,6 +110,8 @@ class Init:
                 "model without `zero.Init`"
             )
         self.process_group = options["process_group"]
+        if line is not None and enabled and (not dist.is_initialized() or dist.get_rank() == 0):
+            logger.info(line)
         self.comm: Optional[Comm] = None
         self._active = False
         self._handles: list[Any] = []
