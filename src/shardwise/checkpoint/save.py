@@ -64,12 +64,8 @@ __all__ = ["save_unnamed", "write_engine"]
 def save_unnamed(
     engine: Checkpointable, save_dir: Any, tag: Optional[str] = None, client_state: Optional[dict[str, Any]] = None
 ) -> str:
-    """Collectively write a checkpoint of ``engine`` (one without a name) to ``save_dir/tag``; returns that path.
-
-    ``tag`` defaults to ``global_step{engine.global_steps}``.  ``client_state``
-    (plain values and tensors; as passed on rank 0) comes back from
-    :func:`~shardwise.checkpoint.load_checkpoint`.  A named engine's files live
-    under its name (``group.py``); :func:`~.entry.save_checkpoint` chooses.
+    """:func:`~.entry.save_checkpoint` for an engine without a name (its arguments and return value); a named
+    engine's files live under its name (``group.py``), and the front door chooses.
     """
     tag = validate_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     root = Path(save_dir).absolute()
