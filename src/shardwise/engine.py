@@ -302,7 +302,7 @@ class Engine(DeepSpeedGetters, WeightsSurface):
                             ["global_steps", "micro_steps", "backwards accumulated"])
             self._accumulated = 0
             with self._timed("step"):
-                applied = optimizer.step()
+                applied = optimizer.apply(zero_grad=True)  # the update, then the gradients dropped: one call
                 self._step_applied = applied
                 if applied:
                     if self.lr_scheduler is not None:
@@ -310,7 +310,6 @@ class Engine(DeepSpeedGetters, WeightsSurface):
                 else:
                     self.skipped_steps += 1
                 self.global_steps += 1
-                self.strategy.zero_grad()
             self._report()
         self.micro_steps += 1
         self._backwards = 0

@@ -3,7 +3,7 @@
 A tied weight has a copy on every stage that holds its key, each with the
 same (summed) gradient.  The global gradient norm (clipping, overflow) is the
 sum of every stage's squared norm, so the copies whose first holder is
-another stage are taken out of this stage's ``grad_sq``.  Everything else is
+another stage are taken out of this stage's ``step_sums``.  Everything else is
 the stage's own strategy (stage 0 or 1 over the data-parallel group).
 """
 
@@ -21,7 +21,7 @@ __all__ = ["PipelineStrategy"]
 
 
 class PipelineStrategy(Strategy):
-    """Delegates to ``wrapped``, except that ``grad_sq`` leaves out the tied ``copies``."""
+    """Delegates to ``wrapped``, except that ``step_sums`` leaves out the tied ``copies``."""
 
     def __init__(self, wrapped: Strategy, copies: frozenset[str]) -> None:
         # Strategy.__init__ is not called: every other attribute resolves on `wrapped` (__getattr__);
@@ -37,8 +37,8 @@ class PipelineStrategy(Strategy):
             raise AttributeError(name)
         return getattr(self.wrapped, name)
 
-    def grad_sq(self) -> torch.Tensor:
-        total = self.wrapped.grad_sq()
+    def step_sums(self) -> torch.Tensor:
+        total = self.wrapped.step_sums()
         if not self.copies:
             return total
         # The inner optimizer steps each piece's key with key.grad: the reduced gradient of that piece.
@@ -47,7 +47,7 @@ class PipelineStrategy(Strategy):
         for grad in {id(key): key.grad for key in keys}.values():
             if grad is not None:
                 flat = grad.reshape(-1).float()
-                total = total - torch.dot(flat, flat)
+                total[0] -= torch.dot(flat, flat)  # (element 0: the norm's share; a fresh tensor)
         return total
 
     # ------------------------------------------------------------ delegated
@@ -60,8 +60,8 @@ class PipelineStrategy(Strategy):
     def finish_backward(self) -> None:
         self.wrapped.finish_backward()
 
-    def step(self, inner: Any, factor: float) -> None:
-        self.wrapped.step(inner, factor)
+    def step(self, inner: Any, factor: float, sums: torch.Tensor, release: bool) -> None:
+        self.wrapped.step(inner, factor, sums, release)
 
     def sync_params_from_master(self) -> None:
         self.wrapped.sync_params_from_master()

@@ -5,11 +5,12 @@ interface; what a stage keeps where (replicated, sharded, gathered on demand) is
 the stage's business.  The step pipeline is the same for all stages:
 
 ``start_backward(sync)`` → autograd (the stage's hooks reduce gradients when
-``sync``) → ``finish_backward()`` → ``grad_sq()`` (local) → [all-reduce if
+``sync``) → ``finish_backward()`` → ``step_sums()`` (local) → [all-reduce if
 ``shards_grads``] → overflow check and the unscale/clip factor (the optimizer) →
-``step(inner, factor)``: gradients scaled, the inner optimizer stepped over the
-stage's masters (parameters no rank had a gradient for left alone), the updated
-masters written into the model's parameters → ``zero_grad()``.
+``step(inner, factor, sums, release)``: gradients scaled, the inner optimizer
+stepped over the stage's masters (parameters no rank had a gradient for left
+alone), the updated masters written into the model's parameters, and with
+``release`` (the engine's step) the gradients dropped as ``zero_grad()`` does.
 
 ``start_backward`` and ``finish_backward`` are each stage's own (no shared
 ``super()`` part): they are on every gradient's path, and what they share is
@@ -98,7 +99,7 @@ class Strategy(ABC):
     """One ZeRO stage: where parameters, gradients and master weights live."""
 
     stage: int = -1
-    #: whether ``grad_sq`` is a partial sum that must be all-reduced across ranks
+    #: whether ``step_sums`` are partial sums that must be all-reduced across ranks
     shards_grads: bool = False
     #: the engine divides the loss by this before backward, so a summing
     #: reduction yields the average with no extra pass over the gradients
@@ -130,15 +131,20 @@ class Strategy(ABC):
         """Called after autograd: flush and wait for gradient reduction (``backward.active`` becomes False)."""
 
     @abstractmethod
-    def grad_sq(self) -> torch.Tensor:
-        """Sum of squares of this rank's reduced (still loss-scaled) fp32 gradients."""
+    def step_sums(self) -> torch.Tensor:
+        """This rank's terms of what the step sums over the ranks, one new 1-D fp32 tensor: element 0 is the
+        sum of squares of its reduced (still loss-scaled) fp32 gradients; any further elements are the
+        stage's own counts, summed in the same all-reduce and handed to :meth:`step` (a stage with further
+        elements has ``shards_grads``)."""
 
     @abstractmethod
-    def step(self, inner: Any, factor: float) -> None:
+    def step(self, inner: Any, factor: float, sums: torch.Tensor, release: bool) -> None:
         """The optimizer step, asked for once: the reduced gradients multiplied by ``factor`` (unscale and
         clip), ``inner`` stepped over this stage's masters with the parameters no rank had a gradient for
         left alone (as torch's optimizers leave a parameter whose ``.grad`` is None), and the updated
-        masters written into the model's parameters (collective where they are sharded)."""
+        masters written into the model's parameters (collective where they are sharded).  ``sums``: the
+        further elements of :meth:`step_sums`, summed over the ranks; ``release``: the gradients are dropped
+        afterwards, as :meth:`zero_grad` drops them (the engine's step: one call instead of two)."""
 
     def adding_to_reduced(self) -> contextlib.AbstractContextManager[None]:
         """Around a second reducing backward before one step: the next reduction adds to the last one's result

@@ -8,7 +8,7 @@ trainable set.  Where gradients live is the stage's
 the allocator the transport offers: each parameter's post-accumulate hook is
 the storage's, which launches a complete bucket itself.  The masters'
 arrangement is chosen beside it (:mod:`.masters`).  A stage differs only in how
-it reduces (its ``_reduce``) and which storage it uses:
+it reduces (its ``_reduction``) and which storage it uses:
 
 * stage 0 (:mod:`.stage0`): one shard; each bucket is all-reduced, and the
   step writes every parameter itself; a flat gradient buffer;
@@ -32,11 +32,10 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from ..distributed import Work
 from ..param_state import ParamShard
 from .base import Strategy, group_index, module_order, tensor_bytes
 from .frozen import FrozenStore, Kept
-from .grads import Allocate, FlatGrads, GradStorage, private_zeros
+from .grads import Allocate, FlatGrads, GradStorage, Reduce, private_zeros
 from .layout import FlatLayout
 from .masters import Masters, ParamsAreMasters, choose_masters
 from .offload_plan import offload_spec
@@ -112,7 +111,7 @@ class FlatStrategy(Strategy):
 
     def _storage(self, allocate: Allocate) -> GradStorage:
         return self.grad_storage(self.layout, self.precision.dtype, self.device, allocate, self.backward,
-                                 self._reduce, self.precision.reduce_dtype)
+                                 self._reduction(), self.precision.reduce_dtype)
 
     def _allocator(self) -> Allocate:
         """Memory every rank maps when collectives go through shared memory (a reduction then reads the
@@ -128,13 +127,9 @@ class FlatStrategy(Strategy):
         self._dirty = True
 
     @abstractmethod
-    def _reduce(self, source: torch.Tensor, output: torch.Tensor) -> tuple[Work, Optional[torch.Tensor]]:
-        """The stage's collective (:data:`.grads.Reduce`): start averaging one bucket, ``source`` (full size,
-        any float dtype) into ``output`` (this rank's slice).
-
-        Returns the work and, when the collective leaves the result full-size instead (an all-reduce
-        standing in for a reduce-scatter), the tensor holding it: the storage keeps this rank's slice.
-        """
+    def _reduction(self) -> Reduce:
+        """The stage's collective (:data:`.grads.Reduce`, one of the functions in :mod:`.grads` bound to this
+        strategy's ``Comm``), chosen once per layout: the storage hands it each complete bucket."""
 
     def finish_backward(self) -> None:
         self.backward.active = False
@@ -181,16 +176,19 @@ class FlatStrategy(Strategy):
                 step.grad = grad
 
     # ------------------------------------------------------------------- step
-    def grad_sq(self) -> torch.Tensor:
-        """This rank's sum of squared reduced gradients (taken while the reduction was waited for)."""
-        return self.grads.reduced.norm_share()
+    def step_sums(self) -> torch.Tensor:
+        """This rank's sum of squared reduced gradients (taken while the reduction was waited for); the
+        "had a gradient" flags were summed at the end of backward, where DDP leaves unused ``.grad`` None."""
+        return self.grads.reduced.norm_share().reshape(1).clone()  # (a copy: the sum is taken in place)
 
-    def step(self, inner: Any, factor: float) -> None:
+    def step(self, inner: Any, factor: float, sums: torch.Tensor, release: bool) -> None:
         self.settle()
         if factor != 1.0:
             self.grads.reduced.scale(factor)
         with self._leaving_unused_alone():
             self.masters.step(inner)  # steps (an offloaded arrangement a sub-group at a time) and publishes
+        if release:
+            self.zero_grad()
         self._regather()
 
     def sync_params_from_master(self) -> None:

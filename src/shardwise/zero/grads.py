@@ -21,8 +21,8 @@ The storage is where a gradient goes first: each parameter's post-accumulate
 hook is :meth:`GradStorage.on_grad`.  At a boundary it counts the bucket's
 arrivals, and a bucket complete (with every earlier one launched, so all ranks
 issue the same collectives in the same order) is handed to the stage's
-collective (the ``reduce`` it was built with: the one thing stages 0, 1 and 2
-do differently there).  :meth:`GradStorage.finish` waits for every bucket and
+collective (the ``reduce`` it was built with, one of the functions below: the
+one thing stages 0, 1 and 2 do differently there).  :meth:`GradStorage.finish` waits for every bucket and
 takes the gradient norm's share of each while later ones are still in flight.
 
 ``param.grad`` is the truth, as in plain PyTorch: whatever cleared it (the
@@ -38,11 +38,14 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ..distributed import Work
+from ..distributed import Comm, Work
 from .base import Backward, tensor_bytes
 from .layout import Bucket, FlatLayout
 
-__all__ = ["Allocate", "FlatGrads", "GradStorage", "Reduce", "ReducedGrads", "StagedGrads", "private_zeros"]
+__all__ = [
+    "Allocate", "FlatGrads", "GradStorage", "Reduce", "ReducedGrads", "StagedGrads", "all_reduce_in_place",
+    "all_reduce_keeping_slice", "private_zeros", "reduce_scatter_slice",
+]
 
 #: ``allocate(numel, dtype, device)``: a zeroed flat tensor (collective when the memory is shared)
 Allocate = Callable[[int, torch.dtype, torch.device], torch.Tensor]
@@ -51,6 +54,33 @@ Allocate = Callable[[int, torch.dtype, torch.device], torch.Tensor]
 #: full size, any float dtype) into ``output`` (this rank's slice); returns the work and, when the result is
 #: left full-size instead (an all-reduce standing in for a reduce-scatter), the tensor holding it
 Reduce = Callable[[torch.Tensor, torch.Tensor], tuple[Work, Optional[torch.Tensor]]]
+
+
+# The stages' collectives (a strategy binds one to its `Comm` with functools.partial and hands it to the
+# storage): written here, beside the storage that calls them, so a bucket goes from the storage straight to
+# the transport.
+
+def all_reduce_in_place(comm: Comm, source: torch.Tensor, output: torch.Tensor) -> tuple[Work, None]:
+    """Stage 0 (one shard, ``output`` is the whole bucket): average in ``output``; a bf16/fp16 ``source`` is
+    cast once, straight into the fp32 slice the optimizer reads."""
+    if source.data_ptr() != output.data_ptr():
+        output.copy_(source)
+    return comm.all_reduce(output, async_op=True), None
+
+
+def reduce_scatter_slice(comm: Comm, source: torch.Tensor, output: torch.Tensor) -> tuple[Work, None]:
+    """Stages 1-2: each rank receives the average of exactly the slice it owns."""
+    if source.dtype != output.dtype:
+        source = source.to(output.dtype)  # bf16/fp16 gradients averaged in fp32
+    return comm.reduce_scatter(output, source, async_op=True), None
+
+
+def all_reduce_keeping_slice(comm: Comm, source: torch.Tensor, output: torch.Tensor) -> tuple[Work, torch.Tensor]:
+    """Stages 1-2 where an all-reduce is the cheaper collective (gloo over sockets): twice the bytes of a
+    reduce-scatter, the whole average returned for the storage to keep this rank's slice."""
+    if source.dtype != output.dtype:
+        source = source.to(output.dtype)
+    return comm.all_reduce(source, async_op=True), source
 
 
 def private_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -19,10 +19,11 @@ class ZeroOptimizer(ShardwiseOptimizer):
     One all-reduce of a single scalar (the squared gradient norm, for sharded
     gradients) serves both clipping and overflow detection: an inf or NaN
     anywhere makes the global sum non-finite on every rank, so all ranks skip
-    the same step.  The strategy is asked twice: for this rank's share of the
-    norm (a pipeline's strategy takes its tied copies out of it before the sum,
-    :mod:`shardwise.pipe.strategy`), and for the step itself with the factor
-    that unscales and clips.
+    the same step.  The strategy is asked twice: for this rank's terms of the
+    sums (the norm's share, which a pipeline's strategy trims by its tied
+    copies, :mod:`shardwise.pipe.strategy`; stage 3's "had a gradient" flags
+    ride along), and for the step itself with the factor that unscales and
+    clips.
     """
 
     def __init__(
@@ -49,23 +50,31 @@ class ZeroOptimizer(ShardwiseOptimizer):
         """Apply the update; returns False when it was skipped for overflow."""
         if closure is not None:
             raise ValueError("closures are not supported: run forward/backward through the engine instead")
+        return self.apply(zero_grad=False)
+
+    def apply(self, zero_grad: bool) -> bool:
+        """:meth:`step`, and with ``zero_grad`` the gradients dropped in the same call (``engine.step()``, as
+        DeepSpeed's; a direct ``optimizer.step()`` keeps them, as torch's does)."""
         scale = self.precision.scaler.current
-        sq = self.strategy.grad_sq()
+        sums = self.strategy.step_sums()
         if self.strategy.shards_grads:
-            self.comm.all_reduce(sq)
+            self.comm.all_reduce(sums)
         if self.model_parallel_comm is not None:
-            self.model_parallel_comm.all_reduce(sq)
-        norm_sq = float(sq.item())
+            self.model_parallel_comm.all_reduce(sums[:1])  # the norm only: the rest count this group's ranks
+        norm_sq = float(sums[0].item())
         if not math.isfinite(norm_sq):
             self.last_grad_norm = math.inf
             self.precision.scaler.update(overflow=True)
+            if zero_grad:
+                self.strategy.zero_grad()
             return False
         self.last_grad_norm = math.sqrt(norm_sq) / scale
         factor = 1.0 / scale
         if self.clip > 0:
             # torch.nn.utils.clip_grad_norm_'s rule, so results match it exactly
             factor *= min(1.0, self.clip / (self.last_grad_norm + 1e-6))
-        self.strategy.step(self.inner, factor)  # scale, leave unused alone, step the masters, publish them
+        # scale, leave unused alone, step the masters, publish them (and drop the gradients)
+        self.strategy.step(self.inner, factor, sums[1:], zero_grad)
         self.precision.scaler.update(overflow=False)
         return True
 

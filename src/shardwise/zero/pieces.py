@@ -23,16 +23,28 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
 
+from ..distributed import Work
 from ..param_state import OptimizerSlot, ParamShard
 from .frozen import FrozenStore, Kept
 from .params import Unit
 
-__all__ = ["Piece", "Pieces", "SeparateMasters", "ShardsAreMasters", "exact_values"]
+__all__ = ["InFlight", "Piece", "Pieces", "SeparateMasters", "ShardsAreMasters", "exact_values"]
+
+
+class InFlight(NamedTuple):
+    """One unit's reduce-scatter, launched: ``source`` (the unit's local gradients) stays alive until it is
+    waited for; ``output`` receives this rank's slice; ``trainable``: the indices of its trainable params."""
+
+    work: Work
+    unit: Unit
+    source: torch.Tensor
+    output: torch.Tensor
+    trainable: list[int]
 
 
 @dataclass(eq=False)
@@ -74,6 +86,8 @@ class Pieces(ABC):
         self.by_param: dict[int, list[Piece]] = {}
         #: masters and optimizer state of frozen pieces, kept until they train again
         self.frozen = FrozenStore()
+        #: this rank's sum of squared gradients, taken as the reduction finished (None: written since)
+        self.share: Optional[torch.Tensor] = None
 
     # ---------------------------------------------------------------- build
     def add(self, unit: Unit, values: torch.Tensor, group_of: dict[int, int]) -> None:
@@ -122,6 +136,8 @@ class Pieces(ABC):
             elif not piece.param.requires_grad and piece.master is not None:
                 self._freeze(piece, piece.master, state)
                 moved = True
+        if moved:
+            self.share = None  # a frozen piece's gradient left the sum
         return moved
 
     def _freeze(self, piece: Piece, master: torch.Tensor, state: Any) -> None:
@@ -153,27 +169,45 @@ class Pieces(ABC):
         """The masters' gradients (what the optimizer reads)."""
         return [p.master.grad for p in self.all if p.master is not None and p.master.grad is not None]
 
-    def add_reduced(self, unit: Unit, output: torch.Tensor, trainable: list[int], scale: float) -> None:
-        """Add ``scale`` times this rank's slice ``output`` of ``unit``'s reduced gradients to the gradients of
-        its pieces of the ``trainable`` parameters (fp32, allocated by the first add after :meth:`zero_grads`).
-        (Which of them no rank had a gradient for, :meth:`step` is told.)"""
-        for piece in self.by_unit.get(unit, ()):
+    def grad_sq(self) -> torch.Tensor:
+        """This rank's sum of squared gradients, computed now."""
+        grads = self.grads()
+        if not grads:
+            return torch.zeros((), dtype=torch.float32)
+        return torch.stack(torch._foreach_norm(grads)).square().sum()
+
+    def add_reduced(self, flight: InFlight, scale: float) -> None:
+        """Wait for ``flight`` and add ``scale`` times this rank's slice of the unit's reduced gradients to the
+        gradients of its pieces of the trainable parameters (fp32, allocated by the first add after
+        :meth:`zero_grads`).  (Which of them no rank had a gradient for, :meth:`step` is told.)"""
+        flight.work.wait()
+        self.share = None
+        for piece in self.by_unit.get(flight.unit, ()):
             master = piece.master
-            if master is None or piece.index not in trainable:
+            if master is None or piece.index not in flight.trainable:
                 continue
-            reduced = piece.local(output)
+            reduced = piece.local(flight.output)
             if piece.grad is None:
                 piece.grad = reduced.float().mul(scale)
             else:
                 piece.grad.add_(reduced, alpha=scale)
             master.grad = piece.grad
 
-    def step(self, inner: Any, factor: float, used: set[tuple[Unit, int]]) -> None:
+    def finish_reduction(self, flights: list[InFlight], scale: float) -> None:
+        """The end of a reducing backward: :meth:`add_reduced` for each unit still in flight, then the norm's
+        share taken once over the sums (the step reads :attr:`share` unless something wrote since)."""
+        for flight in flights:
+            self.add_reduced(flight, scale)
+        self.share = self.grad_sq()
+
+    def step(self, inner: Any, factor: float, used: set[tuple[Unit, int]], release: bool) -> None:
         """The optimizer step over this rank's masters, in one call: their gradients multiplied by ``factor``
         (unscale and clip), ``inner`` stepped with the pieces of parameters no rank had a gradient for (their
         ``(unit, index)`` not in ``used``) left alone, as torch leaves a parameter whose ``.grad`` is None (no
-        momentum, no weight decay), then the updated masters published into the shards."""
+        momentum, no weight decay), then the updated masters published into the shards; ``release``: the
+        gradients dropped afterwards (:meth:`zero_grads`)."""
         grads = self.grads()
+        self.share = None
         if factor != 1.0 and grads:
             torch._foreach_mul_(grads, factor)
         hidden = [(p.master, p.master.grad) for p in self.all
@@ -185,9 +219,12 @@ class Pieces(ABC):
         finally:
             for master, grad in hidden:
                 master.grad = grad
+        if release:
+            self.zero_grads()
         self.publish()
 
     def zero_grads(self) -> None:
+        self.share = None
         for piece in self.all:
             piece.grad = None  # the next reduction allocates it again
             if piece.master is not None:

@@ -9,12 +9,10 @@ shard the step writes every parameter itself, so there is nothing to regather.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
 
-import torch
-
-from ..distributed import Work
 from .flat import FlatStrategy
+from .grads import Reduce, all_reduce_in_place
 
 __all__ = ["Stage0"]
 
@@ -27,8 +25,5 @@ class Stage0(FlatStrategy):
     def _num_shards(self) -> int:
         return 1
 
-    def _reduce(self, source: torch.Tensor, output: torch.Tensor) -> tuple[Work, Optional[torch.Tensor]]:
-        if source.data_ptr() != output.data_ptr():
-            # bf16/fp16: the bucket cast once, straight into the fp32 slice the optimizer reads, averaged there
-            output.copy_(source)
-        return self.comm.all_reduce(output, async_op=True), None
+    def _reduction(self) -> Reduce:
+        return functools.partial(all_reduce_in_place, self.comm)

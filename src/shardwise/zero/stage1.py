@@ -8,12 +8,11 @@ and all-gathers the updated parameters (:meth:`.FlatStrategy._regather`).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+from typing import Optional
 
-import torch
-
-from ..distributed import Work
 from .flat import FlatStrategy
+from .grads import Reduce, all_reduce_keeping_slice, reduce_scatter_slice
 
 __all__ = ["Stage1", "uses_reduce_scatter"]
 
@@ -36,20 +35,15 @@ class Stage1(FlatStrategy):
 
     stage = 1
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.reduce_scatter = uses_reduce_scatter(self.zero_config.reduce_scatter, self.comm.backend,
-                                                  self.comm.shm.active)
+    @property
+    def reduce_scatter(self) -> bool:
+        """Whether buckets are reduce-scattered (else all-reduced, this rank's slice kept)."""
+        return uses_reduce_scatter(self.zero_config.reduce_scatter, self.comm.backend, self.comm.shm.active)
 
     def describe_reduction(self) -> str:
         how = "reduce-scatter" if self.reduce_scatter else "all-reduce, keeping this rank's slice"
         why = "as configured" if self.zero_config.reduce_scatter is not None else f"chosen for {self.comm.shm.name(self.comm.backend)}"
         return f"gradients averaged by {how} ({why}: `zero_optimization.reduce_scatter`)"
 
-    def _reduce(self, source: torch.Tensor, output: torch.Tensor) -> tuple[Work, Optional[torch.Tensor]]:
-        if source.dtype != output.dtype:
-            source = source.to(output.dtype)  # bf16/fp16 gradients averaged in fp32
-        if not self.reduce_scatter:
-            # Twice the bytes of a reduce-scatter, then the owned slice is kept.
-            return self.comm.all_reduce(source, async_op=True), source
-        return self.comm.reduce_scatter(output, source, async_op=True), None
+    def _reduction(self) -> Reduce:
+        return functools.partial(reduce_scatter_slice if self.reduce_scatter else all_reduce_keeping_slice, self.comm)

@@ -55,7 +55,7 @@ from .hooks import Gatherer
 from .offload_plan import offload_spec
 from .offloaded_shards import ShardCache, offloads_params, shard_cache
 from .params import Unit, UnitError, UnitState, is_partitioned, restore_parameter, unit_of
-from .pieces import Piece
+from .pieces import InFlight, Piece
 from .pieces_choice import choose_pieces
 
 __all__ = ["Stage3"]
@@ -88,14 +88,13 @@ class Stage3(Strategy):
         self._next = 0
         self._ready: set[Unit] = set()
         self._arrived: dict[Unit, set[int]] = {}
-        self._works: list[tuple[Any, Unit, torch.Tensor, torch.Tensor, set[int]]] = []
+        self._works: list[InFlight] = []
         self._dirty = False
-        #: (unit, index) of the trainable parameters this rank had a gradient for in this backward
+        #: (unit, index) of the trainable parameters this rank had a gradient for since `zero_grad`: summed over
+        #: the ranks with the norm (:meth:`step_sums`), the step leaves those no rank had alone
         self._had: set[tuple[Unit, int]] = set()
         #: where the reduced gradients live (the flags' all-reduce must use the same device as the collectives)
         self._grad_device = torch.device("cpu")
-        #: (unit, index) of those any rank had a gradient for since `zero_grad`: the step leaves the rest alone
-        self._used: set[tuple[Unit, int]] = set()
 
     # ================================================================ build
     def attach(self, inner: Optional[Any], initial: Optional[dict[int, torch.Tensor]] = None) -> None:
@@ -196,19 +195,15 @@ class Stage3(Strategy):
     def _launch(self, unit: Unit) -> None:
         # fp32 unless `communication_data_type` halves the bytes on the wire; averaged into fp32 below
         wire = self.precision.reduce_dtype
-        source, had_grad = unit.take_grads(self._trainable[unit], wire)
+        trainable = self._trainable[unit]
+        source, had_grad = unit.take_grads(trainable, wire)
         self._had.update((unit, index) for index in had_grad)
         self._grad_device = source.device
         output = torch.empty(unit.shard_numel, dtype=wire, device=source.device)
         work = self.comm.reduce_scatter(output, source, async_op=True, label=unit.label)
-        self._works.append((work, unit, source, output, had_grad))
+        self._works.append(InFlight(work, unit, source, output, trainable))
         while len(self._works) > _MAX_IN_FLIGHT:
-            self._complete(self._works.pop(0))
-
-    def _complete(self, entry: tuple[Any, ...]) -> None:
-        work, unit, _, output, had_grad = entry
-        work.wait()
-        self.pieces.add_reduced(unit, output, self._trainable[unit], 1.0 / self.comm.world_size)
+            self.pieces.add_reduced(self._works.pop(0), 1.0 / self.comm.world_size)
 
     def finish_backward(self) -> None:
         self.backward.active = False
@@ -218,30 +213,31 @@ class Stage3(Strategy):
         for unit in self._order[self._next :]:
             self._launch(unit)
         self._next = len(self._order)
-        for entry in self._works:
-            self._complete(entry)
-        self._works = []
-        self._note_used()
-
-    def _note_used(self) -> None:
-        """Sum, over the ranks, which trainable parameters had a gradient (as the flat stages do: one small
-        all-reduce per reducing backward); the step leaves the others alone."""
-        keys = [(unit, index) for unit in self.units for index in self._trainable.get(unit, ())]
-        flags = torch.tensor([(key in self._had) for key in keys], dtype=torch.float32, device=self._grad_device)
-        self._had = set()
-        self.comm.all_reduce(flags, label="which parameters had gradients")
-        self._used.update(key for key, flag in zip(keys, flags.tolist()) if flag > 0)
+        works, self._works = self._works, []
+        self.pieces.finish_reduction(works, 1.0 / self.comm.world_size)
 
     # ================================================================ step
-    def grad_sq(self) -> torch.Tensor:
-        grads = self.pieces.grads()
-        if not grads:
-            return torch.zeros((), dtype=torch.float32)
-        norms = torch._foreach_norm(grads)
-        return torch.stack(norms).square().sum()
+    def _keys(self) -> list[tuple[Unit, int]]:
+        """(unit, index) of every trainable parameter, in the same order on every rank."""
+        return [(unit, index) for unit in self.units for index in self._trainable.get(unit, ())]
 
-    def step(self, inner: Any, factor: float) -> None:
-        self.pieces.step(inner, factor, self._used)  # scale, leave unused alone, step, publish into the shards
+    def step_sums(self) -> torch.Tensor:
+        """This rank's sum of squared gradients (taken as the reduction finished, unless written since), then
+        per trainable parameter whether this rank had a gradient for it: the flags ride the norm's all-reduce
+        (DDP's `find_unused_parameters` without a collective of its own)."""
+        share = self.pieces.share
+        if share is None:  # no reducing backward since the gradients changed (a trainability change)
+            share = self.pieces.grad_sq()
+        flags = [float(key in self._had) for key in self._keys()]
+        return torch.cat([share.reshape(1).to(self._grad_device),
+                          torch.tensor(flags, dtype=torch.float32, device=self._grad_device)])
+
+    def step(self, inner: Any, factor: float, sums: torch.Tensor, release: bool) -> None:
+        used = {key for key, count in zip(self._keys(), sums.tolist()) if count > 0}
+        # scale, leave unused alone, step, publish into the shards (and drop the gradients, if asked)
+        self.pieces.step(inner, factor, used, release)
+        if release:
+            self._forget_grads()
         self._refresh_gathered()
 
     def sync_params_from_master(self) -> None:
@@ -261,11 +257,15 @@ class Stage3(Strategy):
                 self.gatherer.drop(unit)
 
     def zero_grad(self) -> None:
+        self._forget_grads()
+        self.pieces.zero_grads()
+
+    def _forget_grads(self) -> None:
+        """What zero_grad forgets here, beside the pieces' gradients."""
         self._dirty = False
         self._arrived = {}
         self._ready = set()
-        self._used = set()
-        self.pieces.zero_grads()
+        self._had = set()
         with torch._C.DisableTorchFunctionSubclass():
             for unit in self.units:
                 for param in unit.params:
