@@ -9,14 +9,17 @@ memset of the whole unit.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 from torch import nn
 
 import shardwise
+from shardwise.testing import distributed_test
 from shardwise.zero.params import UnitState
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,4 +131,55 @@ def test_take_grads_writes_zeros_for_no_gradient_frozen_and_padding() -> None:
     with torch._C.DisableTorchFunctionSubclass():
         assert had == set() and torch.count_nonzero(flat) == 0 and unit.params[0].grad is not None
         unit.params[0].grad = None
+    engine.destroy()
+
+
+def _noting(calls: list[str], zero_grad: Callable[[], None]) -> None:
+    calls.append("zero_grad")
+    zero_grad()
+
+
+@distributed_test(world_size=2, timeout=120)
+def test_the_engines_step_drops_gradients_in_its_own_call_and_a_direct_optimizer_step_keeps_them() -> None:
+    """`engine.step()` drops the gradients inside the strategy's step (no `zero_grad` call after it); a
+    script's own `optimizer.step()` keeps them until its `zero_grad`, as torch's optimizers do."""
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        config = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+        engine = shardwise.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+        calls: list[str] = []
+        engine.strategy.zero_grad = functools.partial(_noting, calls, engine.strategy.zero_grad)  # type: ignore[method-assign]
+        engine.backward(engine(torch.randn(2, 8)).pow(2).sum())
+        assert engine.optimizer.step()
+        assert engine.strategy.has_pending_grads() and not calls, stage
+        if stage == 3:
+            assert engine.strategy.pieces.grads(), "stage 3: a direct optimizer.step() dropped the gradients"
+        engine.zero_grad()
+        assert not engine.strategy.has_pending_grads() and calls == ["zero_grad"], stage
+        calls.clear()
+        engine.backward(engine(torch.randn(2, 8)).pow(2).sum())
+        engine.step()
+        assert not engine.strategy.has_pending_grads() and not calls, (stage, calls)
+        if stage == 3:
+            assert not engine.strategy.pieces.grads() and engine.strategy.pieces.share is None
+        engine.destroy()
+
+
+@distributed_test(world_size=2, timeout=120)
+def test_stage3_sums_the_norm_and_the_had_a_gradient_flags_in_one_all_reduce_a_step() -> None:
+    """Stage 3's flags ride the norm's all-reduce: a step's backward and update issue one all-reduce (the
+    flat stages keep theirs at the end of backward, where DDP leaves a globally unused `.grad` None)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine = shardwise.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    engine.backward(engine(torch.randn(2, 8)).pow(2).sum())
+    engine.step()
+    engine.comm.reset_counters()
+    engine.backward(engine(torch.randn(2, 8)).pow(2).sum())
+    engine.step()
+    assert engine.comm.calls["all_reduce"] == 1, dict(engine.comm.calls)
+    # the norm and one flag per trainable parameter (4), fp32
+    assert engine.comm.bytes_sent["all_reduce"] == 2 * 0.5 * 4 * (1 + 4), dict(engine.comm.bytes_sent)
     engine.destroy()

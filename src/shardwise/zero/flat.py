@@ -188,7 +188,7 @@ class FlatStrategy(Strategy):
         with self._leaving_unused_alone():
             self.masters.step(inner)  # steps (an offloaded arrangement a sub-group at a time) and publishes
         if release:
-            self.zero_grad()
+            self._forget_grads()
         self._regather()
 
     def sync_params_from_master(self) -> None:
@@ -211,6 +211,9 @@ class FlatStrategy(Strategy):
 
     def zero_grad(self) -> None:
         """Gradients become None, as torch's default; the storage is overwritten, not zeroed (:mod:`.grads`)."""
+        self._forget_grads()
+
+    def _forget_grads(self) -> None:
         self._dirty = False
         for param in self.layout.params:
             param.grad = None  # not a use of the values: no wait for a gather in flight (see .pending)
