@@ -375,6 +375,7 @@ class Stage3(Strategy):
                     restore_parameter(param)
             unit.unpersist()
             unit.free()
+            unit.discard_shard()  # a shard kept in a file: its host copy goes now, not with the file below
         self.units = []
         self.pieces.close()
         if self.shards is not None:
