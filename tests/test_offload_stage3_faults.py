@@ -299,3 +299,27 @@ def test_destroy_holds_one_shard_at_a_time_not_every_one_it_read(tmp_path: Path,
     engine.destroy()
     assert len(held) >= 4 and max(held) <= largest, (held, largest)
     assert torch.isfinite(engine.module.d.weight).all()  # the parameters were restored all the same
+
+
+def test_destroy_without_restoring_reads_no_shard_and_leaves_the_parameters_empty(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`destroy(restore_params=False)`, for a model no rank could hold whole: no shard is read nor gathered,
+    the parameters are left empty and plain, and the offload folders are gone."""
+    torch.manual_seed(0)
+    engine = _engine(tmp_path, _Branchy())
+    engine.backward(engine(torch.randn(4, 32)))
+    engine.step()
+    reads: list[str] = []
+    real = NvmeShard.get
+
+    def counted(self: NvmeShard) -> torch.Tensor:
+        reads.append(self.owner.label)
+        return real(self)
+
+    monkeypatch.setattr(NvmeShard, "get", counted)
+    module = engine.module
+    engine.destroy(restore_params=False)
+    assert reads == []
+    for name, param in module.named_parameters():
+        assert type(param) is nn.Parameter and param.numel() == 0, name
+    assert os.listdir(tmp_path) == []
