@@ -91,6 +91,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--layers", default="10,20,40")
     parser.add_argument("--settings", default="both")
     parser.add_argument("--nvme", default=None)
+    parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
     nvme = args.nvme or tempfile.mkdtemp(prefix="offload-phases-")
     counts = [int(n) for n in args.layers.split(",")]
@@ -98,7 +99,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     for what in args.settings.split(","):
         runs: dict[int, list[Any]] = {}
         for count in counts:
-            ranks = run_distributed(phases, 2, args=(count, what, nvme), timeout=3600)
+            ranks = run_distributed(phases, 2, args=(count, what, nvme, args.steps), timeout=3600)
             runs[count] = ranks
             for rank, rows in enumerate(ranks):
                 print(f"{what} {count} layers rank {rank}:")
