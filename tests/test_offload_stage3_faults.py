@@ -7,7 +7,7 @@ once, naming the unit, and not again (nor at all by a step writing into that sha
 gathering with no all-gather refuses to finish the gather.  With `max_in_cpu: 0`, no shard stays in host memory after `full_state_dict`, a step (the
 persistent unit's refresh), a thaw or `zero.load_state_dict`, nor a read ahead of a unit a pass did not
 use; a thawed piece's master is a copy, not a view of the shard's host copy; `destroy` writes nothing
-back into the file it deletes.
+back into the file it deletes, and holds one shard at a time while it restores the parameters.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch import nn
 
 import shardwise
 from shardwise.zero.nvme_files import NvmeFiles, OffloadIOError
+from shardwise.zero.offloaded_shards import NvmeShard
 from shardwise.zero.params import Unit, UnitError, UnitState
 
 
@@ -273,3 +274,52 @@ def test_destroy_writes_nothing_back_into_the_file_it_deletes(tmp_path: Path, mo
     monkeypatch.setattr(NvmeFiles, "write_from", counted)
     engine.destroy()
     assert writes == [] and os.listdir(tmp_path) == []
+
+
+def test_destroy_holds_one_shard_at_a_time_not_every_one_it_read(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`destroy` reads every unit's shard to give the parameters their values: each host copy leaves once its
+    unit is restored (`max_in_cpu: 0`), so the shards held never add up to the model's (a model offloaded
+    because it does not fit would not fit here either: 2 bytes a parameter a rank at 2 ranks, fp32)."""
+    torch.manual_seed(0)
+    engine = _engine(tmp_path, _Branchy())
+    engine.backward(engine(torch.randn(4, 32)))
+    engine.step()
+    cache = engine.strategy.shards
+    largest = max(u.shard_numel for u in engine.strategy.units)
+    held: list[int] = []
+    real = NvmeShard.get
+
+    def counted(self: NvmeShard) -> torch.Tensor:
+        tensor = real(self)
+        held.append(cache.held_numel())
+        return tensor
+
+    monkeypatch.setattr(NvmeShard, "get", counted)
+    engine.destroy()
+    assert len(held) >= 4 and max(held) <= largest, (held, largest)
+    assert torch.isfinite(engine.module.d.weight).all()  # the parameters were restored all the same
+
+
+def test_destroy_without_restoring_reads_no_shard_and_leaves_the_parameters_empty(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`destroy(restore_params=False)`, for a model no rank could hold whole: no shard is read nor gathered,
+    the parameters are left empty and plain, and the offload folders are gone."""
+    torch.manual_seed(0)
+    engine = _engine(tmp_path, _Branchy())
+    engine.backward(engine(torch.randn(4, 32)))
+    engine.step()
+    reads: list[str] = []
+    real = NvmeShard.get
+
+    def counted(self: NvmeShard) -> torch.Tensor:
+        reads.append(self.owner.label)
+        return real(self)
+
+    monkeypatch.setattr(NvmeShard, "get", counted)
+    module = engine.module
+    engine.destroy(restore_params=False)
+    assert reads == []
+    for name, param in module.named_parameters():
+        assert type(param) is nn.Parameter and param.numel() == 0, name
+    assert os.listdir(tmp_path) == []

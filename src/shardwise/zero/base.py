@@ -228,5 +228,6 @@ class Strategy(ABC):
     def settle(self) -> None:
         """Finish anything still in flight that leaves parameters stale (stages 1-2 gather after a step)."""
 
-    def close(self) -> None:
-        """Remove hooks and restore anything the stage changed on the module."""
+    def close(self, restore_params: bool = True) -> None:
+        """Remove hooks and restore anything the stage changed on the module (``restore_params``: give
+        partitioned parameters their full values, else leave them empty; see ``Engine.destroy``)."""

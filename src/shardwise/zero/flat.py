@@ -314,7 +314,7 @@ class FlatStrategy(Strategy):
             self.comm.all_gather(layout.bucket_slice(full, bucket), layout.shard_slice(shard, bucket))
         return full
 
-    def close(self) -> None:
+    def close(self, restore_params: bool = True) -> None:
         self.settle()
         for hook in self._hooks:
             hook.remove()

@@ -246,6 +246,13 @@ class NvmeShard:
         if self.pending is not None:
             self._settle(self.pending)  # (trim never evicts a shard read ahead; a direct call may)
         self.write_back()
+        self.discard()
+
+    def discard(self) -> None:
+        """Let the host copy go unwritten (``engine.destroy()``: the unit's parameters hold its values now, and
+        the file is deleted next); a read ahead in flight is waited for or cancelled first."""
+        if self.pending is not None:
+            self._settle(self.pending)
         self.tensor = None
         self.cache.resident.pop(self, None)
 

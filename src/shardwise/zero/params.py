@@ -146,6 +146,10 @@ class ShardStorage(Protocol):
     def held_bytes(self) -> int:
         """Bytes of the shard in host memory now."""
 
+    def discard(self) -> None:
+        """``engine.destroy()`` gave the unit's values to its parameters: a host copy of a shard kept in a file
+        leaves now, unwritten (the file is deleted next); a shard kept in memory stays (optimizers view it)."""
+
 
 class InMemoryShard:
     """The shard as a tensor of its own, always in memory (no offload)."""
@@ -178,6 +182,9 @@ class InMemoryShard:
 
     def held_bytes(self) -> int:
         return self.shard.numel() * self.shard.element_size()
+
+    def discard(self) -> None:
+        pass
 
 
 # ------------------------------------------------------------------ the unit
@@ -306,6 +313,11 @@ class Unit:
     def shard_released(self) -> None:
         """Nothing holds a view of the shard now: one kept in a file may leave host memory."""
         self.storage.released()
+
+    def discard_shard(self) -> None:
+        """``engine.destroy()`` restored this unit's parameters: a host copy of a shard kept in a file goes,
+        unwritten, so destroying holds one unit's shard at a time, not every one it read."""
+        self.storage.discard()
 
     # ------------------------------------------------------------- holders
     @property

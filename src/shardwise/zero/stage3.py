@@ -353,8 +353,9 @@ class Stage3(Strategy):
             yield
 
     # =============================================================== close
-    def close(self) -> None:
-        """Remove every hook and give each parameter back its full storage (collective)."""
+    def close(self, restore_params: bool = True) -> None:
+        """Remove every hook and give each parameter back its full storage (collective); without
+        ``restore_params``, an empty one instead (nothing gathered: a model no rank could hold whole)."""
         held = [unit for unit in self.units if unit.holders]
         if held:
             raise UnitError(
@@ -368,13 +369,19 @@ class Stage3(Strategy):
             hook.remove()
         self._grad_hooks = {}
         for unit in self.units:
-            unit.ensure_gathered()
+            if restore_params:
+                unit.ensure_gathered()
+            else:
+                unit.settle()  # a prefetch in flight ends before its buffer goes
             with torch._C.DisableTorchFunctionSubclass():
                 for index, param in enumerate(unit.params):
-                    param.data = unit.param_view(unit.full, index).clone()
+                    param.data = (unit.param_view(unit.full, index).clone() if restore_params
+                                  else torch.empty(0, dtype=unit.full.dtype, device=unit.device))
                     restore_parameter(param)
             unit.unpersist()
-            unit.free()
+            if unit.gathered:
+                unit.free()
+            unit.discard_shard()  # a shard kept in a file: its host copy goes now, not with the file below
         self.units = []
         self.pieces.close()
         if self.shards is not None:
