@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import shardwise
@@ -183,3 +185,51 @@ def test_stage3_sums_the_norm_and_the_had_a_gradient_flags_in_one_all_reduce_a_s
     # the norm and one flag per trainable parameter (4), fp32
     assert engine.comm.bytes_sent["all_reduce"] == 2 * 0.5 * 4 * (1 + 4), dict(engine.comm.bytes_sent)
     engine.destroy()
+
+
+@distributed_test(world_size=2, timeout=120)
+def test_stage3_norm_follows_a_scripts_writes_to_the_gradients_between_backward_and_step() -> None:
+    """Stage 3 takes the norm's share as the reduction finishes; a script that scales the gradients in place,
+    or replaces them, before `step()` must still be clipped (and checked for overflow) by what it wrote."""
+    for how in ("in place", "replaced", "nan"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+        engine = shardwise.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+        engine.backward(engine(torch.randn(2, 8, generator=torch.Generator().manual_seed(dist.get_rank()))).sum())
+        before = engine.strategy.step_sums()[0].clone()
+        masters = [p for group in engine.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        for master in masters:
+            if how == "in place":
+                master.grad.mul_(100.0)
+            elif how == "replaced":
+                master.grad = master.grad * 100.0
+        if how == "nan":
+            masters[0].grad.view(-1)[0] = float("nan")
+        want = torch.stack([m.grad.pow(2).sum() for m in masters]).sum()
+        dist.all_reduce(want)
+        applied = engine.step()
+        if how == "nan":
+            assert not applied and engine.skipped_steps == 1, "a NaN written after backward was not seen"
+        else:
+            assert applied and float(before) > 0
+            assert engine.get_global_grad_norm() == pytest.approx(float(want) ** 0.5, rel=1e-5), how
+        engine.destroy()
+
+
+@distributed_test(world_size=2, timeout=120)
+def test_a_torch_lr_scheduler_sees_the_engines_step_as_an_optimizer_step() -> None:
+    """torch's schedulers wrap `optimizer.step` to learn it ran; `engine.step()` goes through it (no
+    "lr_scheduler.step() before optimizer.step()" warning)."""
+    for stage in (1, 3):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        engine = shardwise.initialize(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero_optimization": {"stage": stage}},
+            lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            engine.backward(engine(torch.randn(2, 8)).sum())
+            engine.step()
+        assert engine.get_lr() == [0.05], stage
+        engine.destroy()

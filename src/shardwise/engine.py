@@ -302,7 +302,7 @@ class Engine(DeepSpeedGetters, WeightsSurface):
                             ["global_steps", "micro_steps", "backwards accumulated"])
             self._accumulated = 0
             with self._timed("step"):
-                applied = optimizer.apply(zero_grad=True)  # the update, then the gradients dropped: one call
+                applied = optimizer.step(zero_grad=True)  # the update, then the gradients dropped: one call
                 self._step_applied = applied
                 if applied:
                     if self.lr_scheduler is not None:

@@ -16,8 +16,9 @@ __all__ = ["ZeroOptimizer"]
 class ZeroOptimizer(ShardwiseOptimizer):
     """Steps the inner optimizer over the master weights a ZeRO stage keeps.
 
-    One all-reduce of a single scalar (the squared gradient norm, for sharded
-    gradients) serves both clipping and overflow detection: an inf or NaN
+    One all-reduce (the squared gradient norm, for sharded gradients, with
+    stage 3's "had a gradient" flags beside it) serves both clipping and
+    overflow detection: an inf or NaN
     anywhere makes the global sum non-finite on every rank, so all ranks skip
     the same step.  The strategy is asked twice: for this rank's terms of the
     sums (the norm's share, which a pipeline's strategy trims by its tied
@@ -46,15 +47,12 @@ class ZeroOptimizer(ShardwiseOptimizer):
         #: global L2 norm of the (unscaled) gradients at the last step; inf on overflow; None before
         self.last_grad_norm: Optional[float] = None
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> bool:  # type: ignore[override]
-        """Apply the update; returns False when it was skipped for overflow."""
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, zero_grad: bool = False) -> bool:  # type: ignore[override]
+        """Apply the update; returns False when it was skipped for overflow.  ``zero_grad``: the gradients are
+        dropped in the same call (``engine.step()``, as DeepSpeed's; a script's own ``optimizer.step()`` keeps
+        them, as torch's does)."""
         if closure is not None:
             raise ValueError("closures are not supported: run forward/backward through the engine instead")
-        return self.apply(zero_grad=False)
-
-    def apply(self, zero_grad: bool) -> bool:
-        """:meth:`step`, and with ``zero_grad`` the gradients dropped in the same call (``engine.step()``, as
-        DeepSpeed's; a direct ``optimizer.step()`` keeps them, as torch's does)."""
         scale = self.precision.scaler.current
         sums = self.strategy.step_sums()
         if self.strategy.shards_grads:

@@ -33,7 +33,16 @@ from ..param_state import OptimizerSlot, ParamShard
 from .frozen import FrozenStore, Kept
 from .params import Unit
 
-__all__ = ["InFlight", "Piece", "Pieces", "SeparateMasters", "ShardsAreMasters", "exact_values"]
+__all__ = ["InFlight", "NormShare", "Piece", "Pieces", "SeparateMasters", "ShardsAreMasters", "exact_values"]
+
+
+class NormShare(NamedTuple):
+    """This rank's sum of squared gradients ``sq``, taken as the reduction finished; it holds while every
+    ``(master, grad, version)`` in ``seen`` still has ``master.grad is grad`` at that ``grad._version`` (a
+    script scaling or replacing the gradients between backward and step makes it stale)."""
+
+    sq: torch.Tensor
+    seen: tuple[tuple[torch.Tensor, torch.Tensor, int], ...]
 
 
 class InFlight(NamedTuple):
@@ -86,8 +95,8 @@ class Pieces(ABC):
         self.by_param: dict[int, list[Piece]] = {}
         #: masters and optimizer state of frozen pieces, kept until they train again
         self.frozen = FrozenStore()
-        #: this rank's sum of squared gradients, taken as the reduction finished (None: written since)
-        self.share: Optional[torch.Tensor] = None
+        #: this rank's sum of squared gradients, taken as the reduction finished (None: cleared since)
+        self.share: Optional[NormShare] = None
 
     # ---------------------------------------------------------------- build
     def add(self, unit: Unit, values: torch.Tensor, group_of: dict[int, int]) -> None:
@@ -195,10 +204,12 @@ class Pieces(ABC):
 
     def finish_reduction(self, flights: list[InFlight], scale: float) -> None:
         """The end of a reducing backward: :meth:`add_reduced` for each unit still in flight, then the norm's
-        share taken once over the sums (the step reads :attr:`share` unless something wrote since)."""
+        share taken once over the sums (the step reads :attr:`share` while it holds, :class:`NormShare`)."""
         for flight in flights:
             self.add_reduced(flight, scale)
-        self.share = self.grad_sq()
+        seen = tuple((p.master, p.master.grad, p.master.grad._version) for p in self.all
+                     if p.master is not None and p.master.grad is not None)
+        self.share = NormShare(self.grad_sq(), seen)
 
     def step(self, inner: Any, factor: float, used: set[tuple[Unit, int]], release: bool) -> None:
         """The optimizer step over this rank's masters, in one call: their gradients multiplied by ``factor``

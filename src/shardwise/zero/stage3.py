@@ -226,10 +226,13 @@ class Stage3(Strategy):
         per trainable parameter whether this rank had a gradient for it: the flags ride the norm's all-reduce
         (DDP's `find_unused_parameters` without a collective of its own)."""
         share = self.pieces.share
-        if share is None:  # no reducing backward since the gradients changed (a trainability change)
-            share = self.pieces.grad_sq()
+        if share is not None and all(master.grad is grad and grad._version == version
+                                     for master, grad, version in share.seen):
+            sq = share.sq
+        else:  # written since the reduction finished (a script's own scaling, a trainability change)
+            sq = self.pieces.grad_sq()
         flags = [float(key in self._had) for key in self._keys()]
-        return torch.cat([share.reshape(1).to(self._grad_device),
+        return torch.cat([sq.reshape(1).to(self._grad_device),
                           torch.tensor(flags, dtype=torch.float32, device=self._grad_device)])
 
     def step(self, inner: Any, factor: float, sums: torch.Tensor, release: bool) -> None:
@@ -383,6 +386,7 @@ class Stage3(Strategy):
                 unit.free()
             unit.discard_shard()  # a shard kept in a file: its host copy goes now, not with the file below
         self.units = []
+        self._had = set()
         self.pieces.close()
         if self.shards is not None:
             self.shards.close()
