@@ -50,12 +50,13 @@ def placeholder(numel: int) -> torch.Tensor:
 
 
 def pool_for(groups: list[SubGroup], count: int, state_bytes: int, pin: bool = False, resident: int = 0) -> BufferPool:
-    """``count`` buffers sized for the largest offloaded sub-group's master and ``state_bytes`` of state per element
-    (those in the shard's first ``resident`` elements are stepped in memory: no buffer if all are)."""
-    largest = max((g.numel for g in groups if g.end > resident), default=0)
-    if largest == 0:
+    """``count`` buffers (no more than there are offloaded sub-groups: more would never be in use at once) sized
+    for the largest offloaded sub-group's master and ``state_bytes`` of state per element (those in the shard's
+    first ``resident`` elements are stepped in memory: no buffer if all are)."""
+    offloaded = [g.numel for g in groups if g.end > resident]
+    if not offloaded or max(offloaded) == 0:
         return BufferPool(0)
-    return BufferPool(count, largest * (4 + state_bytes) + _ALIGN * 4, pin=pin)  # each region aligned
+    return BufferPool(min(count, len(offloaded)), max(offloaded) * (4 + state_bytes) + _ALIGN * 4, pin=pin)
 
 
 class Arrangement(Protocol):
