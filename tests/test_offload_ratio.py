@@ -4,7 +4,7 @@ Of the ``n`` sub-groups of a rank's shard the first ``int((1 - ratio) * n)`` kee
 optimizer state in host memory, the split moved back to a piece's start where it would cut one; the files
 hold the rest only.  In one process: the split, and resident sub-groups stepped in memory with no I/O while
 the others move their bytes, equal to torch's Adam to the bit.  On 2 ranks: stages 1, 2 and 3 at ratio 0.5 and
-0.3 train to the weights of the same stage without offload (10 steps, accumulation, clipping; atol 1e-6), a
+0.2 train to the weights of the same stage without offload (10 steps, accumulation, clipping; atol 1e-6), a
 stage-3 piece on each side of the split freezes and thaws as without offload, the files are sized for the
 offloaded elements only, ``memory_breakdown`` counts the resident state, a ratio-0.5 checkpoint loads into
 ratio 1.0 and into no offload (and back), and the bytes moved per step are theory's for the offloaded share.
@@ -147,6 +147,7 @@ def _parity_case(stage: int, nvme: str, ratio: float) -> None:
     stepper = holder.stepper if stage != 3 else holder._plan()
     resident, numel = stepper.resident, stepper.numel
     assert 0 < resident < numel, (resident, numel)
+    assert (resident > numel // 2) == (ratio < 0.5), (ratio, resident, numel)  # 0.2: 3 of 4 sub-groups stay
     folder = holder.files.folder
     _train(partial, 0, 10)
     assert_close_params(_full(partial), _full(plain), atol=ATOL)
@@ -164,7 +165,7 @@ def _parity_case(stage: int, nvme: str, ratio: float) -> None:
 @distributed_test(world_size=2, timeout=240)
 def test_a_partial_offload_trains_as_the_same_stage_without_it(tmp_path: Path) -> None:
     run_subtests(_parity_case, [{"stage": stage, "nvme": str(tmp_path), "ratio": ratio}
-                                for stage in (1, 2, 3) for ratio in (0.5, 0.3)])
+                                for stage in (1, 2, 3) for ratio in (0.5, 0.2)])
     assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
 
 

@@ -14,13 +14,16 @@ the files, which hold the elements after it only.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .layout import Piece
 
 __all__ = ["Chunk", "OffloadSpec", "SubGroup", "offload_spec", "plan_sub_groups", "resident_split",
-           "state_bytes_per_element"]
+           "say_split", "state_bytes_per_element"]
+
+logger = logging.getLogger("shardwise")
 
 #: per-element bytes of optimizer state torch's optimizers keep (fp32); unknown optimizers count as Adam
 _STATE_BYTES = {"Adam": 8, "AdamW": 8, "NAdam": 8, "RAdam": 8, "Adamax": 8, "Adadelta": 8, "Adagrad": 4}
@@ -107,6 +110,17 @@ def resident_split(pieces: Sequence[Piece], size: int, ratio: float) -> int:
         if piece.shard_offset < split < piece.shard_offset + piece.numel:
             return piece.shard_offset
     return split
+
+
+def say_split(spec: OffloadSpec, resident: int, numel: int, groups: Sequence[SubGroup]) -> None:
+    """An info line of what ``ratio`` below 1 keeps in host memory on this rank (the split may have moved)."""
+    if spec.ratio >= 1:
+        return
+    kept = sum(1 for g in groups if g.end <= resident)
+    logger.info(f"rank {spec.rank}: `zero_optimization.offload_optimizer.ratio: {spec.ratio}`: {resident:,} of this "
+                f"rank's {numel:,} elements ({kept} of {len(groups)} sub-groups) keep their fp32 masters and optimizer "
+                f"state in host memory, the other {numel - resident:,} are offloaded (the split is at a "
+                "sub-group's start, moved back to a parameter's edge where it would cut one)")
 
 
 def state_bytes_per_element(inner: Any) -> int:

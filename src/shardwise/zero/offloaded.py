@@ -40,7 +40,7 @@ from .grads import ReducedGrads
 from .layout import FlatLayout
 from .masters_base import Gather, Masters
 from .nvme_files import NvmeFiles
-from .offload_plan import Chunk, OffloadSpec, plan_sub_groups, resident_split
+from .offload_plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, say_split
 from .offload_step import OffloadSlot, SubGroupStepper, placeholder, pool_for
 
 __all__ = ["OffloadedMasters"]
@@ -55,6 +55,7 @@ class OffloadedMasters(Masters):
         #: the shard's first elements, whose master and state stay in host memory (``ratio`` below 1)
         self.resident = resident_split(layout.pieces, spec.sub_group_size, spec.ratio)
         chunks, self.groups = plan_sub_groups(layout.pieces, spec.sub_group_size, self.resident)
+        say_split(spec, self.resident, layout.shard_numel, self.groups)
         #: the per-element state kinds there are files for
         self.kinds: dict[str, torch.dtype] = {}
         self.pool = pool_for(self.groups, spec.buffer_count, spec.state_bytes, spec.pin_memory and device.type == "cuda",

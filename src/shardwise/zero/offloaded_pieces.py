@@ -36,7 +36,7 @@ from ..param_state import KeptSlot, ParamShard
 from .frozen import Kept
 from .layout import Piece as Run
 from .nvme_files import NvmeFiles
-from .offload_plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, state_bytes_per_element
+from .offload_plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, say_split, state_bytes_per_element
 from .offload_step import OffloadSlot, SubGroupStepper, copy_value, placeholder, pool_for
 from .params import Unit
 from .pieces import Piece, Pieces, exact_values
@@ -87,6 +87,7 @@ class OffloadedPieces(Pieces):
             at += size
         resident = resident_split(runs, self.spec.sub_group_size, self.spec.ratio)
         chunks, groups = plan_sub_groups(runs, self.spec.sub_group_size, resident)
+        say_split(self.spec, resident, at, groups)
         self.pool = pool_for(groups, self.spec.buffer_count, self.state_bytes, resident=resident)
         self._stepper = SubGroupStepper(chunks, groups, self.pool, lambda: self._files, self.kinds, numel, resident)
         offloaded = numel - resident
