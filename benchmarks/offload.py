@@ -7,7 +7,8 @@ wrote per step against theory.  Stage 2 runs no offload and ``offload_optimizer:
 ``offload_param: nvme`` (``max_in_cpu`` 0 unless ``--max-in-cpu``) and both.  Theory per step, per
 element of this rank's shard, for AdamW: the optimizer's 12 bytes (fp32 master and two moments) read
 and written once; a parameter shard's 4 bytes (2 with ``--bf16``) read twice (the forward's gather and the
-backward's) and written once (the step publishing into it, unread).  Also the disk's own write and read bandwidth on
+backward's) and written once (the step publishing into it, unread); with ``--ratio`` below 1 the optimizer's
+bytes count only the elements after the resident split (the first sub-groups stay in host memory).  Also the disk's own write and read bandwidth on
 ``--nvme`` for scale.  The figures in docs/offload.md come from here.
 """
 
@@ -44,10 +45,11 @@ def _model(millions: int) -> nn.Module:
 SETTINGS = {2: ("none", "optimizer"), 3: ("none", "optimizer", "param", "both")}
 
 
-def _zero(stage: int, what: str, nvme: str, sub_group: int, buffers: int, max_in_cpu: int) -> dict[str, Any]:
+def _zero(stage: int, what: str, nvme: str, sub_group: int, buffers: int, max_in_cpu: int,
+          ratio: float = 1.0) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage}
     if what in ("optimizer", "both"):
-        zero.update(offload_optimizer={"device": "nvme", "nvme_path": nvme, "buffer_count": buffers},
+        zero.update(offload_optimizer={"device": "nvme", "nvme_path": nvme, "buffer_count": buffers, "ratio": ratio},
                     sub_group_size=sub_group)
     if what in ("param", "both"):
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "max_in_cpu": max_in_cpu}
@@ -55,11 +57,12 @@ def _zero(stage: int, what: str, nvme: str, sub_group: int, buffers: int, max_in
 
 
 def measure(millions: int, steps: int, nvme: str, sub_group: int, buffers: int, stage: int = 2,
-            what: str = "optimizer", max_in_cpu: int = 0, bf16: bool = False) -> dict[str, Any]:
-    """One rank's figures for a run at ``stage`` offloading ``what`` (none, optimizer, param, both) to ``nvme``."""
+            what: str = "optimizer", max_in_cpu: int = 0, bf16: bool = False, ratio: float = 1.0) -> dict[str, Any]:
+    """One rank's figures for a run at ``stage`` offloading ``what`` (none, optimizer, param, both) to ``nvme``
+    (of the optimizer state, the share ``ratio``)."""
     before = rss_bytes()
     model = _model(millions)
-    zero = _zero(stage, what, nvme, sub_group, buffers, max_in_cpu)
+    zero = _zero(stage, what, nvme, sub_group, buffers, max_in_cpu, ratio)
     engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
                                   {"zero_optimization": zero, "bf16": {"enabled": bf16}})
     init_peak = rss_bytes("VmHWM")
@@ -76,10 +79,12 @@ def measure(millions: int, steps: int, nvme: str, sub_group: int, buffers: int, 
         if step >= 2:
             times.append(time.perf_counter() - start)
     read, written = (now - then for now, then in zip(_moved(engine), moved))
-    shard = _shard_numel(engine)
+    shard, resident = _shard_numel(engine), _resident_numel(engine)
     width = 2 if bf16 else 4  # a shard's bytes per element
-    theory = {"none": (0, 0), "optimizer": (12, 12), "param": (2 * width, width),
-              "both": (12 + 2 * width, 12 + width)}[what]
+    optimizer = 12 if what in ("optimizer", "both") else 0  # fp32 master and two moments, offloaded elements only
+    param = {"param": (2 * width, width), "both": (2 * width, width)}.get(what, (0, 0))
+    theory = (optimizer * (shard - resident) + param[0] * shard, optimizer * (shard - resident) + param[1] * shard)
+    breakdown = engine.memory_breakdown()
     train_peak, held = rss_bytes("VmHWM"), rss_bytes()
     _trim()
     trimmed = rss_bytes()
@@ -87,7 +92,8 @@ def measure(millions: int, steps: int, nvme: str, sub_group: int, buffers: int, 
     return {"peak_rss": init_peak, "growth": init_peak - before, "train_peak": train_peak - before,
             "held": held - before, "trimmed": trimmed - before,
             "step_ms": statistics.median(times) * 1e3, "read_per_step": read / steps,
-            "written_per_step": written / steps, "theory": (theory[0] * shard, theory[1] * shard), "shard": shard}
+            "written_per_step": written / steps, "theory": theory, "shard": shard, "resident": resident,
+            "master_bytes": breakdown["master_weights"], "state_bytes": breakdown["optimizer_state"]}
 
 
 def _trim() -> None:
@@ -100,6 +106,13 @@ def _shard_numel(engine: Any) -> int:
     if strategy.stage == 3:
         return sum(unit.shard_numel for unit in strategy.units)
     return cast(int, strategy.layout.shard_numel)
+
+
+def _resident_numel(engine: Any) -> int:
+    """Elements of this rank's shard whose optimizer state stays in host memory (``ratio`` below 1)."""
+    strategy = engine.strategy
+    holder = getattr(strategy, "masters", None) or getattr(strategy, "pieces", None)
+    return cast(int, getattr(holder, "resident", 0))
 
 
 def _moved(engine: Any) -> tuple[int, int]:
@@ -141,6 +154,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--buffers", type=int, default=4)
     parser.add_argument("--max-in-cpu", type=int, default=0, help="offload_param.max_in_cpu (stage 3)")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute (fp32 masters)")
+    parser.add_argument("--ratio", type=float, default=1.0, help="offload_optimizer.ratio (the share offloaded)")
     parser.add_argument("--nvme", default=None, help="folder on the disk to offload to (default: a temp folder)")
     args = parser.parse_args(argv)
     nvme = args.nvme or tempfile.mkdtemp(prefix="offload-bench-")
@@ -148,14 +162,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"disk under {nvme}: write {write:.0f} MiB/s (fsync'd), read {read:.0f} MiB/s (page cache dropped)")
     for what in SETTINGS[args.stage]:
         ranks = run_distributed(measure, 2, args=(args.params, args.steps, nvme, args.sub_group, args.buffers,
-                                                  args.stage, what, args.max_in_cpu, args.bf16), timeout=600)
+                                                  args.stage, what, args.max_in_cpu, args.bf16, args.ratio),
+                                 timeout=600)
         for rank, r in enumerate(ranks):
             print(f"stage {args.stage} offload {what:9} rank {rank}: peak RSS {r['peak_rss'] / 2**20:.0f} MiB "
                   f"(+{r['growth'] / 2**20:.0f} MiB over before initialize; training peak "
                   f"+{r['train_peak'] / 2**20:.0f}; after the steps +{r['held'] / 2**20:.0f}, "
                   f"+{r['trimmed'] / 2**20:.0f} after malloc_trim), step {r['step_ms']:.0f} ms, read "
                   f"{r['read_per_step'] / 1e6:.1f} MB written {r['written_per_step'] / 1e6:.1f} MB per step "
-                  f"(theory {r['theory'][0] / 1e6:.1f} / {r['theory'][1] / 1e6:.1f} MB for {r['shard']:,} elements)")
+                  f"(theory {r['theory'][0] / 1e6:.1f} / {r['theory'][1] / 1e6:.1f} MB for {r['shard']:,} elements, "
+                  f"{r['resident']:,} of them resident)")
 
 
 if __name__ == "__main__":

@@ -206,20 +206,24 @@ class OffloadSection(Section):
 class OffloadConfig(OffloadSection):
     """`zero_optimization.offload_optimizer`: `nvme` (stages 1-3 of a CPU job, docs/offload.md) keeps this rank's
     fp32 masters and optimizer state in files under `nvme_path`, stepped `sub_group_size` elements at a time
-    with at most `buffer_count` sub-groups in host memory."""
+    with at most `buffer_count` sub-groups in host memory; `ratio` below 1 keeps the first sub-groups' state in
+    host memory, never written to the files."""
 
     #: sub-groups of state in host memory at once: the one stepped, those read ahead, those written behind
     buffer_count: Count = Field(default=4, ge=1, le=1024)
-    #: the share of the optimizer state offloaded; only all of it (1.0) is built
-    ratio: Real = Field(default=1.0, gt=0, le=1)
+    #: the share of the optimizer state offloaded (DeepSpeed's partial offload), 0 < ratio <= 1: of the `n`
+    #: sub-groups, the first `int((1 - ratio) * n)` keep their fp32 masters and state in host memory
+    #: (moved back to a parameter's edge where they would cut one) and the rest live in the files
+    ratio: Real = 1.0
 
     @field_validator("ratio")
     @classmethod
-    def _whole_state_only(cls, value: float) -> float:
-        if value != 1.0:
+    def _a_share(cls, value: float) -> float:
+        if not 0 < value <= 1:
             raise ValueError(
-                "a partial offload (part of the optimizer state kept in memory) is not built yet; "
-                "remove the key or set it to 1.0")
+                "the share of the optimizer state offloaded is above 0 and at most 1; set it "
+                "between them (0.5 keeps the first half of the sub-groups' state in host memory), or remove the key "
+                "to offload all of it")
         return value
 
 

@@ -289,7 +289,8 @@ class FlatStrategy(Strategy):
             "parameters": tensor_bytes(list(params.values())),
             "master_weights": self.masters.nbytes() + kept_masters,
             "gradients": self.grads.nbytes(),
-            "optimizer_state": tensor_bytes(list(state.values())) + self.frozen.state_bytes(),
+            "optimizer_state": tensor_bytes(list(state.values())) + self.frozen.state_bytes()
+            + self.masters.state_nbytes(),
         }
 
     def full_master_weights(self) -> dict[int, torch.Tensor]:

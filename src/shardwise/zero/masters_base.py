@@ -107,6 +107,10 @@ class Masters(ABC):
         """Bytes of master weights held apart from the model's parameters."""
         return 0
 
+    def state_nbytes(self) -> int:
+        """Bytes of optimizer state held outside the inner optimizer's ``state`` (a partial offload's resident part)."""
+        return 0
+
     def export(self, state: MutableMapping[Any, Any], steps: dict[int, torch.Tensor], comm: Comm,
                gather: Gather) -> dict[int, Kept]:
         """Every parameter's full master and optimizer state, taken out of ``state`` (collective)."""

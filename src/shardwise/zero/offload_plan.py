@@ -6,16 +6,24 @@ parameter's part of the shard each); a piece larger than ``sub_group_size`` is
 cut across several sub-groups.  The inner optimizer steps one chunk as one
 tensor: an element-wise optimizer (Adam, SGD, ...) gives the same values
 however its tensors are cut, as sharding already relies on.
+
+``offload_optimizer.ratio`` below 1 keeps the first sub-groups in host memory
+(:func:`resident_split`): the shard's elements before the split never reach
+the files, which hold the elements after it only.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .layout import Piece
 
-__all__ = ["Chunk", "OffloadSpec", "SubGroup", "offload_spec", "plan_sub_groups", "state_bytes_per_element"]
+__all__ = ["Chunk", "OffloadSpec", "SubGroup", "offload_spec", "plan_sub_groups", "resident_split",
+           "say_split", "state_bytes_per_element"]
+
+logger = logging.getLogger("shardwise")
 
 #: per-element bytes of optimizer state torch's optimizers keep (fp32); unknown optimizers count as Adam
 _STATE_BYTES = {"Adam": 8, "AdamW": 8, "NAdam": 8, "RAdam": 8, "Adamax": 8, "Adadelta": 8, "Adagrad": 4}
@@ -32,6 +40,8 @@ class OffloadSpec:
     rank: int
     #: optimizer state bytes per element, for the free-space check before training
     state_bytes: int
+    #: the share of the sub-groups whose state is offloaded (``offload_optimizer.ratio``); the others stay in memory
+    ratio: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -58,12 +68,15 @@ class SubGroup:
         return self.end - self.start
 
 
-def plan_sub_groups(pieces: Sequence[Piece], size: int) -> tuple[list[Chunk], list[SubGroup]]:
-    """The chunks of ``pieces`` and the sub-groups of at most ``size`` elements they fall into, in shard order."""
+def plan_sub_groups(pieces: Sequence[Piece], size: int, split: int = 0) -> tuple[list[Chunk], list[SubGroup]]:
+    """The chunks of ``pieces`` and the sub-groups of at most ``size`` elements they fall into, in shard order;
+    a sub-group also starts at the piece that starts at element ``split`` (none spans the resident split)."""
     chunks: list[Chunk] = []
     groups: list[SubGroup] = []
     filled = size
     for index, piece in enumerate(pieces):
+        if split and piece.shard_offset == split:
+            filled = size
         at = 0
         while at < piece.numel:
             if filled >= size:
@@ -76,6 +89,38 @@ def plan_sub_groups(pieces: Sequence[Piece], size: int) -> tuple[list[Chunk], li
             filled += numel
             at += numel
     return chunks, groups
+
+
+def resident_split(pieces: Sequence[Piece], size: int, ratio: float) -> int:
+    """The shard elements ``[0, split)`` whose master and state stay in host memory for ``ratio`` (the share offloaded).
+
+    As DeepSpeed's partial offload: of the ``n`` sub-groups, the first ``int((1 - ratio) * n)`` stay.  DeepSpeed's
+    sub-groups hold whole parameters; here a piece may span two, so where the split would cut a piece it moves
+    back to that piece's start (the piece is offloaded whole): memory never holds more than the share asked."""
+    if ratio >= 1:
+        return 0
+    _, groups = plan_sub_groups(pieces, size)
+    kept = int((1 - ratio) * len(groups))
+    if kept == 0:
+        return 0
+    if kept >= len(groups):
+        return groups[-1].end
+    split = groups[kept].start
+    for piece in pieces:
+        if piece.shard_offset < split < piece.shard_offset + piece.numel:
+            return piece.shard_offset
+    return split
+
+
+def say_split(spec: OffloadSpec, resident: int, numel: int, groups: Sequence[SubGroup]) -> None:
+    """An info line of what ``ratio`` below 1 keeps in host memory on this rank (the split may have moved)."""
+    if spec.ratio >= 1:
+        return
+    kept = sum(1 for g in groups if g.end <= resident)
+    logger.info(f"rank {spec.rank}: `zero_optimization.offload_optimizer.ratio: {spec.ratio}`: {resident:,} of this "
+                f"rank's {numel:,} elements ({kept} of {len(groups)} sub-groups) keep their fp32 masters and optimizer "
+                f"state in host memory, the other {numel - resident:,} are offloaded (the split is at a "
+                "sub-group's start, moved back to a parameter's edge where it would cut one)")
 
 
 def state_bytes_per_element(inner: Any) -> int:
@@ -95,4 +140,4 @@ def offload_spec(zero_config: Any, rank: int, inner: Any) -> Optional[OffloadSpe
     if section is None or section.device != "nvme":
         return None
     return OffloadSpec(str(section.nvme_path), section.buffer_count, section.pin_memory,
-                       zero_config.sub_group_size, rank, state_bytes_per_element(inner))
+                       zero_config.sub_group_size, rank, state_bytes_per_element(inner), float(section.ratio))

@@ -12,6 +12,13 @@ arrangement (:class:`Arrangement`), and writes the buffer back while the next su
 What differs between the two stays with them: which tensor the inner optimizer holds for a piece (its
 ``.grad`` the gradient; the param group holding it is the chunk's), which chunks a step passes by, and
 where updated masters go (the flat parameter buffer, or the units' shards).
+
+A partial offload (``offload_optimizer.ratio`` below 1) keeps the shard's first ``resident`` elements, whole
+sub-groups (:func:`.offload_plan.resident_split`), in host memory: one tensor per kind, stepped in place with
+no buffer and no I/O, published as the others.  The files hold the elements after ``resident`` only (element
+``x`` of the shard at element ``x - resident`` of each file); :meth:`SubGroupStepper.region` and
+:meth:`SubGroupStepper.write` say where a run of elements lives, so checkpoints and trainability changes see
+one layout whichever side a piece is on.
 """
 
 from __future__ import annotations
@@ -42,10 +49,14 @@ def placeholder(numel: int) -> torch.Tensor:
     return torch.zeros(1).expand(numel)
 
 
-def pool_for(groups: list[SubGroup], count: int, state_bytes: int, pin: bool = False) -> BufferPool:
-    """``count`` buffers sized for the largest sub-group's master and ``state_bytes`` of state per element."""
-    largest = max((g.numel for g in groups), default=0)
-    return BufferPool(count, largest * (4 + state_bytes) + _ALIGN * 4, pin=pin)  # each region aligned
+def pool_for(groups: list[SubGroup], count: int, state_bytes: int, pin: bool = False, resident: int = 0) -> BufferPool:
+    """``count`` buffers (no more than there are offloaded sub-groups: more would never be in use at once) sized
+    for the largest offloaded sub-group's master and ``state_bytes`` of state per element (those in the shard's
+    first ``resident`` elements are stepped in memory: no buffer if all are)."""
+    offloaded = [g.numel for g in groups if g.end > resident]
+    if not offloaded or max(offloaded) == 0:
+        return BufferPool(0)
+    return BufferPool(min(count, len(offloaded)), max(offloaded) * (4 + state_bytes) + _ALIGN * 4, pin=pin)
 
 
 class Arrangement(Protocol):
@@ -65,11 +76,17 @@ class SubGroupStepper:
     """The chunks and sub-groups of a rank's files, what the optimizer keeps of each chunk, and the step."""
 
     def __init__(self, chunks: list[Chunk], groups: list[SubGroup], pool: BufferPool,
-                 files: Callable[[], NvmeFiles], kinds: dict[str, torch.dtype], numel: int) -> None:
+                 files: Callable[[], NvmeFiles], kinds: dict[str, torch.dtype], numel: int, resident: int = 0) -> None:
         """``files`` gives the open files (or raises once they are closed); ``kinds`` (the caller's, added to
-        here) maps each kind there is a file for to its dtype; each file holds ``numel`` elements."""
+        here) maps each kind there is a file for to its dtype; the shard has ``numel`` elements, of which the
+        first ``resident`` (whole sub-groups) stay in host memory and the files hold the others."""
         self.chunks, self.groups, self.pool = chunks, groups, pool
-        self.files, self.kinds, self.numel = files, kinds, numel
+        self.files, self.kinds, self.numel, self.resident = files, kinds, numel, resident
+        if any(g.start < resident < g.end for g in groups):
+            raise RuntimeError(f"a sub-group spans the resident split at element {resident:,} (a bug in shardwise); "
+                               "please report it")
+        #: per kind, the resident elements' values (host memory; the master's made here, the others with their file)
+        self.memory: dict[str, torch.Tensor] = {"master": torch.zeros(resident)}
         #: per piece (by index), its chunks
         self.chunks_of: dict[int, list[int]] = {}
         for index, chunk in enumerate(chunks):
@@ -112,7 +129,10 @@ class SubGroupStepper:
         kinds = dict(self.kinds)  # what the reads of this step find on disk (the step may add kinds)
         sizes = [_regions(g.numel, kinds)[-1][2] for g in self.groups]
         loads = self._loads(inner, arrangement)
-        order = [g.index for g in self.groups if loads[g.index]]  # a sub-group with nothing to step: no I/O
+        for g in (g.index for g in self.groups if loads[g.index] and self.is_resident(g.index)):  # first: shard order
+            self._step_group(inner, arrangement, g, loads[g], self._memory_views(g, kinds))()
+        # a sub-group with nothing to step: no I/O
+        order = [g.index for g in self.groups if loads[g.index] and not self.is_resident(g.index)]
         pipelined(order, sizes, self.pool, lambda g, buffer: self._read(g, buffer, kinds),
                   lambda g, buffer: self._step_group(inner, arrangement, g, loads[g],
                                                      _views(self.groups[g].numel, buffer, kinds)))
@@ -126,6 +146,15 @@ class SubGroupStepper:
             loads.append([(index, tensor, owner[id(tensor)]) for index, tensor in held if tensor is not None])
         return loads
 
+    def is_resident(self, g: int) -> bool:
+        """Whether sub-group ``g`` stays in host memory (a partial offload)."""
+        return self.groups[g].end <= self.resident
+
+    def _memory_views(self, g: int, kinds: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        """Each kind's elements of resident sub-group ``g``, views of host memory (stepped in place)."""
+        group = self.groups[g]
+        return {kind: self.memory[kind].narrow(0, group.start, group.numel) for kind in ("master", *sorted(kinds))}
+
     def _where(self, g: int) -> str:
         """Sub-group ``g`` in words, for an I/O error."""
         group = self.groups[g]
@@ -135,7 +164,7 @@ class SubGroupStepper:
     def _read(self, g: int, buffer: torch.Tensor, kinds: Mapping[str, torch.dtype]) -> None:
         group, files, where = self.groups[g], self.files(), self._where(g)
         for kind, view in _views(group.numel, buffer, kinds).items():
-            files.read_into(kind, view, group.start * view.element_size(), where)
+            files.read_into(kind, view, (group.start - self.resident) * view.element_size(), where)
 
     def _step_group(self, inner: Any, arrangement: Arrangement, g: int, loads: list[_Load],
                     views: dict[str, torch.Tensor]) -> Callable[[], None]:
@@ -192,19 +221,61 @@ class SubGroupStepper:
                 self.kind_file(kind, value.dtype)
 
     def kind_file(self, kind: str, dtype: torch.dtype) -> None:
-        """A file for state ``kind`` unless there is one."""
+        """A file (for the offloaded elements) and a tensor (for the resident ones) for state ``kind``, unless
+        there are."""
         if kind not in self.kinds:
+            self.files().create(kind, (self.numel - self.resident) * dtype.itemsize)
+            self.memory[kind] = torch.zeros(self.resident, dtype=dtype)
             self.kinds[kind] = dtype
-            self.files().create(kind, self.numel * dtype.itemsize)
 
     def _write(self, g: int, views: dict[str, torch.Tensor], fresh: _Fresh) -> None:
-        """On the I/O thread: sub-group ``g``'s buffer back to its files, then the state this step created."""
-        files, start, where = self.files(), self.groups[g].start, self._where(g)
+        """On the I/O thread: sub-group ``g``'s buffer back to its files, then the state this step created (a
+        resident sub-group was stepped in place: only the state this step created goes into memory)."""
+        if self.is_resident(g):
+            for items in fresh:
+                for kind, shard_at, value in items:
+                    self.memory[kind].narrow(0, shard_at, value.numel()).copy_(value)
+            return
+        files, start, where = self.files(), self.groups[g].start - self.resident, self._where(g)
         for kind, view in views.items():
             files.write_from(kind, view, start * view.element_size(), where)
         for items in fresh:
             for kind, shard_at, value in items:
-                files.write_from(kind, value, shard_at * value.element_size(), where)
+                files.write_from(kind, value, (shard_at - self.resident) * value.element_size(), where)
+
+    # ------------------------------------------------ where elements live
+    def region(self, kind: str, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of the shard's ``kind`` (on one side of the resident split): a view
+        of host memory, or a memory map of the file; writes go there either way."""
+        files = self.files()  # (raises once they are closed, the resident state gone with them)
+        if start + numel <= self.resident:
+            return self.memory[kind].narrow(0, start, numel)
+        self._one_side(start, numel)
+        return files.mapped_range(kind, start - self.resident, numel, dtype)
+
+    def write(self, kind: str, start: int, values: torch.Tensor, where: str = "") -> None:
+        """``values`` (1-D, CPU) into elements ``[start, ...)`` of the shard's ``kind``."""
+        files = self.files()
+        if start + values.numel() <= self.resident:
+            self.memory[kind].narrow(0, start, values.numel()).copy_(values)
+            return
+        self._one_side(start, values.numel())
+        files.write_from(kind, values, (start - self.resident) * values.element_size(), where)
+
+    def whole(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
+        """The shard's ``kind``, all of it (a copy: the resident elements, then the file's)."""
+        offloaded, files = self.numel - self.resident, self.files()
+        mapped = files.mapped(kind, offloaded, dtype) if offloaded else torch.zeros(0, dtype=dtype)
+        return torch.cat([self.memory[kind], mapped]) if self.resident else mapped.clone()
+
+    def memory_bytes(self, master: bool) -> int:
+        """Host bytes of the resident elements' master (``master``) or optimizer state (not ``master``)."""
+        return sum(t.numel() * t.element_size() for k, t in self.memory.items() if (k == "master") == master)
+
+    def _one_side(self, start: int, numel: int) -> None:
+        if start < self.resident:
+            raise RuntimeError(f"elements {start:,}-{start + numel:,} span the resident split at {self.resident:,} "
+                               "(a bug in shardwise); please report it")
 
     def forget(self, piece: int) -> None:
         """Piece ``piece`` has no optimizer state any more."""

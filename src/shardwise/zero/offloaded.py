@@ -20,7 +20,9 @@ steps hold no memory (zero-stride placeholders); a checkpoint sees each
 piece's master and state as memory maps of the files
 (:class:`~.offload_step.OffloadSlot`), so saving, loading and resharding go
 through the same :class:`~shardwise.param_state.ParamShard` as any other
-arrangement.
+arrangement.  With ``offload_optimizer.ratio`` below 1 the first sub-groups'
+masters and state stay in host memory (:mod:`.offload_step`): a piece there
+is a view of that memory instead of a map, and the files hold the rest.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from .grads import ReducedGrads
 from .layout import FlatLayout
 from .masters_base import Gather, Masters
 from .nvme_files import NvmeFiles
-from .offload_plan import Chunk, OffloadSpec, plan_sub_groups
+from .offload_plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, say_split
 from .offload_step import OffloadSlot, SubGroupStepper, placeholder, pool_for
 
 __all__ = ["OffloadedMasters"]
@@ -50,12 +52,16 @@ class OffloadedMasters(Masters):
     def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, spec: OffloadSpec) -> None:
         super().__init__(layout, dtype, device)
         self.spec = spec
-        chunks, self.groups = plan_sub_groups(layout.pieces, spec.sub_group_size)
+        #: the shard's first elements, whose master and state stay in host memory (``ratio`` below 1)
+        self.resident = resident_split(layout.pieces, spec.sub_group_size, spec.ratio)
+        chunks, self.groups = plan_sub_groups(layout.pieces, spec.sub_group_size, self.resident)
+        say_split(spec, self.resident, layout.shard_numel, self.groups)
         #: the per-element state kinds there are files for
         self.kinds: dict[str, torch.dtype] = {}
-        self.pool = pool_for(self.groups, spec.buffer_count, spec.state_bytes, spec.pin_memory and device.type == "cuda")
+        self.pool = pool_for(self.groups, spec.buffer_count, spec.state_bytes, spec.pin_memory and device.type == "cuda",
+                             self.resident)
         self.stepper = SubGroupStepper(chunks, self.groups, self.pool, lambda: self._files, self.kinds,
-                                       layout.shard_numel)
+                                       layout.shard_numel, self.resident)
         #: per piece, the tensor the param group holds (its ``.grad`` is the piece's gradient)
         self.keys: list[torch.Tensor] = []
         #: whether the files may hold masters the model's parameters do not show yet (a checkpoint borrowed them)
@@ -74,16 +80,16 @@ class OffloadedMasters(Masters):
             raise
 
     def _fill(self, files: NvmeFiles, initial: Mapping[int, torch.Tensor]) -> None:
-        """Claim the disk room the state needs, then write the initial fp32 masters."""
+        """Claim the disk room the offloaded state needs, then write the initial fp32 masters."""
         layout, spec = self.layout, self.spec
-        numel = layout.shard_numel
+        numel = layout.shard_numel - self.resident  # the elements the files hold
         files.reserve(numel * (4 + spec.state_bytes),
                       f"fp32 masters and {spec.state_bytes} bytes of optimizer state for each of {numel:,} elements")
         files.create("master", numel * 4)
         for piece in layout.pieces:
             param = layout.params[piece.param]
             source = initial.get(id(param), param.data).reshape(-1)[piece.start : piece.end]
-            files.write_from("master", source.float(), piece.shard_offset * 4, "the initial masters")
+            self.stepper.write("master", piece.shard_offset, source.float(), "the initial masters")
 
     @property
     def _files(self) -> NvmeFiles:
@@ -141,9 +147,8 @@ class OffloadedMasters(Masters):
         resident until the next step."""
         if not self.stale:
             return
-        master = self._mapped("master", torch.float32)
-        for index, piece in enumerate(self.layout.pieces):
-            self._owned(index).copy_(master.narrow(0, piece.shard_offset, piece.numel))
+        for index in range(len(self.layout.pieces)):
+            self._owned(index).copy_(self._region(index, "master", torch.float32))
         self.stale = False
 
     # ------------------------------------------------------------- checkpoint
@@ -159,17 +164,14 @@ class OffloadedMasters(Masters):
         return OffloadSlot(self.stepper, index, self.layout.pieces[index].numel, region)
 
     def _region(self, index: int, kind: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Piece ``index``'s elements of file ``kind`` as a memory map (writes go to the file)."""
+        """Piece ``index``'s elements of ``kind``: a memory map of its file, or a view of host memory where the
+        piece is resident (writes go there)."""
         piece = self.layout.pieces[index]
-        return self._files.mapped_range(kind, piece.shard_offset, piece.numel, self.kinds[kind] if dtype is None else dtype)
-
-    def _mapped(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
-        numel = self.layout.shard_numel
-        return self._files.mapped(kind, numel, dtype) if numel else torch.zeros(0, dtype=dtype)
+        return self.stepper.region(kind, piece.shard_offset, piece.numel, self.kinds[kind] if dtype is None else dtype)
 
     def shard(self) -> torch.Tensor:
         """This rank's fp32 masters, whole (a copy: for full weights and a change of the trainable set)."""
-        return self._mapped("master", torch.float32).clone()
+        return self.stepper.whole("master", torch.float32)
 
     def full(self, gather: Gather) -> dict[int, torch.Tensor]:
         if self.dtype != torch.float32:
@@ -180,8 +182,12 @@ class OffloadedMasters(Masters):
         return {id(p): layout.param_slice(self.param_flat, i).view_as(p).clone() for i, p in enumerate(layout.params)}
 
     def nbytes(self) -> int:
-        """Host bytes of the read-ahead/write-behind buffers (the masters themselves are on disk)."""
-        return self.pool.nbytes()
+        """Host bytes of the read-ahead/write-behind buffers and the resident masters (the others are on disk)."""
+        return self.pool.nbytes() + self.stepper.memory_bytes(master=True)
+
+    def state_nbytes(self) -> int:
+        """Host bytes of the resident sub-groups' optimizer state (the inner optimizer holds none between steps)."""
+        return self.stepper.memory_bytes(master=False)
 
     def export(self, state: MutableMapping[Any, Any], steps: dict[int, torch.Tensor], comm: Comm,
                gather: Gather) -> dict[int, Kept]:
@@ -207,10 +213,11 @@ class OffloadedMasters(Masters):
                 slot.set(dict(mine.state))
 
     def close(self) -> None:
-        """Delete this rank's offload folder (``engine.destroy()``; also done at exit)."""
+        """Delete this rank's offload folder and let the resident state go (``engine.destroy()``; also at exit)."""
         if self.files is not None:
             self.files.remove()
             self.files = None
+        self.stepper.memory.clear()
 
     def release(self) -> None:
         super().release()

@@ -20,11 +20,15 @@ A piece that stops training takes its master and state out of the files into
 :attr:`~.pieces.Pieces.frozen` (host memory), as the other arrangements keep them, and puts them back when
 it trains again; a checkpoint sees a trainable piece's master and state as memory maps of the files
 (:class:`~.offload_step.OffloadSlot`).
+
+With ``offload_optimizer.ratio`` below 1 the first sub-groups' masters and state stay in host memory
+(:mod:`.offload_step`); the plan is made in :meth:`OffloadedPieces.begin` from the sizes the pieces will have,
+so the files are laid out, and their disk room claimed, for the offloaded elements only.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -32,7 +36,7 @@ from ..param_state import KeptSlot, ParamShard
 from .frozen import Kept
 from .layout import Piece as Run
 from .nvme_files import NvmeFiles
-from .offload_plan import Chunk, OffloadSpec, plan_sub_groups, state_bytes_per_element
+from .offload_plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, say_split, state_bytes_per_element
 from .offload_step import OffloadSlot, SubGroupStepper, copy_value, placeholder, pool_for
 from .params import Unit
 from .pieces import Piece, Pieces, exact_values
@@ -57,8 +61,10 @@ class OffloadedPieces(Pieces):
         self.kinds: dict[str, torch.dtype] = {}
         self.files: Optional[NvmeFiles] = None
         self.pool = BufferPool(0)
-        #: the sub-groups, and per chunk what its state is, made once every piece is added
+        #: the sub-groups, and per chunk what its state is, made before the first piece is added
         self._stepper: Optional[SubGroupStepper] = None
+        #: the sizes of the pieces `add` will make, in order (the plan's)
+        self._sizes: list[int] = []
         #: each piece's index in the plan
         self._index: dict[Piece, int] = {}
         #: whether the files may hold masters the shards do not show yet (a checkpoint load maps them)
@@ -67,35 +73,48 @@ class OffloadedPieces(Pieces):
         self._waiting: list[Unit] = []
 
     # ------------------------------------------------------------------ build
-    def begin(self, inner: Any, numel: int) -> None:
-        """Make this rank's folder and its ``master`` file for up to ``numel`` elements, once there is room."""
+    def begin(self, inner: Any, numel: int, sizes: Sequence[int] = ()) -> None:
+        """Plan the sub-groups of the pieces of ``sizes`` (laid out one after the other), then make this rank's
+        folder and its ``master`` file for the offloaded ones of up to ``numel`` elements, once there is room."""
         if inner is None:
             return  # inference: no optimizer, no masters
         self.numel = numel
         self.state_bytes = state_bytes_per_element(inner)
+        self._sizes = list(sizes)
+        runs, at = [], 0
+        for index, size in enumerate(self._sizes):
+            runs.append(Run(index, 0, size, at))
+            at += size
+        resident = resident_split(runs, self.spec.sub_group_size, self.spec.ratio)
+        chunks, groups = plan_sub_groups(runs, self.spec.sub_group_size, resident)
+        say_split(self.spec, resident, at, groups)
+        self.pool = pool_for(groups, self.spec.buffer_count, self.state_bytes, resident=resident)
+        self._stepper = SubGroupStepper(chunks, groups, self.pool, lambda: self._files, self.kinds, numel, resident)
+        offloaded = numel - resident
         files = NvmeFiles(self.spec.root, self.rank)
         try:  # the room every rank of this host on the disk claims, not this rank's alone
-            files.reserve(numel * (4 + self.state_bytes),
-                          f"fp32 masters and {self.state_bytes} bytes of optimizer state for each of {numel:,} elements")
+            files.reserve(offloaded * (4 + self.state_bytes), f"fp32 masters and {self.state_bytes} bytes of "
+                          f"optimizer state for each of {offloaded:,} elements")
         except RuntimeError:
             files.remove()
             raise
-        files.create("master", numel * 4)
+        files.create("master", offloaded * 4)
         self.files = files
 
     def add(self, unit: Unit, values: torch.Tensor, group_of: dict[int, int]) -> None:
         first = len(self.all)
         super().add(unit, values, group_of)
-        for piece in self.all[first:]:
+        for index, piece in enumerate(self.all[first:], first):
             self.at[piece] = self.used
             self.used += piece.numel
-            if self.used > self.numel:
-                raise RuntimeError(f"rank {self.rank}: stage 3's offloaded pieces outgrew the {self.numel:,} elements "
-                                   "their files were laid out for (a bug in shardwise); please report it")
+            if self.used > self.numel or index >= len(self._sizes) or self._sizes[index] != piece.numel:
+                raise RuntimeError(f"rank {self.rank}: stage 3's offloaded pieces do not match the {self.numel:,} "
+                                   "elements and the plan their files were laid out for (a bug in shardwise); "
+                                   "please report it")
             if piece.master is not None:  # trainable at initialize: its exact values start its master
                 source = exact_values(piece, values)
-                self._files.write_from("master", source.float().contiguous(), self.at[piece] * 4)
-        self._stepper = None
+                self._plan().write("master", self.at[piece], source.float().contiguous())
+        self._index = {}
 
     def _initial_master(self, piece: Piece, values: torch.Tensor) -> torch.Tensor:
         return placeholder(piece.numel)  # the values go to the file (`add`)
@@ -110,15 +129,26 @@ class OffloadedPieces(Pieces):
                                "build a new engine")
         return self.files
 
-    def _planned(self) -> SubGroupStepper:
-        """The sub-groups of every piece's run and the step over them, made once the pieces are known."""
+    def _plan(self) -> SubGroupStepper:
+        """The sub-groups of every piece's run and the step over them (planned in :meth:`begin`)."""
         if self._stepper is None:
-            runs = [Run(index, piece.start, piece.end, self.at[piece]) for index, piece in enumerate(self.all)]
-            chunks, groups = plan_sub_groups(runs, self.spec.sub_group_size)
-            self.pool = pool_for(groups, self.spec.buffer_count, self.state_bytes)
-            self._stepper = SubGroupStepper(chunks, groups, self.pool, lambda: self._files, self.kinds, self.numel)
-            self._index = {piece: index for index, piece in enumerate(self.all)}
+            raise RuntimeError(f"rank {self.rank}: the offloaded pieces were used before `begin` planned them "
+                               "(a bug in shardwise); please report it")
         return self._stepper
+
+    def _planned(self) -> SubGroupStepper:
+        """:meth:`_plan`, once every piece is added."""
+        if len(self._index) != len(self.all):
+            if len(self.all) != len(self._sizes):
+                raise RuntimeError(f"rank {self.rank}: {len(self.all)} offloaded pieces were added of the "
+                                   f"{len(self._sizes)} planned (a bug in shardwise); please report it")
+            self._index = {piece: index for index, piece in enumerate(self.all)}
+        return self._plan()
+
+    @property
+    def resident(self) -> int:
+        """Elements of this rank's pieces whose master and state stay in host memory (``ratio`` below 1)."""
+        return self._stepper.resident if self._stepper is not None else 0
 
     def _slot(self, piece: Piece) -> OffloadSlot:
         """The piece's optimizer state, as memory maps of its files and its chunks' small values."""
@@ -208,14 +238,20 @@ class OffloadedPieces(Pieces):
 
     # ----------------------------------------------------------- accounting
     def master_bytes(self) -> int:
-        """Host bytes of the read-ahead/write-behind buffers and kept masters (the others are on disk)."""
-        return self.pool.nbytes() + self.frozen.master_bytes()
+        """Host bytes of the read-ahead/write-behind buffers, resident and kept masters (the others are on disk)."""
+        resident = self._stepper.memory_bytes(master=True) if self._stepper is not None else 0
+        return self.pool.nbytes() + resident + self.frozen.master_bytes()
+
+    def held_state_bytes(self) -> int:
+        """Host bytes of the resident sub-groups' optimizer state."""
+        return self._stepper.memory_bytes(master=False) if self._stepper is not None else 0
 
     # ----------------------------------------------------------- checkpoint
     def region(self, kind: str, piece: Piece) -> torch.Tensor:
-        """The piece's elements of file ``kind``, as a memory map (writes go to the file)."""
+        """The piece's elements of ``kind``: a memory map of its file, or a view of host memory where the piece is
+        resident (writes go there)."""
         dtype = self.kinds.get(kind, torch.float32)
-        return self._files.mapped(kind, self.numel, dtype).narrow(0, self.at[piece], piece.numel)
+        return self._planned().region(kind, self.at[piece], piece.numel, dtype)
 
     def shards(self, state: Any, loading: bool = True) -> list[ParamShard]:
         """Each trainable piece's master and state as memory maps of the files (a load writes through them)."""
@@ -230,3 +266,5 @@ class OffloadedPieces(Pieces):
         if self.files is not None:
             self.files.remove()
             self.files = None
+        if self._stepper is not None:
+            self._stepper.memory.clear()

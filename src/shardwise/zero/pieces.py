@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -33,7 +33,8 @@ from ..param_state import OptimizerSlot, ParamShard
 from .frozen import FrozenStore, Kept
 from .params import Unit
 
-__all__ = ["InFlight", "NormShare", "Piece", "Pieces", "SeparateMasters", "ShardsAreMasters", "exact_values"]
+__all__ = ["InFlight", "NormShare", "Piece", "Pieces", "SeparateMasters", "ShardsAreMasters", "exact_values",
+           "piece_sizes"]
 
 
 class NormShare(NamedTuple):
@@ -124,9 +125,10 @@ class Pieces(ABC):
     def from_shard(self, piece: Piece) -> torch.Tensor:
         """A master made from the piece's elements in the shard (where no fp32 value was kept)."""
 
-    def begin(self, inner: Any, numel: int) -> None:
-        """Before the first :meth:`add`: the inner optimizer (None: inference) and at most how many elements
-        this rank's pieces will hold (an arrangement that keeps them outside memory makes room for them)."""
+    def begin(self, inner: Any, numel: int, sizes: Sequence[int] = ()) -> None:
+        """Before the first :meth:`add`: the inner optimizer (None: inference), at most how many elements
+        this rank's pieces will hold (an arrangement that keeps them outside memory makes room for them), and
+        the sizes of the pieces :meth:`add` will make, in order (:func:`piece_sizes`)."""
 
     def optimizer_params(self, originals: list[nn.Parameter]) -> list[torch.Tensor]:
         """What the inner optimizer steps in place of the param group ``originals``: the trainable masters."""
@@ -282,6 +284,11 @@ class Pieces(ABC):
         """The piece's master (or kept master) takes ``values``: new values written into the model."""
 
     # ----------------------------------------------------------- accounting
+    def held_state_bytes(self) -> int:
+        """Bytes of optimizer state held outside the inner optimizer's ``state`` and the kept (frozen) store:
+        a partial NVMe offload's resident part."""
+        return 0
+
     @abstractmethod
     def master_bytes(self) -> int:
         """Bytes of master weights held apart from the units' shards (kept ones included)."""
@@ -372,3 +379,21 @@ class SeparateMasters(Pieces):
     def master_bytes(self) -> int:
         masters = [p.master for p in self.all if p.master is not None]
         return sum(m.numel() * m.element_size() for m in masters) + self.frozen.master_bytes()
+
+
+def piece_sizes(units: Iterable[Sequence[torch.Tensor]], group_of: Mapping[int, int], rank: int, world: int) -> list[int]:
+    """The sizes of the pieces :meth:`Pieces.add` makes on ``rank`` of units holding the parameters ``units``,
+    in order, before the units are built (as :class:`~.params.Unit` pads and cuts them)."""
+    sizes = []
+    with torch._C.DisableTorchFunctionSubclass():
+        for params in units:
+            numels = [p.numel() for p in params]
+            total = sum(numels)
+            shard = (-(-total // world) * world if total else world) // world
+            lo, offset = rank * shard, 0
+            for param, numel in zip(params, numels):
+                start, end = max(lo, offset), min(lo + shard, offset + numel)
+                if id(param) in group_of and start < end:
+                    sizes.append(end - start)
+                offset += numel
+    return sizes

@@ -55,7 +55,7 @@ from .hooks import Gatherer
 from .offload_plan import offload_spec
 from .offloaded_shards import ShardCache, offloads_params, shard_cache
 from .params import Unit, UnitError, UnitState, is_partitioned, restore_parameter, unit_of
-from .pieces import InFlight, Piece
+from .pieces import InFlight, Piece, piece_sizes
 from .pieces_choice import choose_pieces
 
 __all__ = ["Stage3"]
@@ -117,7 +117,8 @@ class Stage3(Strategy):
         specs = unit_specs(self.module, threshold)
         world = self.comm.world_size
         bound = sum(max(1, -(-sum(p.numel() for p in params) // world)) for params, _, _ in specs)  # shard elements
-        self.pieces.begin(self.inner, bound)
+        sizes = piece_sizes([params for params, _, _ in specs], group_of, self.comm.rank, world)
+        self.pieces.begin(self.inner, bound, sizes)
         self.shards = shard_cache(self.zero_config, self.comm.rank, bound, self.precision.dtype)
         for params, names, persistent in specs:
             unit = Unit(len(self.units), params, names, self.comm, self.gatherer, persistent)
@@ -287,7 +288,8 @@ class Stage3(Strategy):
             "parameters": params,
             "master_weights": self.pieces.master_bytes(),
             "gradients": tensor_bytes(grads),
-            "optimizer_state": tensor_bytes(list(state.values())) + self.pieces.frozen.state_bytes(),
+            "optimizer_state": tensor_bytes(list(state.values())) + self.pieces.frozen.state_bytes()
+            + self.pieces.held_state_bytes(),
         }
 
     def full_master_weights(self) -> dict[int, torch.Tensor]:
