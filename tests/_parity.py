@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import shardwise
+
 
 class ParityNet(nn.Module):
     """Embedding + MLP with uneven tensor sizes (one big embedding, small biases)."""
@@ -57,6 +59,24 @@ def batch(step: int, rank: int, size: int = 4, vocab: int = 64, out: int = 8) ->
 
 def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().clone() for n, p in module.named_parameters()}
+
+
+def train_steps(engine: Any, first: int, steps: int, rank: Optional[int] = None) -> None:
+    """Optimizer steps ``first`` to ``first + steps`` of ``engine``, each over its accumulation's micro-batches
+    of :func:`batch` (this rank's, or ``rank``'s)."""
+    rank = dist.get_rank() if rank is None else rank
+    micro = engine.gradient_accumulation_steps()
+    for step in range(first * micro, (first + steps) * micro):
+        engine.backward(engine(*batch(step, rank)))
+        engine.step()
+
+
+def full_params(engine: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's full value, as :func:`params_of` (collective at stage 3, where they are gathered)."""
+    if engine.strategy.stage != 3:
+        return params_of(engine.module)
+    with shardwise.zero.GatheredParameters(list(engine.module.parameters())):
+        return params_of(engine.module)
 
 
 def assert_close_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float, rtol: float = 0.0) -> None:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 import torch
 import torch.distributed as dist
-from _parity import ParityNet, assert_close_params, batch, make_model, params_of
+from _parity import ParityNet, assert_close_params, batch, full_params, make_model
 
 import shardwise
 import shardwise.deepspeed as deepspeed
@@ -96,11 +96,6 @@ def _client_loop(engine: Any, steps: int) -> None:
         engine.step()
 
 
-def _full(engine: Any) -> dict[str, torch.Tensor]:
-    with shardwise.zero.GatheredParameters(list(engine.module.parameters())):
-        return params_of(engine.module)
-
-
 def _build(config: dict[str, Any], dialect: bool, client: bool, bf16: bool) -> Any:
     """An engine from `config`: through `shardwise.deepspeed` (with Hugging Face's optimizer and scheduler when
     `client`) or `shardwise.initialize`. `bf16`: a bfloat16 model, so `bf16.enabled: auto` turns bf16 on."""
@@ -125,7 +120,7 @@ def _run(config: dict[str, Any], dialect: bool, client: bool, save_to: Optional[
     with _logged() as lines:
         engine = _build(config, dialect, client, bf16)
         _client_loop(engine, steps)
-    weights = _full(engine)
+    weights = full_params(engine)
     if save_to is not None:  # as Hugging Face's Trainer does at the end with `stage3_gather_16bit_weights_...`
         engine.save_16bit_model(save_to, "pytorch_model.bin")
         dist.barrier()
@@ -273,7 +268,7 @@ def _built_under_init(nvme: str, remote_device: Optional[str], offload: bool) ->
     if offload and remote_device == "nvme":
         assert Path(engine.strategy.shards.files.folder).parent == Path(nvme), "initialize moved the shards to files"
     _client_loop(engine, 4)
-    weights = _full(engine)
+    weights = full_params(engine)
     engine.destroy()
     return weights, lines
 
@@ -328,7 +323,7 @@ def _alone(config: dict[str, Any], seed: int, micros: int) -> dict[str, torch.Te
     engine = shardwise.initialize(make_model(seed), config=config)
     for micro in range(micros):
         _step(engine, micro)
-    weights = _full(engine)
+    weights = full_params(engine)
     engine.destroy()
     return weights
 
@@ -347,7 +342,7 @@ def _distillation(root: str) -> None:
         with torch.no_grad():
             teacher(batch(micro, dist.get_rank())[0])
         _step(student, micro)
-    teacher_weights = _full(teacher)
+    teacher_weights = full_params(teacher)
     dist.barrier()
     assert len(os.listdir(teacher_nvme)) == 4, os.listdir(teacher_nvme)  # 2 ranks × (optimizer, parameters)
     teacher.destroy()
@@ -356,7 +351,7 @@ def _distillation(root: str) -> None:
     for micro in range(12, 16):
         _step(student, micro)
     assert_close_params(teacher_weights, _alone(_teacher_config(str(alone_nvme)), 1, 6), atol=ATOL)
-    assert_close_params(_full(student), _alone(STUDENT, 2, 16), atol=ATOL)
+    assert_close_params(full_params(student), _alone(STUDENT, 2, 16), atol=ATOL)
     student.destroy()
 
 
@@ -379,7 +374,7 @@ def _freeze_and_thaw(stage: int, nvme: Optional[str], frozen_at_start: bool = Fa
         if step in (3, 6):
             engine.module.fc1.weight.requires_grad_(step == 6 or frozen_at_start)
         _step(engine, step)
-    weights = _full(engine)
+    weights = full_params(engine)
     engine.destroy()
     return weights
 
@@ -403,7 +398,7 @@ def _projector_only(stage: int, nvme: Optional[str]) -> dict[str, torch.Tensor]:
     trained = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trained, config=config)
     _client_loop(engine, 4)
-    weights = _full(engine)
+    weights = full_params(engine)
     engine.destroy()
     return weights
 

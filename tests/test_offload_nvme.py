@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from _parity import assert_close_params, batch, make_model, params_of
+from _parity import assert_close_params, make_model, params_of, train_steps
 
 import shardwise
 from shardwise.testing import distributed_test, run_distributed, run_subtests
@@ -39,21 +39,13 @@ def _engine(stage: int, nvme: Optional[str], micro: int = 2, bf16: bool = False)
     return shardwise.initialize(model, optimizer, _config(stage, nvme, micro, bf16))
 
 
-def _train(engine: Any, first: int, steps: int, rank: Optional[int] = None) -> None:
-    rank = dist.get_rank() if rank is None else rank
-    micro = engine.gradient_accumulation_steps()
-    for step in range(first * micro, (first + steps) * micro):
-        engine.backward(engine(*batch(step, rank)))
-        engine.step()
-
-
 def _parity_case(stage: int, nvme: str, bf16: bool = False) -> None:
     plain = _engine(stage, None, bf16=bf16)
-    _train(plain, 0, 20)
+    train_steps(plain, 0, 20)
     offloaded = _engine(stage, nvme, bf16=bf16)
     masters = offloaded.strategy.masters
     folder = masters.files.folder
-    _train(offloaded, 0, 20)
+    train_steps(offloaded, 0, 20)
     assert_close_params(params_of(offloaded.module), params_of(plain.module), atol=ATOL)
     assert not offloaded.optimizer.inner.state, "optimizer state stays on disk between steps"
     # the embedding's piece (512 elements a rank) is cut across sub-groups: none is larger than asked
@@ -81,14 +73,14 @@ def _round_trip(root: str) -> None:
     first = _engine(2, nvme)
     second = _engine(1, nvme)  # same nvme_path, alive at once: its own folder
     assert first.strategy.masters.files.folder != second.strategy.masters.files.folder
-    _train(first, 0, 3)
-    _train(second, 0, 3)
+    train_steps(first, 0, 3)
+    train_steps(second, 0, 3)
     first.save_checkpoint(str(Path(root) / "offloaded"), tag="a")
     plain = _engine(1, None)
     plain.load_checkpoint(str(Path(root) / "offloaded"), tag="a")
     assert_close_params(params_of(plain.module), params_of(first.module), atol=0.0)
     for engine in (first, second, plain):
-        _train(engine, 3, 3)
+        train_steps(engine, 3, 3)
     # the plain engine resumed the offloaded one's masters and Adam state exactly
     assert_close_params(params_of(plain.module), params_of(first.module), atol=ATOL)
     assert_close_params(params_of(second.module), params_of(first.module), atol=ATOL)
@@ -96,7 +88,7 @@ def _round_trip(root: str) -> None:
     back = _engine(2, nvme)
     back.load_checkpoint(str(Path(root) / "plain"), tag="b")
     for engine in (back, plain):
-        _train(engine, 6, 3)
+        train_steps(engine, 6, 3)
     assert_close_params(params_of(back.module), params_of(plain.module), atol=ATOL)
     for engine in (first, second, plain, back):
         engine.destroy()
@@ -111,7 +103,7 @@ def test_offloaded_checkpoints_load_into_a_plain_engine_and_back(tmp_path: Path)
 
 def _save_offloaded(root: str) -> None:
     engine = _engine(2, str(Path(root) / "nvme"), micro=1)
-    _train(engine, 0, 3)
+    train_steps(engine, 0, 3)
     engine.save_checkpoint(str(Path(root) / "two"), tag="t")
     engine.destroy()
 
@@ -124,7 +116,7 @@ def test_a_checkpoint_of_two_offloaded_ranks_reshards_onto_one(tmp_path: Path) -
         engine.load_checkpoint(str(tmp_path / "two"), tag="t")
     assert_close_params(params_of(engines[0].module), params_of(engines[1].module), atol=0.0)
     for engine in engines:
-        _train(engine, 3, 2, rank=0)
+        train_steps(engine, 3, 2, rank=0)
     assert_close_params(params_of(engines[0].module), params_of(engines[1].module), atol=ATOL)
     for engine in engines:
         engine.destroy()
@@ -135,7 +127,7 @@ def _freeze_and_thaw(nvme: Optional[str]) -> dict[str, torch.Tensor]:
     for step in range(9):
         if step in (3, 6):  # fc1.weight stops training, then trains again: its master and Adam state carried
             engine.module.fc1.weight.requires_grad_(step == 6)
-        _train(engine, step, 1, rank=0)
+        train_steps(engine, step, 1, rank=0)
     params = params_of(engine.module)
     engine.destroy()
     return params

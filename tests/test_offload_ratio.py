@@ -19,7 +19,7 @@ from typing import Any, Optional
 import pytest
 import torch
 import torch.distributed as dist
-from _parity import assert_close_params, batch, make_model, params_of
+from _parity import assert_close_params, full_params, make_model, train_steps
 
 import shardwise
 from benchmarks.offload import measure
@@ -120,20 +120,6 @@ def _engine(stage: int, nvme: Optional[str], ratio: float = 1.0, micro: int = 2,
     return shardwise.initialize(model, optimizer, _config(stage, nvme, ratio, micro))
 
 
-def _train(engine: Any, first: int, steps: int) -> None:
-    micro = engine.gradient_accumulation_steps()
-    for step in range(first * micro, (first + steps) * micro):
-        engine.backward(engine(*batch(step, dist.get_rank())))
-        engine.step()
-
-
-def _full(engine: Any) -> dict[str, torch.Tensor]:
-    if engine.strategy.stage != 3:
-        return params_of(engine.module)
-    with shardwise.zero.GatheredParameters(list(engine.module.parameters())):
-        return params_of(engine.module)
-
-
 def _holder(engine: Any) -> Any:
     strategy = engine.strategy
     return strategy.masters if strategy.stage != 3 else strategy.pieces
@@ -141,7 +127,7 @@ def _holder(engine: Any) -> Any:
 
 def _parity_case(stage: int, nvme: str, ratio: float) -> None:
     plain = _engine(stage, None)
-    _train(plain, 0, 10)
+    train_steps(plain, 0, 10)
     partial = _engine(stage, nvme, ratio)
     holder = _holder(partial)
     stepper = holder.stepper if stage != 3 else holder._plan()
@@ -149,8 +135,8 @@ def _parity_case(stage: int, nvme: str, ratio: float) -> None:
     assert 0 < resident < numel, (resident, numel)
     assert (resident > numel // 2) == (ratio < 0.5), (ratio, resident, numel)  # 0.2: 3 of 4 sub-groups stay
     folder = holder.files.folder
-    _train(partial, 0, 10)
-    assert_close_params(_full(partial), _full(plain), atol=ATOL)
+    train_steps(partial, 0, 10)
+    assert_close_params(full_params(partial), full_params(plain), atol=ATOL)
     assert not partial.optimizer.inner.state, "no state in the inner optimizer between steps, resident or not"
     sizes = {kind: os.path.getsize(holder.files.path(kind)) for kind in ("master", "exp_avg", "exp_avg_sq")}
     assert sizes == dict.fromkeys(sizes, (numel - resident) * 4), (sizes, numel, resident)
@@ -181,8 +167,8 @@ def _freeze_and_thaw(stage: int, nvme: Optional[str]) -> dict[str, torch.Tensor]
         if step in (2, 4):
             for param in (engine.module.embed.weight, engine.module.fc2.weight):
                 param.requires_grad_(step == 4)
-        _train(engine, step, 1)
-    params = _full(engine)
+        train_steps(engine, step, 1)
+    params = full_params(engine)
     engine.destroy()
     return params
 
@@ -191,22 +177,22 @@ def _round_trip(stage: int, root: str) -> None:
     """ratio 0.5 -> ratio 1.0 and -> no offload; no offload -> ratio 0.5."""
     nvme = str(Path(root) / "nvme")
     partial = _engine(stage, nvme, 0.5)
-    _train(partial, 0, 3)
+    train_steps(partial, 0, 3)
     partial.save_checkpoint(str(Path(root) / "partial"), tag="a")
     whole, plain = _engine(stage, nvme, 1.0), _engine(stage, None)
     for engine in (whole, plain):
         engine.load_checkpoint(str(Path(root) / "partial"), tag="a")
-        assert_close_params(_full(engine), _full(partial), atol=0.0)
+        assert_close_params(full_params(engine), full_params(partial), atol=0.0)
     for engine in (partial, whole, plain):
-        _train(engine, 3, 3)
+        train_steps(engine, 3, 3)
     for engine in (whole, plain):  # masters and Adam state carried over exactly, resident or not
-        assert_close_params(_full(engine), _full(partial), atol=ATOL)
+        assert_close_params(full_params(engine), full_params(partial), atol=ATOL)
     plain.save_checkpoint(str(Path(root) / "plain"), tag="b")
     back = _engine(stage, nvme, 0.5)
     back.load_checkpoint(str(Path(root) / "plain"), tag="b")
     for engine in (back, plain):
-        _train(engine, 6, 2)
-    assert_close_params(_full(back), _full(plain), atol=ATOL)
+        train_steps(engine, 6, 2)
+    assert_close_params(full_params(back), full_params(plain), atol=ATOL)
     for engine in (partial, whole, plain, back):
         engine.destroy()
     dist.barrier()

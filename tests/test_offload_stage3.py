@@ -20,7 +20,7 @@ from typing import Any, Optional
 import pytest
 import torch
 import torch.distributed as dist
-from _parity import assert_close_params, batch, make_model, params_of
+from _parity import assert_close_params, full_params, make_model, train_steps
 
 import shardwise
 from benchmarks.offload import measure
@@ -52,19 +52,6 @@ def _engine(nvme: Optional[str], what: str = "both", micro: int = 2, bf16: bool 
     return shardwise.initialize(model, optimizer, _config(nvme, what, micro, bf16))
 
 
-def _train(engine: Any, first: int, steps: int) -> None:
-    micro = engine.gradient_accumulation_steps()
-    for step in range(first * micro, (first + steps) * micro):
-        engine.backward(engine(*batch(step, dist.get_rank())))
-        engine.step()
-
-
-def _full(engine: Any) -> dict[str, torch.Tensor]:
-    """Every parameter's full value (collective)."""
-    with shardwise.zero.GatheredParameters(list(engine.module.parameters())):
-        return params_of(engine.module)
-
-
 def _folders(engine: Any) -> list[Path]:
     strategy = engine.strategy
     found = [] if strategy.shards is None else [strategy.shards.files.folder]
@@ -75,12 +62,12 @@ def _folders(engine: Any) -> list[Path]:
 
 def _parity_case(nvme: str, what: str, bf16: bool = False) -> None:
     plain = _engine(None, bf16=bf16)
-    _train(plain, 0, 20)
+    train_steps(plain, 0, 20)
     offloaded = _engine(nvme, what, bf16=bf16)
     folders = _folders(offloaded)
     assert len(folders) == (2 if what == "both" else 1), folders
-    _train(offloaded, 0, 20)
-    assert_close_params(_full(offloaded), _full(plain), atol=ATOL)
+    train_steps(offloaded, 0, 20)
+    assert_close_params(full_params(offloaded), full_params(plain), atol=ATOL)
     assert not offloaded.optimizer.inner.state or what == "param", "optimizer state stays on disk between steps"
     if what != "optimizer":  # max_in_cpu 0: no shard stays in host memory between uses, only gathered units
         gathered = sum(u.padded * u.element_bytes() for u in offloaded.strategy.units if u.persistent)
@@ -110,21 +97,21 @@ def _round_trip(root: str) -> None:
     """Offloaded -> plain -> offloaded, each continuing where the other stopped."""
     nvme = str(Path(root) / "nvme")
     first = _engine(nvme)
-    _train(first, 0, 3)
+    train_steps(first, 0, 3)
     first.save_checkpoint(str(Path(root) / "offloaded"), tag="a")
     plain = _engine(None)
     plain.load_checkpoint(str(Path(root) / "offloaded"), tag="a")
-    assert_close_params(_full(plain), _full(first), atol=0.0)
+    assert_close_params(full_params(plain), full_params(first), atol=0.0)
     for engine in (first, plain):
-        _train(engine, 3, 3)
-    assert_close_params(_full(plain), _full(first), atol=ATOL)  # masters and Adam state carried over exactly
+        train_steps(engine, 3, 3)
+    assert_close_params(full_params(plain), full_params(first), atol=ATOL)  # masters and Adam state carried over exactly
     plain.save_checkpoint(str(Path(root) / "plain"), tag="b")
     back = _engine(nvme)
     back.load_checkpoint(str(Path(root) / "plain"), tag="b")
     for engine in (back, plain):
-        _train(engine, 6, 3)
-    assert_close_params(_full(back), _full(plain), atol=ATOL)
-    full, want = back.full_state_dict(), _full(plain)  # the consolidated weights read the shards' files too
+        train_steps(engine, 6, 3)
+    assert_close_params(full_params(back), full_params(plain), atol=ATOL)
+    full, want = back.full_state_dict(), full_params(plain)  # the consolidated weights read the shards' files too
     if dist.get_rank() == 0:
         assert_close_params({k: v.float() for k, v in full.items()}, want, atol=ATOL)
     for engine in (first, plain, back):
@@ -135,15 +122,15 @@ def _round_trip(root: str) -> None:
 
 def _modified(nvme: Optional[str]) -> dict[str, torch.Tensor]:
     engine = _engine(nvme, micro=1)
-    _train(engine, 0, 2)
+    train_steps(engine, 0, 2)
     for param in (engine.module.embed.weight, engine.module.head.bias):  # a gathered-on-use and a persistent unit
         with shardwise.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
             if dist.get_rank() == 0:
                 param.mul_(0.5)
-    _train(engine, 2, 2)
+    train_steps(engine, 2, 2)
     shardwise.zero.load_state_dict(engine.module, make_model(seed=1).state_dict())  # unit by unit, into the files
-    _train(engine, 4, 2)
-    params = _full(engine)
+    train_steps(engine, 4, 2)
+    params = full_params(engine)
     engine.destroy()
     return params
 
@@ -164,8 +151,8 @@ def _freeze_and_thaw(nvme: Optional[str], frozen_at_start: bool) -> dict[str, to
     for step in range(9):
         if step in (3, 6):
             engine.module.fc1.weight.requires_grad_(step == 6 or frozen_at_start)
-        _train(engine, step, 1)
-    params = _full(engine)
+        train_steps(engine, step, 1)
+    params = full_params(engine)
     engine.destroy()
     return params
 
@@ -181,8 +168,8 @@ def _built_partitioned(nvme: Optional[str]) -> dict[str, torch.Tensor]:
     with shardwise.zero.Init(config=config):
         model = make_model()
     engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), config)
-    _train(engine, 0, 4)
-    params = _full(engine)
+    train_steps(engine, 0, 4)
+    params = full_params(engine)
     engine.destroy()
     return params
 
@@ -224,7 +211,7 @@ def test_offload_param_cpu_on_a_cpu_job_is_an_info_line_about_the_parameters() -
 
 def _save_offloaded(root: str) -> None:
     engine = _engine(str(Path(root) / "nvme"), micro=1)
-    _train(engine, 0, 3)
+    train_steps(engine, 0, 3)
     engine.save_checkpoint(str(Path(root) / "two"), tag="t")
     engine.destroy()
 
@@ -235,10 +222,10 @@ def test_a_stage3_offloaded_checkpoint_reshards_onto_one_rank(tmp_path: Path) ->
     engines = [_engine(str(tmp_path / "nvme1"), micro=1), _engine(None, micro=1)]
     for engine in engines:
         engine.load_checkpoint(str(tmp_path / "two"), tag="t")
-    assert_close_params(_full(engines[0]), _full(engines[1]), atol=0.0)
+    assert_close_params(full_params(engines[0]), full_params(engines[1]), atol=0.0)
     for engine in engines:
-        _train(engine, 3, 2)
-    assert_close_params(_full(engines[0]), _full(engines[1]), atol=ATOL)
+        train_steps(engine, 3, 2)
+    assert_close_params(full_params(engines[0]), full_params(engines[1]), atol=ATOL)
     for engine in engines:
         engine.destroy()
     assert list((tmp_path / "nvme1").iterdir()) == []
