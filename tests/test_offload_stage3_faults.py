@@ -323,3 +323,31 @@ def test_destroy_without_restoring_reads_no_shard_and_leaves_the_parameters_empt
     for name, param in module.named_parameters():
         assert type(param) is nn.Parameter and param.numel() == 0, name
     assert os.listdir(tmp_path) == []
+
+
+def test_a_destroy_retried_after_a_failed_read_goes_on_without_stale_values(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard's read fails in the middle of `destroy` (the units before it restored, their newer host copies
+    let go unwritten): a second `destroy` goes on from the failed unit and every parameter ends as trained."""
+    engine = _engine(tmp_path, max_in_cpu=10**9)  # host copies kept: newer than the file after the steps
+    _train(engine, 0, 3)
+    module = engine.module
+    with shardwise.zero.GatheredParameters(list(module.parameters())):
+        trained = {n: p.detach().clone() for n, p in module.named_parameters()}
+    victim = engine.strategy.units[1].storage
+    real = NvmeShard.get
+    failed: list[bool] = []
+
+    def failing_once(self: NvmeShard) -> torch.Tensor:
+        if self is victim and not failed:
+            failed.append(True)
+            raise OSError(errno.EIO, "injected read error")
+        return real(self)
+
+    monkeypatch.setattr(NvmeShard, "get", failing_once)
+    with pytest.raises(OSError, match="injected"):
+        engine.destroy()
+    engine.destroy()
+    for name, param in module.named_parameters():
+        assert torch.equal(param.detach(), trained[name]), name
+    assert os.listdir(tmp_path) == []

@@ -96,7 +96,8 @@ def resident_split(pieces: Sequence[Piece], size: int, ratio: float) -> int:
 
     As DeepSpeed's partial offload: of the ``n`` sub-groups, the first ``int((1 - ratio) * n)`` stay.  DeepSpeed's
     sub-groups hold whole parameters; here a piece may span two, so where the split would cut a piece it moves
-    back to that piece's start (the piece is offloaded whole): memory never holds more than the share asked."""
+    back to that piece's start (the piece is offloaded whole): memory never holds more sub-groups than asked
+    (the share is counted in sub-groups, as DeepSpeed's, so a short last sub-group weighs as much as a full one)."""
     if ratio >= 1:
         return 0
     _, groups = plan_sub_groups(pieces, size)

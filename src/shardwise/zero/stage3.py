@@ -373,7 +373,8 @@ class Stage3(Strategy):
         for hook in self._grad_hooks.values():
             hook.remove()
         self._grad_hooks = {}
-        for unit in self.units:
+        while self.units:
+            unit = self.units[0]
             if restore_params:
                 unit.ensure_gathered()
             else:
@@ -387,7 +388,9 @@ class Stage3(Strategy):
             if unit.gathered:
                 unit.free()
             unit.discard_shard()  # a shard kept in a file: its host copy goes now, not with the file below
-        self.units = []
+            # restored: a destroy retried after a failure here (a shard's read) goes on from the next unit, and
+            # never reads this one's file again (its newest values were in the host copy just let go)
+            self.units.pop(0)
         self._had = set()
         self.pieces.close()
         if self.shards is not None:
