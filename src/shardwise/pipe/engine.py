@@ -264,14 +264,13 @@ class PipelineEngine(Engine):
     def _apply_step(self, steps: int) -> None:
         optimizer = self._require_optimizer("`engine.train_batch`")
         with self._timed("step"):
-            if optimizer.step():
+            if optimizer.step(zero_grad=True):  # the update, then the gradients dropped: one call
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
             else:
                 self.skipped_steps += 1
             self.global_steps += 1
             self.micro_steps += steps
-            self.strategy.zero_grad()
         if self.module.is_first_stage:
             self._report()
 
