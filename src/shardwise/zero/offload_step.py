@@ -129,13 +129,18 @@ class SubGroupStepper:
         kinds = dict(self.kinds)  # what the reads of this step find on disk (the step may add kinds)
         sizes = [_regions(g.numel, kinds)[-1][2] for g in self.groups]
         loads = self._loads(inner, arrangement)
-        for g in (g.index for g in self.groups if loads[g.index] and self.is_resident(g.index)):  # first: shard order
-            self._step_group(inner, arrangement, g, loads[g], self._memory_views(g, kinds))()
+        resident = [g.index for g in self.groups if loads[g.index] and self.is_resident(g.index)]
+
+        def step_resident() -> None:  # while the first offloaded sub-groups are read
+            for g in resident:
+                self._step_group(inner, arrangement, g, loads[g], self._memory_views(g, kinds))()
+
         # a sub-group with nothing to step: no I/O
         order = [g.index for g in self.groups if loads[g.index] and not self.is_resident(g.index)]
         pipelined(order, sizes, self.pool, lambda g, buffer: self._read(g, buffer, kinds),
                   lambda g, buffer: self._step_group(inner, arrangement, g, loads[g],
-                                                     _views(self.groups[g].numel, buffer, kinds)))
+                                                     _views(self.groups[g].numel, buffer, kinds)),
+                  step_resident)
 
     def _loads(self, inner: Any, arrangement: Arrangement) -> list[list[_Load]]:
         """Per sub-group, the chunks this step loads, each with the tensor its param group holds and that group."""

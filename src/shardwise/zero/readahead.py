@@ -58,8 +58,11 @@ class BufferPool:
         return sum(b.numel() for b in held)
 
 
-def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read: Read, step: Step) -> None:
-    """Run ``step`` over the sub-groups in ``order``, each read ahead into a pool buffer and written behind.
+def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read: Read, step: Step,
+              meanwhile: Callable[[], None] = lambda: None) -> None:
+    """Run ``step`` over the sub-groups in ``order``, each read ahead into a pool buffer and written behind;
+    ``meanwhile`` runs once the first reads are started, before the first step (work that needs no buffer:
+    a partial offload's sub-groups in memory, stepped while the disk reads).
 
     Returns once every write is on disk.  The first error of a read, a step or a write is raised here, as
     soon as the loop sees it (a failed write is not followed by stepping every later sub-group first), and
@@ -78,6 +81,7 @@ def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read
         try:
             for position in range(min(ahead, len(order))):
                 start_read(position)
+            meanwhile()
             for position, index in enumerate(order):
                 future, buffer = reads.pop(position)
                 try:
