@@ -422,9 +422,9 @@ class Engine(DeepSpeedGetters, WeightsSurface):
 
         At stage 3 the parameters get their full values back, gathered onto every rank (collective), so the
         module is a plain module again. ``restore_params=False`` leaves each of its parameters empty
-        (0 elements, the persistent ones too) instead, and gathers nothing: for a model that is dropped next and that no rank could
-        hold whole (one trained with ``offload_param``). Other stages hold full parameters already and
-        ignore it."""
+        (0 elements, the persistent ones too) instead, and gathers nothing: for a model that is dropped
+        next and that no rank could hold whole (one trained with ``offload_param``). Other stages hold
+        full parameters already and ignore it."""
         self.strategy.close(restore_params)
         self.comm.close_shared_memory()
         ownership.release(self.module.parameters(), self)

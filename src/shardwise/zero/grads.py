@@ -22,8 +22,9 @@ hook is :meth:`GradStorage.on_grad`.  At a boundary it counts the bucket's
 arrivals, and a bucket complete (with every earlier one launched, so all ranks
 issue the same collectives in the same order) is handed to the stage's
 collective (the ``reduce`` it was built with, one of the functions below: the
-one thing stages 0, 1 and 2 do differently there).  :meth:`GradStorage.finish` waits for every bucket and
-takes the gradient norm's share of each while later ones are still in flight.
+one thing stages 0, 1 and 2 do differently there).  :meth:`GradStorage.finish`
+waits for every bucket and takes the gradient norm's share of each while later
+ones are still in flight.
 
 ``param.grad`` is the truth, as in plain PyTorch: whatever cleared it (the
 engine's ``zero_grad``, ``module.zero_grad()``, ``p.grad = None``) discarded

@@ -182,10 +182,7 @@ class Pieces(ABC):
 
     def grad_sq(self) -> torch.Tensor:
         """This rank's sum of squared gradients, computed now."""
-        grads = self.grads()
-        if not grads:
-            return torch.zeros((), dtype=torch.float32)
-        return torch.stack(torch._foreach_norm(grads)).square().sum()
+        return _sum_sq(self.grads())
 
     def add_reduced(self, flight: InFlight, scale: float) -> None:
         """Wait for ``flight`` and add ``scale`` times this rank's slice of the unit's reduced gradients to the
@@ -211,7 +208,7 @@ class Pieces(ABC):
             self.add_reduced(flight, scale)
         seen = tuple((p.master, p.master.grad, p.master.grad._version) for p in self.all
                      if p.master is not None and p.master.grad is not None)
-        self.share = NormShare(self.grad_sq(), seen)
+        self.share = NormShare(_sum_sq([grad for _, grad, _ in seen]), seen)
 
     def step(self, inner: Any, factor: float, used: set[tuple[Unit, int]], release: bool) -> None:
         """The optimizer step over this rank's masters, in one call: their gradients multiplied by ``factor``
@@ -322,6 +319,12 @@ class Pieces(ABC):
 
     def close(self) -> None:
         """Let go of what the arrangement holds outside memory (files of an offloaded one; ``engine.destroy()``)."""
+
+
+def _sum_sq(grads: list[torch.Tensor]) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack(torch._foreach_norm(grads)).square().sum()
 
 
 def exact_values(piece: Piece, values: torch.Tensor) -> torch.Tensor:

@@ -83,6 +83,8 @@ class Stage3(Strategy):
         self._params: list[nn.Parameter] = []  # the optimizer's parameters, module order
         self._mask: tuple[bool, ...] = ()
         self._trainable: dict[Unit, list[int]] = {}  # unit -> indices of its trainable params
+        #: (unit, index) of every trainable parameter, in the same order on every rank: the flags' order
+        self._keys: list[tuple[Unit, int]] = []
         self._grad_hooks: dict[int, Any] = {}
         self._order: list[Unit] = []
         self._next = 0
@@ -154,6 +156,7 @@ class Stage3(Strategy):
                 if id(param) not in self._grad_hooks:
                     hook = functools.partial(self._on_grad, unit, index)
                     self._grad_hooks[id(param)] = param.register_post_accumulate_grad_hook(hook)
+        self._keys = [(unit, index) for unit in self.units for index in self._trainable.get(unit, ())]
 
     def has_pending_grads(self) -> bool:
         return self._dirty
@@ -218,10 +221,6 @@ class Stage3(Strategy):
         self.pieces.finish_reduction(works, 1.0 / self.comm.world_size)
 
     # ================================================================ step
-    def _keys(self) -> list[tuple[Unit, int]]:
-        """(unit, index) of every trainable parameter, in the same order on every rank."""
-        return [(unit, index) for unit in self.units for index in self._trainable.get(unit, ())]
-
     def step_sums(self) -> torch.Tensor:
         """This rank's sum of squared gradients (taken as the reduction finished, unless written since), then
         per trainable parameter whether this rank had a gradient for it: the flags ride the norm's all-reduce
@@ -232,12 +231,12 @@ class Stage3(Strategy):
             sq = share.sq
         else:  # written since the reduction finished (a script's own scaling, a trainability change)
             sq = self.pieces.grad_sq()
-        flags = [float(key in self._had) for key in self._keys()]
+        flags = [float(key in self._had) for key in self._keys]
         return torch.cat([sq.reshape(1).to(self._grad_device),
                           torch.tensor(flags, dtype=torch.float32, device=self._grad_device)])
 
     def step(self, inner: Any, factor: float, sums: torch.Tensor, release: bool) -> None:
-        used = {key for key, count in zip(self._keys(), sums.tolist()) if count > 0}
+        used = {key for key, count in zip(self._keys, sums.tolist()) if count > 0}
         # scale, leave unused alone, step, publish into the shards (and drop the gradients, if asked)
         self.pieces.step(inner, factor, used, release)
         if release:
