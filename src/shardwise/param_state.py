@@ -16,7 +16,12 @@ from typing import Any, MutableMapping, Protocol
 
 import torch
 
-__all__ = ["KeptSlot", "OptimizerSlot", "ParamShard", "StateSlot", "is_per_element"]
+__all__ = ["KeptSlot", "OptimizerSlot", "ParamShard", "StateSlot", "copy_value", "is_per_element"]
+
+
+def copy_value(value: Any) -> Any:
+    """A copy of an optimizer state value: tensors cloned, the rest (a step count as a number) as it is."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def is_per_element(value: Any, numel: int) -> bool:

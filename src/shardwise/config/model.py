@@ -25,10 +25,12 @@ from .sections import (
     CheckpointConfig,
     CommsConfig,
     FP16Config,
+    OffloadParamConfig,
     OptimizerConfig,
     SchedulerConfig,
     Section,
     ZeroConfig,
+    field_default,
 )
 
 __all__ = ["BatchSizes", "Config", "load_configs"]
@@ -343,10 +345,11 @@ def _check_nvme(zero: dict[str, Any], path: str, device: torch.device) -> list[N
     section = zero[key]
     if key == "offload_optimizer":
         what = (f"this rank's fp32 master weights and optimizer state live in files under {section['nvme_path']!r}, "
-                f"stepped {zero.get('sub_group_size', 1_000_000_000)} elements at a time")
+                f"stepped {zero.get('sub_group_size', field_default(ZeroConfig, 'sub_group_size'))} elements at a time")
     else:
         what = (f"this rank's shard of each unit of parameters lives in a file under {section['nvme_path']!r}, at most "
-                f"{section.get('max_in_cpu', 1_000_000_000)} elements of them in host memory")
+                f"{section.get('max_in_cpu', field_default(OffloadParamConfig, 'max_in_cpu'))} elements of them in host "
+                "memory")
     notes = [Note(path, f"`{path}.device: nvme`: {what} (docs/offload.md)")]
     if section.get("pin_memory"):
         notes.append(Note(f"{path}.pin_memory", f"`{path}.pin_memory` changes nothing on a CPU job: nothing is "

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, MutableMapping
 import torch
 
 from ..distributed import Comm
-from ..param_state import KeptSlot, OptimizerSlot, is_per_element
+from ..param_state import KeptSlot, OptimizerSlot, copy_value, is_per_element
 from .frozen import Kept
 from .layout import FlatLayout
 
@@ -75,7 +75,7 @@ def _scalars(layout: FlatLayout, views: Mapping[int, torch.Tensor], state: Mappi
         if view is not None and entries:
             numel = view.numel()
             local[index] = (
-                {k: _copy(v) for k, v in entries.items() if not is_per_element(v, numel)},
+                {k: copy_value(v) for k, v in entries.items() if not is_per_element(v, numel)},
                 sorted(k for k, v in entries.items() if is_per_element(v, numel)),
             )
     scalars: list[dict[str, Any]] = [{} for _ in layout.params]
@@ -84,10 +84,6 @@ def _scalars(layout: FlatLayout, views: Mapping[int, torch.Tensor], state: Mappi
         for index, (values, per_element) in gathered.items():
             scalars[index], names[index] = values, per_element
     return scalars, names
-
-
-def _copy(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def import_state(

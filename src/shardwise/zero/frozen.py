@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from ..param_state import KeptSlot, ParamShard, is_per_element
+from ..param_state import KeptSlot, ParamShard, copy_value, is_per_element
 
 __all__ = ["FrozenStore", "Kept"]
 
@@ -50,14 +50,10 @@ class Kept:
         """A copy of the elements ``[start, end)`` (inside this entry): master and per-element state."""
         lo, count = start - self.start, end - start
         state = {
-            k: (v.narrow(0, lo, count).clone() if is_per_element(v, self.numel) else _copy(v))
+            k: (v.narrow(0, lo, count).clone() if is_per_element(v, self.numel) else copy_value(v))
             for k, v in self.state.items()
         }
         return Kept(start, end, self.master.narrow(0, lo, count).clone(), KeptSlot(state))
-
-
-def _copy(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 class FrozenStore:

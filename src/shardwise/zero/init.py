@@ -110,7 +110,7 @@ class Init:
                 "model without `zero.Init`"
             )
         self.process_group = options["process_group"]
-        if line is not None and enabled and (not dist.is_initialized() or dist.get_rank() == 0):
+        if line is not None and (not dist.is_initialized() or dist.get_rank() == 0):
             logger.info(line)
         self.comm: Optional[Comm] = None
         self._active = False

@@ -38,7 +38,6 @@ __all__ = ["OPTIMIZER_KEY", "NvmeFiles", "OffloadIOError"]
 
 #: the config key errors name by default (parameter offload passes its own)
 OPTIMIZER_KEY = "zero_optimization.offload_optimizer.nvme_path"
-_KEY = OPTIMIZER_KEY
 
 
 class OffloadIOError(RuntimeError):
@@ -122,8 +121,13 @@ class NvmeFiles:
         return self.folder / re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
     def reserve(self, needed: int, what: str) -> None:
-        """Claim ``needed`` bytes on the disk; raise when this host's ranks using it need more than is free."""
-        claim_room(self.folder, needed, self.rank, what, self.key, self.label)
+        """Claim ``needed`` bytes on the disk; raise when this host's ranks using it need more than is free (the
+        folder removed first: a refused set-up leaves nothing behind)."""
+        try:
+            claim_room(self.folder, needed, self.rank, what, self.key, self.label)
+        except RuntimeError:
+            self.remove()
+            raise
 
     @contextlib.contextmanager
     def _failing(self, operation: str, name: str, offset: int, nbytes: int, where: str) -> Iterator[None]:

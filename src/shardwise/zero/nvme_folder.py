@@ -25,7 +25,7 @@ from typing import Optional
 
 from ..processes import running
 
-__all__ = ["Owner", "folder_prefix", "is_ours_to_judge", "owner_of", "running", "sweep"]
+__all__ = ["Owner", "folder_prefix", "is_ours_to_judge", "owner_of", "sweep"]
 
 _NAME = re.compile(r"shardwise-(?P<host>[A-Za-z0-9.-]+)-ns(?P<ns>\d+)-pid(?P<pid>\d+)-rank(?P<rank>\d+)-[A-Za-z0-9_]+")
 

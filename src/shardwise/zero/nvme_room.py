@@ -19,13 +19,13 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .nvme_folder import is_ours_to_judge, owner_of, running
+from ..processes import running
+from .nvme_folder import is_ours_to_judge, owner_of
 
 __all__ = ["CLAIM", "Claim", "claim_room", "claims_beside"]
 
 #: the file in a rank's folder that says how many bytes the rank needs there
 CLAIM = ".room"  # hidden: no optimizer state kind is named so
-_KEY = "zero_optimization.offload_optimizer.nvme_path"
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,7 @@ def claims_beside(folder: Path) -> list[Claim]:
     return sorted((c for c in found if c is not None), key=lambda c: (c.folder != folder, c.rank, c.pid))
 
 
-def claim_room(folder: Path, needed: int, rank: int, what: str, key: str = _KEY,
-               label: str = "offloaded optimizer state") -> None:
+def claim_room(folder: Path, needed: int, rank: int, what: str, key: str, label: str) -> None:
     """Claim ``needed`` bytes for ``folder``'s rank and raise when this host's ranks on the disk do not fit.
 
     ``what`` says what the bytes are for; ``key`` and ``label`` are the config key and the state errors name."""

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
 
 import torch
 
-from ..param_state import is_per_element
+from ..param_state import copy_value, is_per_element
 from .nvme_files import NvmeFiles, OffloadIOError
 from .offload_plan import Chunk, SubGroup
 from .readahead import BufferPool, pipelined
@@ -207,10 +207,11 @@ class SubGroupStepper:
         chunk, key = self.chunks[index], self.keys[index]
         at = chunk.shard_at - start
         entries = inner.state.pop(key, {})
-        self.small[index] = {k: v for k, v in entries.items() if not is_per_element(v, chunk.numel)}
+        self.small[index] = {}
         fresh = []
         for kind, value in entries.items():
             if not is_per_element(value, chunk.numel):
+                self.small[index][kind] = value
                 continue
             self.chunk_kinds[index].add(kind)
             where = views.get(kind)
@@ -234,19 +235,16 @@ class SubGroupStepper:
             self.kinds[kind] = dtype
 
     def _write(self, g: int, views: dict[str, torch.Tensor], fresh: _Fresh) -> None:
-        """On the I/O thread: sub-group ``g``'s buffer back to its files, then the state this step created (a
-        resident sub-group was stepped in place: only the state this step created goes into memory)."""
-        if self.is_resident(g):
-            for items in fresh:
-                for kind, shard_at, value in items:
-                    self.memory[kind].narrow(0, shard_at, value.numel()).copy_(value)
-            return
-        files, start, where = self.files(), self.groups[g].start - self.resident, self._where(g)
-        for kind, view in views.items():
-            files.write_from(kind, view, start * view.element_size(), where)
+        """On the I/O thread: sub-group ``g``'s buffer back to its files (a resident sub-group was stepped in
+        place), then the state this step created, wherever its elements live."""
+        where = self._where(g)
+        if not self.is_resident(g):
+            files, start = self.files(), self.groups[g].start - self.resident
+            for kind, view in views.items():
+                files.write_from(kind, view, start * view.element_size(), where)
         for items in fresh:
             for kind, shard_at, value in items:
-                files.write_from(kind, value, (shard_at - self.resident) * value.element_size(), where)
+                self.write(kind, shard_at, value, where)
 
     # ------------------------------------------------ where elements live
     def region(self, kind: str, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -312,11 +310,6 @@ class OffloadSlot:
         for kind, value in per_element.items():
             stepper.kind_file(kind, value.dtype)
             self.region(kind).copy_(value.reshape(-1))
-
-
-def copy_value(value: Any) -> Any:
-    """A copy of a state value: tensors cloned, the rest as it is."""
-    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _regions(numel: int, kinds: Mapping[str, torch.dtype]) -> list[tuple[str, torch.dtype, int]]:

@@ -33,7 +33,7 @@ from typing import Any, Mapping, MutableMapping
 import torch
 
 from ..distributed import Comm
-from ..param_state import StateSlot
+from ..param_state import StateSlot, copy_value
 from .carry import export_state
 from .frozen import Kept
 from .grads import ReducedGrads
@@ -196,7 +196,7 @@ class OffloadedMasters(Masters):
         for index, key in enumerate(self.keys):
             entries = self._slot(index).get()
             if entries:
-                state[key] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in entries.items()}
+                state[key] = {k: copy_value(v) for k, v in entries.items()}
         carried = export_state(self.layout, self.shard(), steps, state, comm, gather)
         state.clear()
         return carried

@@ -32,12 +32,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..param_state import KeptSlot, ParamShard
+from ..param_state import KeptSlot, ParamShard, copy_value
 from .frozen import Kept
 from .layout import Piece as Run
 from .nvme_files import NvmeFiles
 from .offload_plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, say_split, state_bytes_per_element
-from .offload_step import OffloadSlot, SubGroupStepper, copy_value, placeholder, pool_for
+from .offload_step import OffloadSlot, SubGroupStepper, placeholder, pool_for
 from .params import Unit
 from .pieces import Piece, Pieces, exact_values
 from .readahead import BufferPool
@@ -56,7 +56,6 @@ class OffloadedPieces(Pieces):
         #: elements each file is laid out for (at least every piece's), and how many are given out
         self.numel = 0
         self.used = 0
-        self.state_bytes = spec.state_bytes
         #: the per-element state kinds there are files for, and their dtype
         self.kinds: dict[str, torch.dtype] = {}
         self.files: Optional[NvmeFiles] = None
@@ -79,7 +78,7 @@ class OffloadedPieces(Pieces):
         if inner is None:
             return  # inference: no optimizer, no masters
         self.numel = numel
-        self.state_bytes = state_bytes_per_element(inner)
+        state_bytes = state_bytes_per_element(inner)
         self._sizes = list(sizes)
         runs, at = [], 0
         for index, size in enumerate(self._sizes):
@@ -88,16 +87,13 @@ class OffloadedPieces(Pieces):
         resident = resident_split(runs, self.spec.sub_group_size, self.spec.ratio)
         chunks, groups = plan_sub_groups(runs, self.spec.sub_group_size, resident)
         say_split(self.spec, resident, at, groups)
-        self.pool = pool_for(groups, self.spec.buffer_count, self.state_bytes, resident=resident)
+        self.pool = pool_for(groups, self.spec.buffer_count, state_bytes, resident=resident)
         self._stepper = SubGroupStepper(chunks, groups, self.pool, lambda: self._files, self.kinds, numel, resident)
         offloaded = numel - resident
         files = NvmeFiles(self.spec.root, self.rank)
-        try:  # the room every rank of this host on the disk claims, not this rank's alone
-            files.reserve(offloaded * (4 + self.state_bytes), f"fp32 masters and {self.state_bytes} bytes of "
-                          f"optimizer state for each of {offloaded:,} elements")
-        except RuntimeError:
-            files.remove()
-            raise
+        # the room every rank of this host on the disk claims, not this rank's alone
+        files.reserve(offloaded * (4 + state_bytes), f"fp32 masters and {state_bytes} bytes of "
+                      f"optimizer state for each of {offloaded:,} elements")
         files.create("master", offloaded * 4)
         self.files = files
 
@@ -194,10 +190,13 @@ class OffloadedPieces(Pieces):
 
     def publish_sub_group(self, updated: list[tuple[Chunk, torch.Tensor]]) -> None:
         """The updated masters cast into their units' shards; units the step is past may let theirs go."""
+        parts: dict[Unit, list[tuple[int, torch.Tensor]]] = {}  # per unit, in shard order: one write each
         for chunk, master in updated:
             piece = self.all[chunk.piece]
-            piece.unit.write_shard([(piece.offset + chunk.at, master)])  # an offloaded shard: into its file, unread
-        self._release_published([self.all[chunk.piece].unit for chunk, _ in updated])
+            parts.setdefault(piece.unit, []).append((piece.offset + chunk.at, master))
+        for unit, written in parts.items():
+            unit.write_shard(written)  # an offloaded shard: into its file, unread
+        self._release_published(list(parts))
 
     def _release_published(self, units: list[Unit]) -> None:
         """Units whose masters are all published may let their shards leave host memory (an offloaded shard);
@@ -221,20 +220,9 @@ class OffloadedPieces(Pieces):
             unit.shard_released()
         self.stale = False
 
-    def _take(self, piece: Piece, values: torch.Tensor) -> None:
-        if piece.master is not None:
-            self.region("master", piece).copy_(values)
-            return
-        kept = self.frozen.get(piece.param)
-        if kept is not None:
-            kept.master.copy_(values)
-
-    def fill(self, unit: Unit, shard: torch.Tensor) -> None:
-        for piece in self.by_unit.get(unit, ()):
-            if piece.master is not None:
-                piece.local(shard).copy_(self.region("master", piece))
-            elif (kept := self.frozen.get(piece.param)) is not None:
-                piece.local(shard).copy_(kept.master)
+    def master_or_kept(self, piece: Piece) -> Optional[torch.Tensor]:
+        """A trainable piece's master is its region of the files (``piece.master`` is the optimizer's key)."""
+        return self.region("master", piece) if piece.master is not None else super().master_or_kept(piece)
 
     # ----------------------------------------------------------- accounting
     def master_bytes(self) -> int:

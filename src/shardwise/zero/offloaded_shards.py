@@ -56,11 +56,7 @@ class ShardCache:
     def __init__(self, root: str, rank: int, numel: int, dtype: torch.dtype, max_in_cpu: int, ahead: int) -> None:
         self.files = NvmeFiles(root, rank, key=_KEY, label="offloaded parameter shards")
         nbytes = numel * dtype.itemsize
-        try:  # the room every rank of this host on the disk claims, not this rank's alone
-            self.files.reserve(nbytes, f"{numel:,} elements of {dtype}")
-        except RuntimeError:
-            self.files.remove()
-            raise
+        self.files.reserve(nbytes, f"{numel:,} elements of {dtype}")  # what every rank of this host claims there
         self.files.create("params", nbytes)
         self.max_in_cpu = max_in_cpu
         #: shards read ahead at most at once (``offload_param.buffer_count``)

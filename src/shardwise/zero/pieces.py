@@ -276,9 +276,11 @@ class Pieces(ABC):
             if piece.index in loaded:
                 self._take(piece, piece.local(values))
 
-    @abstractmethod
     def _take(self, piece: Piece, values: torch.Tensor) -> None:
         """The piece's master (or kept master) takes ``values``: new values written into the model."""
+        master = self.master_or_kept(piece)
+        if master is not None:
+            master.copy_(values)
 
     # ----------------------------------------------------------- accounting
     def held_state_bytes(self) -> int:
@@ -373,11 +375,6 @@ class SeparateMasters(Pieces):
             if parts:
                 unit.write_shard(parts)
                 unit.shard_released()
-
-    def _take(self, piece: Piece, values: torch.Tensor) -> None:
-        master = self.master_or_kept(piece)
-        if master is not None:
-            master.copy_(values)
 
     def master_bytes(self) -> int:
         masters = [p.master for p in self.all if p.master is not None]
