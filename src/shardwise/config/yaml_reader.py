@@ -140,12 +140,22 @@ def _check_depth(text: str) -> None:
     """Refuse nesting deeper than MAX_DEPTH before composing: libyaml's C composer recurses on the C
     stack and crashes the process at ~100k levels (measured), where Python would raise RecursionError."""
     depth = 0
-    for event in yaml.parse(text, Loader=_Base):
-        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            depth += 1
-            if depth > MAX_DEPTH:
-                line = event.start_mark.line + 1 if event.start_mark is not None else "?"
-                raise ConfigYAMLError(f"the YAML nests deeper than {MAX_DEPTH} levels at line {line} (a config "
-                                      "nests about 5); remove the extra nesting")
-        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-            depth -= 1
+    try:
+        for event in yaml.parse(text, Loader=_Base):
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise _too_deep(event.start_mark)
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+    except yaml.MarkedYAMLError as exc:
+        # libyaml 0.2.5+ refuses past its own limit (1000 levels) while scanning ahead of the events counted here
+        if "maximum nesting depth" not in str(exc.problem):
+            raise
+        raise _too_deep(exc.problem_mark) from None
+
+
+def _too_deep(mark: Any) -> ConfigYAMLError:
+    line = mark.line + 1 if mark is not None else "?"
+    return ConfigYAMLError(f"the YAML nests deeper than {MAX_DEPTH} levels at line {line} (a config nests about "
+                           "5); remove the extra nesting")
