@@ -66,12 +66,16 @@ def _model(args: argparse.Namespace, overrides: dict[str, int]) -> torch.nn.Modu
     return gpt.GPT(gpt.gpt_config(args.size, **overrides)).to(args.device)  # type: ignore[no-any-return]
 
 
+def _on_device(xy: tuple[torch.Tensor, torch.Tensor], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return xy[0].to(device), xy[1].to(device)
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
 
 
-def _step(harness: Harness, xy: tuple[torch.Tensor, ...], timed: bool, run: Measured, device: str) -> None:
+def _step(harness: Harness, xy: tuple[torch.Tensor, torch.Tensor], timed: bool, run: Measured, device: str) -> None:
     """One step of ``harness``; its time when ``timed``, else the state it holds; its own memory peak."""
     _sync(device)
     before = 0
@@ -79,7 +83,7 @@ def _step(harness: Harness, xy: tuple[torch.Tensor, ...], timed: bool, run: Meas
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     start = time.perf_counter()
-    loss = harness.step(*xy, not timed)
+    loss = harness.step(xy[0], xy[1], not timed)
     _sync(device)
     elapsed = time.perf_counter() - start
     run.losses.append(float(loss))
@@ -113,7 +117,7 @@ def measure_group(args: argparse.Namespace, systems: list[System], overrides: di
             harnesses.append(None)
     steps = workload.total_steps + 1  # the last one untimed: it counts the state
     for step in range(steps):
-        xy = tuple(t.to(args.device) for t in batch(stream, workload, 0, step))
+        xy = _on_device(batch(stream, workload, 0, step), args.device)
         live = [i for i, h in enumerate(harnesses) if h is not None]
         shift = step % max(len(live), 1)
         for i in live[shift:] + live[:shift]:
@@ -142,7 +146,7 @@ def measure_alone(args: argparse.Namespace, system: System, overrides: dict[str,
         harness = build_harness(system, _model(args, overrides), workload)
         steps = workload.total_steps + 1
         for step in range(steps):
-            xy = tuple(t.to(args.device) for t in batch(stream, workload, 0, step))
+            xy = _on_device(batch(stream, workload, 0, step), args.device)
             _step(harness, xy, step < steps - 1, run, args.device)
     except Exception as error:
         _failed(run, error)

@@ -5,7 +5,7 @@
 #      /tmp/site, offline;
 #   2. runs `pytest -m cuda tests/gpu` (every test marked `cuda`);
 #   3. runs `python -m benchmarks.cuda` at short settings (GPT 40m, 8 timed steps, every stage paired with its
-#      peers; `--full-bench` adds each system alone in its own process: minutes more, and past the 200 s the
+#      peers; `--full-bench` adds each system alone in its own process: minutes more, and past the 150 s the
 #      benchmark is given here, so run that one by hand).
 # Logs, the benchmark's tables and summary.md go to $OUT when it is set (the device tool's folder), else
 # bench_out/gpu. Exit status: 0 when both the tests and the benchmark's checks passed.
@@ -25,10 +25,10 @@ offline --no-build-isolation . || { echo "run.sh: building shardwise from this t
 export PYTHONPATH="$site" PATH="$site/bin:$PATH"
 { date -u; nvidia-smi -L; python3 -m shardwise.cli env; } >"$out/env.txt" 2>&1
 
-timeout 330 python3 -m pytest -m cuda tests/gpu -q -rA -p no:cacheprovider --junitxml="$out/gpu-tests.xml" 2>&1 \
+timeout 420 python3 -m pytest -m cuda tests/gpu -q -rA -p no:cacheprovider --junitxml="$out/gpu-tests.xml" 2>&1 \
     | tee "$out/gpu-tests.log"
 tests=${PIPESTATUS[0]}
-DS_ACCELERATOR=cuda timeout 200 python3 -m benchmarks.cuda --size 40m --micro-batch 8 --warmup 2 --steps 8 \
+DS_ACCELERATOR=cuda timeout 150 python3 -m benchmarks.cuda --size 40m --micro-batch 8 --warmup 2 --steps 8 \
     --isolation "$isolation" --out "$out" 2>&1 | tee "$out/bench.log"
 bench=${PIPESTATUS[0]}
 

@@ -17,10 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _gpu
 import pytest
 import torch
-
-import _gpu
 
 HERE = Path(__file__).resolve().parent
 

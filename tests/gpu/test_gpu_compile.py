@@ -10,10 +10,11 @@ tests/test_compile.py covers the CPU with ``aot_eager``.
 
 from __future__ import annotations
 
+import _gpu
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
-import _gpu
 import shardwise
 
 STEPS = 3
@@ -28,11 +29,13 @@ def test_inductor_compiled_training_follows_eager(device: str, stage: int) -> No
     want = _gpu.masters(eager)
     eager.destroy()
     torch._dynamo.reset()
+    counters.clear()
     model = torch.compile(_gpu.gpt(0))
     engine = shardwise.initialize(model, _gpu.adamw(model.parameters()), _gpu.config(stage, "fp32"))
     losses = _gpu.train(engine, 0, STEPS, where)
     got = {k.replace("_orig_mod.", ""): v for k, v in _gpu.masters(engine).items()}
     engine.destroy()
+    assert counters["stats"]["unique_graphs"] > 0, f"stage {stage}: nothing was compiled"
     assert losses == pytest.approx(want_losses, rel=1e-4)
     diff, name = _gpu.max_diff(got, want)
     assert diff <= _gpu.LR, f"stage {stage}: {name} is {diff:.3g} from eager, more than one step"

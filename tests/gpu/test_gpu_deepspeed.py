@@ -14,9 +14,9 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
+import _gpu
 import pytest
 
-import _gpu
 from shardwise.deepspeed.accelerator import get_accelerator
 
 EXAMPLES = _gpu.ROOT / "examples" / "deepspeed"

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import _gpu
 import pytest
 import torch
 
-import _gpu
 import shardwise
 
 

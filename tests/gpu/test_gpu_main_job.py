@@ -20,9 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _gpu
 import pytest
 
-import _gpu
 from shardwise.placement import visible_gpus
 
 

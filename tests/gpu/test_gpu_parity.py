@@ -13,10 +13,9 @@ rounding flip moves a master by at most lr per step).
 
 from __future__ import annotations
 
+import _gpu
 import pytest
 import torch
-
-import _gpu
 
 STEPS = 5
 TOLERANCE = {"fp32": 1e-6, "bf16": 1e-4, "fp16": 1e-4}
