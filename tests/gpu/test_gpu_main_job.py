@@ -47,7 +47,7 @@ def test_train_gpt_on_one_gpu(device: str, tmp_path: Path) -> None:
                        "--run-dir", str(run), "--eval-every", "10", "--save-every", "10", "--log-every", "5",
                        "--sample-tokens", "20"], _scratch(tmp_path), timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert f"1 rank(s) on {device} (nccl)" in done.stdout, done.stdout
+    assert f"1 rank(s) on {device} ({'nccl' if device == 'cuda' else 'gloo'})" in done.stdout, done.stdout
     assert "step 20/20" in done.stdout and "eval at step 20: loss" in done.stdout and "--- sample" in done.stdout
     assert {"model.json", "metrics.jsonl", "metrics.png", "checkpoints"} <= {p.name for p in run.iterdir()}
 
@@ -59,11 +59,11 @@ def test_readme_command_1_as_written(device: str, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     gpus = visible_gpus()
     if gpus >= 2:
-        assert f"2 rank(s) on {device} (nccl)" in done.stdout
-    else:
-        note = f"shardwise run: 2 ranks asked for (--nproc-per-node 2) but {gpus} GPU is visible, so the 2 ranks " \
+        assert "2 rank(s) on cuda (nccl)" in done.stdout
+    else:  # one GPU: said in one line; none: nothing to say
+        note = "shardwise run: 2 ranks asked for (--nproc-per-node 2) but 1 GPU is visible, so the 2 ranks " \
                "run on the CPU with gloo"
-        assert note in done.stderr and "2 rank(s) on cpu (gloo)" in done.stdout
+        assert (note in done.stderr) == (gpus == 1) and "2 rank(s) on cpu (gloo)" in done.stdout
     assert "Traceback" not in done.stderr and "invalid device ordinal" not in done.stderr
     assert "step 200/200" in done.stdout and "--- sample" in done.stdout
     assert (tmp_path / "runs" / "gpt-small" / "metrics.png").is_file()
