@@ -99,8 +99,9 @@ def describe(engine: shardwise.Engine, size: str, model: GPT, train: TextWindows
     """One line on the model, the parallel setup and the data."""
     cfg = engine.config
     precision = "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else "fp32"
+    where = f"{next(engine.module.parameters()).device.type} ({dist.get_backend()})"  # `shardwise run` chose it
     return (
-        f"GPT {size}: {model.num_parameters():,} params | {engine.world_size} rank(s), ZeRO stage "
+        f"GPT {size}: {model.num_parameters():,} params | {engine.world_size} rank(s) on {where}, ZeRO stage "
         f"{cfg.zero_optimization.stage}, {precision} | micro batch {engine.train_micro_batch_size_per_gpu()} x "
         f"accumulation {engine.gradient_accumulation_steps()} x block {model.config.block_size} | "
         f"{len(train):,} training windows, {len(held_out):,} held out"

@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 from torch.distributed import run as torchrun
@@ -30,9 +30,10 @@ from ._version import __version__
 from .config import Config, ConfigError, load_configs, read_config_file
 from .environment import describe_environment
 from .generate import ModelSpecError, generate_text, load_model
+from .placement import plan_placement, visible_gpus
 from .trainer.plot import plot_metrics
 
-__all__ = ["COMMANDS", "build_parser", "command", "main", "torchrun_args"]
+__all__ = ["COMMANDS", "build_parser", "command", "launch", "main", "torchrun_args"]
 
 # A command builder receives the `add_subparsers()` object of `shardwise`
 # (argparse gives its type no public name, hence Any).
@@ -103,9 +104,21 @@ def _exit_code(error: BaseException) -> int:
     return code if 0 < code < 256 else 1
 
 
-def _launch_environment(args: Sequence[str]) -> None:
-    """Defaults for the workers' environment that torchrun leaves unset (a variable the user set wins).
+def _local_ranks(nproc_per_node: str) -> Optional[int]:
+    """How many ranks torchrun starts on this node for ``--nproc-per-node``; None for ``gpu``/``auto``/``xpu``,
+    which torchrun sizes to the devices it finds (never more ranks than GPUs)."""
+    if nproc_per_node.isdigit():
+        return int(nproc_per_node)
+    return os.cpu_count() if nproc_per_node == "cpu" else None
 
+
+def _launch_environment(args: Sequence[str], gpus: Optional[int] = None) -> None:
+    """Set the workers' environment that torchrun leaves to us (a variable the user set wins).
+
+    * Where the ranks run (:mod:`shardwise.placement`): with fewer visible GPUs
+      (``gpus``; default: what torch sees) than local ranks they get an empty
+      ``CUDA_VISIBLE_DEVICES`` and run on the CPU with gloo, and one line on
+      stderr says so, naming both numbers and the fixes.
     * ``OMP_NUM_THREADS``: each local process gets an equal share of the usable
       cores. torchrun would set 1 and print a warning block on every launch; a
       share is the same on a 2-core box, better on a big one, and quiet.
@@ -116,23 +129,36 @@ def _launch_environment(args: Sequence[str]) -> None:
       0 of 8 with a fresh store per restart.
     """
     parsed = _parse_torchrun(args)
-    nproc = str(parsed.nproc_per_node)
-    if "OMP_NUM_THREADS" not in os.environ and nproc.isdigit() and int(nproc) > 1:
+    nproc = _local_ranks(str(parsed.nproc_per_node))
+    if nproc is not None:
+        placement = plan_placement(nproc, visible_gpus() if gpus is None else gpus)
+        os.environ.update(placement.env)
+        if placement.note:
+            print(placement.note, file=sys.stderr, flush=True)
+    if "OMP_NUM_THREADS" not in os.environ and nproc is not None and nproc > 1:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // int(nproc)))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
     if int(parsed.max_restarts) > 0:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
-def _run(ns: argparse.Namespace) -> int:
-    _launch_environment(ns.args)
+def launch(args: Sequence[str], gpus: Optional[int] = None) -> int:
+    """``shardwise run ARGS``: set the workers' environment, run torchrun, return the exit code.
+
+    ``gpus`` stands in for the GPUs torch sees (tests pass it to try a one-GPU machine's plan on a CPU one).
+    """
+    _launch_environment(args, gpus)
     try:
-        torchrun.main(torchrun_args(ns.args))
+        torchrun.main(torchrun_args(args))
     except ChildFailedError as error:
         # torchrun has already logged each failed rank; exit with the script's status.
         print(f"shardwise run: {error}", file=sys.stderr)
         return _exit_code(error)
     return 0
+
+
+def _run(ns: argparse.Namespace) -> int:
+    return launch(ns.args)
 
 
 @command("run")
@@ -141,8 +167,9 @@ def _add_run(subparsers: Any) -> None:
         "run",
         help="launch a script on several processes via torch.distributed.run (torchrun)",
         description="shardwise run [torchrun options] script.py [script args]: every argument goes "
-        "to torchrun; `--standalone` is added on one node when no rendezvous option is given. "
-        "`shardwise run --help` shows torchrun's options.",
+        "to torchrun; `--standalone` is added on one node when no rendezvous option is given. Each rank "
+        "takes a GPU when there is one per local rank (NCCL); with fewer GPUs than ranks, the ranks run on "
+        "the CPU (gloo) and one line says so. `shardwise run --help` shows torchrun's options.",
         add_help=False,
         # No option prefix: every argument, `--help` included, belongs to torchrun.
         prefix_chars=" ",

@@ -36,6 +36,7 @@ from . import faults
 from . import shm as _shm
 from .faults import control
 from .faults.ledger import Entry, Ledger, ledger_for
+from .placement import require_gpu, visible_gpus
 
 __all__ = ["Comm", "DEFAULT_TIMEOUT", "Work", "group_key", "init_distributed"]
 
@@ -89,7 +90,9 @@ def init_distributed(
     them; picks NCCL when CUDA is available and gloo otherwise.  Without those
     variables (a plain ``python train.py``) it creates a one-rank gloo group that
     needs no network, so code written for many ranks runs unchanged on one.
-    Calling it when a group already exists does nothing.
+    Calling it when a group already exists does nothing.  With NCCL, a
+    ``LOCAL_RANK`` that names no visible GPU is a :class:`~shardwise.placement.DeviceError`
+    saying so, before CUDA's "invalid device ordinal" can.
     """
     if dist.is_initialized():
         return
@@ -98,6 +101,7 @@ def init_distributed(
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = _env_int("LOCAL_RANK") or 0
     if backend == "nccl" and set_device:
+        require_gpu(local_rank, visible_gpus())
         torch.cuda.set_device(local_rank)
     limit = timedelta(seconds=timeout)
     if rank is None or world is None:

@@ -205,7 +205,7 @@ class PipelineEngine(Engine):
         problem = ""
         if self.module.is_first_stage or self.module.is_last_stage:
             got, problem = _draw(data_iter, steps, batch)
-        counts = torch.full((self.groups.world.world_size,), steps, dtype=torch.int64)
+        counts = torch.full((self.groups.world.world_size,), steps, dtype=torch.int64, device=self.channel.device)
         counts[self.groups.world.rank] = -1 if got is None else got
         self.groups.world.all_reduce(counts, op=dist.ReduceOp.MIN)
         short = {rank: int(c) for rank, c in enumerate(counts.tolist()) if c < steps}
@@ -276,7 +276,7 @@ class PipelineEngine(Engine):
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean over micro-batches and replicas, from the last stage to every rank."""
-        value = torch.zeros((), dtype=torch.float32)
+        value = torch.zeros((), dtype=torch.float32, device=self.channel.device)  # NCCL broadcasts CUDA tensors only
         if self.module.is_last_stage:
             value = torch.stack(losses).mean()
             self.groups.data.all_reduce(value)
@@ -291,7 +291,7 @@ class PipelineEngine(Engine):
         stage_state = super().full_state_dict()  # on each stage's first replica
         if self.groups.replica != 0:
             return {}
-        merged = gather_to_first(self.groups.p2p, self.groups.pipe, stage_state)
+        merged = gather_to_first(self.groups.p2p, self.groups.pipe, stage_state, self.channel.device)
         return {name: merged[name] for name in global_order([list(merged)], self.module.tied_keys)}
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:

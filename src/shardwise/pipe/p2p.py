@@ -117,13 +117,13 @@ class Channel:
     def send_activation(self, value: Any) -> None:
         """Send this stage's output to the next stage."""
         packed, tensors = _tensors(value, "stage output")
-        self._isend(_encode(packed, tensors), self.stage + 1)
+        self._isend(_encode(packed, tensors).to(self.device), self.stage + 1)  # NCCL sends CUDA tensors only
         for tensor in tensors:
             self._isend(tensor, self.stage + 1)
 
     def recv_activation(self) -> Any:
         """The previous stage's output; floating tensors that needed a gradient there need one here."""
-        header = torch.empty(HEADER_SLOTS, dtype=torch.int64)
+        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
         self.comm.recv(header, self.stage - 1)
         packed, metas = _decode(header)
         tensors = []
@@ -157,23 +157,26 @@ class Channel:
             work.wait()
 
 
-def gather_to_first(p2p: Comm, pipe: Comm, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def gather_to_first(p2p: Comm, pipe: Comm, tensors: dict[str, torch.Tensor],
+                    device: torch.device) -> dict[str, torch.Tensor]:
     """Every stage's named ``tensors`` on the first stage (``{}`` elsewhere); collective over ``pipe``.
 
     Names already present keep the first stage's value (a tied weight on two stages).
-    Only names, shapes and dtypes are pickled; the tensors go point to point.
+    Only names, shapes and dtypes are pickled; the tensors go point to point, through ``device`` (the
+    stages' device: NCCL moves CUDA tensors only) and land where the first stage's own ``tensors`` are.
     """
     described = [(name, list(t.shape), _CODE[t.dtype]) for name, t in tensors.items()]
     everyone = pipe.all_gather_object(described)
     if pipe.rank != 0:
         for tensor in tensors.values():
-            p2p.send(_wire(tensor), 0)
+            p2p.send(_wire(tensor).to(device), 0)
         return {}
     merged = dict(tensors)
+    home = next(iter(tensors.values())).device if tensors else torch.device("cpu")
     for stage, entries in enumerate(everyone[1:], start=1):
         for name, shape, code in entries:
             dtype = _DTYPES[code]
-            wire = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype)
+            wire = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=device)
             p2p.recv(wire, stage)
-            merged.setdefault(name, wire.view(torch.bool) if dtype == torch.bool else wire)
+            merged.setdefault(name, (wire.view(torch.bool) if dtype == torch.bool else wire).to(home))
     return merged

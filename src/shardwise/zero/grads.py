@@ -92,8 +92,11 @@ def private_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch
 class ReducedGrads:
     """Per bucket, where this rank's averaged fp32 gradient lands (what the optimizer reads)."""
 
-    def __init__(self, slices: list[torch.Tensor], contiguous: Optional[torch.Tensor], owned: bool) -> None:
+    def __init__(self, slices: list[torch.Tensor], contiguous: Optional[torch.Tensor], owned: bool,
+                 device: torch.device) -> None:
         self.slices = slices
+        #: where the gradients live: a sum over no gradient at all is a zero there too (NCCL reduces CUDA tensors only)
+        self.device = device
         #: all of them as one tensor when they are contiguous (one kernel for the norm)
         self.contiguous = contiguous
         self._owned = owned
@@ -104,13 +107,13 @@ class ReducedGrads:
     def in_buffer(cls, layout: FlatLayout, grad_flat: torch.Tensor) -> "ReducedGrads":
         """This rank's slices of the full fp32 gradient buffer (reduced in place)."""
         slices = [layout.owned_slice(grad_flat, b) for b in layout.buckets]
-        return cls(slices, grad_flat if layout.num_shards == 1 else None, owned=False)
+        return cls(slices, grad_flat if layout.num_shards == 1 else None, owned=False, device=grad_flat.device)
 
     @classmethod
     def separate(cls, layout: FlatLayout, device: torch.device) -> "ReducedGrads":
         """A separate fp32 shard."""
         shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
-        return cls([layout.shard_slice(shard, b) for b in layout.buckets], shard, owned=True)
+        return cls([layout.shard_slice(shard, b) for b in layout.buckets], shard, owned=True, device=device)
 
     def bucket_sq(self, index: int) -> torch.Tensor:
         """Sum of squares of bucket ``index``'s slice (this rank's part)."""
@@ -127,8 +130,12 @@ class ReducedGrads:
             grad = self.contiguous.float()
             return torch.dot(grad, grad) if grad.numel() else grad.new_zeros(())
         if not self.slices:
-            return torch.zeros((), dtype=torch.float32)
+            return self.zero()
         return torch.stack([self.bucket_sq(index) for index in range(len(self.slices))]).sum()
+
+    def zero(self) -> torch.Tensor:
+        """The sum of squares of no gradient, on the gradients' device."""
+        return torch.zeros((), dtype=torch.float32, device=self.device)
 
     def note_share(self, sq: torch.Tensor) -> None:
         """The sum of squares was taken as the reduction finished: :meth:`norm_share` returns it while the
@@ -270,7 +277,7 @@ class GradStorage(ABC):
             parts.append(self.reduced.bucket_sq(index))
         self._works = []
         self._reduced_all()
-        self.reduced.note_share(torch.stack(parts).sum() if parts else torch.zeros(()))
+        self.reduced.note_share(torch.stack(parts).sum() if parts else self.reduced.zero())
         return self._used
 
     def _flush(self, bucket: Bucket) -> None:
