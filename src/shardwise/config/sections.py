@@ -94,9 +94,6 @@ class OptimizerConfig(Section):
 
     type: str
     params: dict[str, Any] = Field(default_factory=dict)
-    #: shardwise's own key: start as DeepSpeed's schedules do (the first optimizer step at iteration -1's
-    #: lr, step `k` at iteration `k - 1`). The `shardwise.deepspeed` dialect sets it when it is absent.
-    deepspeed_start: bool = False
 
     @field_validator("type")
     @classmethod
@@ -248,7 +245,8 @@ class ZeroConfig(Section):
     """
 
     stage: Count = Field(default=0, ge=0, le=3)
-    reduce_bucket_size: Count = Field(default=5_000_000, gt=0, le=MAX_ELEMENTS)
+    #: stages 0-2: elements of gradients reduced together (0: one parameter per bucket, as DeepSpeed reads it)
+    reduce_bucket_size: Count = Field(default=5_000_000, ge=0, le=MAX_ELEMENTS)
     #: stages 1-2: average gradients with a reduce-scatter (true) or an all-reduce (false); unset: by
     #: backend, an all-reduce on gloo (measured faster there) and a reduce-scatter otherwise
     reduce_scatter: bool | None = None
@@ -305,6 +303,11 @@ class CommsConfig(Section):
 def field_default(model: type[BaseModel], name: str) -> Any:
     """The default of field `name` of `model` (factories called)."""
     return model.model_fields[name].get_default(call_default_factory=True)
+
+
+def upper_bound(model: type[BaseModel], name: str) -> Any:
+    """The `le` bound of number field `name` of `model` (None: it has none)."""
+    return next((m.le for m in model.model_fields[name].metadata if getattr(m, "le", None) is not None), None)
 
 
 def section_of(annotation: Any) -> type[Section] | None:
