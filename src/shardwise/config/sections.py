@@ -56,6 +56,9 @@ _OPTIMIZER_BOUNDS = {"lr": (0, True), "eps": (0, False), "weight_decay": (0, Tru
 
 
 def _optimizer_value_problem(key: str, value: Any, spec: OptimizerSpec) -> str | None:
+    if key == "bias_correction" and value is False:
+        return ("false turns off the bias correction of Adam's moments, which torch's Adam always applies; remove "
+                "the key, or pass your own optimizer to `initialize`")
     if key in spec.extras:
         return None if isinstance(value, bool) else "expected true or false"
     if key == "betas":
@@ -245,8 +248,7 @@ class ZeroConfig(Section):
     """
 
     stage: Count = Field(default=0, ge=0, le=3)
-    #: stages 0-2: elements of gradients reduced together (0: one parameter per bucket, as DeepSpeed reads it)
-    reduce_bucket_size: Count = Field(default=5_000_000, ge=0, le=MAX_ELEMENTS)
+    reduce_bucket_size: Count = Field(default=5_000_000, gt=0, le=MAX_ELEMENTS)
     #: stages 1-2: average gradients with a reduce-scatter (true) or an all-reduce (false); unset: by
     #: backend, an all-reduce on gloo (measured faster there) and a reduce-scatter otherwise
     reduce_scatter: bool | None = None
