@@ -128,13 +128,16 @@ def _logged(cfg: dict[str, Any]) -> list[str]:
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
     logger = logging.getLogger("shardwise")
+    level = logger.level
     logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     try:
         engine = _engine(cfg)
         _step(engine)
         engine.destroy()
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
     return [r.split(":")[0] + ("+timings" if "forward=" in r else "") for r in records if r.startswith("step ")]
 
 
