@@ -10,6 +10,7 @@ loaded (several at +1 GiB), raised a raw `RuntimeError`, or blamed the wrong fil
 
 from __future__ import annotations
 
+import functools
 import io
 import shutil
 import zipfile
@@ -190,9 +191,10 @@ def _attack_engine(cases: dict[str, tuple[str, str, str, bool]]) -> dict[str, An
     for name, (load_dir, case, match, also_consolidate) in cases.items():
         engine = _engine(case)
         before = _params(engine)
-        ways: list[tuple[str, Callable[[], Any]]] = [("load_checkpoint", lambda: engine.load_checkpoint(load_dir))]
+        ways: list[tuple[str, Callable[[], Any]]] = [("load_checkpoint", functools.partial(engine.load_checkpoint,
+                                                                                            load_dir))]
         if also_consolidate:
-            ways.append(("consolidate", lambda: consolidated_state_dict(load_dir)))
+            ways.append(("consolidate", functools.partial(consolidated_state_dict, load_dir)))
         for way, call in ways:
             outcome, growth = peak_growth_mb(call)
             growths[f"{name} via {way}"] = round(growth, 1)
