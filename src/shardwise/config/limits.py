@@ -33,7 +33,8 @@ MAX_DEPTH = 32
 MAX_VALUES = 500_000
 
 # ---- upper bounds of number fields: a value above one would exhaust time or memory, or overflow a
-# timedelta or an int64 further down; each is far above any real setting.
+# timedelta or an int64 further down; each is far above any real setting. A field in NO_LIMIT reads a
+# larger value as its bound instead of refusing it.
 
 #: `gradient_accumulation_steps`: 2^20 micro-steps per optimizer step (17 minutes at 1 ms each)
 MAX_ACCUMULATION = 2**20
