@@ -12,7 +12,6 @@ Before issue 35, `optimizer.deepspeed_start` was accepted and read nowhere.
 from __future__ import annotations
 
 import json
-import logging
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -20,6 +19,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.distributed as dist
+from _log_capture import logged
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -124,20 +124,10 @@ def _agreement_timeout(cfg: dict[str, Any], folder: Path, monkeypatch: Any) -> f
 
 
 def _logged(cfg: dict[str, Any]) -> list[str]:
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("shardwise")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with logged() as records:
         engine = _engine(cfg)
         _step(engine)
         engine.destroy()
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     return [r.split(":")[0] + ("+timings" if "forward=" in r else "") for r in records if r.startswith("step ")]
 
 

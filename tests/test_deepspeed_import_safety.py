@@ -108,40 +108,42 @@ def optimizer_file_is_a_symlink(root: Path) -> tuple[Path, str, str, bool]:
     return ckpt, "z1_fp32", "is a symbolic link", True
 
 
-@attack
-def record_of_1_mib_inflates_to_1_gib(root: Path) -> tuple[Path, str, str, bool]:
+def _client_tensor(root: Path, numel: int, record: str) -> Path:
+    """z0_fp32 with a `client_state` tensor of ``numel`` float32 zeros whose record is written ``record``."""
     ckpt = _copy("z0_fp32", root)
     states = _states(ckpt)
     states["planted"] = torch.zeros(MARK)
-    _save_planted(states, ckpt / TAG / STATES, 2**28, record="deflated")
-    return ckpt, "z0_fp32", "compressed", True
+    _save_planted(states, ckpt / TAG / STATES, numel, record=record)
+    return ckpt
+
+
+@attack
+def record_of_1_mib_inflates_to_1_gib(root: Path) -> tuple[Path, str, str, bool]:
+    return _client_tensor(root, 2**28, "deflated"), "z0_fp32", "compressed", True
 
 
 @attack
 def stored_record_of_64_mib_for_a_tiny_model(root: Path) -> tuple[Path, str, str, bool]:
-    ckpt = _copy("z0_fp32", root)
+    return _client_tensor(root, 2**24, "stored"), "z0_fp32", "a DeepSpeed file of this model can need", False
+
+
+def _stride_0(root: Path, case: str, name: str, dtype: torch.dtype, numel: int) -> Path:
+    """``case`` with module entry ``name`` a 1-element storage viewed as ``numel`` elements (stride 0)."""
+    ckpt = _copy(case, root)
     states = _states(ckpt)
-    states["planted"] = torch.zeros(MARK)
-    _save_planted(states, ckpt / TAG / STATES, 2**24, record="stored")
-    return ckpt, "z0_fp32", "a DeepSpeed file of this model can need", False
+    states["module"][name] = torch.zeros(1, dtype=dtype).expand(MARK)
+    _save_planted(states, ckpt / TAG / STATES, numel)
+    return ckpt
 
 
 @attack
 def stride_0_tensor_of_2_28_elements(root: Path) -> tuple[Path, str, str, bool]:
-    ckpt = _copy("z0_bf16", root)
-    states = _states(ckpt)
-    states["module"]["inp.bias"] = torch.zeros(1, dtype=torch.bfloat16).expand(MARK)
-    _save_planted(states, ckpt / TAG / STATES, 2**28)
-    return ckpt, "z0_bf16", "a stride-0 view", True
+    return _stride_0(root, "z0_bf16", "inp.bias", torch.bfloat16, 2**28), "z0_bf16", "a stride-0 view", True
 
 
 @attack
 def stride_0_tensor_of_2_40_elements(root: Path) -> tuple[Path, str, str, bool]:
-    ckpt = _copy("z1_fp32", root)
-    states = _states(ckpt)
-    states["module"]["out.weight"] = torch.zeros(1).expand(MARK)
-    _save_planted(states, ckpt / TAG / STATES, 2**40)
-    return ckpt, "z1_fp32", "a stride-0 view", True
+    return _stride_0(root, "z1_fp32", "out.weight", torch.float32, 2**40), "z1_fp32", "a stride-0 view", True
 
 
 @attack

@@ -41,10 +41,16 @@ def _store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def _forged_member_list(root: str) -> dict[str, Any]:
+def _trained_engine() -> tuple[int, int, Any]:
+    """Rejoin through rank 0's store; an engine at stage 0 that took one step (rank, store port, engine)."""
     rank, port = _rejoin()
     engine = make_engine(0)
     train_step(engine, 0)
+    return rank, port, engine
+
+
+def _forged_member_list(root: str) -> dict[str, Any]:
+    rank, port, engine = _trained_engine()
     result: dict[str, Any] = {}
     if rank == 0:  # only rank 0 saves; a third process lists rank 1 as having joined
         group = f"{_ROOT}/{_group_key(engine.comm)}"  # the agreement's keys for this group
@@ -70,9 +76,7 @@ def test_a_forged_member_list_is_named_not_waited_on(tmp_path: Path) -> None:
 
 
 def _malformed_heartbeat(_: Any) -> dict[str, Any]:
-    rank, port = _rejoin()
-    engine = make_engine(0)
-    train_step(engine, 0)
+    rank, port, engine = _trained_engine()
     if rank == 1:
         _store().set("test/dying", "1")
         die()
@@ -99,9 +103,7 @@ def test_a_malformed_heartbeat_record_is_named_within_an_interval() -> None:
 
 
 def _host_exits_after_save(root: str) -> dict[str, Any]:
-    rank, _ = _rejoin()
-    engine = make_engine(0)
-    train_step(engine, 0)
+    rank, _, engine = _trained_engine()
     if rank == 0:
         engine.save_checkpoint(root, tag="last")
         os._exit(0)  # the job's end on rank 0: its store goes with it

@@ -15,7 +15,6 @@ implemented.
 from __future__ import annotations
 
 import io
-import logging
 import os
 import re
 import subprocess
@@ -26,6 +25,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from _log_capture import logged
 from _trainer_common import TinyNet, dataset
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -93,18 +93,8 @@ def test_loading_without_the_scheduler_section_is_named_a_config_mismatch(tmp_pa
 
 
 def _log_lines(action: Callable[[], Any]) -> list[str]:
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("shardwise")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with logged() as lines:
         action()
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     return lines
 
 
