@@ -23,7 +23,7 @@ import torch
 from _checkpoint_edits import peak_growth_mb
 
 import shardwise
-from shardwise.checkpoint import CheckpointError, consolidated_state_dict
+from shardwise.checkpoint import CheckpointError, consolidated_state_dict, load_consolidated
 from shardwise.testing import run_distributed
 
 RSS_LIMIT_MB = 200.0
@@ -227,3 +227,10 @@ def test_a_tag_directory_that_is_a_symlink_is_not_followed(tmp_path: Path) -> No
     (ckpt / TAG).symlink_to(fx.FIXTURES / "z0_fp32" / TAG, target_is_directory=True)
     with pytest.raises(CheckpointError, match="symbolic link"):
         consolidated_state_dict(ckpt)
+
+
+def test_a_consolidated_file_with_a_stride_0_tensor_is_refused(tmp_path: Path) -> None:
+    file = tmp_path / "weights.pt"
+    _save_planted({"w": torch.zeros(1).expand(MARK)}, file, 2**40)
+    with pytest.raises(CheckpointError, match="a stride-0 view"):
+        load_consolidated(file)
