@@ -91,7 +91,10 @@ def prepare_run_dir(run: Path, model: GPT, fresh: bool) -> None:
         run.mkdir(parents=True, exist_ok=True)
         spec = {"source": str(HERE / "gpt.py"), "class": "GPT", "config_class": "GPTConfig",
                 "config": asdict(model.config), "tokenizer": "bytes"}
-        (run / "model.json").write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
+        text = json.dumps(spec, indent=2) + "\n"
+        target = run / "model.json"
+        if not target.is_file() or target.read_text(encoding="utf-8") != text:  # a re-run touches nothing
+            target.write_text(text, encoding="utf-8")
     dist.barrier()  # nobody looks for checkpoints before a --fresh delete is done
 
 
@@ -142,8 +145,10 @@ def train(args: argparse.Namespace) -> shardwise.trainer.FitSummary:
         text = sample(engine, args)
         log(f"--- sample ({args.sample_tokens} bytes, temperature {args.temperature:g}, KV cache, "
             f"{time.perf_counter() - start:.1f}s) ---\n{text}\n---")
-    curves = ", metrics.png" if summary.plot else ""  # never name a file that was not written
-    log(f"run directory {run}: checkpoints/, metrics.jsonl{curves}; "
+    if summary.trained_steps == 0:
+        log(f"(pass a larger --steps than {args.steps} to train further, or --fresh to start over)")
+    kept = [name for name in ("checkpoints/", "metrics.jsonl", "metrics.png", "model.json") if (run / name).exists()]
+    log(f"run directory {run}: {', '.join(kept)}; "  # what is there now, this run's or an earlier one's
         f"`shardwise generate {run / 'checkpoints'} --trust-model-source` samples again (the flag lets it run "
         f"the model's source, {HERE / 'gpt.py'}, which model.json names)")
     return summary

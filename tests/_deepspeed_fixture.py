@@ -22,6 +22,9 @@ MICRO_BATCH = 4
 CASES = [
     (f"z{stage}_{dtype}", stage, dtype) for dtype in ("fp32", "bf16", "fp16") for stage in (0, 1, 2, 3)
 ]
+#: the same, for :class:`Twins` (several parameters of one shape, listed out of module order)
+TWIN_CASES = [(f"twins_z{stage}_fp32", stage, "fp32") for stage in (0, 1, 2, 3)] + [("twins_z0_bf16", 0, "bf16")]
+VOCAB, WIDTH, SEQUENCE = 24, 8, 5
 
 
 class Tiny(nn.Module):
@@ -36,6 +39,44 @@ class Tiny(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.tanh(self.inp(x - self.shift.to(x.dtype))))
+
+
+class Twins(nn.Module):
+    """A tiny language model whose three matrices share one shape, (24, 8), and whose biases share (24,):
+    an ``Embedding(24, 8)``, a ``Linear(8, 24)`` and a ``Linear(8, 24)`` head.  Its optimizer lists them
+    out of module order, so only the order DeepSpeed wrote its state in says which state is whose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(11)
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.up = nn.Linear(WIDTH, VOCAB)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.emb(tokens)
+        mixed = torch.tanh(self.up(hidden)).unflatten(-1, (VOCAB // WIDTH, WIDTH)).sum(-2)
+        return self.head(hidden + mixed)
+
+
+def twin_optimizer(model: Twins) -> torch.optim.Optimizer:
+    """Matrices decay, biases do not; each group out of module order."""
+    groups = [
+        {"params": [model.head.weight, model.emb.weight, model.up.weight], "weight_decay": 0.1},
+        {"params": [model.head.bias, model.up.bias], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=0.02, betas=(0.9, 0.99), eps=1e-8)
+
+
+def twin_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s tokens and next tokens at optimizer step ``step``."""
+    gen = torch.Generator().manual_seed(5000 + 1000 * step + rank)
+    tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQUENCE + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def twin_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
 def param_groups(model: Tiny) -> list[dict[str, Any]]:

@@ -28,7 +28,8 @@ from shardwise.config import Config, ConfigError, read_config_file
 from shardwise.config.catalog import CATALOG
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted([*(ROOT / "tests" / "configs").iterdir(), *(ROOT / "examples" / "configs").glob("*.yaml")])
+SOURCES = sorted([*(p for p in (ROOT / "tests" / "configs").rglob("*") if p.is_file()),
+                  *(ROOT / "examples" / "configs").glob("*.yaml")])
 CASE_LIMIT_S = 1.0
 
 _VALUES: list[Any] = [

@@ -121,14 +121,32 @@ def test_non_finite_numbers_are_refused_anywhere(path: str, value: float) -> Non
     ({"gradient_accumulation_steps": 10**21}, "`gradient_accumulation_steps`: got 1000000000000000000000; "
                                               "expected an integer in 1..1048576"),
     ({"train_batch_size": 2**40}, "expected an integer <= 2147483647"),
-    ({"zero_optimization": {"reduce_bucket_size": 1e15}}, "expected an integer <= 1000000000000"),
-    ({"zero_optimization": {"stage3_max_live_parameters": 10**13}}, "expected an integer <= 1000000000000"),
-    ({"comms": {"timeout": 1e12}}, "expected a number <= 2592000.0"),
+    ({"fp16": {"initial_scale_power": 1000}}, "expected an integer in 0..64"),
     ({"seed": 2**64}, "expected an integer <= 18446744073709551615"),
 ])
 def test_absurd_sizes_are_refused(raw: dict[str, Any], expected: str) -> None:
     (line,) = problems_of(raw)
     assert expected in line, line
+
+
+@pytest.mark.parametrize(("raw", "path", "bound"), [
+    ({"zero_optimization": {"reduce_bucket_size": 1e15}}, "zero_optimization.reduce_bucket_size", 10**12),
+    ({"zero_optimization": {"stage3_max_live_parameters": 10**13}}, "zero_optimization.stage3_max_live_parameters",
+     10**12),
+    ({"zero_optimization": {"sub_group_size": 1e14}}, "zero_optimization.sub_group_size", 10**12),
+    ({"comms": {"timeout": 1e12}}, "comms.timeout", 2592000.0),
+])
+def test_a_value_past_a_bound_that_means_no_limit_is_read_as_the_bound(raw: dict[str, Any], path: str,
+                                                                       bound: float) -> None:
+    # Issue 35: Hugging Face's own ds_config_zero3.json writes `sub_group_size: 1e14` (one sub-group), which
+    # DeepSpeed accepts; these fields allocate nothing in proportion to their value, so it is not refused.
+    config = Config.load(raw)
+    value: Any = config.to_dict()
+    for part in path.split("."):
+        value = value[part]
+    assert value == bound, value
+    (note,) = [n for n in config.notes if n.path == path]
+    assert "where it already means no limit here: read as" in note.message, note
 
 
 # -------------------------------------------------------------------------- bounded output

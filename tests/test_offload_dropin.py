@@ -26,16 +26,16 @@ import ast
 import contextlib
 import copy
 import json
-import logging
 import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
 import torch.distributed as dist
+from _log_capture import logged as _logged
 from _parity import ParityNet, assert_close_params, batch, full_params, make_model
 
 import shardwise
@@ -69,23 +69,6 @@ def _without_offload(config: dict[str, Any]) -> dict[str, Any]:
     for key in OFFLOADS:
         plain["zero_optimization"].pop(key, None)
     return plain
-
-
-@contextlib.contextmanager
-def _logged() -> Iterator[list[str]]:
-    """The `shardwise` logger's lines while the block runs (rank 0 logs them; other ranks get none)."""
-    lines: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("shardwise")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 def _client_loop(engine: Any, steps: int) -> None:

@@ -41,17 +41,19 @@ from __future__ import annotations
 import json
 import re
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch.distributed as dist
 
 from .checkpoint import store_codec
 from .checkpoint.errors import CheckpointError
 from .distributed import Comm
-from .faults.diagnose import RESTART
+from .faults.diagnose import RESTART, short_cause
 from .faults.errors import RankGoneError
 from .faults.liveness import PeerWatch
+from .faults.store import store_host
 
 __all__ = ["Session", "join"]
 
@@ -61,10 +63,14 @@ _MEMBERS = re.compile(r"(?:[0-9]{1,7}(?:,[0-9]{1,7})*)?")
 _T = TypeVar("_T")
 
 
-def _members(value: str, key: str, rank: int) -> set[int]:
+def _members(value: str, key: str, rank: int, world_size: int) -> set[int]:
     if not _MEMBERS.fullmatch(value):
         raise store_codec.malformed(key, rank, f"holds {value!r:.80}, expected a comma-separated list of ranks")
-    return {int(r) for r in value.split(",") if r}
+    members = {int(r) for r in value.split(",") if r}
+    if any(r >= world_size for r in members):
+        raise store_codec.malformed(key, rank, f"holds {value!r:.80}, which lists ranks beyond the group's "
+                                               f"{world_size}")
+    return members
 
 
 def _format(members: set[int]) -> str:
@@ -130,7 +136,8 @@ class Session:
             except (TypeError, ValueError) as exc:
                 error = CheckpointError(f"rank {self.rank}: cannot pass its result of {name} for `{self.op}` to the "
                                         f"other ranks: {exc}")
-        results = self._exchange(name, text, error)
+        with _reachable(self.store, self.rank, self.op, f"waiting for every rank to finish {name}"):
+            results = self._exchange(name, text, error)
         if error is not None:
             raise error
         failed = [(r, res["error"]) for r, res in enumerate(results) if res["error"] is not None]
@@ -193,19 +200,41 @@ def join(comm: Comm, op: str, payload: dict[str, Any], timeout: float) -> Sessio
     if not comm.distributed:
         return Session(op, comm.rank, 1, timeout, [payload])
     store = dist.distributed_c10d._get_default_store()
+    with _reachable(store, comm.rank, op, "waiting for every rank to call it"):
+        prefix = _enter(store, comm, op, payload, timeout)
+        payloads = [_payload(store, prefix, r, comm.rank) for r in range(comm.world_size)]
+    ranks = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
+    return Session(op, comm.rank, comm.world_size, timeout, payloads, store, prefix, ranks)
+
+
+def _enter(store: Any, comm: Comm, op: str, payload: dict[str, Any], timeout: float) -> str:
+    """Join the next call every rank makes, and wait until they all have; returns the call's key prefix."""
     root = f"{_ROOT}/{_group_key(comm)}"
     deadline = time.monotonic() + timeout
     while True:
         call = store.add(f"{root}/next/{comm.rank}", 1)
         prefix = f"{root}/{call}"
         store.set(f"{prefix}/payload/{comm.rank}", json.dumps(payload))
-        if _arrive(store, f"{prefix}/members", comm.rank):
+        if _arrive(store, f"{prefix}/members", comm.rank, comm.world_size):
             break
         # That call was closed before we got there: our partners moved on to a later one.
     _await_everyone(store, f"{prefix}/members", comm, op, timeout, deadline)
-    payloads = [_payload(store, f"{prefix}/payload/{r}", comm.rank) for r in range(comm.world_size)]
-    ranks = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
-    return Session(op, comm.rank, comm.world_size, timeout, payloads, store, prefix, ranks)
+    return prefix
+
+
+@contextmanager
+def _reachable(store: Any, rank: int, op: str, doing: str) -> Iterator[None]:
+    """A store that stops answering (its host exited or died) is named, with its host, as a gone rank."""
+    try:
+        yield
+    except dist.DistNetworkError as exc:
+        host = store_host(store)
+        gone = [host.rank] if host is not None and host.rank is not None else []
+        where = host.describe() if host is not None else "the c10d store"
+        who = f"rank {gone[0]} exited or died, and the store with it" if gone else "the store's host exited or died"
+        raise RankGoneError(
+            f"rank {rank}: {where} cannot be reached ({short_cause(exc)}) while this rank was {doing} for `{op}`: "
+            f"{who}; {RESTART}", rank=rank, gone=gone) from None
 
 
 def _outcome(raw: Any, key: str, rank: int) -> dict[str, Any]:
@@ -216,20 +245,26 @@ def _outcome(raw: Any, key: str, rank: int) -> dict[str, Any]:
     return {**value, "key": key}
 
 
-def _payload(store: Any, key: str, rank: int) -> dict[str, Any]:
+def _payload(store: Any, prefix: str, member: int, rank: int) -> dict[str, Any]:
+    """What ``member`` passed to the call; it wrote that before it added itself to the member list."""
+    key = f"{prefix}/payload/{member}"
+    if not store.check([key]):  # never `get` a key that may not come: it would wait for the store's own timeout
+        raise store_codec.malformed(
+            f"{prefix}/members", rank, f"lists rank {member}, whose payload `{key}` is not in the store (a rank "
+            "writes its payload before it adds itself to the list)")
     value = store_codec.loads(store.get(key), key, rank, tagged=False)
     if not isinstance(value, dict):
         raise store_codec.malformed(key, rank, f"holds {str(value):.80}, expected a JSON object (a call's payload)")
     return value
 
 
-def _arrive(store: Any, key: str, rank: int) -> bool:
+def _arrive(store: Any, key: str, rank: int, world_size: int) -> bool:
     """Add ``rank`` to the member list; False when the call is already closed."""
     current = ""
     while True:
         if current.startswith(_CLOSED):
             return False
-        wanted = _format(_members(current, key, rank) | {rank})
+        wanted = _format(_members(current, key, rank, world_size) | {rank})
         got = store.compare_set(key, current, wanted).decode(errors="replace")
         if got == wanted:
             return True
@@ -241,10 +276,12 @@ def _await_everyone(store: Any, key: str, comm: Comm, op: str, timeout: float, d
     ranks = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
     attempt = 0
     while True:
+        if not store.check([key]):  # this rank wrote it: only another program can have deleted it
+            raise store_codec.malformed(key, comm.rank, "was deleted while this rank waited on it")
         value = store.get(key).decode(errors="replace")
         if value.startswith(_CLOSED):
-            raise _not_joined(comm, op, timeout, _members(value[len(_CLOSED) :], key, comm.rank))
-        present = _members(value, key, comm.rank)
+            raise _not_joined(comm, op, timeout, _members(value[len(_CLOSED) :], key, comm.rank, comm.world_size))
+        present = _members(value, key, comm.rank, comm.world_size)
         if len(present) == comm.world_size:
             return
         gone = watch.gone(ranks[r] for r in range(comm.world_size) if r not in present)

@@ -288,6 +288,18 @@ def _render(data: dict[str, Any], fmt: str, header: str) -> str:
     return f"# {header}\n" + yaml.safe_dump(data, sort_keys=False)
 
 
+def _in_dialect(config: Any, dialect: str, name: str | None = None) -> tuple[Any, list[str]]:
+    """``config`` as ``dialect`` applies it: ``deepspeed`` adds what ``shardwise.deepspeed.initialize`` sets when a
+    key is absent (clipping 1.0, ...), with the line it logs; ``shardwise`` is ``shardwise.initialize``'s."""
+    if dialect != "deepspeed":
+        return config, []
+    from .deepspeed.defaults import apply_defaults  # only this option needs the dialect
+
+    applied, choices = apply_defaults(config, client_optimizer=False)
+    where = f"engines.{name}: " if name is not None else ""
+    return applied, [f"note: {where}{choice.line()}" for choice in choices]
+
+
 def _validate(ns: argparse.Namespace) -> int:
     path = Path(ns.file)
     fmt = ns.format or ("json" if path.suffix.lower() == ".json" else "yaml")
@@ -295,11 +307,12 @@ def _validate(ns: argparse.Namespace) -> int:
         top = read_config_file(path)  # read once: a 2 MiB file takes a second to parse
         if "engines" in top:
             configs = load_configs(top, name=str(path))
-            data = {"engines": {name: _resolved(c, ns.world_size) for name, c in configs.items()}}
-            notes = [line for name, c in configs.items() for line in _explained(c, name)]
+            applied = {name: _in_dialect(c, ns.dialect, name) for name, c in configs.items()}
+            data = {"engines": {name: _resolved(c, ns.world_size) for name, (c, _) in applied.items()}}
+            notes = [line for name, c in configs.items() for line in _explained(c, name) + applied[name][1]]
         else:
-            config = Config.load(top, name=str(path))
-            data, notes = _resolved(config, ns.world_size), _explained(config)
+            config, chosen = _in_dialect(Config.load(top, name=str(path)), ns.dialect)
+            data, notes = _resolved(config, ns.world_size), _explained(config) + chosen
     except ConfigError as error:
         print(error, file=sys.stderr)
         return 2
@@ -334,6 +347,10 @@ def _add_config(subparsers: Any) -> None:
         "--world-size", type=_positive_int, default=1, help="ranks to resolve batch sizes for (default 1)"
     )
     validate.add_argument("--format", choices=("yaml", "json"), help="output format (default: the file's)")
+    validate.add_argument(
+        "--dialect", choices=("shardwise", "deepspeed"), default="shardwise",
+        help="whose defaults fill the keys the file leaves out: `shardwise.initialize`'s (plain PyTorch's, the "
+        "default) or `shardwise.deepspeed.initialize`'s (DeepSpeed's: clipping 1.0, ...)")
     validate.set_defaults(handler=_validate)
 
 

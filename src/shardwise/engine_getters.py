@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from .config import Config
 from .config.model import BatchSizes
+from .distributed import Comm
 from .precision import Precision
 from .zero.optimizer import ZeroOptimizer
 
@@ -27,7 +28,33 @@ class DeepSpeedGetters:
     batch_sizes: BatchSizes
     precision: Precision
     optimizer: Optional[ZeroOptimizer]
+    comm: Comm
+    global_steps: int
     _step_applied: bool
+    #: the DataLoader `shardwise.deepspeed.initialize` built over its `training_data` (None without one)
+    training_dataloader: Optional[Any] = None
+
+    @property
+    def device(self) -> torch.device:
+        """The device this rank trains on: ``cuda:<current device>`` under NCCL, else the CPU (a DeepSpeed script
+        moves its batches with ``batch.to(engine.device)``)."""
+        if self.comm.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
+    def dp_world_size(self) -> int:
+        """The data-parallel ranks of this engine (its process group's size)."""
+        return self.comm.world_size
+
+    @property
+    def global_samples(self) -> int:
+        """Samples trained on over all ranks: optimizer steps × ``train_batch_size()``."""
+        return self.global_steps * self.train_batch_size()
+
+    def steps_per_print(self) -> int:
+        """How often the engine logs its lr, loss scale and gradient norm (``steps_per_print``)."""
+        return self.config.steps_per_print
 
     @property
     def local_rank(self) -> int:

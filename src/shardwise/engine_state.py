@@ -110,6 +110,9 @@ class EngineState:
     def shards(self, loading: bool, wanted: frozenset[str] = frozenset()) -> contextlib.AbstractContextManager[list[ParamShard]]:
         return self._strategy.checkpoint_shards(loading, wanted)
 
+    def group_names(self) -> list[list[str]]:
+        return self._strategy.group_names()
+
     def save_entries(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self._strategy.save_entries(live)
 

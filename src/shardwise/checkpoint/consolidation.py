@@ -37,6 +37,7 @@ from .formats import foreign_format
 from .layout import GROUP_MANIFEST, MANIFEST, list_checkpoints, member_path, read_group, read_latest, resolve
 from .stateful import TensorState
 from .storage import LoadPlanner, SafeReader, dcp_errors, record_is_stored
+from .torch_files import check_views
 from .verify import check_complete
 
 __all__ = ["consolidate", "consolidated_state_dict", "describe", "load_consolidated"]
@@ -108,7 +109,9 @@ def load_consolidated(path: Any) -> dict[str, torch.Tensor]:
         with open(path, "rb") as stream:  # a deflated file could expand far beyond its size: refuse it
             if stream.read(4) == b"PK\x03\x04":
                 record_is_stored(stream, 0, os.fstat(stream.fileno()).st_size, str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state: dict[str, torch.Tensor] = torch.load(path, map_location="cpu", weights_only=True)
+        check_views(state, path)  # a stride-0 view would cost its full size in the first copy
+        return state
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
     tensors = load_file(str(path))

@@ -16,6 +16,7 @@ stages 1-3 one ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank.
 
 from __future__ import annotations
 
+import os
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,8 +26,9 @@ import torch
 from torch.serialization import safe_globals
 
 from .errors import CheckpointError
-from .files import is_real_dir, read_limited
+from .files import is_real_dir, open_regular, read_limited, regular_size
 from .limits import MAX_LATEST_BYTES, MAX_TAG_LENGTH
+from .torch_files import check_records, check_views
 
 __all__ = ["DeepSpeedFiles", "find_deepspeed", "is_deepspeed_tag_dir", "read_pickle"]
 
@@ -65,23 +67,30 @@ def _allowlist() -> Iterator[None]:
         yield
 
 
-def read_pickle(path: Path, allow_pickle: bool = False) -> dict[str, Any]:
+def read_pickle(path: Path, allow_pickle: bool = False, budget: Optional[int] = None,
+                over_budget: str = "") -> dict[str, Any]:
     """One DeepSpeed file as a dict; refused (CheckpointError) if it needs a class outside :data:`ALLOWED`.
 
-    ``allow_pickle`` (``checkpoint.allow_pickle``) lifts the restriction: then the file is a full pickle.
+    Read as untrusted input (:mod:`.torch_files`): never through a link, its records stored uncompressed
+    and, with ``budget``, at most that many bytes (``over_budget`` ends the error: what the budget is and the
+    fix), and every tensor no larger than its storage.  ``allow_pickle`` (``checkpoint.allow_pickle``)
+    lifts the class restriction: then the file is a full pickle.
     """
-    try:
-        with _allowlist():
-            value = torch.load(path, map_location="cpu", weights_only=not allow_pickle)
-    except torch.serialization.pickle.UnpicklingError as exc:
-        raise CheckpointError(_refusal(path, str(exc))) from None
-    except (OSError, RuntimeError, EOFError, ValueError) as exc:
-        raise CheckpointError(
-            f"{path}: cannot read this DeepSpeed file ({type(exc).__name__}: {exc!s:.200}); DeepSpeed files carry "
-            "no checksums, so a damaged or cut file shows only here: save the checkpoint again"
-        ) from None
+    with open_regular(path) as stream:
+        check_records(stream, path, budget, over_budget)
+        try:
+            with _allowlist():
+                value = torch.load(stream, map_location="cpu", weights_only=not allow_pickle)
+        except torch.serialization.pickle.UnpicklingError as exc:
+            raise CheckpointError(_refusal(path, str(exc))) from None
+        except (OSError, RuntimeError, EOFError, ValueError) as exc:
+            raise CheckpointError(
+                f"{path}: cannot read this DeepSpeed file ({type(exc).__name__}: {exc!s:.200}); DeepSpeed files "
+                "carry no checksums, so a damaged or cut file shows only here: save the checkpoint again"
+            ) from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: expected a dict, as DeepSpeed saves, got a {type(value).__name__}")
+    check_views(value, path)
     return value
 
 
@@ -101,7 +110,9 @@ class DeepSpeedFiles:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        names = {p.name for p in path.iterdir() if p.is_file()}
+        names = {n for n in os.listdir(path) if n == MODEL_STATES or _RANKED.fullmatch(n)}
+        for name in names:
+            regular_size(path / name)  # a link planted in a file's place is refused, never read through
         self.model_states = path / MODEL_STATES if MODEL_STATES in names else None
         self.rank_models = self._ranked(names, "model")
         self.optim = self._ranked(names, "optim")

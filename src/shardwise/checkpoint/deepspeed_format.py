@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from .deepspeed_files import DeepSpeedFiles, DeepSpeedRecord, read_pickle
+from .deepspeed_model import ModelShapes, as_size
 from .errors import CheckpointError
 
 __all__ = ["DeepSpeedCheckpoint", "DeepSpeedParam", "read_deepspeed"]
@@ -83,15 +85,39 @@ class DeepSpeedCheckpoint:
         return state
 
 
-def read_deepspeed(path: Path, allow_pickle: bool = False) -> DeepSpeedCheckpoint:
-    """Read and put together the DeepSpeed checkpoint in tag directory ``path`` (any stage, any world size)."""
+def read_deepspeed(path: Path, allow_pickle: bool = False, model: Optional[ModelShapes] = None) -> DeepSpeedCheckpoint:
+    """Read and put together the DeepSpeed checkpoint in tag directory ``path`` (any stage, any world size).
+
+    ``model``: the shapes of the model it is loaded into; each file is then bounded by the model's size
+    (unless ``allow_pickle`` trusts it) and every shape the files state is checked against the model's
+    before anything is put together.  Without it (``consolidate``), each file is bounded by its own size.
+    """
     files = DeepSpeedFiles(path)
-    states = read_pickle(files.first_model_states, allow_pickle)
-    optim = [_optimizer_dict(f, allow_pickle) for f in files.optim]
+    budget, over = (model.budget, model.over_budget()) if model is not None and not allow_pickle else (None, "")
+    read = partial(read_pickle, allow_pickle=allow_pickle, budget=budget, over_budget=over)
+    states = read(files.first_model_states)
+    optim = [_optimizer_dict(read(f), f) for f in files.optim]
     config = states.get("ds_config") or {}
     dtype = "bf16" if _enabled(config, "bf16") or any(f.name.startswith("bf16_") for f in files.optim) else (
         "fp16" if _enabled(config, "fp16") else "fp32")
     module = _tensors(states.get("module") or {}, "module", files.first_model_states)
+    if model is not None:
+        model.check_module(module, files.first_model_states)
+        if optim:
+            model.check_param_shapes(_shapes(states, files.first_model_states), module, files.first_model_states)
+    try:
+        return _assemble(path, files, states, optim, module, dtype, read, model)
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{path}: the files do not hold what DeepSpeed writes ({type(exc).__name__}: {exc!s:.200}); they were "
+            "damaged or edited, or are not one DeepSpeed save: load a checkpoint as DeepSpeed saved it"
+        ) from None
+
+
+def _assemble(path: Path, files: DeepSpeedFiles, states: dict[str, Any], optim: list[dict[str, Any]],
+              module: dict[str, torch.Tensor], dtype: str, read: Callable[[Path], dict[str, Any]],
+              model: Optional[ModelShapes]) -> DeepSpeedCheckpoint:
+    config = states.get("ds_config") or {}
     if not optim:
         groups, hyper, scaler = _stage0(states, module, files.first_model_states)
         stage, world = 0, int(states.get("dp_world_size") or 1)
@@ -99,12 +125,14 @@ def read_deepspeed(path: Path, allow_pickle: bool = False) -> DeepSpeedCheckpoin
         stage, world = 3, len(optim)
         groups, hyper = _stage3(states, optim, files)
         scaler = _scaler(optim[0].get("loss_scaler"))
-        module.update(_frozen_stage3(files, allow_pickle, states))
+        module.update(_frozen_stage3(files, read, states, model))
     else:
         stage, world = int(optim[0].get("zero_stage", 1)), len(optim)
         groups, hyper = _stage12(states, optim, files)
         scaler = _scaler(optim[0].get("loss_scaler"))
         module.update(_tensors(states.get("frozen_param_fragments") or {}, "frozen_param_fragments", path))
+    if model is not None:
+        model.check_module(module, path)
     return DeepSpeedCheckpoint(
         path=path, stage=stage, world_size=world, dtype=dtype, groups=groups, hyper=hyper, module=module,
         buffer_names=[str(n) for n in states.get("buffer_names") or []],
@@ -125,8 +153,8 @@ def _accumulation(config: Any) -> int:
 # ------------------------------------------------------------- reading
 
 
-def _optimizer_dict(path: Path, allow_pickle: bool) -> dict[str, Any]:
-    value = read_pickle(path, allow_pickle).get("optimizer_state_dict")
+def _optimizer_dict(states: dict[str, Any], path: Path) -> dict[str, Any]:
+    value = states.get("optimizer_state_dict")
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: no `optimizer_state_dict` dict, which every DeepSpeed optimizer file has; "
                               "the file is not a DeepSpeed ZeRO optimizer file or was damaged")
@@ -156,7 +184,8 @@ def _shapes(states: dict[str, Any], path: Path) -> list[list[tuple[str, torch.Si
     if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
         raise CheckpointError(f"{path}: `param_shapes` must be a list of dicts (one per param group), "
                               f"got {type(shapes).__name__}; the file was damaged or is not DeepSpeed's")
-    return [[(str(n), torch.Size(s)) for n, s in group.items()] for group in shapes]
+    return [[(str(n), as_size(s, f"param_shapes[{g}][{n!r}]", path)) for n, s in group.items()]
+            for g, group in enumerate(shapes)]
 
 
 def _scaler(record: Any) -> Optional[dict[str, Any]]:
@@ -273,9 +302,10 @@ def _stage3(states: dict[str, Any], optim: list[dict[str, Any]],
         for name, shape in group_shapes:
             numel = math.prod(shape)
             part = math.ceil(numel / world)
-            if offset + part > flats[0].numel():
-                raise CheckpointError(f"{files.path}: rank 0's fp32 partition has {flats[0].numel()} elements, too "
-                                      f"few for `{name}`; the files are not from one save")
+            short = [r for r, f in enumerate(flats) if offset + part > f.numel()]
+            if short:
+                raise CheckpointError(f"{files.path}: rank {short[0]}'s fp32 partition has {flats[short[0]].numel()} "
+                                      f"elements, too few for `{name}`; the files are not from one save")
             value = torch.cat([f[offset : offset + part] for f in flats])[:numel].view(shape).clone()
             state = {k: (torch.cat([s[k][offset : offset + part] for s in rank_states])[:numel].clone()
                          if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in rank_states[0].items()}
@@ -299,10 +329,24 @@ def _sub_group_state(optim: dict[str, Any]) -> dict[str, Any]:
             for k, v in subs[0].items()}
 
 
-def _frozen_stage3(files: DeepSpeedFiles, allow_pickle: bool, first: dict[str, Any]) -> dict[str, torch.Tensor]:
-    shapes = first.get("frozen_param_shapes") or {}
+def _frozen_stage3(files: DeepSpeedFiles, read: Callable[[Path], dict[str, Any]], first: dict[str, Any],
+                   model: Optional[ModelShapes]) -> dict[str, torch.Tensor]:
+    raw = first.get("frozen_param_shapes") or {}
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{files.first_model_states}: `frozen_param_shapes` must map names to shapes, got "
+                              f"{type(raw).__name__}; the file was damaged or is not DeepSpeed's")
+    shapes = (model.check_frozen(raw, files.first_model_states) if model is not None else
+              {str(n): as_size(s, f"frozen_param_shapes[{n!r}]", files.first_model_states) for n, s in raw.items()})
     if not shapes:
         return {}
-    fragments = [read_pickle(f, allow_pickle).get("frozen_param_fragments") or {} for f in files.rank_models]
-    return {str(name): torch.cat([f[name].reshape(-1) for f in fragments])[: math.prod(shape)].view(torch.Size(shape))
-            for name, shape in shapes.items()}
+    fragments = [_tensors(read(f).get("frozen_param_fragments") or {}, "frozen_param_fragments", f)
+                 for f in files.rank_models]
+    found = {}
+    for name, shape in shapes.items():
+        pieces = [f.get(name) for f in fragments]
+        held = sum(p.numel() for p in pieces if p is not None)
+        if any(p is None for p in pieces) or held < math.prod(shape):
+            raise CheckpointError(f"{files.path}: the ranks' `frozen_param_fragments` hold {held:,} elements of "
+                                  f"`{name}`, which is {tuple(shape)}; a rank's file is from another save")
+        found[name] = torch.cat([p.reshape(-1) for p in pieces if p is not None])[: math.prod(shape)].view(shape)
+    return found

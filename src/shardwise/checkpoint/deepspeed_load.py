@@ -1,17 +1,23 @@
 """``load_checkpoint`` of a DeepSpeed checkpoint directory into a shardwise engine (any stage, world size).
 
-Every rank reads the whole checkpoint (:func:`read_deepspeed`), checks it
-against the engine, then takes its own pieces: fp32 masters and optimizer state
-of the elements it owns, buffers and frozen parameters, param-group
-hyperparameters, the lr scheduler, step counters and the loss scaler.  As in
-``load.py``, everything is checked on every rank before anything is changed,
-and a failure on one rank is raised on all of them.
+Every rank reads the whole checkpoint (:func:`read_deepspeed`), bounded by and
+checked against this engine's model, then takes its own pieces: fp32 masters
+and optimizer state of the elements it owns, buffers and frozen parameters,
+param-group hyperparameters, the lr scheduler, step counters and the loss
+scaler.  As in ``load.py``, everything is checked on every rank before
+anything is changed, and a failure on one rank is raised on all of them.
+
+At stages 1-3 DeepSpeed names every parameter (``param_shapes``).  At stage 0
+it saves the torch optimizer's ``state_dict``, which numbers the parameters
+by their position in the optimizer's param groups: that state is matched
+position by position with this engine's optimizer (the order its user listed
+the parameters in), every shape checked, and a different grouping is refused.
+Two parameters of one shape are never told apart by guessing.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,6 +26,7 @@ import torch
 from ..agreement import Session
 from ..param_state import ParamShard
 from .deepspeed_format import DeepSpeedCheckpoint, DeepSpeedParam, read_deepspeed
+from .deepspeed_model import ModelShapes
 from .errors import CheckpointError
 from .protocol import Checkpointable
 
@@ -31,12 +38,21 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def load_deepspeed(engine: Checkpointable, session: Session, path: Path, options: Any) -> tuple[str, dict[str, Any]]:
     """Restore ``engine`` from DeepSpeed tag directory ``path``; ``options`` as ``load.py``'s ``_Options``."""
     allow = engine.settings.allow_pickle
-    ckpt, _ = session.step("reading the DeepSpeed checkpoint", lambda: read_deepspeed(path, allow))
     with engine.shards(loading=True) as shards:
+        model = _model_shapes(engine, shards)
+        ckpt, _ = session.step("reading the DeepSpeed checkpoint", lambda: read_deepspeed(path, allow, model))
         plan, _ = session.step("checking it against this engine", lambda: _Plan(engine, ckpt, shards, options))
         plan.apply()
     engine.after_load()
     return str(path), ckpt.client_state
+
+
+def _model_shapes(engine: Checkpointable, shards: list[ParamShard]) -> ModelShapes:
+    """The full shape of every entry of the engine's model (stage 3's partitioned ones included)."""
+    with torch._C.DisableTorchFunctionSubclass():  # a partitioned parameter reports its full shape
+        shapes = {name: t.shape for name, t in engine.module.state_dict(keep_vars=True).items()}
+    shapes.update({shard.name: shard.shape for shard in shards})
+    return ModelShapes(shapes)
 
 
 class _Plan:
@@ -50,7 +66,7 @@ class _Plan:
                 f"rank {self.rank}: `module_load_fn` is not supported for the DeepSpeed checkpoint {ckpt.path}; get "
                 "its weights with `shardwise checkpoint consolidate DIR --out FILE` and load those yourself"
             )
-        self.params = _by_name(ckpt, shards, self.rank)
+        self.params = _by_name(ckpt, engine, shards, self.rank, options.optimizer)
         self._check_params()
         self.entries = self._entries()
         self.extras = self._extras()
@@ -158,33 +174,40 @@ class _Plan:
         shard.state.set(state)
 
 
-def _by_name(ckpt: DeepSpeedCheckpoint, shards: list[ParamShard], rank: int) -> dict[str, DeepSpeedParam]:
-    """The checkpoint's parameters by name; at stage 0 (saved by index) matched to this engine's groups."""
+def _by_name(ckpt: DeepSpeedCheckpoint, engine: Checkpointable, shards: list[ParamShard], rank: int,
+             optimizer: bool) -> dict[str, DeepSpeedParam]:
+    """The checkpoint's parameters by name; at stage 0 (saved by position) matched with this engine's groups."""
     named = {p.name: p for group in ckpt.groups for p in group if p.name is not None}
     if named or not ckpt.groups:
         return named
-    return _match_stage0(ckpt, shards, rank)
+    if not optimizer:  # without its optimizer state, stage 0's weights are the module's, by name
+        return {s.name: DeepSpeedParam(s.name, None, None, {}) for s in shards}
+    return _match_stage0(ckpt, engine.group_names(), {s.name: tuple(s.shape) for s in shards}, rank)
 
 
-def _match_stage0(ckpt: DeepSpeedCheckpoint, shards: list[ParamShard], rank: int) -> dict[str, DeepSpeedParam]:
-    """DeepSpeed's stage 0 keeps optimizer state by position in each param group.  Within a group, a parameter
-    of a shape no other one has is matched by shape; parameters of equal shape in module order."""
-    mine: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
-    for shard in shards:
-        group = mine.setdefault(shard.group, [])
-        if all(name != shard.name for name, _ in group):
-            group.append((shard.name, tuple(shard.shape)))
+def _match_stage0(ckpt: DeepSpeedCheckpoint, order: list[list[str]], shapes: dict[str, tuple[int, ...]],
+                  rank: int) -> dict[str, DeepSpeedParam]:
+    """Position ``j`` of param group ``g`` in the checkpoint is the ``j``-th parameter this engine's optimizer
+    lists in group ``g``: the same rule torch's ``Optimizer.load_state_dict`` follows."""
+    saved_sizes, sizes = [len(g) for g in ckpt.groups], [len(g) for g in order]
+    if saved_sizes != sizes:
+        raise CheckpointError(
+            f"rank {rank}: the DeepSpeed checkpoint {ckpt.path} holds optimizer state for param groups of "
+            f"{saved_sizes} parameter(s), this engine's optimizer has groups of {sizes}; at ZeRO stage 0 DeepSpeed "
+            "saves that state by position only, so it is matched position by position: build the optimizer with "
+            "the same param groups, listing the same parameters in the same order, as the DeepSpeed run, or pass "
+            "`load_optimizer_states=False`"
+        )
     matched: dict[str, DeepSpeedParam] = {}
-    for g, saved in enumerate(ckpt.groups):
-        names = list(mine.get(g, []))
-        if Counter(tuple(p.shape or ()) for p in saved) != Counter(shape for _, shape in names):
-            raise CheckpointError(
-                f"rank {rank}: param group {g} of the DeepSpeed checkpoint {ckpt.path} holds shapes "
-                f"{[tuple(p.shape or ()) for p in saved]}, this engine's {[s for _, s in names]}; build the optimizer "
-                "with the same param groups as the DeepSpeed run"
-            )
-        for param in saved:
-            index = next(i for i, (_, shape) in enumerate(names) if shape == tuple(param.shape or ()))
-            name, _ = names.pop(index)
+    for g, (names, saved) in enumerate(zip(order, ckpt.groups)):
+        for j, (name, param) in enumerate(zip(names, saved)):
+            want = shapes.get(name)  # None: frozen here (no master), nothing of it is loaded
+            if param.shape is not None and want is not None and tuple(param.shape) != want:
+                raise CheckpointError(
+                    f"rank {rank}: parameter {j} of param group {g} has state of shape {tuple(param.shape)} in the "
+                    f"DeepSpeed checkpoint {ckpt.path}, and this engine's optimizer lists `{name}` there, which is "
+                    f"{want}; at ZeRO stage 0 the state is matched by position: list the parameters in the order "
+                    "the DeepSpeed run's optimizer did, or pass `load_optimizer_states=False`"
+                )
             matched[name] = DeepSpeedParam(name, param.shape, param.value, param.state)
     return matched

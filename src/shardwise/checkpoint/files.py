@@ -14,11 +14,11 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from .errors import CheckpointError
 
-__all__ = ["is_real_dir", "read_json", "read_limited", "regular_size"]
+__all__ = ["is_real_dir", "open_regular", "read_json", "read_limited", "regular_size"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -33,8 +33,8 @@ def _not_regular(path: Path, mode: int) -> CheckpointError:
     )
 
 
-def read_limited(path: Path, limit: int) -> bytes:
-    """The bytes of regular file ``path`` (not a link), at most ``limit`` of them.
+def open_regular(path: Path) -> BinaryIO:
+    """Regular file ``path`` opened for reading, never through a link (nor a FIFO, which would block).
 
     Raises FileNotFoundError if it does not exist, :class:`CheckpointError` otherwise.
     """
@@ -46,10 +46,21 @@ def read_limited(path: Path, limit: int) -> bytes:
         if exc.errno == errno.ELOOP:
             raise _not_regular(path, stat.S_IFLNK) from None
         raise CheckpointError(f"cannot read {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as handle:
+    handle = os.fdopen(fd, "rb")
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        handle.close()
+        raise _not_regular(path, mode)
+    return handle
+
+
+def read_limited(path: Path, limit: int) -> bytes:
+    """The bytes of regular file ``path`` (not a link), at most ``limit`` of them.
+
+    Raises FileNotFoundError if it does not exist, :class:`CheckpointError` otherwise.
+    """
+    with open_regular(path) as handle:
         info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise _not_regular(path, info.st_mode)
         if info.st_size > limit:
             raise CheckpointError(
                 f"{path} is {info.st_size:,} bytes, more than the {limit:,} such a file can need; it is not a file "

@@ -40,6 +40,9 @@ from .verify import check_complete, read_rank_file
 
 __all__ = ["load_checkpoint"]
 
+#: what an lr scheduler writes into the optimizer's param groups (torch's `LRScheduler`, shardwise's schedules)
+SCHEDULER_KEYS = frozenset({"initial_lr"})
+
 ModuleLoadFn = Callable[[dict[str, torch.Tensor], Any], Any]
 
 
@@ -312,6 +315,7 @@ class _Load:
         if self.options.optimizer and optimizer is not None and manifest.get("optimizer"):
             groups = decoder.decode(manifest["optimizer"]["param_groups"], "optimizer param_groups")
             current = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            groups = self._without_scheduler_keys(groups, current, "scheduler" in extras)
             decoded.param_groups = conform(groups, current, "optimizer.param_groups")
         if self.options.scheduler and manifest.get("scheduler") is not None:
             if "scheduler" not in extras:
@@ -326,6 +330,27 @@ class _Load:
         if self.rng is not None:
             decoded.rng = _rng(Decoder(self.rng[1], self.allow_pickle).decode(self.rng[0], "RNG state"),
                                f"{self.path / rank_file(self.rank)}: rng")
+
+    def _without_scheduler_keys(self, groups: Any, current: list[dict[str, Any]], has_scheduler: bool) -> Any:
+        """The saved param groups, less the keys an lr scheduler put there when this engine has none.
+
+        A run with a `scheduler` section saves `initial_lr` in every group; an engine built without one has no
+        such key. That is a config that differs, not a damaged checkpoint: said so, with both fixes.
+        """
+        if not isinstance(groups, list) or self.manifest.get("scheduler") is None:
+            return groups
+        extra = sorted({k for g in groups if isinstance(g, dict) for k in g if k in SCHEDULER_KEYS}
+                       - {k for g in current for k in g})
+        if not extra:
+            return groups
+        if self.options.scheduler and not has_scheduler:
+            raise CheckpointError(
+                f"rank {self.rank}: {self.path} was saved by an engine with an lr scheduler (its optimizer's param "
+                f"groups hold {extra}, which the scheduler adds), and this engine has none: the configs differ. "
+                "Build the engine with the same `scheduler` section (or `lr_scheduler=`) as the run that saved it, "
+                "or pass `load_lr_scheduler_states=False` to load everything but the schedule"
+            )
+        return [{k: v for k, v in g.items() if k not in extra} if isinstance(g, dict) else g for g in groups]
 
     def _decode_precision(self, state: Any, extras: dict[str, Any]) -> None:
         current = extras["precision"].state_dict()

@@ -88,6 +88,9 @@ class Checkpointable(Protocol):
     def shards(self, loading: bool, wanted: frozenset[str] = frozenset()) -> contextlib.AbstractContextManager[list[ParamShard]]:
         """This rank's parameter pieces (see ``Strategy.checkpoint_shards``); collective on exit."""
 
+    def group_names(self) -> list[list[str]]:
+        """Each param group's parameters by name, in the order the user's optimizer listed them."""
+
     def save_entries(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full values of the module entries ``live`` that this rank writes (collective)."""
 

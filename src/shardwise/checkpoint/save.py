@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import secrets
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -41,13 +42,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 from .._version import __version__
 from ..agreement import Session, join
 from ..export import save_state_dict
+from ..faults.errors import RankGoneError
 from ..param_state import ParamShard
 from .codec import Encoder
 from .commit import commit, remove_stale_temps, write_json
 from .dcp_steps import save_through_steps
 from .digests import digest, digests
 from .errors import CheckpointError
-from .layout import FORMAT, VERSION, rank_file, temp_dir, validate_tag
+from .layout import FORMAT, LATEST, VERSION, rank_file, temp_dir, validate_tag
 from .oserror import explained as _explained
 from .oserror import need_space
 from .protocol import Checkpointable
@@ -133,12 +135,25 @@ class _Save:
                 "preparing the checkpoint", lambda: _explained(self.temp, lambda: self._prepare(entries)))
             writer = _RankWriter(self.temp, self.temp / rank_file(self.rank), self.rank_info)
             written = save_through_steps(self.session, states, writer, SavePlanner(), self.temp)
-            self.session.step("committing", lambda: _explained(
-                self.temp, lambda: self._finish(descriptions, written, weights_16bit) if self.rank == 0 else None))
+            self._commit(lambda: self._finish(descriptions, written, weights_16bit) if self.rank == 0 else None)
         except BaseException:
             if self.rank == 0:  # every rank is past the failed step: nobody writes there any more
                 shutil.rmtree(self.temp, ignore_errors=True)
             raise
+
+    def _commit(self, finish: Any) -> None:
+        """The last step: rank 0 commits.  When rank 0 then ends the job and takes the store it hosts with it
+        before this rank read its outcome, the checkpoint on disk says whether the save completed."""
+        try:
+            self.session.step("committing", lambda: _explained(self.temp, finish))
+        except RankGoneError:
+            if self.rank == 0 or self.commit_to is None or not _committed(self.temp, self.commit_to, self.rank):
+                raise
+            warnings.warn(
+                f"rank {self.rank}: rank 0 committed {self.commit_to} and then left the job, taking the c10d store "
+                "it hosts with it: this save is complete, and the job cannot go on (this rank should exit too)",
+                stacklevel=6,
+            )
 
     def _describe(self) -> dict[str, Any]:
         if self.rank == 0:
@@ -276,6 +291,16 @@ def _planned_bytes(plan: Any) -> int:
 def _order(keys: list[str]) -> Any:
     position = {k: i for i, k in enumerate(keys)}
     return lambda name: (position.get(name, len(position)), name)
+
+
+def _committed(temp: Path, final: Path, rank: int) -> bool:
+    """Rank 0 renamed this save's directory into place and pointed ``latest`` at it."""
+    try:
+        latest = (final.parent / LATEST).read_text().strip()
+    except OSError:
+        return False
+    return not temp.exists() and latest == final.name and (final / "shardwise.json").is_file() \
+        and (final / rank_file(rank)).is_file()
 
 
 def _data_files(path: Path) -> list[Path]:

@@ -16,7 +16,7 @@ from .errors import ConfigError
 
 __all__ = [
     "MAX_ACCUMULATION", "MAX_DEPTH", "MAX_ELEMENTS", "MAX_FILE_BYTES", "MAX_LOSS_SCALE", "MAX_MICRO_BATCH",
-    "MAX_STEPS", "MAX_TIMEOUT_S", "MAX_TRAIN_BATCH", "MAX_VALUES", "MAX_YAML_LINES", "check_shape",
+    "MAX_STEPS", "MAX_TIMEOUT_S", "MAX_TRAIN_BATCH", "MAX_VALUES", "MAX_YAML_LINES", "NO_LIMIT", "check_shape",
 ]
 
 #: a config file larger than this is refused before it is parsed: ~400x the largest real DeepSpeed config.
@@ -33,7 +33,8 @@ MAX_DEPTH = 32
 MAX_VALUES = 500_000
 
 # ---- upper bounds of number fields: a value above one would exhaust time or memory, or overflow a
-# timedelta or an int64 further down; each is far above any real setting.
+# timedelta or an int64 further down; each is far above any real setting. A field in NO_LIMIT reads a
+# larger value as its bound instead of refusing it.
 
 #: `gradient_accumulation_steps`: 2^20 micro-steps per optimizer step (17 minutes at 1 ms each)
 MAX_ACCUMULATION = 2**20
@@ -49,6 +50,19 @@ MAX_STEPS = 10**12
 MAX_LOSS_SCALE = 2.0**64
 #: timeouts in seconds: 30 days (a timeout that long never fires in practice; past ~10^14 s timedelta overflows)
 MAX_TIMEOUT_S = 30 * 24 * 3600.0
+
+
+#: fields where a value past the bound means "no limit": nothing is allocated or looped over in proportion to
+#: the value (a bucket, prefetch or sub-group holds at most the model; a distance or a count of steps only
+#: compares; a timeout only waits). Such a value is read as the field's bound, with one info line, never
+#: refused: Hugging Face's own test config writes `sub_group_size: 1e14` for "one sub-group".
+NO_LIMIT = frozenset({
+    "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",
+    "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.sub_group_size",
+    "zero_optimization.offload_param.max_in_cpu", "fp16.loss_scale_window", "fp16.hysteresis",
+    "steps_per_print", "checkpoint.timeout", "comms.timeout", "dist_timeout",
+})
 
 
 def check_shape(data: Any, prefix: tuple[str, ...] = ()) -> None:

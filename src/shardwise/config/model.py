@@ -79,6 +79,8 @@ class Config(Section):
     _notes: tuple[Note, ...] = PrivateAttr(default=())
     _pending: dict[str, str] = PrivateAttr(default_factory=dict)
     _announced: frozenset[str] = PrivateAttr(default=frozenset())
+    #: dotted paths of the values the user wrote (not defaults, not `auto`s a resolve filled in)
+    _written: frozenset[str] = PrivateAttr(default=frozenset())
 
     def __init__(self, **data: Any) -> None:
         """Validate keyword settings; problems raise ConfigError (prefer :meth:`load`)."""
@@ -92,6 +94,7 @@ class Config(Section):
         except ValidationError as exc:
             raise ConfigError(problems_from(Config, exc)) from None
         self._notes, self._pending = tuple(prepared.notes), dict(prepared.pending)
+        self._written = written(self)
 
     # Mark the override as pydantic's own __init__: otherwise model_validate would route every
     # validation through it and wrap our ConfigError inside a ValidationError.
@@ -166,6 +169,7 @@ class Config(Section):
         if problems or config is None:
             raise ConfigError(problems, source)
         config._notes, config._pending = tuple(prepared.notes), dict(prepared.pending)
+        config._written = written(config)
         return config
 
     def replace(self, **changes: Any) -> Config:
@@ -225,7 +229,7 @@ class Config(Section):
         facts = auto.Facts(model, optimizer, lr_scheduler, total_num_steps)
         notes = auto.fill(data, self._pending, facts)
         notes += _check_offload(data, torch.device(device))
-        notes += _stage_notes(self.zero_optimization)
+        notes += _stage_notes(self.zero_optimization, self._written)
         sizes = self.batch_sizes(world_size)
         data["train_batch_size"] = sizes.train_batch_size
         data["train_micro_batch_size_per_gpu"] = sizes.micro_batch_size
@@ -233,6 +237,7 @@ class Config(Section):
         resolved = Config._validate(data)
         resolved._notes = self._notes + tuple(notes) + resolved._notes
         resolved._announced = announce(resolved._notes, self._announced)
+        resolved._written = self._written
         return resolved
 
 
@@ -290,9 +295,21 @@ _STAGE3_ONLY = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "st
                 "stage3_param_persistence_threshold")
 
 
-def _stage_notes(zero: ZeroConfig) -> list[Note]:
-    """An info line for each key the config sets that the chosen stage does not use (nothing accepted silently)."""
-    given = zero.model_fields_set
+def written(model: BaseModel, prefix: str = "") -> frozenset[str]:
+    """The dotted paths of every value set on ``model`` and its sections (what validation was given)."""
+    found: set[str] = set()
+    for name in model.model_fields_set:
+        found.add(prefix + name)
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            found |= written(value, f"{prefix}{name}.")
+    return frozenset(found)
+
+
+def _stage_notes(zero: ZeroConfig, given_paths: frozenset[str]) -> list[Note]:
+    """An info line for each key the user wrote that the chosen stage does not use (nothing accepted silently;
+    nothing said about a default, or an `auto` a resolve filled in)."""
+    given = {name for name in type(zero).model_fields if f"zero_optimization.{name}" in given_paths}
     if zero.stage == 3:
         unused = {k: "stage 3 reduce-scatters each module's gradients as one unit" for k in _FLAT_ONLY if k in given}
     else:

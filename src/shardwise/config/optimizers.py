@@ -53,6 +53,7 @@ class OptimizerSpec:
 _ADAM_EXTRAS = {
     "adam_w_mode": "true (DeepSpeed's default): `Adam` means decoupled weight decay, i.e. torch's AdamW",
     "torch_adam": "accepted; shardwise always uses torch's implementation",
+    "bias_correction": "true (DeepSpeed's default): torch's Adam always corrects the moments' bias; false is refused",
 }
 
 #: DeepSpeed's names (any case in a config) -> spec. DeepSpeed accepts any `torch.optim` name;

@@ -27,8 +27,9 @@ from pydantic import BaseModel
 from .auto import BATCH_KEYS, resolves_later
 from .catalog import ALIASES, CATALOG, OFFLOAD_KEYS, Entry, is_auto
 from .errors import MAX_SHOWN, problem_line, shown_value, suggest
+from .limits import NO_LIMIT
 from .notes import Note
-from .sections import OffloadSection, OptimizerConfig, SchedulerConfig, field_default, section_of
+from .sections import OffloadSection, OptimizerConfig, SchedulerConfig, field_default, section_of, upper_bound
 
 __all__ = ["Prepared", "coerce", "prepare"]
 
@@ -151,6 +152,19 @@ class _Walk:
             out[key] = value
         else:
             out[key] = self._coerced(value, here)
+            if dotted in NO_LIMIT:
+                out[key] = self._clamped(model, key, out[key], here)
+
+    def _clamped(self, model: type[BaseModel], key: str, value: Any, here: tuple[str, ...]) -> Any:
+        """A number past the field's bound, where that already means "no limit", read as the bound."""
+        bound = upper_bound(model, key)
+        if bound is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not value > bound:
+            return value
+        shown = self.shown(here)
+        written = f"{value:g}" if isinstance(value, float) else f"{value:,}"
+        self.notes.append(Note(shown, f"`{shown}: {written}` is past {bound:,}, where it already means no limit "
+                                      f"here: read as {bound:,}"))
+        return bound
 
     def _coerced(self, value: Any, here: tuple[str, ...]) -> Any:
         """`value` with a string number or boolean read as one, and an info line when that happened."""

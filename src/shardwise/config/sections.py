@@ -56,6 +56,9 @@ _OPTIMIZER_BOUNDS = {"lr": (0, True), "eps": (0, False), "weight_decay": (0, Tru
 
 
 def _optimizer_value_problem(key: str, value: Any, spec: OptimizerSpec) -> str | None:
+    if key == "bias_correction" and value is False:
+        return ("false turns off the bias correction of Adam's moments, which torch's Adam always applies; remove "
+                "the key, or pass your own optimizer to `initialize`")
     if key in spec.extras:
         return None if isinstance(value, bool) else "expected true or false"
     if key == "betas":
@@ -94,9 +97,6 @@ class OptimizerConfig(Section):
 
     type: str
     params: dict[str, Any] = Field(default_factory=dict)
-    #: shardwise's own key: start as DeepSpeed's schedules do (the first optimizer step at iteration -1's
-    #: lr, step `k` at iteration `k - 1`). The `shardwise.deepspeed` dialect sets it when it is absent.
-    deepspeed_start: bool = False
 
     @field_validator("type")
     @classmethod
@@ -305,6 +305,11 @@ class CommsConfig(Section):
 def field_default(model: type[BaseModel], name: str) -> Any:
     """The default of field `name` of `model` (factories called)."""
     return model.model_fields[name].get_default(call_default_factory=True)
+
+
+def upper_bound(model: type[BaseModel], name: str) -> Any:
+    """The `le` bound of number field `name` of `model` (None: it has none)."""
+    return next((m.le for m in model.model_fields[name].metadata if getattr(m, "le", None) is not None), None)
 
 
 def section_of(annotation: Any) -> type[Section] | None:

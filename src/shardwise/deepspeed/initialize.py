@@ -132,4 +132,5 @@ def initialize(
     engine.accumulates_backwards = stepped_by_user
     announce(choices)
     loader = _loader(engine, training_data, collate_fn) if training_data is not None else None
+    engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .diagnose import AGREE, Failure, diagnose, short_cause
 from .errors import CollectiveMismatchError
-from .heartbeat import heartbeat
+from .heartbeat import heartbeat, read_json
 from .ledger import Ledger, current_activity
 
 __all__ = ["CHECK", "DEBUG", "agree", "before"]
@@ -128,14 +128,22 @@ def _mismatch(ledger: Ledger, rank: int, control: _Control, what: str, values: l
                                    where={r: str(rep.get("what")) for r, rep in reports.items()})
 
 
+def _report_problem(report: dict[str, Any]) -> Optional[str]:
+    values = report.get("values")
+    if isinstance(report.get("what"), str) and isinstance(values, list) and all(isinstance(v, int) for v in values):
+        return None
+    return "a mismatch report has a text `what` and a list of integer `values`"
+
+
 def _collect(store: Any, prefix: str, ranks: list[int], timeout: float) -> dict[int, dict[str, Any]]:
     deadline = time.monotonic() + min(timeout, 10.0)
     reports: dict[int, dict[str, Any]] = {}
     while len(reports) < len(ranks) and time.monotonic() < deadline:
         for r in ranks:
             key = f"{prefix}/{r}"
-            if r not in reports and store.check([key]):
-                reports[r] = json.loads(store.get(key))
+            report = None if r in reports else read_json(store, key, _report_problem)
+            if report is not None:
+                reports[r] = report
         if len(reports) < len(ranks):
             beat = heartbeat()
             time.sleep(beat.interval / 4 if beat is not None else 0.01)

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .errors import CollectiveMismatchError, CommError, PeerFailedError, RankGoneError
+from .errors import CollectiveMismatchError, CommError, PeerFailedError, RankGoneError, StoreRecordError
 from .heartbeat import fault_record, heartbeat, publish_fault, read_record
 from .ledger import Ledger
 from .store import StoreHost, store_host
@@ -83,7 +83,11 @@ def diagnose(failure: Failure) -> CommError:
     if beat is None:
         return CommError(f"rank {failure.rank}: {failure.operation} failed: {failure.cause}", rank=failure.rank)
     reads = _Reads()
-    _watch(beat.store, peers, beat.interval, reads)
+    try:
+        _watch(beat.store, peers, beat.interval, reads)
+    except StoreRecordError as exc:  # (the failed wait may have read it first: then it is the cause)
+        cause = "" if str(exc) in failure.cause else f", which failed: {failure.cause}"
+        return StoreRecordError(f"{exc}. This rank was {failure.operation}{cause}", rank=failure.rank)
     if reads.ok == 0 and reads.error:
         host = store_host(beat.store) or StoreHost("(an address not known here)", None)
         return _store_lost(failure, peers, host, reads.error)
@@ -131,6 +135,8 @@ def _look(store: Any, peer: _Peer, reads: _Reads) -> None:
 def _safe(read: Any, store: Any, rank: int, reads: _Reads) -> Optional[dict[str, Any]]:
     try:
         result: Optional[dict[str, Any]] = read(store, rank)
+    except StoreRecordError:
+        raise  # a forged record: named, not taken for an unreachable store
     except Exception as exc:  # noqa: BLE001 - an unreachable store says nothing about this peer, but of its host
         reads.error = reads.error or short_cause(exc)
         return None

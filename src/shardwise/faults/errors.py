@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["CollectiveMismatchError", "CommError", "PeerFailedError", "RankGoneError"]
+__all__ = ["CollectiveMismatchError", "CommError", "PeerFailedError", "RankGoneError", "StoreRecordError"]
 
 
 class CommError(RuntimeError):
@@ -43,3 +43,8 @@ class PeerFailedError(CommError):
 
 class CollectiveMismatchError(CommError):
     """The ranks issued different collectives (different modules, micro-batch counts, or calls)."""
+
+
+class StoreRecordError(CommError):
+    """A record in the job's c10d store that only shardwise's ranks write (a heartbeat, a fault note, a
+    mismatch report) holds what none of them writes: another program wrote to the job's store."""

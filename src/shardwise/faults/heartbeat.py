@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import socket
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+from .errors import StoreRecordError
 from .ledger import current_activity, ledgers
 
-__all__ = ["Heartbeat", "clear_fault", "fault_record", "heartbeat", "publish_fault", "published", "read_record", "start"]
+__all__ = ["Heartbeat", "clear_fault", "fault_record", "heartbeat", "publish_fault", "published", "read_json",
+           "read_record", "start"]
 
 _ROOT = "shardwise/faults"
 MIN_INTERVAL = 0.05
@@ -164,18 +167,50 @@ def clear_fault() -> None:
 
 
 def read_record(store: Any, rank: int) -> Optional[dict[str, Any]]:
-    """``rank``'s latest heartbeat record (None if it never beat)."""
-    return _read(store, _alive_key(rank))
+    """``rank``'s latest heartbeat record (None if it never beat); StoreRecordError if it is not one."""
+    return read_json(store, _alive_key(rank), _beat_problem)
 
 
 def fault_record(store: Any, rank: int) -> Optional[dict[str, Any]]:
-    """What ``rank`` published when it failed (None if nothing)."""
-    return _read(store, _fault_key(rank))
+    """What ``rank`` published when it failed (None if nothing); StoreRecordError if it is not that."""
+    return read_json(store, _fault_key(rank), _fault_problem)
 
 
-def _read(store: Any, key: str) -> Optional[dict[str, Any]]:
-    # `get` would block until the key exists: ask first
-    if not store.check([key]):
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _beat_problem(record: dict[str, Any]) -> Optional[str]:
+    if not (isinstance(record.get("beat"), int) and _number(record.get("interval", 1.0))
+            and record.get("interval", 1.0) > 0):
+        return "a heartbeat record has an integer `beat` and a positive `interval`"
+    return None
+
+
+def _fault_problem(record: dict[str, Any]) -> Optional[str]:
+    return None if isinstance(record.get("error"), str) else "a fault note has a text `error`"
+
+
+def read_json(store: Any, key: str, problem: Callable[[dict[str, Any]], Optional[str]]) -> Optional[dict[str, Any]]:
+    """The JSON object in store key ``key`` (None if absent), which ``problem`` finds right (returns None).
+
+    Only shardwise's ranks write these keys: anything else is a :class:`StoreRecordError` naming the key.
+    """
+    if not store.check([key]):  # `get` would block until the key exists: ask first
         return None
-    value: dict[str, Any] = json.loads(store.get(key))
-    return value
+    raw = store.get(key)
+    try:
+        value = json.loads(raw)
+    except ValueError:  # also UnicodeDecodeError
+        value = None
+    found = problem(value) if isinstance(value, dict) else "expected a JSON object"
+    if found is None:
+        return value  # type: ignore[no-any-return]
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+    beat = _CURRENT
+    raise StoreRecordError(
+        f"rank {beat.rank if beat is not None else '?'}: the c10d store key `{key}` holds {text[:80]!r}, which no "
+        f"shardwise rank writes ({found}); another program wrote to the job's store: keep the store's port closed "
+        "to other programs, and run every rank with the same shardwise version (`shardwise env`)",
+        rank=beat.rank if beat is not None else 0,
+    )

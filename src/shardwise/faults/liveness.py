@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable, Optional
 
+from .errors import StoreRecordError
 from .heartbeat import heartbeat, read_record
 from .store import store_host
 
@@ -48,6 +49,8 @@ class PeerWatch:
         for rank in ranks:
             try:
                 record = read_record(self.store, rank)
+            except StoreRecordError:
+                raise  # a forged record: named at once, not taken for an unreachable store
             except Exception:  # noqa: BLE001 - an unreachable store says nothing about this peer, but of its host
                 continue
             answered = True

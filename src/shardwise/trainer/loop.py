@@ -519,8 +519,7 @@ class Trainer:
         goal = f"`max_steps={self.max_steps}`" if self._finished() else f"`epochs={self.epochs}`"
         self.progress.message(
             f"nothing to train: {self.checkpoints.last_path} is at step {self.global_step}, which already reaches "
-            f"{goal}; raise it to train further (`--steps` in the examples), or start over in a new "
-            "`checkpoint_dir` (`--fresh`)")
+            f"{goal}; raise it to train further, or start over in a new `checkpoint_dir`")
         summary = self._summary(trained_steps=0, elapsed=0.0, samples_per_second=0.0, tokens_per_second=None,
                                 stopped=None, plot=None)
         self.callbacks.call("on_train_end", self, summary)

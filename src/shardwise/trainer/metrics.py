@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from ..checkpoint.commit import write_atomic
+
 __all__ = ["Meter", "MetricsFile", "read_metrics"]
 
 
@@ -104,12 +106,19 @@ class MetricsFile:
         self.path = Path(path) if path is not None and enabled else None
 
     def start(self, resumed_from: Optional[int]) -> None:
-        """Begin the file: empty for a fresh run; for a resumed one, drop records past ``resumed_from``."""
+        """Begin the file: empty for a fresh run; for a resumed one, drop records past ``resumed_from``.
+
+        Rewritten atomically (a crash leaves the old file or the new one), and only when a record goes: a run
+        resumed at its end leaves the file as it was.
+        """
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resumed_from] if resumed_from is not None and self.path.is_file() else []
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        found = read_metrics(self.path) if resumed_from is not None and self.path.is_file() else []
+        kept = [r for r in found if r.get("step", 0) <= resumed_from] if resumed_from is not None else []
+        if self.path.is_file() and found and len(kept) == len(found):
+            return
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode("utf-8"))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.path is None:

@@ -112,6 +112,8 @@ class Strategy(ABC):
         self.zero_config = zero_config
         self.inner: Any = None  # the inner optimizer; None for an inference-only engine
         self.backward = Backward()
+        #: the inner optimizer's param groups as the user listed them (``attach`` fills it)
+        self._groups: list[list[nn.Parameter]] = []
 
     def attach(self, inner: Optional[Any], initial: Optional[dict[int, torch.Tensor]] = None) -> None:
         """Take over the inner optimizer's param groups (None: inference only).
@@ -121,6 +123,12 @@ class Strategy(ABC):
         """
         self.inner = inner
         self.initial = initial or {}
+
+    def group_names(self) -> list[list[str]]:
+        """Each param group's parameters by name, in the order the user's optimizer listed them (the order
+        a torch optimizer's ``state_dict`` numbers them in)."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return [[names[id(p)] for p in group] for group in self._groups]
 
     @abstractmethod
     def start_backward(self, sync: bool) -> None:

@@ -70,7 +70,6 @@ class FlatStrategy(Strategy):
         #: updated parameters still being gathered; waited for on first use (:mod:`.pending`)
         self.pending = PendingGathers()
         self._hooks: list[Any] = []
-        self._groups: list[list[nn.Parameter]] = []
         self._order: list[nn.Parameter] = []
         self._mask: tuple[bool, ...] = ()
         self._dirty = False

@@ -79,7 +79,6 @@ class Stage3(Strategy):
         #: the shards' file and host cache where `offload_param` is nvme (made with the units)
         self.shards: Optional[ShardCache] = None
         self.gatherer = Gatherer(self.module, self.units, self.zero_config, self.pieces, self.comm.rank)
-        self._groups: list[list[nn.Parameter]] = []
         self._params: list[nn.Parameter] = []  # the optimizer's parameters, module order
         self._mask: tuple[bool, ...] = ()
         self._trainable: dict[Unit, list[int]] = {}  # unit -> indices of its trainable params
