@@ -189,3 +189,30 @@ def _check_cli(root: Path, capsys: Any) -> None:
     assert_same(load_consolidated(out), load_consolidated(root / "gpt3.pt"))
     assert main(["checkpoint", "consolidate", str(root / "missing"), "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def _save_client_state(root: str, pickled: bool) -> None:
+    engine = build(2, **({"checkpoint": {"allow_pickle": True}} if pickled else {}))
+    train(engine, 0, 1)
+    state: dict[str, Any] = {"epoch": 3, "score": torch.tensor([0.25, 0.5]), "names": ("a", "b"), "nested": {"k": [1.5]}}
+    if pickled:
+        state["path"] = Path("/x")  # a type JSON lacks: stored only with allow_pickle
+    engine.save_checkpoint(root, tag="t", client_state=state)
+    engine.destroy()
+
+
+def test_consolidated_client_state_reads_what_load_checkpoint_returns(tmp_path: Path) -> None:
+    from shardwise.checkpoint import CheckpointError, consolidated_client_state
+
+    run_distributed(_save_client_state, 2, args=(str(tmp_path / "plain"), False), timeout=120)
+    got = consolidated_client_state(tmp_path / "plain")
+    assert got["epoch"] == 3 and got["names"] == ("a", "b") and got["nested"] == {"k": [1.5]}
+    assert torch.equal(got["score"], torch.tensor([0.25, 0.5]))
+    run_distributed(_save_client_state, 2, args=(str(tmp_path / "pickled"), True), timeout=120)
+    try:
+        consolidated_client_state(tmp_path / "pickled", tag="t")
+    except CheckpointError as exc:
+        assert "allow_pickle" in str(exc)
+    else:
+        raise AssertionError("a pickled client_state entry was read without allow_pickle")
+    assert consolidated_client_state(tmp_path / "pickled", allow_pickle=True)["path"] == Path("/x")
