@@ -218,7 +218,8 @@ class ShardwiseStrategy(_Base, metaclass=_PackageChooser):
                 raise ValueError("the strategy's config has a `scheduler` section and `configure_optimizers` returns "
                                  "an LR scheduler; keep one of them")
             schedulers = [flavour.LRSchedulerConfig(build_scheduler(resolved.scheduler, optimizer), interval="step")]
-        return resolved.replace(optimizer=None, scheduler=None), optimizer, schedulers
+        # the engine resolves its own copy (resolving twice would mark every default as set by the user)
+        return config.replace(optimizer=None, scheduler=None), optimizer, schedulers
 
     def _release_engine(self) -> None:
         """Give the module back as a plain one (stage 3: full parameters again; collective)."""
