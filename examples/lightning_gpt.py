@@ -24,11 +24,11 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
 
 # The model and data live next to this script (its folder is on sys.path when run).
 from data import TextWindows, decode, encode, load_bytes, split_text
 from gpt import GPT, gpt_config, preset_names
+from torch.utils.data import DataLoader
 
 from shardwise.lightning import ShardwiseStrategy, convert_zero_checkpoint_to_fp32_state_dict
 

@@ -228,11 +228,12 @@ def _resume_case(root: str, save_stage: int, load_stage: int) -> None:
     where = Path(root) / f"{save_stage}-{load_stage}"
     straight, straight_module = _fit(ShardwiseStrategy(stage=save_stage), max_epochs=3, accumulate_grad_batches=2)
     want = _params(straight, straight_module)
-    first, _ = _fit(ShardwiseStrategy(stage=save_stage, config={"checkpoint": {"timeout": 4}}),
-                    max_epochs=1, accumulate_grad_batches=2)
+    first, first_module = _fit(ShardwiseStrategy(stage=save_stage, config={"checkpoint": {"timeout": 4}}),
+                               max_epochs=1, accumulate_grad_batches=2)
     first.save_checkpoint(where / "epoch1.ckpt")
     if save_stage == load_stage:
         _rank0_alone(first, where / "alone.ckpt")
+    first_test = first.test(first_module, _loader(16))[0]["test_loss"]
     second, second_module = _fit(ShardwiseStrategy(stage=load_stage), max_epochs=3, accumulate_grad_batches=2,
                                  ckpt_path=str(where / "epoch1.ckpt"))
     got = _params(second, second_module)
@@ -243,6 +244,12 @@ def _resume_case(root: str, save_stage: int, load_stage: int) -> None:
         # the same stage reduces in the same order (bit-exact); another stage in another one
         assert_close(got, want, atol=0 if save_stage == load_stage else 1e-6, rtol=0)
         _consolidated(where / "epoch1.ckpt", where / "epoch1-fp32.ckpt")
+    dist.barrier()  # the consolidated file is there for every rank
+    # `test` from the directory and from the consolidated file, on an inference engine at the other stage
+    tested = _trainer(ShardwiseStrategy(stage=load_stage))
+    from_dir = tested.test(LitParity(), _loader(16), ckpt_path=str(where / "epoch1.ckpt"))[0]["test_loss"]
+    from_file = tested.test(LitParity(), _loader(16), ckpt_path=str(where / "epoch1-fp32.ckpt"))[0]["test_loss"]
+    assert_close([from_dir, from_file], [first_test] * 2, atol=1e-6, rtol=0)
 
 
 def _rank0_alone(trainer: Any, path: Path) -> None:
