@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import shardwise.lightning
 from shardwise.lightning import ShardwiseStrategy, convert_zero_checkpoint_to_fp32_state_dict
+from shardwise.schedulers import build_scheduler
 from shardwise.testing import run_subtests
 from shardwise.zero.params import is_partitioned
 
@@ -191,6 +192,32 @@ def _manual_case() -> None:
         assert_close(got, want, atol=1e-5, rtol=0)
 
 
+_SCHEDULE = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 4}}
+
+
+class _ConfiguredHere(LitParity):
+    """The optimizer and schedule the config below describes, built by hand."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
+        schedule = build_scheduler({**_SCHEDULE, "deepspeed_start": True}, optimizer)  # the DeepSpeed dialect's start
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class _ConfiguredThere(LitParity):
+    def configure_optimizers(self) -> Any:
+        return None  # as for DeepSpeedStrategy: the config's sections
+
+
+def _config_sections_case() -> None:
+    """`optimizer` and `scheduler` sections in the strategy's config train as the same objects built by hand."""
+    want = _params(*_fit(DDPStrategy(), _ConfiguredHere(), **_RUN))
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}}, "scheduler": _SCHEDULE}
+    got = _params(*_fit(ShardwiseStrategy(stage=2, config=config), _ConfiguredThere(), **_RUN))
+    if dist.get_rank() == 0:
+        assert_close(got, want, atol=1e-5, rtol=0)
+
+
 class _TwoOptimizers(LitManual):
     def configure_optimizers(self) -> Any:
         return [torch.optim.SGD(self.net.embed.parameters(), lr=LR), torch.optim.SGD(self.net.head.parameters(), lr=LR)]
@@ -214,6 +241,7 @@ def parity(root: Path) -> None:
     reference = _reference()
     run_subtests(_parity_case, [{"stage": s, "reference": reference} for s in (0, 1, 2, 3)])
     run_subtests(_manual_case, [{}])
+    run_subtests(_config_sections_case, [{}])
     run_subtests(_refused_case, [
         {"module": "two", "options": {}, "match": "returned 2 optimizers"},
         {"module": "backward", "options": {}, "match": "backward` is overridden"},
