@@ -15,13 +15,17 @@ from .flavour import Flavour
 __all__ = ["refuse_unsupported", "single_optimizer"]
 
 
-def refuse_unsupported(flavour: Flavour, trainer: Any, module: Any, precision: str, chosen_by: str) -> None:
-    """Raise for the first Lightning feature of this run the strategy does not carry out as Lightning would."""
+def refuse_unsupported(flavour: Flavour, trainer: Any, module: Any, precision: str, chosen_by: str,
+                       fitting: bool) -> None:
+    """Raise for the first Lightning feature of this run the strategy does not carry out as Lightning would
+    (outside ``fit``, only the precision matters)."""
     overridden = flavour.is_overridden
     if precision not in PRECISIONS:
         by = f" (the plugin `{chosen_by}`)" if chosen_by else ""
         raise ValueError(f"ShardwiseStrategy does not support `precision={precision!r}`{by}; use one of "
                          f"{sorted(PRECISIONS)}")
+    if not fitting:
+        return
     if overridden("backward", module, flavour.LightningModule):
         raise ValueError("`LightningModule.backward` is overridden, but ShardwiseStrategy runs the backward in the "
                          "engine (loss scaling, gradient reduction); remove the override and put extra work in "

@@ -165,14 +165,16 @@ class ShardwiseStrategy(_Base, metaclass=_PackageChooser):
         self._release_engine()
         plugin: ShardwisePrecision = self.precision_plugin
         module = self.lightning_module
-        refuse_unsupported(self._flavour, trainer, module, plugin.precision, plugin.chosen_by)
+        fitting = trainer.state.fn == self._flavour.TrainerFn.FITTING
+        refuse_unsupported(self._flavour, trainer, module, plugin.precision, plugin.chosen_by, fitting)
         self.accelerator.setup(trainer)
         if self.root_device.type != "cpu" and not self._built_partitioned:
             module.to(self.root_device)  # parameters `zero.Init` partitioned are placed by the engine
+        self._built_partitioned = False
         facts = TrainerFacts(plugin.precision, trainer.accumulate_grad_batches, trainer.gradient_clip_val,
                              self.world_size)
         config = self._source.for_run(facts)
-        if trainer.state.fn == self._flavour.TrainerFn.FITTING:
+        if fitting:
             if self._layer_sync is not None:
                 module = self._layer_sync.apply(module)
             self._setup_training(trainer, module, config)
