@@ -12,8 +12,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _checkpoint_common import TiedNet, assert_same, build, noisy_model, snapshot, tied_model, train
+from _checkpoint_common import TiedNet, assert_same, build, config, noisy_model, snapshot, tied_model, train
+from _parity import make_model
 
+import shardwise
 from shardwise.checkpoint import consolidate, load_consolidated
 from shardwise.testing import distributed_test, run_distributed, run_subtests
 
@@ -189,3 +191,55 @@ def _check_cli(root: Path, capsys: Any) -> None:
     assert_same(load_consolidated(out), load_consolidated(root / "gpt3.pt"))
     assert main(["checkpoint", "consolidate", str(root / "missing"), "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def _save_client_state(root: str, pickled: bool) -> None:
+    engine = build(2, **({"checkpoint": {"allow_pickle": True}} if pickled else {}))
+    train(engine, 0, 1)
+    state: dict[str, Any] = {"epoch": 3, "score": torch.tensor([0.25, 0.5]), "names": ("a", "b"), "nested": {"k": [1.5]}}
+    if pickled:
+        state["path"] = Path("/x")  # a type JSON lacks: stored only with allow_pickle
+    engine.save_checkpoint(root, tag="t", client_state=state)
+    engine.destroy()
+
+
+def test_consolidated_client_state_reads_what_load_checkpoint_returns(tmp_path: Path) -> None:
+    from shardwise.checkpoint import CheckpointError, consolidated_client_state
+
+    run_distributed(_save_client_state, 2, args=(str(tmp_path / "plain"), False), timeout=120)
+    got = consolidated_client_state(tmp_path / "plain")
+    assert got["epoch"] == 3 and got["names"] == ("a", "b") and got["nested"] == {"k": [1.5]}
+    assert torch.equal(got["score"], torch.tensor([0.25, 0.5]))
+    run_distributed(_save_client_state, 2, args=(str(tmp_path / "pickled"), True), timeout=120)
+    try:
+        consolidated_client_state(tmp_path / "pickled", tag="t")
+    except CheckpointError as exc:
+        assert "allow_pickle" in str(exc)
+    else:
+        raise AssertionError("a pickled client_state entry was read without allow_pickle")
+    assert consolidated_client_state(tmp_path / "pickled", allow_pickle=True)["path"] == Path("/x")
+
+
+def _load_into_inference_engine(root: str) -> None:
+    def case(save_stage: int, load_stage: int) -> None:
+        where = str(Path(root) / f"{save_stage}-{load_stage}")
+        trained = build(save_stage)
+        train(trained, 0, 2)
+        trained.save_checkpoint(where, tag="t")
+        want = trained.full_state_dict()
+        trained.destroy()
+        inference = shardwise.initialize(make_model(seed=5), config=config(load_stage))  # no optimizer: no masters
+        inference.load_checkpoint(where, load_optimizer_states=False, load_lr_scheduler_states=False)
+        got = inference.full_state_dict()
+        if dist.get_rank() == 0:
+            assert_same(got, want, f"stage {save_stage} -> inference stage {load_stage}")
+        inference.destroy()
+
+    run_subtests(case, [{"save_stage": 2, "load_stage": 2}, {"save_stage": 1, "load_stage": 3},
+                        {"save_stage": 3, "load_stage": 0}])
+
+
+def test_an_engine_without_optimizer_loads_the_saved_weights(tmp_path: Path) -> None:
+    """Trained parameters are saved as masters; an inference engine keeps none, so each is read into a module
+    buffer, which must be filled before the engine installs it (it once installed uninitialized memory)."""
+    run_distributed(_load_into_inference_engine, 2, args=(str(tmp_path),), timeout=180)

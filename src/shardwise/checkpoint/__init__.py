@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 __all__ = [
     "CheckpointError",
     "consolidate",
+    "consolidated_client_state",
     "consolidated_state_dict",
     "describe",
     "load_checkpoint",
@@ -32,6 +33,7 @@ __all__ = [
 _WHERE = {
     "CheckpointError": ".errors",
     "consolidate": ".consolidation",
+    "consolidated_client_state": ".consolidation",
     "consolidated_state_dict": ".consolidation",
     "describe": ".consolidation",
     "load_consolidated": ".consolidation",
@@ -42,7 +44,13 @@ _WHERE = {
 }
 
 if TYPE_CHECKING:
-    from .consolidation import consolidate, consolidated_state_dict, describe, load_consolidated
+    from .consolidation import (
+        consolidate,
+        consolidated_client_state,
+        consolidated_state_dict,
+        describe,
+        load_consolidated,
+    )
     from .entry import load_checkpoint, save_checkpoint
     from .errors import CheckpointError
     from .group import load_checkpoints, save_checkpoints

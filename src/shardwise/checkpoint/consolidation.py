@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..export import ALIASES_KEY, KEYS_KEY, save_state_dict, tied_aliases
+from .codec import Decoder, refuse_pickles, tensor_refs
 from .deepspeed_files import find_deepspeed
 from .deepspeed_format import read_deepspeed
 from .digests import expected_digests
@@ -40,7 +41,7 @@ from .storage import LoadPlanner, SafeReader, dcp_errors, record_is_stored
 from .torch_files import check_views
 from .verify import check_complete
 
-__all__ = ["consolidate", "consolidated_state_dict", "describe", "load_consolidated"]
+__all__ = ["consolidate", "consolidated_client_state", "consolidated_state_dict", "describe", "load_consolidated"]
 
 def _checkpoint(ckpt_dir: Any, tag: Optional[str], engine: Optional[str]) -> tuple[Path, dict[str, Any]]:
     path = resolve(ckpt_dir, tag)
@@ -78,6 +79,25 @@ def consolidated_state_dict(ckpt_dir: Any, tag: Optional[str] = None, engine: Op
             values[name] = value.float()  # as engine.full_state_dict(): full precision
     aliases = manifest["aliases"]
     return {key: values[aliases.get(key, key)] for key in manifest["state_dict_keys"]}
+
+
+def consolidated_client_state(ckpt_dir: Any, tag: Optional[str] = None, engine: Optional[str] = None, *,
+                              allow_pickle: bool = False) -> dict[str, Any]:
+    """The ``client_state`` saved in ``ckpt_dir`` (what ``load_checkpoint`` returns second), read in one CPU
+    process with no process group, tensors included.  An entry that needed pickle is refused unless
+    ``allow_pickle`` (unpickling can run code from the checkpoint)."""
+    path, manifest = _checkpoint(ckpt_dir, tag, engine)
+    encoded = manifest["client_state"]
+    refuse_pickles(encoded, "client_state", allow_pickle)
+    tensors = {ref["__tensor__"]: torch.empty(ref["shape"], dtype=getattr(torch, ref["dtype"]))
+               for ref in tensor_refs(encoded)}
+    if tensors:
+        with warnings.catch_warnings(), dcp_errors(path):
+            warnings.simplefilter("ignore")  # DCP warns that no process group exists: that is the point here
+            reader = SafeReader(path, expected_digests(manifest, path / MANIFEST))
+            dcp.load({"extra": TensorState(tensors)}, storage_reader=reader, planner=LoadPlanner(), no_dist=True)
+    state = Decoder(tensors, allow_pickle).decode(encoded, "client_state")
+    return state if isinstance(state, dict) else {}
 
 
 def consolidate(ckpt_dir: Any, out: Any, tag: Optional[str] = None, engine: Optional[str] = None) -> dict[str, Any]:

@@ -196,10 +196,12 @@ class _Load:
         with_master = {name: shape for f in found for name, shape in f["with_master"].items()}
         states, _ = self.session.step("planning the load", lambda: self._plan(with_master))
         self.session.step("reading and checking its shards", lambda: self._read(states))
-        # Every rank has read and validated everything: apply (collective where partitioned).
-        self.apply_entries()
+        # Every rank has read and validated everything: apply. The states' actions first: one of them fills a
+        # module entry's buffer from a saved master (an engine without an optimizer, e.g. for inference, keeps
+        # no masters), and the engine's entries (collective where partitioned) must install filled buffers.
         for state in states.values():
             state.apply()
+        self.apply_entries()
         self._apply_decoded()
         return str(self.path), self.decoded.client_state
 
