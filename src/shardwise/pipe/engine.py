@@ -304,7 +304,7 @@ class PipelineEngine(Engine):
     def checkpointable(self) -> PipelineState:
         """The whole pipeline as the checkpoint layer sees it: every rank, global names
         (``engine.save_checkpoint``/``load_checkpoint`` go through it)."""
-        return PipelineState(self)
+        return PipelineState(self, self.module, self.groups, self.ties)
 
     def __repr__(self) -> str:
         module = self.module
