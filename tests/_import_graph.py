@@ -1,7 +1,8 @@
-"""The package's import graph, read from source with ``ast``: every import, including those inside functions.
+"""The package's import graph, read from source with ``ast``: every import, including those inside functions
+and those under ``if TYPE_CHECKING:``.
 
-Imports under ``if TYPE_CHECKING:`` are left out: they never run, so they cannot form a loop at run time.
-A ``from package import name`` counts as an import of ``package.name`` when that is a module, else of
+An import under ``if TYPE_CHECKING:`` never runs, so it cannot form a loop at run time, but a reader still has
+to hold the circle in mind: its edge is kept and marked ``typing_only``.  A ``from package import name`` counts as an import of ``package.name`` when that is a module, else of
 ``package`` itself; the implicit import of a module's parent packages is not counted (every module would
 otherwise depend on ``shardwise/__init__``, which imports most of them).
 """
@@ -16,12 +17,14 @@ from typing import Iterator, Optional
 
 @dataclass(frozen=True)
 class Edge:
-    """One import statement: ``source`` imports ``target`` at ``line``; ``deferred`` when inside a function."""
+    """One import statement: ``source`` imports ``target`` at ``line``; ``deferred`` when inside a function,
+    ``typing_only`` when under ``if TYPE_CHECKING:`` (it never runs)."""
 
     source: str
     target: str
     line: int
     deferred: bool
+    typing_only: bool = False
 
 
 def module_names(root: Path, package: str) -> dict[str, Path]:
@@ -36,16 +39,21 @@ def module_names(root: Path, package: str) -> dict[str, Path]:
 
 
 def edges(root: Path, package: str) -> list[Edge]:
-    """All imports between modules of the package, module-level and deferred alike."""
+    """All imports between modules of the package: module-level, deferred and typing-only alike."""
     modules = module_names(root, package)
     found: list[Edge] = []
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
         tree = ast.parse(path.read_text(), filename=str(path))
-        for node, deferred in _imports(tree):
+        for node, deferred, typing_only in _imports(tree):
             for target in _targets(node, name, is_package, modules):
-                found.append(Edge(name, target, node.lineno, deferred))
+                found.append(Edge(name, target, node.lineno, deferred, typing_only))
     return found
+
+
+def run_time(found: list[Edge]) -> list[Edge]:
+    """The edges of imports that can run (not under ``if TYPE_CHECKING:``)."""
+    return [edge for edge in found if not edge.typing_only]
 
 
 def cycles(found: list[Edge]) -> list[list[str]]:
@@ -59,20 +67,27 @@ def cycles(found: list[Edge]) -> list[list[str]]:
     return sorted(loops)
 
 
-def _imports(tree: ast.Module) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
-    """(import node, inside a function?) for every import that can run, skipping ``if TYPE_CHECKING:``."""
+Found = tuple[ast.Import | ast.ImportFrom, bool, bool]
 
-    def walk(node: ast.AST, deferred: bool) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+
+def _imports(tree: ast.Module) -> Iterator[Found]:
+    """(import node, inside a function?, under ``if TYPE_CHECKING:``?) for every import."""
+
+    def walk(node: ast.AST, deferred: bool, typing_only: bool) -> Iterator[Found]:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and _is_type_checking(child.test):
-                yield from (pair for branch in child.orelse for pair in walk(branch, deferred))
+                yield from (found for branch in child.body for found in walk_one(branch, deferred, True))
+                yield from (found for branch in child.orelse for found in walk_one(branch, deferred, typing_only))
                 continue
-            if isinstance(child, (ast.Import, ast.ImportFrom)):
-                yield child, deferred
-            inner = deferred or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-            yield from walk(child, inner)
+            yield from walk_one(child, deferred, typing_only)
 
-    return walk(tree, False)
+    def walk_one(node: ast.AST, deferred: bool, typing_only: bool) -> Iterator[Found]:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node, deferred, typing_only
+        inner = deferred or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        yield from walk(node, inner, typing_only)
+
+    return walk(tree, False, False)
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -149,7 +164,7 @@ def uncommented_deferred(root: Path, package: str) -> list[str]:
     found: list[str] = []
     for name, path in module_names(root, package).items():
         lines = path.read_text().splitlines()
-        for node, deferred in _imports(ast.parse("\n".join(lines), filename=str(path))):
+        for node, deferred, _ in _imports(ast.parse("\n".join(lines), filename=str(path))):
             if deferred and not _explained(lines, node.lineno - 1):
                 found.append(f"{name}:{node.lineno}")
     return found

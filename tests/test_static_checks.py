@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _import_graph import cycles, edges, uncommented_deferred
+from _import_graph import cycles, edges, run_time, uncommented_deferred
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,10 +34,25 @@ def test_ruff_reports_nothing() -> None:
 _DEFERRED_NOT_YET_EXPLAINED = {"shardwise.zero.init", "shardwise.zero.traced", "shardwise.zero.weights"}
 
 
+# The circles kept, each with its reason (docs/architecture.md, "Import circles kept"). Compared for equality:
+# a new circle fails, and so does one that is gone but still listed.
+_CIRCLES_KEPT = [
+    # to be removed in the layout change of issue 36: engine_state and engine_weights (its checkpoint view and
+    # weights surface) name the Engine in their annotations, and the Engine builds them
+    ["shardwise.engine", "shardwise.engine_state", "shardwise.engine_weights"],
+]
+
+
 def test_the_package_has_no_import_cycle_counting_imports_inside_functions() -> None:
     found = edges(ROOT / "src" / "shardwise", "shardwise")
     assert len(found) > 100, f"the import graph has only {len(found)} edges: the parser lost imports"
-    assert cycles(found) == []
+    assert cycles(run_time(found)) == []
+
+
+def test_no_import_circle_counting_type_checking_imports_but_those_kept() -> None:
+    found = edges(ROOT / "src" / "shardwise", "shardwise")
+    assert sum(edge.typing_only for edge in found) > 10, "the parser lost the imports under `if TYPE_CHECKING:`"
+    assert cycles(found) == _CIRCLES_KEPT
 
 
 def test_every_import_inside_a_function_says_why() -> None:
@@ -53,8 +68,12 @@ def test_the_import_graph_sees_a_loop_made_inside_functions(tmp_path: Path) -> N
     (package / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import c\n"
                                   "def f():\n    from .a import x\n")
     (package / "c.py").write_text("from .b import f\n")
+    (package / "d.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    pass\nelse:\n    import pkg.c\n")
     found = edges(package, "pkg")
-    assert cycles(found) == [["pkg.a", "pkg.b"]]  # b -> c is under TYPE_CHECKING: never runs
+    assert cycles(run_time(found)) == [["pkg.a", "pkg.b"]]  # b -> c is under TYPE_CHECKING: never runs
+    assert cycles(found) == [["pkg.a", "pkg.b", "pkg.c"]]  # but a reader still follows it
+    assert [(e.source, e.target) for e in found if e.typing_only] == [("pkg.b", "pkg.c")]
+    assert ("pkg.d", "pkg.c", False) in [(e.source, e.target, e.typing_only) for e in found]  # the `else:` runs
     assert uncommented_deferred(package, "pkg") == ["pkg.b:5"]
 
 

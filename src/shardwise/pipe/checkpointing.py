@@ -33,11 +33,13 @@ from torch import nn
 from ..distributed import Comm
 from ..engine_state import EngineState
 from ..param_state import ParamShard
-from .module import TIED_PREFIX
+from .module import TIED_PREFIX, PipelineModule
+from .ties import TiedWeights
+from .topology import PipeGroups
 
 if TYPE_CHECKING:
     from ..checkpoint.protocol import Apply
-    from .engine import PipelineEngine
+    from ..engine import Engine
 
 __all__ = ["GlobalModule", "PipelineState", "global_order"]
 
@@ -110,16 +112,17 @@ class GlobalModule(nn.Module):
 
 
 class PipelineState(EngineState):
-    """A :class:`~.engine.PipelineEngine` behind the checkpoint protocol; see the module docstring."""
+    """A pipeline engine behind the checkpoint protocol (see the module docstring): ``engine`` is
+    this rank's, over its stage ``module``; ``groups`` and ``ties`` are the pipeline's."""
 
-    def __init__(self, engine: "PipelineEngine") -> None:
+    def __init__(self, engine: "Engine", module: PipelineModule, groups: PipeGroups, ties: TiedWeights) -> None:
         super().__init__(engine)
-        self._pipeline = engine
-        self._global = GlobalModule(engine.module)
+        self._stage, self._groups, self._ties = module, groups, ties
+        self._global = GlobalModule(module)
 
     @property
     def comm(self) -> Comm:
-        return self._pipeline.groups.world
+        return self._groups.world
 
     @property
     def module(self) -> nn.Module:
@@ -128,20 +131,19 @@ class PipelineState(EngineState):
     @contextlib.contextmanager
     def shards(self, loading: bool, wanted: frozenset[str] = frozenset()) -> Iterator[list[ParamShard]]:
         # Every rank has joined the save or load: the stages share their names (collective).
-        engine = self._pipeline
-        tables = engine.groups.pipe.all_gather_object(self._global.describe())
-        self._global.fill(tables, engine.module.tied_keys)
-        copies = engine.ties.written_elsewhere()
-        with engine.strategy.checkpoint_shards(loading, wanted) as shards:
+        tables = self._groups.pipe.all_gather_object(self._global.describe())
+        self._global.fill(tables, self._stage.tied_keys)
+        copies = self._ties.written_elsewhere()
+        with self._strategy.checkpoint_shards(loading, wanted) as shards:
             yield shards if loading else [s for s in shards if s.name not in copies]
 
     def _held_here(self, live: dict[str, torch.Tensor], writing: bool) -> dict[str, torch.Tensor]:
-        stage, local = self._pipeline.module.stage_id, self._pipeline.module.state_dict(keep_vars=True)
+        stage, local = self._stage.stage_id, self._stage.state_dict(keep_vars=True)
         return {n: local[n] for n in live if n in local and (not writing or self._global.first_stage[n] == stage)}
 
     def save_entries(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # The stage's strategy picks its first replica to write them.
-        return self._pipeline.strategy.save_entries(self._held_here(live, writing=True))
+        return self._strategy.save_entries(self._held_here(live, writing=True))
 
     def load_entries(self, live: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], "Apply"]:
-        return self._pipeline.strategy.load_entries(self._held_here(live, writing=False))
+        return self._strategy.load_entries(self._held_here(live, writing=False))

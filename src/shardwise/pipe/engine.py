@@ -33,12 +33,12 @@ from ..distributed import Comm
 from ..engine import Engine
 from ..export import save_state_dict
 from ..fingerprint import config_fingerprint
+from ..zero.flat import FlatStrategy
 from .checkpointing import PipelineState, global_order
 from .layers import compute_loss
 from .module import PipelineModule
 from .p2p import Channel, gather_to_first, working_copy
 from .schedule import Action, Phase, forward_only, one_f_one_b
-from .strategy import PipelineStrategy
 from .ties import TiedWeights
 from .topology import PipeGroups
 
@@ -90,11 +90,11 @@ class PipelineEngine(Engine):
             model_parameters=model_parameters, process_group=self.groups.data.group, name=name,
         )
         self.module: PipelineModule = module
-        self.pipeline_strategy = PipelineStrategy(self.strategy, self.ties.copies())
+        # The step sees the whole model: the norm (clipping, overflow) summed over every stage, each tied
+        # weight once (on the first stage holding it).
+        assert isinstance(self.strategy, FlatStrategy)  # stages 0-1 (_check_pipeline_config)
+        self.strategy.count_elsewhere(self.ties.copies())
         if self.optimizer is not None:
-            # The step sees the whole model: the norm (clipping, overflow) summed over every
-            # stage, each tied weight once.
-            self.optimizer.strategy = self.pipeline_strategy
             self.optimizer.model_parallel_comm = self.groups.pipe
         first = next(module.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
@@ -304,7 +304,7 @@ class PipelineEngine(Engine):
     def checkpointable(self) -> PipelineState:
         """The whole pipeline as the checkpoint layer sees it: every rank, global names
         (``engine.save_checkpoint``/``load_checkpoint`` go through it)."""
-        return PipelineState(self)
+        return PipelineState(self, self.module, self.groups, self.ties)
 
     def __repr__(self) -> str:
         module = self.module

@@ -305,7 +305,9 @@ class PipelineModule(nn.Module):
                 "Build the model whole with `PipelineModule(layers, num_stages=1).to_sequential()`; a pipeline "
                 "checkpoint loads into it by name"
             )
-        return PipelineSequential(self)
+        children = [(name, child) for name, child in self.named_children() if child is not self.loss_fn]
+        return PipelineSequential(children, self._steps, self.loss_fn, self.activation_checkpoint_interval,
+                                  self.activation_checkpoint_func)
 
     def extra_repr(self) -> str:
         return f"stage {self.stage_id} of {self.num_stages}, layers [{self.parts[self.stage_id]}, {self.parts[self.stage_id + 1]}) of {self.num_layers}"

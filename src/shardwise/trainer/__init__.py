@@ -8,8 +8,7 @@ collective checkpoints it can resume from exactly.
 from __future__ import annotations
 
 from .batch import BatchError
-from .best import EarlyStopping
-from .callbacks import Callback, TensorBoardCallback
+from .callbacks import Callback, EarlyStopping, TensorBoardCallback
 from .checkpoints import ResumeError
 from .loggers import CSVLogger, MLflowCallback, WandbCallback
 from .loop import FitSummary, StepResult, Trainer

@@ -1,4 +1,4 @@
-"""Watching a metric: which evaluation was best (for the best checkpoint), and how long since (early stopping).
+"""Watching a metric: which evaluation was best (for the best checkpoint and ``EarlyStopping``).
 
 Evaluation results are reduced over all ranks before anyone sees them, so
 every rank's :class:`Watch` takes the same decisions without talking.
@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-from .callbacks import Callback
-
-if TYPE_CHECKING:
-    from .loop import Trainer
-
-__all__ = ["EarlyStopping", "Watch", "metric_key"]
+__all__ = ["Watch", "metric_key"]
 
 
 def metric_key(name: str) -> str:
@@ -58,25 +53,3 @@ class Watch:
             return False
         self.best, self.best_step = value, int(metrics["step"])
         return True
-
-
-class EarlyStopping(Callback):
-    """Stops training once ``patience`` evaluations in a row did not improve ``metric`` by more than ``min_delta``."""
-
-    def __init__(self, metric: str = "eval_loss", patience: int = 3, greater_is_better: bool = False,
-                 min_delta: float = 0.0) -> None:
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"`EarlyStopping(patience={patience!r})`: expected an integer >= 1")
-        self.watch = Watch(metric, greater_is_better, min_delta)
-        self.patience = patience
-        self.waited = 0
-
-    def on_eval_end(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
-        if self.watch.update(metrics):
-            self.waited = 0
-            return
-        self.waited += 1
-        if self.waited >= self.patience:
-            trainer.request_stop(
-                f"early stopping: `{self.watch.name}` has not improved on {self.watch.best:.6g} (step "
-                f"{self.watch.best_step}) for {self.waited} evaluation(s)")

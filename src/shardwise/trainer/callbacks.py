@@ -6,20 +6,20 @@ that wants a checkpoint now or the run to end calls ``trainer.request_save()``
 or ``trainer.request_stop(reason)``; the trainer turns that into a decision all
 ranks take together at the end of the step (no rank saves alone; a stop asked
 on one rank stops all).  Subclassing :class:`Callback` is optional: any object
-with some of the hooks works.
+with some of the hooks works: the loop calls them by name (:class:`.control.CallbackList`)
+and knows nothing of this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Optional
+
+from .best import Watch
 
 if TYPE_CHECKING:
     from .loop import FitSummary, Trainer
 
-__all__ = ["HOOKS", "Callback", "CallbackList", "TensorBoardCallback"]
-
-HOOKS = ("on_train_start", "on_step_end", "on_log", "on_eval_end", "on_save", "on_train_end")
+__all__ = ["Callback", "EarlyStopping", "TensorBoardCallback"]
 
 
 class Callback:
@@ -43,25 +43,6 @@ class Callback:
 
     def on_train_end(self, trainer: "Trainer", summary: "FitSummary") -> None:
         """When ``fit()`` ends, with what it returns."""
-
-
-class CallbackList:
-    """Calls a hook on every callback that has it, in order."""
-
-    def __init__(self, callbacks: Iterable[Any]) -> None:
-        self.callbacks = list(callbacks)
-        for callback in self.callbacks:
-            if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
-                raise TypeError(
-                    f"callback {callback!r} of type `{type(callback).__name__}` has none of the hooks {list(HOOKS)}; "
-                    "define at least one (or subclass `shardwise.trainer.Callback`)"
-                )
-
-    def call(self, hook: str, trainer: "Trainer", *args: Any) -> None:
-        for callback in self.callbacks:
-            method = getattr(callback, hook, None)
-            if callable(method):
-                method(trainer, *args)
 
 
 class TensorBoardCallback(Callback):
@@ -112,3 +93,25 @@ def _summary_writer(log_dir: Optional[str]) -> Any:
             "`pip install 'shardwise[tensorboard]'`, or pass `writer=` an object with `add_scalar`"
         ) from error
     return SummaryWriter(log_dir=log_dir)
+
+
+class EarlyStopping(Callback):
+    """Stops training once ``patience`` evaluations in a row did not improve ``metric`` by more than ``min_delta``."""
+
+    def __init__(self, metric: str = "eval_loss", patience: int = 3, greater_is_better: bool = False,
+                 min_delta: float = 0.0) -> None:
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"`EarlyStopping(patience={patience!r})`: expected an integer >= 1")
+        self.watch = Watch(metric, greater_is_better, min_delta)
+        self.patience = patience
+        self.waited = 0
+
+    def on_eval_end(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
+        if self.watch.update(metrics):
+            self.waited = 0
+            return
+        self.waited += 1
+        if self.waited >= self.patience:
+            trainer.request_stop(
+                f"early stopping: `{self.watch.name}` has not improved on {self.watch.best:.6g} (step "
+                f"{self.watch.best_step}) for {self.waited} evaluation(s)")

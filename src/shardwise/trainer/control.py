@@ -1,4 +1,5 @@
-"""Decisions every rank takes together: small all-reduces through the engine's ``Comm``.
+"""The callbacks as the loop sees them, and decisions every rank takes together (small all-reduces
+through the engine's ``Comm``).
 
 A callback may ask for a stop or a save on one rank only; if that rank acted
 alone, the others would wait forever in the next collective (or save without
@@ -8,14 +9,17 @@ decision per step: any rank asking is every rank doing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Agreement", "Decision", "Requests"]
+__all__ = ["HOOKS", "Agreement", "CallbackList", "Decision", "Requests"]
+
+#: the hooks a callback may have (:mod:`.callbacks`); the loop calls each by name
+HOOKS = ("on_train_start", "on_step_end", "on_log", "on_eval_end", "on_save", "on_train_end")
 
 
 class Agreement:
@@ -76,3 +80,22 @@ class Requests:
         # Every rank reports the same reason: the asking rank's.
         self.stop_reason = agreement.broadcast(self.stop_reason, src=asked_by)
         return Decision(stop=True, save=save > 0, asked_by=asked_by, reason=self.stop_reason)
+
+
+class CallbackList:
+    """Calls a hook on every callback that has it, in order."""
+
+    def __init__(self, callbacks: Iterable[Any]) -> None:
+        self.callbacks = list(callbacks)
+        for callback in self.callbacks:
+            if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
+                raise TypeError(
+                    f"callback {callback!r} of type `{type(callback).__name__}` has none of the hooks {list(HOOKS)}; "
+                    "define at least one (or subclass `shardwise.trainer.Callback`)"
+                )
+
+    def call(self, hook: str, trainer: object, *args: Any) -> None:
+        for callback in self.callbacks:
+            method = getattr(callback, hook, None)
+            if callable(method):
+                method(trainer, *args)

@@ -25,9 +25,8 @@ import torch
 from .batch import LossFn, compute_loss, forward, measure, positional_arity, to_device
 from .best import Watch
 from .build import build_engine
-from .callbacks import CallbackList
 from .checkpoints import Checkpoints
-from .control import Agreement, Decision, Requests
+from .control import Agreement, CallbackList, Decision, Requests
 from .data import Collate, Source, eval_source, train_source
 from .eval_metrics import Collected, ComputeMetrics
 from .logs import routed_logs

@@ -75,6 +75,9 @@ class FlatStrategy(Strategy):
         self._dirty = False
         #: indices of the parameters no rank had a gradient for at the last reduction: the step leaves them alone
         self._unused: list[int] = []
+        #: parameters another model-parallel rank counts in the norm, and their reduced gradients (per layout)
+        self._elsewhere: frozenset[str] = frozenset()
+        self._uncounted: list[torch.Tensor] = []
 
     def _num_shards(self) -> int:
         return self.comm.world_size
@@ -100,6 +103,7 @@ class FlatStrategy(Strategy):
         self.masters = choose_masters(self.layout, self.precision.dtype, self.device, self.grads, offload)
         self.masters.build(initial)
         self.steps = self.masters.steps(self.grads.reduced)
+        self._uncounted = self._reduced_grads_of(self._elsewhere)
         # fixed views for the life of this layout; one shard: the step wrote every parameter, nothing to gather
         self._gathers = self.masters.gather_pairs() if self.layout.num_shards > 1 else []
         for group, originals in zip(self.inner.param_groups, self._groups):
@@ -178,7 +182,28 @@ class FlatStrategy(Strategy):
     def step_sums(self) -> torch.Tensor:
         """This rank's sum of squared reduced gradients (taken while the reduction was waited for); the
         "had a gradient" flags were summed at the end of backward, where DDP leaves unused ``.grad`` None."""
-        return self.grads.reduced.norm_share().reshape(1).clone()  # (a copy: the sum is taken in place)
+        total = self.grads.reduced.norm_share().reshape(1).clone()  # (a copy: the sum is taken in place)
+        for grad in self._uncounted:
+            total[0] -= torch.dot(grad, grad)
+        return total
+
+    def count_elsewhere(self, names: frozenset[str]) -> None:
+        """Leave the gradients of the parameters ``names`` out of :meth:`step_sums`, now and after every
+        rebuild of the layout: another model-parallel rank counts them (a pipeline's tied copies, whose first
+        holder is another stage, :mod:`shardwise.pipe.ties`)."""
+        self._elsewhere = names
+        self._uncounted = self._reduced_grads_of(names)
+
+    def _reduced_grads_of(self, names: frozenset[str]) -> list[torch.Tensor]:
+        """This rank's pieces of the reduced fp32 gradients of the trainable parameters ``names``."""
+        named = {id(p): n for n, p in self.module.named_parameters()} if names else {}
+        found = []
+        for piece in self.layout.pieces:
+            if named.get(id(self.layout.params[piece.param])) in names:
+                bucket, _ = self.layout.bucket_of[piece.param]
+                start = piece.shard_offset - bucket.shard_offset
+                found.append(self.grads.reduced.slices[bucket.index].narrow(0, start, piece.numel))
+        return found
 
     def step(self, inner: Any, factor: float, sums: torch.Tensor, release: bool) -> None:
         self.settle()
