@@ -20,9 +20,9 @@ class ZeroOptimizer(ShardwiseOptimizer):
     stage 3's "had a gradient" flags beside it) serves both clipping and
     overflow detection: an inf or NaN anywhere makes the global sum non-finite
     on every rank, so all ranks skip the same step.  The strategy is asked twice: for this rank's terms of the
-    sums (the norm's share, which a pipeline's strategy trims by its tied
-    copies, :mod:`shardwise.pipe.strategy`; stage 3's "had a gradient" flags
-    ride along), and for the step itself with the factor that unscales and
+    sums (the norm's share, without a pipeline stage's tied copies counted
+    on another stage: ``FlatStrategy.count_elsewhere``; stage 3's "had a
+    gradient" flags ride along), and for the step itself with the factor that unscales and
     clips.
     """
 
