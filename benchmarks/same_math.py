@@ -61,11 +61,11 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def configurations() -> list[dict[str, Any]]:
     """Every configuration recorded, as (name, stage, dtype, clip, unused, offload)."""
-    plain = [
+    plain: list[dict[str, Any]] = [
         {"stage": s, "dtype": d, "clip": c, "unused": u, "offload": ""}
         for s, d, c, u in itertools.product(range(4), ("fp32", "bf16", "fp16"), (False, True), (False, True))
     ]
-    offloaded = [
+    offloaded: list[dict[str, Any]] = [
         {"stage": s, "dtype": d, "clip": True, "unused": False, "offload": o}
         for (s, o), d in itertools.product(
             ((1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "both")), ("fp32", "bf16"))
