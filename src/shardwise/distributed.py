@@ -34,7 +34,7 @@ import torch.distributed as dist
 from . import exit as _exit
 from . import faults
 from . import shm as _shm
-from .faults import control
+from .faults import announce, control, published
 from .faults.ledger import Entry, Ledger, ledger_for
 
 __all__ = ["Comm", "DEFAULT_TIMEOUT", "Work", "group_key", "init_distributed"]
@@ -66,6 +66,14 @@ class _Group:
         for work in self.works:
             work.wait()
             _exit.forget(work)
+        return True
+
+    def wait_for(self, seconds: float) -> bool:
+        """Wait at most ``seconds`` for each work still in flight: whether all are done (:mod:`.faults.published`)."""
+        while self.works:
+            if not published.finished(self.works[0], seconds):
+                return False
+            _exit.forget(self.works.pop(0))
         return True
 
 
@@ -138,7 +146,8 @@ class _Watched:
         ledger = self.comm.ledger
         ledger.waiting = self.entry
         try:
-            self.work.wait()
+            # in slices, reading what the peers published: one that raised before issuing it is named at once
+            published.wait(self.work, ledger, self.comm.global_rank, self.entry.seq)
         except RuntimeError as exc:
             raise self.comm.fault(f"waiting on {self.entry.describe()}", exc, self.entry.seq) from exc
         finally:
@@ -237,6 +246,11 @@ class Comm:
         ledger = self.ledger
         if ledger.broken is not None:
             raise ledger.broken
+        if announce.STRICT and ledger.scope is None:
+            raise RuntimeError(f"rank {self.rank}: a {kind} ({label or 'no label'}) was issued on process group "
+                               f"{ledger.key} outside any announced operation (`SHARDWISE_STRICT_COLLECTIVES=1`), "
+                               f"in {faults.current_activity()}: announce the operation that issues it "
+                               "(shardwise.faults.announce)")
         entry = ledger.record(kind, tensor.numel(), tensor.dtype, label)
         if self.debug:
             control.before(ledger, self.global_rank, self.timeout,
@@ -259,6 +273,9 @@ class Comm:
         if ledger.broken is None:
             failure = faults.Failure(ledger, self.global_rank, operation, faults.short_cause(exc), self.timeout, seq)
             ledger.broken = faults.diagnose(failure)
+            shm = getattr(self, "shm", None)  # (None while the Comm is being made)
+            if shm is not None:
+                shm.abandon()  # its worker would wait on for a peer that will not come
         return ledger.broken
 
     def check(self, point: str, counters: Sequence[int], names: Sequence[str]) -> None:
