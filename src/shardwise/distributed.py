@@ -199,6 +199,7 @@ class Comm:
         self.ledger = ledger_for(group_key(self.group), dist.get_process_group_ranks(self._pg), self._pg)
         self._limit = timedelta(seconds=self.timeout)
         self._options: dict[Any, Any] = {}
+        self._waiter = published.Waiter()
         faults.watch(self.global_rank, self.timeout)
 
     # The engine's three calls on the transport; the set-up itself lives in `self.shm` (:mod:`.shm`).
@@ -307,7 +308,9 @@ class Comm:
         if segment is not None:
             return self._issue("reduce_scatter", input, label, lambda: segment.reduce_scatter(output, input), async_op)
         opts = self._opts(dist.ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
-        return self._issue("reduce_scatter", input, label, lambda: _RS(self._pg, output, input, opts), async_op)
+        # gloo's reduce-scatter ignores a timed wait: waited for on a thread, so its waiter can read faults
+        return self._issue("reduce_scatter", input, label,
+                           lambda: self._waiter.watch(_RS(self._pg, output, input, opts)), async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "") -> Work:
         """Concatenate every rank's ``input`` into ``output`` (``N × input`` elements)."""

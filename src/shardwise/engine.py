@@ -28,7 +28,6 @@ from .engine_getters import DeepSpeedGetters
 from .engine_weights import WeightsSurface
 from .faults import doing
 from .faults.announce import Announcer, register
-from .faults.ledger import start
 from .hardware import warn_if_slow_bf16
 from .optim import resolve_optimizer
 from .precision import Precision
@@ -520,8 +519,9 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         forward passes announces itself as one of ``generate``: ranks that stop at different lengths are caught
         at the first pass one rank runs alone)."""
         with doing("generate", self._label):
+            # no scope of its own: each pass announces (and from then on a failure counts), or, at stages 0-2,
+            # moves nothing
             self._require_clean("`engine.generate`", after_backward=False)
-            start()  # no scope of its own: each pass announces (or, at stages 0-2, moves nothing)
             return generate(*args, **kwargs)
 
     def __repr__(self) -> str:

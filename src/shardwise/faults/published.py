@@ -3,13 +3,21 @@
 A rank that raises in an engine call publishes its error (:mod:`.heartbeat`),
 and the ranks waiting for it used to read that only after their own wait
 failed, at ``comms.timeout``.  Here every wait is cut into slices of
-:data:`SLICE_S`: the work is waited for a slice at a time (a gloo work whose
-timed wait ran out stays in flight, and completes normally on a later wait:
-measured on torch 2.13, an all-reduce whose peer arrived 1 s late finished
-after 9 slices of 0.1 s with the right sum), and between slices the waiter
-reads one store counter that every publication moves, and the peers' records
-only when it moved.  A slice that completes costs nothing more than the wait
-itself; the backend's own timeout (``comms.timeout``) still ends the work.
+:data:`SLICE_S`: the work is waited for a slice at a time, and between slices
+the waiter reads one store counter that every publication moves, and the
+peers' records only when it moved.  A slice that completes costs nothing more
+than the wait itself; the backend's own timeout (``comms.timeout``) still
+ends the work.
+
+What torch 2.13's gloo works do with ``Work.wait(timeout)`` (measured, two
+ranks, the peer 1 s late): an all-reduce, all-gather or broadcast raises
+``Operation timed out!`` when the slice runs out and stays in flight: a later
+wait completes it with the right result (9 slices of 0.1 s, then the sum).
+A reduce-scatter (``reduce_scatter_single`` and the list form alike) ignores
+the timeout and blocks until done, and its ``is_completed()`` stays False even
+after it finished, so it cannot be polled either: such a work is waited for on
+a helper thread (:class:`Waiter`), and its waiter waits for that thread's
+signal in slices.  The backend's timeout still ends it there.
 
 Which published error means "that rank will not come" (a stale one must not stop a healthy job):
 
@@ -25,6 +33,8 @@ Which published error means "that rank will not come" (a stale one must not stop
 
 from __future__ import annotations
 
+import queue
+import threading
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -32,7 +42,7 @@ from . import ledger as _ledger
 from .heartbeat import PUBLISHED_KEY, fault_record, heartbeat
 from .ledger import Ledger
 
-__all__ = ["SLICE_S", "PeerErrors", "PeerPublished", "finished", "wait"]
+__all__ = ["SLICE_S", "PeerErrors", "PeerPublished", "Waiter", "finished", "wait"]
 
 #: seconds a wait lasts before the waiter looks at what its peers published (a peer's error is named this
 #: long after it was published, at most, plus one store read)
@@ -123,3 +133,73 @@ def wait(work: Any, ledger: Ledger, rank: int, seq: Optional[int] = None) -> Non
         found = errors.find(ledger.key, seq) if errors is not None else None
         if found is not None:
             raise PeerPublished(found[1])
+
+
+# ------------------------------------------------------------ works whose own wait cannot be cut
+class Waited:
+    """A work waited for on a :class:`Waiter`'s thread: ``wait_for`` waits in slices for its signal."""
+
+    __slots__ = ("work", "done", "error")
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        try:
+            self.work.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def wait_for(self, seconds: float) -> bool:
+        """Wait at most ``seconds``: True once the work finished (its error raised), False while it runs on."""
+        if not self.done.wait(seconds):
+            return False
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        """Wait (at most ``timeout``: then raise, as a timed ``Work.wait`` does)."""
+        if not self.wait_for(timeout.total_seconds() if timeout is not None else 1e9):
+            raise RuntimeError(_RAN_OUT)
+        return True
+
+
+class Waiter:
+    """One thread that waits, in order, for the works handed to it (a group's reduce-scatters over gloo).
+
+    The thread ends after :data:`_IDLE_S` seconds without work and starts again with the next one, so a
+    dropped group leaves no thread behind.
+    """
+
+    _IDLE_S = 5.0
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Waited] = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def watch(self, work: Any) -> Waited:
+        """``work``, waited for on the thread from now on."""
+        waited = Waited(work)
+        self._queue.put(waited)
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=_serve, args=(self._queue, self._IDLE_S),
+                                                name="shardwise-waiter", daemon=True)
+                self._thread.start()
+        return waited
+
+
+def _serve(jobs: "queue.SimpleQueue[Waited]", idle: float) -> None:
+    while True:
+        try:
+            job = jobs.get(timeout=idle)
+        except queue.Empty:
+            return
+        job.run()
+        del job  # hold nothing between works
