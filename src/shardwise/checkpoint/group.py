@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..agreement import Session, join
 from ..distributed import Comm
-from ..faults.announce import Announcer, register
+from ..faults.announce import Announcer
 from ..faults.ledger import doing
 from . import files
 from .commit import commit, fsync_dir, remove_stale_temps, write_atomic, write_json
@@ -198,6 +198,3 @@ def load_checkpoints(load_dir: Any, engines: Mapping[str, Checkpointable], tag: 
             client = state if client is None else client
     return str(root / tag), client
 
-
-register("save_checkpoints", "save_checkpoints")
-register("load_checkpoints", "load_checkpoints")
