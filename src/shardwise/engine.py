@@ -304,8 +304,8 @@ class Engine(DeepSpeedGetters, WeightsSurface):
             raise RuntimeError(
                 f"rank {self.comm.rank}: {call} refused: the last `engine.step()` of {self.label} raised "
                 f"(`{self._failed_step}`) after the ranks had agreed on it, so this rank's weights or optimizer state "
-                "may be partly updated; restore them on every rank with `engine.load_checkpoint(...)` (or build the "
-                "engine again) before training or evaluating on"
+                "may be partly updated; restore them on every rank with `engine.load_checkpoint(...)` (with optimizer "
+                "state offloaded to NVMe: build a new engine and load it) before training or evaluating on"
             )
         if after_backward and self._failed_backward is not None:
             raise RuntimeError(
