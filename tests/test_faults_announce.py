@@ -38,7 +38,7 @@ COLLECTIVES = {
     "WeightsSurface.load_checkpoint", "WeightsSurface.full_state_dict", "WeightsSurface.save_16bit_model",
     "WeightsSurface.save_pretrained", "WeightsSurface.state_dict_16bit", "GatheredParameters.__enter__",
     "save_checkpoints", "load_checkpoints", "PipelineEngine.train_batch", "PipelineEngine.eval_batch",
-    "PipelineEngine.full_state_dict", "PipelineEngine.save_16bit_model",
+    "PipelineEngine.full_state_dict", "PipelineEngine.save_16bit_model", "load_state_dict",
 }
 
 #: public methods and properties of the engine that issue no collective (read or set local state)
@@ -102,7 +102,8 @@ def _tour(stage: int, root: str) -> list[str]:
         pass
     with shardwise.zero.GatheredParameters([engine.module.fc1.weight], modifier_rank=0):
         pass
-    engine.full_state_dict()
+    state = engine.full_state_dict()
+    shardwise.zero.load_state_dict(engine.module, state if rank == 0 else {})  # rank 0 reads the source
     engine.save_16bit_model(root)
     engine.save_pretrained(f"{root}/hf")
     engine.save_checkpoint(root, tag="one")
