@@ -18,7 +18,6 @@ import inspect
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _faults_common import VICTIM, make_engine, record_row, train_step
-from _parity import assert_close_params, full_params_everywhere
+from _parity import full_params_everywhere
 
 from shardwise.faults import CommError
 from shardwise.testing import run_distributed

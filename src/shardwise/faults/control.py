@@ -52,7 +52,7 @@ from .diagnose import AGREE, Failure, diagnose, short_cause
 from .errors import CollectiveMismatchError
 from .heartbeat import clear_fault, heartbeat
 from .heartbeat import published as published_error
-from .ledger import Ledger, current_activity
+from .ledger import Ledger, current_activity, ledgers
 from .liveness import PeerWatch
 
 __all__ = ["ANNOUNCE", "CALLS", "CHECK", "DEBUG", "agree", "announce", "before"]
@@ -185,8 +185,10 @@ def _compare(ledger: Ledger, rank: int, timeout: float, what: str, values: list[
         if maxima[0] != ANNOUNCE or minima[0] == DEBUG or maxima[-1] != minima[-1]:
             ledger.broken = error
         raise error
-    if published_error() is not None:
-        clear_fault()  # every rank passed this agreement: an error published before it was handled by all
+    if published_error() is not None and not any(other.broken is not None for other in ledgers()):
+        # every rank passed this agreement: an error published before it was handled by all (a broken group's
+        # error stays: its peers still need it)
+        clear_fault()
 
 
 # ------------------------------------------------------------------ reports
