@@ -9,7 +9,8 @@ Every stage, two ranks, `ParityNet` in fp32:
   engine, so only float noise of the order of operations could differ, and there is none).  Right after the
   raise the backward is over (`backward.active` False) and nothing is in flight.  Before, stage 3 added the
   two in-flight reductions into the next step (0.037 off).
-* the same for a forward pre-hook that raises (at stage 3, mid-gather);
+* the same for a forward pre-hook that raises (at stage 3, mid-gather; a `KeyboardInterrupt` there skips
+  torch's always-called forward hooks, and used to leave the unit held for good);
 * a script that does not call `zero_grad()` after such a backward is refused at its next `backward`, with
   the fix in the message; one whose `step` raised (the inner optimizer's step pre-hook) is refused at its
   next call, and goes on after `load_checkpoint`, to the weights of a run that skipped that step;
@@ -138,7 +139,8 @@ def _failed_step(stage: int, root: str) -> dict[str, Any]:
     return result
 
 
-EVERY_RANK = [("backward", RuntimeError), ("backward", KeyboardInterrupt), ("forward", RuntimeError)]
+EVERY_RANK = [("backward", RuntimeError), ("backward", KeyboardInterrupt), ("forward", RuntimeError),
+              ("forward", KeyboardInterrupt)]
 
 
 def _stage_cases(stage: int, root: str) -> dict[str, Any]:

@@ -237,7 +237,11 @@ class Engine(DeepSpeedGetters, WeightsSurface):
             operation = "forward" if torch.is_grad_enabled() else "`forward` without grad"
             with self._announcer.scope(operation, bool(buffers) or self.strategy.gathers):
                 self._sync_buffers(buffers)
-                return self.module(*args, **kwargs)
+                try:
+                    return self.module(*args, **kwargs)
+                except BaseException:
+                    self.strategy.abort_forward()
+                    raise
 
     __call__ = forward
 

@@ -133,6 +133,9 @@ class Strategy(ABC):
     def finish_backward(self) -> None:
         """Called after autograd: flush and wait for gradient reduction (``backward.active`` becomes False)."""
 
+    def abort_forward(self) -> None:
+        """The engine's forward raised: let go of whatever its module hooks still hold (stage 3)."""
+
     def abort_backward(self) -> None:
         """Autograd raised between ``start_backward`` and ``finish_backward``: what the backward launched is
         waited for and dropped (a peer that launched it too completes it; one that failed first is named), and

@@ -529,6 +529,17 @@ class Gatherer:
         self.free_idle()
         self._settle_read_aheads()
 
+    def abort_forward(self) -> None:
+        """The engine's forward raised past the module hooks (torch runs the always-called post-hooks for an
+        ``Exception`` only: a ``KeyboardInterrupt`` skips them): let go of what its calls held, as their ends
+        would have."""
+        while self._stack:
+            call = self._stack.pop()
+            for unit in call.units:
+                self.release(unit)
+        if self.state is TrainingState.FORWARD:
+            self._end_pass()
+
     def abort_backward(self) -> None:
         """The engine's backward raised partway: let go of what it held, as its end would have."""
         if self.state is TrainingState.BACKWARD:

@@ -210,6 +210,9 @@ class Stage3(Strategy):
         while len(self._works) > _MAX_IN_FLIGHT:
             self.pieces.add_reduced(self._works.pop(0), 1.0 / self.comm.world_size)
 
+    def abort_forward(self) -> None:
+        self.gatherer.abort_forward()
+
     def abort_backward(self) -> None:
         self.backward.active = False
         self._drain()
