@@ -74,18 +74,19 @@ class Announcer:
             self.index = comm.ledger.engines
             comm.ledger.engines += 1
 
-    def scope(self, operation: str, announce: bool = True) -> "Scope":
+    def scope(self, operation: str, announce: bool = True, detail: str = "") -> "Scope":
         """Around one operation: announced when it opens (unless ``announce`` is False: it moves no data, or
-        has an agreement of its own), unless another already covers the group."""
-        return Scope(self, operation, announce)
+        has an agreement of its own), unless another already covers the group.  ``detail`` (``, in
+        `generate`,``) is part of the operation: the same operation with another detail is another."""
+        return Scope(self, operation, announce, detail)
 
-    def announce(self, operation: str) -> None:
+    def announce(self, operation: str, detail: str = "") -> None:
         """Agree with the other ranks that each is about to run ``operation`` (raises on every rank if not)."""
         comm = self.comm
         steps, micro = self.counters()
-        what = f"in {_name(operation)} of {self.owner} at step {steps} (micro-step {micro})"
-        control.announce(comm.ledger, comm.global_rank, comm.timeout, [_code(operation), self.index, steps, micro],
-                         what)
+        what = f"in {_name(operation)} of {self.owner}{detail} at step {steps} (micro-step {micro})"
+        control.announce(comm.ledger, comm.global_rank, comm.timeout,
+                         [_code(operation + detail), self.index, steps, micro], what)
 
 
 def _no_counters() -> tuple[int, int]:
@@ -104,12 +105,13 @@ class Scope:
     failure from there on counts (:attr:`~.ledger.doing.failures`), one before it (an argument refused) does not.
     """
 
-    __slots__ = ("announcer", "operation", "announce", "owned")
+    __slots__ = ("announcer", "operation", "announce", "detail", "owned")
 
-    def __init__(self, announcer: Announcer, operation: str, announce: bool) -> None:
+    def __init__(self, announcer: Announcer, operation: str, announce: bool, detail: str = "") -> None:
         self.announcer = announcer
         self.operation = operation
         self.announce = announce
+        self.detail = detail
         self.owned = False
 
     def open(self) -> "Scope":
@@ -117,7 +119,7 @@ class Scope:
         comm = announcer.comm
         if comm.distributed and comm.ledger.scope is None:
             if self.announce:
-                announcer.announce(self.operation)
+                announcer.announce(self.operation, self.detail)
             comm.ledger.scope = self
             self.owned = True
         _ledger.start()

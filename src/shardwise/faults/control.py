@@ -68,7 +68,7 @@ CALLS = ("every rank must make the same collective calls in the same order: `sav
          "`full_state_dict`, `save_16bit_model`, `save_pretrained`, `destroy`, `GatheredParameters`, `generate` "
          "and every forward and backward of a ZeRO-3 model run on every rank together (rank 0 alone writes the "
          "files); call them on every rank, not under `if rank == 0:`")
-FAILED_APART = ("the ranks failed apart: their collectives since may have paired silently wrong, so this process "
+FAILED_APART = ("The ranks failed apart: their collectives since may have paired silently wrong, so this process "
                 "group cannot be used again; let the job exit and restart it from the last checkpoint "
                 "(`shardwise run --max-restarts N`). An error raised, and caught, on every rank together is fine: "
                 "call `engine.zero_grad()` on every rank and go on")
@@ -285,6 +285,8 @@ def _calls_message(ledger: Ledger, rank: int, reports: dict[int, dict[str, Any]]
                 f"failed engine calls: {counts}), and they went on: {where}. {FAILED_APART}")
     same_kind = len({_kind(report) for report in reports.values()}) == 1
     differ = _differing_values(ledger.ranks, reports, names) if same_kind else ""
-    shown = f" ({differ})" if differ and "their reports" not in differ else ""
+    shown = "; ".join(part for part in differ.split("; ") if part and part != "the collectives issued"
+                      and "their reports" not in part)
+    shown = f" ({shown})" if shown else ""
     return (f"rank {rank}: the ranks of process group {ledger.key} are in different collective calls{shown}: "
             f"{where}. Nothing was exchanged, so ranks that catch this error may go on together; {CALLS}")

@@ -25,7 +25,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["Entry", "Ledger", "LOG_LENGTH", "current_activity", "doing", "ledger_for", "ledgers", "start"]
+__all__ = ["Entry", "Ledger", "LOG_LENGTH", "current_activity", "current_phase", "doing", "ledger_for", "ledgers",
+           "start"]
 
 #: how many recent collectives each ledger keeps for error messages
 LOG_LENGTH = 64
@@ -63,6 +64,11 @@ def current_activity() -> str:
     return _STACK[-1].text if _STACK else _IDLE
 
 
+def current_phase() -> Optional[str]:
+    """The innermost engine call's name (``generate``), None between engine calls."""
+    return _STACK[-1].phase if _STACK else None
+
+
 def start() -> None:
     """The innermost engine call has started changing state (its ranks agreed on it): a failure from now on
     counts in :attr:`doing.failures` (an argument refused before this point changes nothing, and does not)."""
@@ -83,12 +89,13 @@ class doing:  # noqa: N801 - used as a context manager, reads like one
     per training step.
     """
 
-    __slots__ = ("text", "started")
+    __slots__ = ("phase", "text", "started")
     on_error: Optional[Callable[[BaseException, str], None]] = None
     #: engine calls that raised after they started, in this process
     failures = 0
 
     def __init__(self, phase: str, owner: str) -> None:
+        self.phase = phase
         self.text = f"`{phase}` of {owner}"
         self.started = False
 

@@ -56,7 +56,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..faults.ledger import current_activity
+from ..faults.ledger import current_phase
 from .offloaded_shards import offloads_params
 from .params import Unit, checksum, move, not_gathered_error, param_name, prepare_for_compile, unit_of
 from .traced import outside_graphs
@@ -319,10 +319,11 @@ class Gatherer:
         """Announce a stage-3 ``kind`` pass (unless an announced engine call already covers it); the open scope."""
         if self.announcer is None:
             return None
-        activity = current_activity()
-        where = "outside any engine call" if activity.startswith("no engine call") else f"in {activity}"
+        phase = current_phase()
+        where = (", outside any engine call (`engine.module(...)`, the model's own methods)," if phase is None
+                 else f", in `{phase}`,")
         grad = "" if torch.is_grad_enabled() else " without grad"
-        return self.announcer.scope(f"a stage-3 {kind}{grad} {where}").open()
+        return self.announcer.scope(f"a stage-3 {kind}{grad}", detail=where).open()
 
     def _end_pass(self) -> None:
         # with grad, the calls armed pre-backward hooks: the backward may follow
