@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _faults_common import fault_config, make_engine, record_row, train_step
+from _faults_common import fault_config, make_engine, train_step
 from _parity import adamw, batch, make_model
 
 import shardwise
@@ -157,7 +157,7 @@ def test_one_announcement_costs_well_under_a_millisecond() -> None:
     collective call adds (the step check costs the same, once a step, as before)."""
     costs = run_distributed(_cost, 2, timeout=120)
     median = max(c["median_us"] for c in costs)
-    assert median < 5000, costs  # a loaded 2-core machine; docs/faults.md has the figures
-    record_row("soak", "one announcement (2 ranks, the gloo control group)", "all",
-               f"median {median:.0f} µs, p10-p90 {min(c['p10_us'] for c in costs):.0f}-"
-               f"{max(c['p90_us'] for c in costs):.0f} µs over {ROUNDS} ({len(costs)} ranks)", None)
+    # a loaded 2-core machine (docs/faults.md has the figures: a median of 180-350 µs)
+    assert median < 5000, costs
+    print(f"one announcement, 2 ranks: median {median:.0f} µs, p10-p90 {min(c['p10_us'] for c in costs):.0f}-"
+          f"{max(c['p90_us'] for c in costs):.0f} µs over {ROUNDS}")

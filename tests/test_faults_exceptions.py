@@ -174,11 +174,12 @@ def test_an_exception_caught_on_every_rank(stage: int, tmp_path: Path) -> None:
     if stage == 3 or stage == 0:
         for where, kind in EVERY_RANK:
             worst = max(cases[f"{where} {kind.__name__}"]["max diff"] for cases in results)
-            record_row("misuse", f"`{kind.__name__}` raised in `{where}` on every rank ({'a gradient hook' if where == 'backward' else 'a forward pre-hook'}), "
-                       "caught; `zero_grad()`, then 3 more steps", str(stage),
-                       f"the weights of a run without that micro-batch ({worst:.1g} off; reductions in flight are "
-                       "waited for and dropped); without `zero_grad()` the next `backward` is refused, saying so",
-                       None)
+            hook = "a gradient hook" if where == "backward" else "a forward pre-hook"
+            after = ("reductions in flight are waited for and dropped; without `zero_grad()` the next `backward` is "
+                     "refused, saying so" if where == "backward" else "what the module hooks held is let go")
+            record_row("misuse", f"`{kind.__name__}` raised in `{where}` on every rank ({hook}), caught; "
+                       "`zero_grad()`, then 3 more steps", str(stage),
+                       f"the weights of a run without that micro-batch (max diff {worst:.1g}; {after})", None)
         record_row("misuse", "the inner optimizer's step raises on every rank, caught", str(stage),
                    "the next call is refused until `load_checkpoint` restores the weights; then training goes on "
                    "to the weights of a run without that step", None)
