@@ -146,8 +146,11 @@ class _Watched:
         ledger = self.comm.ledger
         ledger.waiting = self.entry
         try:
-            # in slices, reading what the peers published: one that raised before issuing it is named at once
-            published.wait(self.work, ledger, self.comm.global_rank, self.entry.seq)
+            if self.comm._gloo:
+                # in slices, reading what the peers published: one that raised before issuing it is named at once
+                published.wait(self.work, ledger, self.comm.global_rank, self.entry.seq)
+            else:
+                self.work.wait()  # NCCL: a wait orders CUDA streams, and a timed one may abort the communicator
         except RuntimeError as exc:
             raise self.comm.fault(f"waiting on {self.entry.describe()}", exc, self.entry.seq) from exc
         finally:

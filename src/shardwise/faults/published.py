@@ -17,7 +17,10 @@ A reduce-scatter (``reduce_scatter_single`` and the list form alike) ignores
 the timeout and blocks until done, and its ``is_completed()`` stays False even
 after it finished, so it cannot be polled either: such a work is waited for on
 a helper thread (:class:`Waiter`), and its waiter waits for that thread's
-signal in slices.  The backend's timeout still ends it there.
+signal in slices.  The backend's timeout still ends it there.  NCCL's data
+collectives are waited for as before (a NCCL wait orders CUDA streams, and a
+timed one may abort the communicator); the gloo control group's exchanges
+read published errors on every backend.
 
 Which published error means "that rank will not come" (a stale one must not stop a healthy job):
 
