@@ -142,7 +142,7 @@ def publish_fault(error: str, comm: bool, doing: Optional[str] = None) -> None:
     ``doing`` names the engine call the error left (the activity has been popped by then).
     """
     beat = _CURRENT
-    if beat is None:
+    if beat is None or _keeps_root_cause(comm):
         return
     record = {"error": error, "comm": comm, "time": time.time(), **snapshot(), **_standing()}
     if doing is not None:
@@ -150,9 +150,20 @@ def publish_fault(error: str, comm: bool, doing: Optional[str] = None) -> None:
     try:
         beat.store.set(_fault_key(beat.rank), json.dumps(record))
         _PUBLISHED[:] = [error]
+        _ROOT_CAUSE[:] = [] if comm else [True]
         _count_publication(beat.store)
     except Exception:  # noqa: BLE001 - the store is unreachable: the peers will see this rank as gone
         pass
+
+
+#: whether the record published is this rank's own error (not a collective it saw fail)
+_ROOT_CAUSE: list[bool] = []
+
+
+def _keeps_root_cause(comm: bool) -> bool:
+    """A collective failing after this rank's own error was published (a peer gave up because of it) leaves
+    that error in the record: it is the cause the peers must name, and a record a peer is reading."""
+    return comm and bool(_ROOT_CAUSE)
 
 
 def _standing() -> dict[str, Any]:
@@ -178,6 +189,7 @@ def clear_fault() -> None:
     if not _PUBLISHED or beat is None:
         return
     _PUBLISHED.clear()
+    _ROOT_CAUSE.clear()
     try:
         beat.store.delete_key(_fault_key(beat.rank))
         _count_publication(beat.store)
