@@ -535,9 +535,7 @@ class Gatherer:
         ``Exception`` only: a ``KeyboardInterrupt`` skips them): let go of what its calls held, as their ends
         would have."""
         while self._stack:
-            call = self._stack.pop()
-            for unit in call.units:
-                self.release(unit)
+            self._post_forward(self._stack[-1].module, (), None)  # what the skipped hook would have done
         if self.state is TrainingState.FORWARD:
             self._end_pass()
 
