@@ -43,7 +43,8 @@ TESTS = ("tests/test_faults_death.py", "tests/test_faults_checkpoint.py", "tests
          "tests/test_faults_inplace.py", "tests/test_faults_misuse.py", "tests/test_faults_soak.py",
          "tests/test_faults_shm.py", "tests/test_faults_manifest.py", "tests/test_faults_store.py",
          "tests/test_faults_config.py", "tests/test_faults_offload.py", "tests/test_faults_offload_io.py",
-         "tests/test_faults_offload_jobs.py", "tests/test_faults_store_values.py")
+         "tests/test_faults_offload_jobs.py", "tests/test_faults_store_values.py", "tests/test_faults_one_rank.py",
+         "tests/test_faults_exceptions.py", "tests/test_faults_announce.py")
 ELASTIC = "tests/test_trainer_elastic.py"
 #: table sections, in the order the document shows them
 SECTIONS = {"death": "A rank dies", "checkpoint": "Checkpoints", "disagree": "Ranks that disagree or stop",
@@ -150,7 +151,7 @@ def bench_block(bench: Path) -> Optional[str]:
 
 def _rows_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
+    lines += ["| " + " | ".join(str(row.get(c, "-")) for c in columns) + " |" for row in rows]  # (older reports)
     return "\n".join(lines)
 
 

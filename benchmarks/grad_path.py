@@ -55,12 +55,15 @@ _ROOT = str(Path(shardwise.__file__).resolve().parent) + "/"
 
 
 #: files that never hold or move a gradient (the step check's ledger, the accumulation-count check, the loss
-#: scaler, the parameter gathers in flight): left out of the "gradient only" count, as the issue's own count did
-BOOKKEEPING = frozenset({"faults/ledger.py", "checks.py", "precision.py", "zero/pending.py", "log.py"})
+#: scaler, the parameter gathers in flight, the announcement of the backward to the other ranks): left out of
+#: the "gradient only" count, as the issue's own count did
+BOOKKEEPING = frozenset({"faults/ledger.py", "checks.py", "precision.py", "zero/pending.py", "log.py",
+                         "faults/announce.py"})
 
 #: what ``Comm`` calls beneath a collective when ranks are launched (shared memory, the exit watch, the fault
-#: control): a one-process trace never reaches them; the several-rank report gives counts with and without
-TRANSPORT = frozenset({"shm.py", "exit.py", "faults/control.py"})
+#: control, the sliced wait that reads the peers' published errors): a one-process trace never reaches them;
+#: the several-rank report gives counts with and without
+TRANSPORT = frozenset({"shm.py", "exit.py", "faults/control.py", "faults/published.py"})
 
 
 class PathCount:

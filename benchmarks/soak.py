@@ -20,13 +20,15 @@ lazily built buffers), every rank samples at ``--samples`` evenly spaced steps:
 
 **Cost** (``--cost``).  One engine per stage trains in timed rounds that
 alternate three modes in the same processes, so load changes fall on all alike:
-``bare`` (the per-collective ledger and the per-step check switched off in
-place), ``default`` (what always runs) and ``debug`` (``comms.debug``: a check
-before every collective).  Reported: median step time per mode over the
-rounds and the A/B overheads against ``bare`` (on a shared machine a 1% effect
-drowns in the noise, so also) the always-on part accounted piece by piece:
-collectives per step × the time of one ledger entry, plus one step check,
-each timed on its own over many repetitions, against the ``bare`` step time.
+``bare`` (the per-collective ledger, the per-step check and the announcements
+of forwards, backwards and calls switched off in place), ``default`` (what
+always runs) and ``debug`` (``comms.debug``: a check before every collective).
+Reported: median step time per mode over the rounds and the A/B overheads
+against ``bare`` (on a shared machine a 1% effect drowns in the noise, so
+also) the always-on part accounted piece by piece: collectives per step × the
+time of one ledger entry, plus the control-group exchanges per step (the step
+check and the announcements, each one exchange) × the time of one, each timed
+on its own over many repetitions, against the ``bare`` step time.
 (The heartbeat is one store write per interval on its own thread.)
 
 Results go to ``--out`` (default ``bench_out/soak.json`` or ``bench_out/fault_cost.json``)
@@ -152,7 +154,7 @@ def cost_in_rank(stage: int, rounds: int, steps_per_round: int, size: str) -> di
     workload = Workload(size=size, world_size=dist.get_world_size(), micro_batch=2)
     stream = synthetic_stream(workload.seed)
     engine = _engine(stage, workload)
-    switch = _Switch(engine.comm, engine.comm.ledger)
+    switch = _Switch(engine.comm, engine.comm.ledger, engine._announcer)
     for step in range(3):  # warm-up: lazy buffers, the check group, the first gathers
         _step(engine, stream, workload, step)
     medians: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -164,9 +166,10 @@ def cost_in_rank(stage: int, rounds: int, steps_per_round: int, size: str) -> di
             step += steps_per_round
             medians[mode].append(statistics.median(times))
     switch.set("default")
-    before = engine.comm.ledger.seq
+    before, exchanges = engine.comm.ledger.seq, engine.comm.ledger.control.count
     _step(engine, stream, workload, step)
-    parts = {"collectives_per_step": engine.comm.ledger.seq - before, "record_us": _time_record() * 1e6,
+    parts = {"collectives_per_step": engine.comm.ledger.seq - before,
+             "exchanges_per_step": engine.comm.ledger.control.count - exchanges, "record_us": _time_record() * 1e6,
              "check_us": _time_check(engine.comm) * 1e6, "heartbeat_interval_s": _heartbeat_interval()}
     engine.destroy()
     return {"medians": medians, "parts": parts}
@@ -203,15 +206,16 @@ def _heartbeat_interval() -> float:
 class _Switch:
     """Turns the always-on fault machinery of one engine off and on, in place (a measurement device)."""
 
-    def __init__(self, comm: Any, ledger: Any) -> None:
-        self.comm, self.ledger = comm, ledger
-        self.record, self.check = ledger.record, comm.check
+    def __init__(self, comm: Any, ledger: Any, announcer: Any) -> None:
+        self.comm, self.ledger, self.announcer = comm, ledger, announcer
+        self.record, self.check, self.announce = ledger.record, comm.check, announcer.announce
         self.entry = ledger.record("warm-up", 0, torch.float32, "")
 
     def set(self, mode: str) -> None:
         bare = mode == "bare"
         self.ledger.record = (lambda *args: self.entry) if bare else self.record
         self.comm.check = (lambda *args: None) if bare else self.check
+        self.announcer.announce = (lambda *args: None) if bare else self.announce
         self.comm.debug = mode == "debug"
 
 
@@ -243,7 +247,7 @@ def run_cost(args: argparse.Namespace) -> dict[str, Any]:
                                                                        args.size), timeout=args.timeout)
         rows.append(_cost_row(stage, per_rank, args.rounds))
     columns = ["stage", *[f"{m}_ms" for m in MODES], "bare_range_ms", "default_ab_pct", "debug_ab_pct",
-               "collectives_per_step", "record_us", "check_us", "always_on_pct"]
+               "collectives_per_step", "exchanges_per_step", "record_us", "check_us", "always_on_pct"]
     print(_table(rows, columns))
     return {"kind": "cost", "size": args.size, "world_size": args.world_size, "rounds": args.rounds,
             "steps_per_round": args.steps_per_round, "machine": _machine(), "rows": rows}
@@ -256,14 +260,17 @@ def _cost_row(stage: int, per_rank: list[dict[str, Any]], rounds: int) -> dict[s
     parts = per_rank[0]["parts"]
     record_us = max(r["parts"]["record_us"] for r in per_rank)
     check_us = max(r["parts"]["check_us"] for r in per_rank)
-    # always on, accounted part by part: an entry per collective and one check per step
-    always_on = (parts["collectives_per_step"] * record_us + check_us) * 1e-6
+    # always on, accounted part by part: an entry per collective, and per step the step check and the
+    # announcements (one control-group exchange each: what `check_us` times)
+    exchanges = parts.get("exchanges_per_step", 1)
+    always_on = (parts["collectives_per_step"] * record_us + exchanges * check_us) * 1e-6
     return {
         "stage": stage, **{f"{m}_ms": round(med[m] * 1e3, 2) for m in MODES},
         "bare_range_ms": f"{min(slowest['bare']) * 1e3:.1f}-{max(slowest['bare']) * 1e3:.1f}",
         "default_ab_pct": round((med["default"] / med["bare"] - 1) * 100, 1),
         "debug_ab_pct": round((med["debug"] / med["bare"] - 1) * 100, 1),
-        "collectives_per_step": parts["collectives_per_step"], "record_us": round(record_us, 2),
+        "collectives_per_step": parts["collectives_per_step"], "exchanges_per_step": exchanges,
+        "record_us": round(record_us, 2),
         "check_us": round(check_us, 1), "always_on_pct": round(always_on / med["bare"] * 100, 2),
     }
 

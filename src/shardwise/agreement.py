@@ -51,7 +51,7 @@ from .checkpoint import store_codec
 from .checkpoint.errors import CheckpointError
 from .distributed import Comm
 from .faults.diagnose import RESTART, short_cause
-from .faults.errors import RankGoneError
+from .faults.errors import PeerFailedError, RankGoneError
 from .faults.liveness import PeerWatch
 from .faults.store import store_host
 
@@ -173,9 +173,10 @@ class Session:
         return [_outcome(self.store.get(key), key, self.rank) for key in keys]
 
     def _raise_if_gone(self, watch: PeerWatch, missing: list[int], name: str) -> None:
-        """Raise when a rank this step waits for stopped beating (killed, crashed, exited)."""
+        """Raise when a rank this step waits for stopped beating (killed, crashed, exited), or raised."""
         if not self.global_ranks:
             return
+        _raise_if_failed(watch, [self.global_ranks[r] for r in missing], self.rank, f"{name} for `{self.op}`")
         gone = watch.gone(self.global_ranks[r] for r in missing)
         if gone:
             seen = "; ".join(f"rank {r} was last seen in {watch.last_seen(r)}" for r in gone)
@@ -284,6 +285,8 @@ def _await_everyone(store: Any, key: str, comm: Comm, op: str, timeout: float, d
         present = _members(value, key, comm.rank, comm.world_size)
         if len(present) == comm.world_size:
             return
+        _raise_if_failed(watch, [ranks[r] for r in range(comm.world_size) if r not in present], comm.rank,
+                         f"`engine.{op}`")
         gone = watch.gone(ranks[r] for r in range(comm.world_size) if r not in present)
         if gone or time.monotonic() > deadline:
             closed = _CLOSED + value
@@ -292,6 +295,17 @@ def _await_everyone(store: Any, key: str, comm: Comm, op: str, timeout: float, d
             continue  # someone joined or closed meanwhile: look again
         _sleep(attempt)
         attempt += 1
+
+
+def _raise_if_failed(watch: PeerWatch, ranks: list[int], rank: int, what: str) -> None:
+    """Raise when a rank waited for published an error that means it will not come (it raised in an engine call
+    that this rank went through, and is alive elsewhere)."""
+    found = watch.failed(ranks)
+    if found is not None:
+        peer, error = found
+        raise PeerFailedError(
+            f"rank {rank}: {error}, while this rank waited for it in {what}; fix that error (the failing rank's log "
+            "has its traceback)", rank=rank, failed={peer: error})
 
 
 def _gone(comm: Comm, op: str, gone: list[int], watch: PeerWatch) -> RankGoneError:

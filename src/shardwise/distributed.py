@@ -34,7 +34,7 @@ import torch.distributed as dist
 from . import exit as _exit
 from . import faults
 from . import shm as _shm
-from .faults import control
+from .faults import announce, control, published
 from .faults.ledger import Entry, Ledger, ledger_for
 from .placement import require_gpu, visible_gpus
 
@@ -67,6 +67,14 @@ class _Group:
         for work in self.works:
             work.wait()
             _exit.forget(work)
+        return True
+
+    def wait_for(self, seconds: float) -> bool:
+        """Wait at most ``seconds`` for each work still in flight: whether all are done (:mod:`.faults.published`)."""
+        while self.works:
+            if not published.finished(self.works[0], seconds):
+                return False
+            _exit.forget(self.works.pop(0))
         return True
 
 
@@ -142,7 +150,11 @@ class _Watched:
         ledger = self.comm.ledger
         ledger.waiting = self.entry
         try:
-            self.work.wait()
+            if self.comm._gloo:
+                # in slices, reading what the peers published: one that raised before issuing it is named at once
+                published.wait(self.work, ledger, self.comm.global_rank, self.entry.seq)
+            else:
+                self.work.wait()  # NCCL: a wait orders CUDA streams, and a timed one may abort the communicator
         except RuntimeError as exc:
             raise self.comm.fault(f"waiting on {self.entry.describe()}", exc, self.entry.seq) from exc
         finally:
@@ -194,6 +206,7 @@ class Comm:
         self.ledger = ledger_for(group_key(self.group), dist.get_process_group_ranks(self._pg), self._pg)
         self._limit = timedelta(seconds=self.timeout)
         self._options: dict[Any, Any] = {}
+        self._waiter = published.Waiter()
         faults.watch(self.global_rank, self.timeout)
 
     # The engine's three calls on the transport; the set-up itself lives in `self.shm` (:mod:`.shm`).
@@ -241,6 +254,11 @@ class Comm:
         ledger = self.ledger
         if ledger.broken is not None:
             raise ledger.broken
+        if announce.STRICT and ledger.scope is None:
+            raise RuntimeError(f"rank {self.rank}: a {kind} ({label or 'no label'}) was issued on process group "
+                               f"{ledger.key} outside any announced operation (`SHARDWISE_STRICT_COLLECTIVES=1`), "
+                               f"in {faults.current_activity()}: announce the operation that issues it "
+                               "(shardwise.faults.announce)")
         entry = ledger.record(kind, tensor.numel(), tensor.dtype, label)
         if self.debug:
             control.before(ledger, self.global_rank, self.timeout,
@@ -263,6 +281,9 @@ class Comm:
         if ledger.broken is None:
             failure = faults.Failure(ledger, self.global_rank, operation, faults.short_cause(exc), self.timeout, seq)
             ledger.broken = faults.diagnose(failure)
+            shm = getattr(self, "shm", None)  # (None while the Comm is being made)
+            if shm is not None:
+                shm.abandon()  # its worker would wait on for a peer that will not come
         return ledger.broken
 
     def check(self, point: str, counters: Sequence[int], names: Sequence[str]) -> None:
@@ -294,7 +315,9 @@ class Comm:
         if segment is not None:
             return self._issue("reduce_scatter", input, label, lambda: segment.reduce_scatter(output, input), async_op)
         opts = self._opts(dist.ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
-        return self._issue("reduce_scatter", input, label, lambda: _RS(self._pg, output, input, opts), async_op)
+        # gloo's reduce-scatter ignores a timed wait: waited for on a thread, so its waiter can read faults
+        return self._issue("reduce_scatter", input, label,
+                           lambda: self._waiter.watch(_RS(self._pg, output, input, opts)), async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "") -> Work:
         """Concatenate every rank's ``input`` into ``output`` (``N × input`` elements)."""

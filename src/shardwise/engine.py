@@ -8,6 +8,7 @@ internals.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from typing import Any, Iterator, Optional, Union
@@ -26,6 +27,7 @@ from .distributed import Comm
 from .engine_getters import DeepSpeedGetters
 from .engine_weights import WeightsSurface
 from .faults import doing
+from .faults.announce import Announcer, register
 from .hardware import warn_if_slow_bf16
 from .optim import resolve_optimizer
 from .precision import Precision
@@ -66,8 +68,24 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         self.name = name
         self.comm = Comm(process_group, timeout=config.comms.timeout, debug=config.comms.debug)
         self._label = self._make_label()
-        check_model(module, self.comm.rank)
-        ownership.claim(module.named_parameters(), self, self.comm.rank)
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        #: what announces this engine's collective operations to the other ranks (:mod:`.faults.announce`)
+        self._announcer = Announcer(self.comm, self._label, self._counters)
+        #: a `backward` (or `step`) that raised partway, what it raised: training refuses to go on until
+        #: `zero_grad()` (after a step: `load_checkpoint`) says how to recover (docs/faults.md)
+        self._failed_backward: Optional[str] = None
+        self._failed_step: Optional[str] = None
+        with doing("initialize", self._label):
+            check_model(module, self.comm.rank)
+            ownership.claim(module.named_parameters(), self, self.comm.rank)
+            with self._announcer.scope("initialize"):
+                self._set_up(module, config, optimizer, lr_scheduler, model_parameters)
+
+    def _set_up(self, module: nn.Module, config: Config, optimizer: Any, lr_scheduler: Any,
+               model_parameters: Any) -> None:
+        """Everything ``__init__`` sets up once the ranks agreed to build this engine."""
         # a list: the agreement reads it, and so does the optimizer (a generator could be read only once)
         model_parameters = None if model_parameters is None else list(model_parameters)
         self._agree_on_construction(optimizer, lr_scheduler, model_parameters)
@@ -76,9 +94,6 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.batch_sizes = config.batch_sizes(self.comm.world_size)
         self.precision = Precision.from_config(config)
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
         self._step_applied = False
         self._in_no_sync = False
         #: backward calls since the last `step()`/`zero_grad()`, and whether one reduced (a boundary)
@@ -99,6 +114,7 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         inner = resolve_optimizer(optimizer, config, params)
         self.strategy = make_strategy(module, self.comm, self.precision, config.zero_optimization)
         self.strategy.attach(inner, self._initial_values)
+        self.strategy.attach_announcer(self._announcer)
         reduction = self.strategy.describe_reduction()
         if reduction is not None and self.comm.distributed and self.comm.rank == 0:
             logger.info("%s: %s; collectives through %s", self._label, reduction, self.comm.transport)
@@ -107,6 +123,10 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         if inner is not None:
             self.optimizer = ZeroOptimizer(inner, self.strategy, self.precision, self.comm, config.gradient_clipping)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
+
+    def _counters(self) -> tuple[int, int]:
+        """What announcements carry of this engine's position: ``(global_steps, micro_steps)``."""
+        return self.global_steps, self.micro_steps
 
     # ------------------------------------------------------------- set-up
     def _agree_on_construction(self, optimizer: Any, lr_scheduler: Any, model_parameters: Optional[list[Any]]) -> None:
@@ -158,16 +178,21 @@ class Engine(DeepSpeedGetters, WeightsSurface):
             for tensor, value in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
                 tensor.copy_(value)
 
-    def _sync_buffers(self) -> None:
+    def _buffers_to_sync(self) -> list[torch.Tensor]:
+        """What :meth:`_sync_buffers` broadcasts in this forward (looked up each time: a model may replace its
+        buffers); none inside ``no_sync``, without grad, or with ``broadcast_buffers: false``."""
+        if not (self._broadcasts_buffers and torch.is_grad_enabled() and not self._in_no_sync):
+            return []
+        return list(self.module.buffers())
+
+    def _sync_buffers(self, buffers: Optional[list[torch.Tensor]] = None) -> None:
         """Before a training forward: rank 0's buffers on every rank, as DDP's ``broadcast_buffers=True``.
 
         Running statistics (BatchNorm) would otherwise drift apart per rank, and evaluation and the
         checkpoint (which keeps rank 0's) would see different models.  Not inside ``no_sync`` and not
         without grad, where DDP does not either; ``broadcast_buffers: false`` turns it off.
         """
-        if not (self._broadcasts_buffers and torch.is_grad_enabled() and not self._in_no_sync):
-            return
-        buffers = list(self.module.buffers())  # looked up each time: a model may replace its buffers
+        buffers = self._buffers_to_sync() if buffers is None else buffers
         if buffers:
             self._broadcast_from_rank0(buffers, "buffers")
 
@@ -205,8 +230,18 @@ class Engine(DeepSpeedGetters, WeightsSurface):
             self.refresh_trainable()
         args, kwargs = self.precision.cast_inputs((args, kwargs))
         with doing("forward", self._label), self._timed("forward"):
-            self._sync_buffers()
-            return self.module(*args, **kwargs)
+            self._require_clean("`engine(...)` (forward)", after_backward=False)
+            buffers = self._buffers_to_sync()
+            # announced where it moves data: stage 3 gathers, a buffer broadcast (a forward of the flat stages
+            # moves none, and a failure in it still counts: it started)
+            operation = "forward" if torch.is_grad_enabled() else "`forward` without grad"
+            with self._announcer.scope(operation, bool(buffers) or self.strategy.gathers):
+                self._sync_buffers(buffers)
+                try:
+                    return self.module(*args, **kwargs)
+                except BaseException:
+                    self.strategy.abort_forward()
+                    raise
 
     __call__ = forward
 
@@ -222,13 +257,16 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         """
         with doing("backward", self._label):
             self._require_optimizer("`engine.backward`")
+            self._require_clean("`engine.backward`")
             sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
             self._check_backward(loss, sync)
             # One scalar multiply covers loss scaling, accumulation averaging and
             # (for strategies that sum) the average over ranks.
             accumulation = self.batch_sizes.gradient_accumulation_steps
             scale = self.precision.scaler.current / (accumulation * self.strategy.loss_divisor)
-            with self._timed("backward"), self._backward_pass(sync):
+            # announced where it moves data: a reducing backward, or any at stage 3 (it re-gathers)
+            with self._announcer.scope("backward", sync or self.strategy.gathers), self._timed("backward"), \
+                    self._backward_pass(sync):
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
             self._backwards += 1
             self._accumulated += 1
@@ -253,8 +291,33 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         again = sync and self._reduced
         with self.strategy.adding_to_reduced() if again else contextlib.nullcontext():
             self.strategy.start_backward(sync)
-            yield
+            try:
+                yield
+            except BaseException as exc:
+                # Autograd raised partway (a hook, an interrupt): reductions already launched are waited for and
+                # dropped, and training refuses to go on until `zero_grad()` drops the partial gradients.
+                self._failed_backward = f"{type(exc).__name__}: {exc}"[:300]
+                self.strategy.abort_backward()
+                raise
             self.strategy.finish_backward()
+
+    def _require_clean(self, call: str, after_backward: bool = True) -> None:
+        """Refuse ``call`` while a ``step`` (or, with ``after_backward``, a ``backward``) that raised partway left
+        state behind, saying how to recover (docs/faults.md: an exception caught mid-step)."""
+        if self._failed_step is not None:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: {call} refused: the last `engine.step()` of {self.label} raised "
+                f"(`{self._failed_step}`) after the ranks had agreed on it, so this rank's weights or optimizer state "
+                "may be partly updated; restore them on every rank with `engine.load_checkpoint(...)` (with optimizer "
+                "state offloaded to NVMe: build a new engine and load it) before training or evaluating on"
+            )
+        if after_backward and self._failed_backward is not None:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: {call} refused: the last `engine.backward` of {self.label} raised partway "
+                f"(`{self._failed_backward}`), so the gradients hold part of its micro-batch; call "
+                "`engine.zero_grad()` on every rank (it drops them, with the rest of this step's accumulation), "
+                "then go on"
+            )
 
     def _check_backward(self, loss: Any, sync: bool) -> None:
         """What `backward` refuses before touching anything (so a refused call leaves no half-reduced state)."""
@@ -284,6 +347,7 @@ class Engine(DeepSpeedGetters, WeightsSurface):
 
     def _step(self) -> bool:
         optimizer = self._require_optimizer("`engine.step`")
+        self._require_clean("`engine.step()`")
         if self._in_no_sync:
             raise RuntimeError(
                 "`engine.step()` was called inside `engine.no_sync()`: gradients there are not "
@@ -298,11 +362,16 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         applied = False
         if self.is_gradient_accumulation_boundary():
             # Before the update: ranks whose collectives paired up wrongly must not apply what they reduced.
+            # The step check is the step's agreement: the scope only covers what the step issues.
             self.comm.check(f"`step` of {self._label}", [self.global_steps, self.micro_steps, self._accumulated],
                             ["global_steps", "micro_steps", "backwards accumulated"])
             self._accumulated = 0
-            with self._timed("step"):
-                applied = optimizer.step(zero_grad=True)  # the update, then the gradients dropped: one call
+            with self._announcer.scope("step", announce=False), self._timed("step"):
+                try:
+                    applied = optimizer.step(zero_grad=True)  # the update, then the gradients dropped: one call
+                except BaseException as exc:
+                    self._failed_step = f"{type(exc).__name__}: {exc}"[:300]
+                    raise
                 self._step_applied = applied
                 if applied:
                     if self.lr_scheduler is not None:
@@ -342,11 +411,13 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         logger.info(line)
 
     def zero_grad(self) -> None:
-        """Drop all gradients, reduced or not (the next step needs a new backward)."""
+        """Drop all gradients, reduced or not (the next step needs a new backward); after a ``backward`` that
+        raised partway, also what it left in flight, so training can go on."""
         self.strategy.zero_grad()
         self._backwards = 0
         self._reduced = False
         self._accumulated = 0
+        self._failed_backward = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -365,7 +436,8 @@ class Engine(DeepSpeedGetters, WeightsSurface):
                 "accumulated but not yet applied (mid-accumulation or under `no_sync`); finish the "
                 "accumulation with `engine.step()` before changing `requires_grad`"
             )
-        self.strategy.refresh_trainable()
+        with doing("refresh_trainable", self._label), self._announcer.scope("refresh_trainable"):
+            self.strategy.refresh_trainable()
 
     # ------------------------------------------------------------ lr, scale
     def get_lr(self) -> list[float]:
@@ -425,7 +497,8 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         (0 elements, the persistent ones too) instead, and gathers nothing: for a model that is dropped
         next and that no rank could hold whole (one trained with ``offload_param``). Other stages hold
         full parameters already and ignore it."""
-        self.strategy.close(restore_params)
+        with doing("destroy", self._label), self._announcer.scope("destroy", self.strategy.gathers and restore_params):
+            self.strategy.close(restore_params)
         self.comm.close_shared_memory()
         ownership.release(self.module.parameters(), self)
 
@@ -435,15 +508,37 @@ class Engine(DeepSpeedGetters, WeightsSurface):
             raise AttributeError(name)
         module = self.__dict__["module"]
         try:
-            return getattr(module, name)
+            found = getattr(module, name)
         except AttributeError:
             raise AttributeError(
                 f"neither `{type(self).__name__}` nor the wrapped module `{type(module).__name__}` "
                 f"has an attribute `{name}`"
             ) from None
+        if name == "generate" and callable(found):
+            return functools.partial(self._generate, found)
+        return found
+
+    def _generate(self, generate: Any, *args: Any, **kwargs: Any) -> Any:
+        """``engine.generate(...)``: the model's own ``generate``, run as an engine call (at stage 3 each of its
+        forward passes announces itself as one of ``generate``: ranks that stop at different lengths are caught
+        at the first pass one rank runs alone)."""
+        with doing("generate", self._label):
+            # no scope of its own: each pass announces (and from then on a failure counts), or, at stages 0-2,
+            # moves nothing
+            self._require_clean("`engine.generate`", after_backward=False)
+            return generate(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"Engine(stage={self.strategy.stage}, dtype={self.precision.dtype}, module={type(self.module).__name__})"
+
+
+register("Engine.forward", "forward")
+register("Engine.backward", "backward")
+register("Engine.step", "step")
+register("Engine.destroy", "destroy")
+register("Engine.refresh_trainable", "refresh_trainable")
+register("Engine.generate", "generate")
+register("Engine.__init__", "initialize")
 
 
 def _unique(params: Any) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ from torch import nn
 from .distributed import Comm
 from .engine_state import EngineState
 from .export import save_state_dict
-from .faults import doing
+from .faults.announce import Announcer, collective
 from .precision import Precision
 from .pretrained import save_pretrained
 from .zero.base import Strategy
@@ -31,14 +31,17 @@ class WeightsSurface:
     precision: Precision
     strategy: Strategy
     _label: str
+    _announcer: Announcer
+    _failed_step: Optional[str]
 
+    @collective("save_checkpoint")
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict[str, Any]] = None) -> str:
         """Collectively write a checkpoint (every rank its own shard); returns its path."""
         from .checkpoint import save_checkpoint  # here: the checkpoint layer imports DCP (~1.4 s)
 
-        with doing("save_checkpoint", self._label):
-            return save_checkpoint(self.checkpointable(), save_dir, tag=tag, client_state=client_state)
+        return save_checkpoint(self.checkpointable(), save_dir, tag=tag, client_state=client_state)
 
+    @collective("load_checkpoint")
     def load_checkpoint(
         self,
         load_dir: str,
@@ -58,18 +61,21 @@ class WeightsSurface:
         """
         from .checkpoint import load_checkpoint  # here: the checkpoint layer imports DCP (~1.4 s)
 
-        with doing("load_checkpoint", self._label):
-            return load_checkpoint(
-                self.checkpointable(),
-                load_dir,
-                tag=tag,
-                load_optimizer_states=load_optimizer_states,
-                load_lr_scheduler_states=load_lr_scheduler_states,
-                load_module_only=load_module_only,
-                module_load_fn=module_load_fn,
-                strict=strict,
-            )
+        loaded = load_checkpoint(
+            self.checkpointable(),
+            load_dir,
+            tag=tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            module_load_fn=module_load_fn,
+            strict=strict,
+        )
+        if loaded[0] is not None and not load_module_only:
+            self._failed_step = None  # weights and optimizer state restored: a step that failed partway is undone
+        return loaded
 
+    @collective("save_16bit_model")
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Write the full weights in the compute dtype to ``save_dir/save_filename`` on rank 0 (collective).
 
@@ -82,6 +88,7 @@ class WeightsSurface:
             save_state_dict(state, Path(save_dir) / save_filename)
         return True
 
+    @collective("save_pretrained")
     def save_pretrained(self, save_dir: str) -> str:
         """Collective: ``config.json`` + ``model.safetensors`` from any stage, for ``from_pretrained``."""
         return save_pretrained(self, save_dir)
@@ -94,6 +101,7 @@ class WeightsSurface:
         """Bytes this rank holds for parameters, master weights, gradients and optimizer state."""
         return self.strategy.memory_breakdown()
 
+    @collective("full_state_dict")
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full-precision ``state_dict`` of the model on rank 0 (``{}`` elsewhere); collective.
 
@@ -114,6 +122,7 @@ class WeightsSurface:
             result[name] = copies[id(tensor)]
         return result
 
+    @collective("state_dict_16bit")
     def state_dict_16bit(self) -> dict[str, torch.Tensor]:
         """:meth:`full_state_dict` with floating tensors in the compute dtype (rank 0; ``{}`` elsewhere; collective)."""
         state = self.full_state_dict()

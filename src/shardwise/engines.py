@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from .engine import Engine
+from .faults.announce import register
 
 __all__ = ["load_checkpoints", "save_checkpoints"]
 
@@ -38,3 +39,8 @@ def load_checkpoints(load_dir: Any, engines: Mapping[str, Engine], tag: Optional
     from .checkpoint.group import load_checkpoints as load  # here: the checkpoint layer imports DCP (~1.4 s)
 
     return load(load_dir, {name: engine.checkpointable() for name, engine in engines.items()}, tag, **options)
+
+
+# announced on the default group by the checkpoint layer (checkpoint/group.py), which is imported on first use
+register("save_checkpoints", "save_checkpoints")
+register("load_checkpoints", "load_checkpoints")

@@ -116,11 +116,17 @@ class ShmWork:
         # The worker bounds every wait on a peer by itself; a bound here only stops a caller (exit) early.
         limit = timeout.total_seconds() if timeout is not None else None
         start = time.monotonic()
-        while not self._done.wait(1.0):
-            if not self._worker.is_alive():
-                raise RuntimeError("the shared-memory collective worker thread has ended")
+        while not self.wait_for(1.0 if limit is None else min(1.0, limit)):
             if limit is not None and time.monotonic() - start > limit:
                 raise RuntimeError(f"shared-memory collective not finished within {limit:g} s")
+        return True
+
+    def wait_for(self, seconds: float) -> bool:
+        """Wait at most ``seconds``: True once finished (its error raised), False while it runs on."""
+        if not self._done.wait(seconds):
+            if not self._worker.is_alive():
+                raise RuntimeError("the shared-memory collective worker thread has ended")
+            return False
         if self._error is not None:
             raise RuntimeError(str(self._error)) from self._error
         return True
@@ -139,6 +145,8 @@ class SharedSegment:
         self._timeout = timeout
         self._watch = PeerWatch()
         self._broken: Optional[BaseException] = None
+        #: the waiter gave up (a peer raised and will not come): the collective being run stops waiting
+        self._abandoned = False
         #: buffers every rank maps: this rank's base address -> (bytes, every rank's copy as uint8, None for this rank)
         self._shared: dict[int, tuple[int, list[Optional[torch.Tensor]]]] = {}
         self._queue: queue.SimpleQueue[Optional[_Job]] = queue.SimpleQueue()
@@ -150,6 +158,11 @@ class SharedSegment:
     def close(self) -> None:
         """End the worker thread once the collectives already issued are done."""
         self._queue.put(None)
+
+    def abandon(self) -> None:
+        """The group is broken (its waiter raised): the collective waiting for a peer stops at its next poll,
+        and every later one fails at once, instead of each waiting out ``comms.timeout``."""
+        self._abandoned = True
 
     # ------------------------------------------------------------ the API
     def all_reduce(self, tensor: torch.Tensor) -> ShmWork:
@@ -212,6 +225,9 @@ class SharedSegment:
                     delay = _LONG_SLEEP  # a long wait costs the waiting rank's core ~200 wake-ups a second
 
     def _check_peers(self, waiting_for: int, start: float) -> None:
+        if self._abandoned:
+            raise RuntimeError(f"shared-memory collective abandoned while waiting for group rank {waiting_for}: "
+                               "this rank gave up on the group (its error says why)")
         gone = self._watch.gone(self._peers)
         if gone:
             raise RuntimeError(f"shared-memory collective: rank(s) {gone} stopped beating (gone) while this rank "
@@ -426,6 +442,11 @@ class SharedMemory:
         if self.segment is not None:
             self.segment.close()
             self.segment = None
+
+    def abandon(self) -> None:
+        """The group is broken: the segment's worker stops waiting for peers (:meth:`SharedSegment.abandon`)."""
+        if self.segment is not None:
+            self.segment.abandon()
 
     def zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Collective while :attr:`active`: a zeroed flat tensor every rank maps (a collective over a region of

@@ -22,17 +22,20 @@ subdirectory; a named engine's ``load_checkpoint`` finds its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch.distributed as dist
 
 from ..agreement import Session, join
 from ..distributed import Comm
+from ..faults.announce import Announcer
+from ..faults.ledger import doing
 from . import files
 from .commit import commit, fsync_dir, remove_stale_temps, write_atomic, write_json
 from .errors import CheckpointError
@@ -66,6 +69,26 @@ def save_checkpoints(save_dir: Any, engines: Mapping[str, Checkpointable], tag: 
     names = sorted(validate_tag(name) for name in engines)
     comm = comm if comm is not None else Comm(None)
     first = engines[names[0]]
+    with _announced(comm, "save_checkpoints", names, first):
+        return _save(save_dir, engines, names, tag, client_state, comm, first)
+
+
+@contextlib.contextmanager
+def _announced(comm: Comm, operation: str, names: list[str], first: Checkpointable) -> Iterator[None]:
+    """Run ``operation`` as a call of its own, announced on ``comm``'s group; inside an engine's own call
+    (a named engine's ``save_checkpoint``), as part of that call."""
+    if comm.distributed and comm.ledger.scope is not None:
+        yield
+        return
+    owner = "engines " + ", ".join(f"`{name}`" for name in names)
+    announcer = Announcer(comm, owner, lambda: (first.global_steps, 0), engine=False)
+    with doing(operation, owner), announcer.scope(operation):
+        yield
+
+
+def _save(save_dir: Any, engines: Mapping[str, Checkpointable], names: list[str], tag: Optional[str],
+          client_state: Optional[dict[str, Any]], comm: Comm, first: Checkpointable) -> str:
+    """:func:`save_checkpoints`, once the ranks agreed to run it."""
     tag = validate_tag(tag if tag is not None else f"global_step{first.global_steps}")
     root = Path(save_dir).absolute()
     payload = {"op": "save_checkpoints", "tag": tag, "dir": str(root), "nonce": secrets.token_hex(6),
@@ -168,7 +191,10 @@ def load_checkpoints(load_dir: Any, engines: Mapping[str, Checkpointable], tag: 
             return None, None
         tag = read_latest(root)
     client: Optional[dict[str, Any]] = None
-    for name in sorted(engines):
-        _, state = load_checkpoint(engines[name], root, tag, member=name, **options)
-        client = state if client is None else client
+    first = engines[sorted(engines)[0]]
+    with _announced(Comm(None), "load_checkpoints", sorted(engines), first):
+        for name in sorted(engines):
+            _, state = load_checkpoint(engines[name], root, tag, member=name, **options)
+            client = state if client is None else client
     return str(root / tag), client
+

@@ -7,7 +7,13 @@ What is always on (measured in ``docs/faults.md``):
 * a heartbeat thread per process writes, a few times a minute, what the
   process is doing into the c10d store (:mod:`.heartbeat`);
 * once per optimizer step the engine compares the ranks' collective
-  sequences over a small control group (:mod:`.control`).
+  sequences over a small control group (:mod:`.control`);
+* every collective operation (``full_state_dict``, a stage-3 forward, a
+  reducing backward, a save...) first announces itself over that group, so
+  ranks in different operations raise before any data moves (:mod:`.announce`);
+* every wait reads, between short slices, the errors the other ranks
+  published: a rank that raised and will not come is named at once
+  (:mod:`.published`).
 
 When a collective fails, :func:`diagnose` reads the other ranks' records and
 raises one of the errors below, naming the rank that is gone, failed or
@@ -43,11 +49,11 @@ _MAX_ERROR_CHARS = 500
 
 
 def watch(rank: int, timeout: float) -> None:
-    """Start (or speed up) this process's heartbeat and publish errors leaving engine calls."""
+    """Start (or speed up) this process's heartbeat and publish errors leaving engine calls (withdrawn once
+    the ranks agree on an operation again, :mod:`.control`)."""
     store = dist.distributed_c10d._get_default_store()
     _heartbeat.start(store, rank, timeout)
     doing.on_error = _publish_error
-    doing.on_success = _heartbeat.clear_fault
 
 
 def _publish_error(exc: BaseException, where: str) -> None:
@@ -58,5 +64,5 @@ def _publish_error(exc: BaseException, where: str) -> None:
 
 
 def last_error() -> Optional[str]:
-    """The error this process published last (None: none, or cleared by a later successful engine call)."""
+    """The error this process published last (None: none, or withdrawn once its ranks agreed on an operation)."""
     return _heartbeat.published()

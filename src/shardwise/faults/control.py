@@ -14,15 +14,31 @@ the minimum of each value), so two checks can never disagree about size.
   sizes, different units) are caught before the step applies their gradients.
 * :func:`before` (``comms.debug``): before every collective, its kind, size,
   dtype and label; a mismatch raises on every rank before any data moves.
+* :func:`announce` (always on): before each collective *operation*
+  (``full_state_dict``, a stage-3 forward, a backward that reduces, a save...;
+  :mod:`.announce` decides when), which operation of which engine, its step
+  counters.  Ranks in different operations raise on every rank before any
+  data moves, naming what each rank is in; the group stays usable (nothing
+  was exchanged), so ranks that catch the error can go on together.
+
+Every message also carries, last, how many engine calls of the process
+failed after they started (:attr:`~.ledger.doing.failures`): ranks that
+differ there failed apart (one rank raised mid-backward, the other did not),
+their next collectives would pair silently wrong, and every rank raises
+naming the failure, with the group marked broken.
 
 When values differ, every rank sees it (they all hold the same maxima and
 minima) and each publishes its recent collectives in the store; the error
-shows the first place they differ.
+shows the first place they differ.  Each exchange waits in slices, reading
+between them what the peers published (:mod:`.published`): a peer that
+raised and will not come is named within a fraction of a second, not at
+``comms.timeout``.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Optional, Sequence
@@ -30,18 +46,32 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import ledger as _ledger
+from . import published as _published
 from .diagnose import AGREE, Failure, diagnose, short_cause
 from .errors import CollectiveMismatchError
-from .heartbeat import heartbeat, read_json
-from .ledger import Ledger, current_activity
+from .heartbeat import clear_fault, heartbeat, read_json
+from .heartbeat import published as published_error
+from .ledger import Ledger, current_activity, ledgers
+from .liveness import PeerWatch
 
-__all__ = ["CHECK", "DEBUG", "agree", "before"]
+__all__ = ["ANNOUNCE", "CALLS", "CHECK", "DEBUG", "agree", "announce", "before"]
 
 _WIDTH = 8
 CHECK = 1
 DEBUG = 2
+ANNOUNCE = 3
 #: values compared but not worth showing (hashes, the message kind: the description says it)
-_HIDDEN = {"kind", "fingerprint", "collective", "collective number"}
+_HIDDEN = {"kind", "fingerprint", "collective", "collective number", "operation", "engine", ""}
+_FAILURES = "failed engine calls"
+CALLS = ("every rank must make the same collective calls in the same order: `save_checkpoint`, `load_checkpoint`, "
+         "`full_state_dict`, `save_16bit_model`, `save_pretrained`, `destroy`, `GatheredParameters`, `generate` "
+         "and every forward and backward of a ZeRO-3 model run on every rank together (rank 0 alone writes the "
+         "files); call them on every rank, not under `if rank == 0:`")
+FAILED_APART = ("The ranks failed apart: their collectives since may have paired silently wrong, so this process "
+                "group cannot be used again; let the job exit and restart it from the last checkpoint "
+                "(`shardwise run --max-restarts N`). An error raised, and caught, on every rank together is fine: "
+                "call `engine.zero_grad()` on every rank and go on")
 
 
 class _Control:
@@ -50,11 +80,11 @@ class _Control:
     def __init__(self, ledger: Ledger, rank: int, timeout: float) -> None:
         store = dist.distributed_c10d._get_default_store()
         prefix = dist.PrefixStore(f"shardwise/control/{ledger.key}", store)
-        # typed as Any: torch's stubs give ProcessGroupGloo no `allreduce`, which its bindings have
-        self.group: Any = dist.ProcessGroupGloo(prefix, ledger.ranks.index(rank), len(ledger.ranks),
-                                                timedelta(seconds=timeout))
+        self.group = _connect(prefix, ledger, rank, timeout)
         self.store = store
         self.timeout = timeout
+        self.ledger = ledger
+        self.rank = rank
         self.count = 0
         self.options = dist.AllreduceOptions()
         self.options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
@@ -66,9 +96,38 @@ class _Control:
         self.count += 1
         row = list(values) + [0] * (_WIDTH - len(values))
         self.buffer.copy_(torch.tensor(row + [-v for v in row], dtype=torch.int64))
-        self.group.allreduce([self.buffer], self.options).wait()
+        # in slices: a peer that raised and published it will not come, and is named at once
+        _published.wait(self.group.allreduce([self.buffer], self.options), self.ledger, self.rank)
         reduced = self.buffer.tolist()
         return reduced[:_WIDTH], [-v for v in reduced[_WIDTH:]]
+
+
+def _connect(prefix: Any, ledger: Ledger, rank: int, timeout: float) -> Any:
+    """The control group's gloo backend.  Building it waits for every rank to build its end (up to
+    ``timeout``): done on a helper thread (it releases the GIL) while this one watches the peers, so a peer that
+    died or raised before building its end is named within seconds."""
+    made: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            # typed as Any: torch's stubs give ProcessGroupGloo no `allreduce`, which its bindings have
+            made["group"] = dist.ProcessGroupGloo(prefix, ledger.ranks.index(rank), len(ledger.ranks),
+                                                  timedelta(seconds=timeout))
+        except BaseException as exc:  # noqa: BLE001 - raised on the calling thread below
+            made["error"] = exc
+
+    builder = threading.Thread(target=build, name="shardwise-control-setup", daemon=True)
+    builder.start()
+    watch, peers = PeerWatch(), [r for r in ledger.ranks if r != rank]
+    while builder.is_alive():
+        builder.join(_published.SLICE_S)
+        failed, gone = watch.failed(peers), watch.gone(peers)
+        if failed is not None or gone:
+            why = failed[1] if failed is not None else f"rank(s) {gone} stopped beating (gone)"
+            raise RuntimeError(f"{why}, while this rank set up the control group")
+    if "error" in made:
+        raise made["error"]
+    return made["group"]
 
 
 def _control(ledger: Ledger, rank: int, timeout: float, what: str) -> _Control:
@@ -100,25 +159,43 @@ def before(ledger: Ledger, rank: int, timeout: float, key: int, description: str
     _compare(ledger, rank, timeout, what, [DEBUG, ledger.seq, key], ["kind", "collective number", "collective"])
 
 
+def announce(ledger: Ledger, rank: int, timeout: float, values: Sequence[int], what: str) -> None:
+    """Every rank is about to run the same collective operation: ``values`` are its code, its engine's index
+    on the group and that engine's step counters; ``what`` names it (``in `full_state_dict` of ...``)."""
+    _compare(ledger, rank, timeout, what, [ANNOUNCE, *values],
+             ["kind", "operation", "engine", "global_steps", "micro_steps"])
+
+
 def _compare(ledger: Ledger, rank: int, timeout: float, what: str, values: list[int], names: list[str]) -> None:
     if ledger.broken is not None:
         raise ledger.broken
     control = _control(ledger, rank, timeout, what)
+    # the failure count goes last in every kind of message, so any two can be compared there
+    row = values + [0] * (_WIDTH - 1 - len(values)) + [_ledger.doing.failures]
+    names = names + [""] * (_WIDTH - 1 - len(names)) + [_FAILURES]
     try:
-        maxima, minima = control.exchange(values)
+        maxima, minima = control.exchange(row)
     except RuntimeError as exc:
         raise _failed(ledger, rank, timeout, what, exc) from exc
     if maxima != minima:
-        error = _mismatch(ledger, rank, control, what, values, names)
-        ledger.broken = error
+        error = _mismatch(ledger, rank, control, what, row, names)
+        # A rank announcing while the others announce or check a step: each finished what it issued, nothing of
+        # the new operations moved, and the group stays usable.  Collectives that may have paired wrongly (step
+        # checks that differ, `comms.debug` inside an operation), or a failure on some ranks only, break it.
+        if maxima[0] != ANNOUNCE or minima[0] == DEBUG or maxima[-1] != minima[-1]:
+            ledger.broken = error
         raise error
+    if published_error() is not None and not any(other.broken is not None for other in ledgers()):
+        # every rank passed this agreement: an error published before it was handled by all (a broken group's
+        # error stays: its peers still need it)
+        clear_fault()
 
 
 # ------------------------------------------------------------------ reports
 def _mismatch(ledger: Ledger, rank: int, control: _Control, what: str, values: list[int],
               names: list[str]) -> CollectiveMismatchError:
     """Every rank saw the mismatch: share what each did since the last check, and say where they part."""
-    mine = {"what": what, "doing": current_activity(), "values": values,
+    mine = {"what": what, "doing": current_activity(), "values": values, "error": published_error(),
             "recent": [(e.seq, e.describe()) for e in list(ledger.log)[-16:]]}
     prefix = f"shardwise/faults/mismatch/{ledger.key}/{control.count}"
     control.store.set(f"{prefix}/{rank}", json.dumps(mine))
@@ -151,6 +228,8 @@ def _collect(store: Any, prefix: str, ranks: list[int], timeout: float) -> dict[
 
 
 def _message(ledger: Ledger, rank: int, reports: dict[int, dict[str, Any]], names: list[str]) -> str:
+    if any(_kind(report) == ANNOUNCE for report in reports.values()):
+        return _calls_message(ledger, rank, reports, names)
     lines = []
     for r in ledger.ranks:
         report = reports.get(r)
@@ -191,3 +270,31 @@ def _first_difference(ranks: list[int], reports: dict[int, dict[str, Any]]) -> O
                                for r, v in sorted(seen.items()))
             return f"The first collective that differs is number {seq}:\n{listed}"
     return None
+
+
+# ----------------------------------------------------------- announcements
+def _kind(report: dict[str, Any]) -> Any:
+    values = report.get("values")
+    return values[0] if isinstance(values, list) and values else None
+
+
+def _calls_message(ledger: Ledger, rank: int, reports: dict[int, dict[str, Any]], names: list[str]) -> str:
+    """``rank 0: the ranks are in different collective calls: rank 0 is in `full_state_dict` of ..., rank 1 is in
+    a stage-3 forward of ...``, then the fix (and, when they failed apart, which rank failed and how)."""
+    where = "; ".join(f"rank {r} is {reports[r].get('what')}" if r in reports else
+                      f"rank {r} sent no report (it may be gone)" for r in ledger.ranks)
+    failures = {r: rep["values"][-1] for r, rep in reports.items() if isinstance(rep.get("values"), list)}
+    if len(set(failures.values())) > 1:
+        most = max(failures.values())
+        failed = ", ".join(f"rank {r}: `{reports[r].get('error') or 'an error'}`"
+                           for r, count in sorted(failures.items()) if count == most)
+        counts = ", ".join(f"rank {r} {count}" for r, count in sorted(failures.items()))
+        return (f"rank {rank}: an engine call failed on some ranks of process group {ledger.key} only ({failed}; "
+                f"failed engine calls: {counts}), and they went on: {where}. {FAILED_APART}")
+    same_kind = len({_kind(report) for report in reports.values()}) == 1
+    differ = _differing_values(ledger.ranks, reports, names) if same_kind else ""
+    shown = "; ".join(part for part in differ.split("; ") if part and part != "the collectives issued"
+                      and "their reports" not in part)
+    shown = f" ({shown})" if shown else ""
+    return (f"rank {rank}: the ranks of process group {ledger.key} are in different collective calls{shown}: "
+            f"{where}. Nothing was exchanged, so ranks that catch this error may go on together; {CALLS}")

@@ -10,7 +10,9 @@ fails, the other ranks can tell *gone* (the counter stands still) from
 
 A rank that raises (inside an engine call, or a collective it saw fail)
 writes ``fault/<rank>`` first, so its peers name its error instead of only
-its silence.
+its silence, and adds one to ``published``: a rank waiting for its peers reads
+that one counter a few times a second and the records only when it moved
+(:mod:`.published`).
 
 Nothing here is on the training path: the thread wakes every ``interval``
 (``comms.timeout / 30``, between 0.05 and 5 seconds) and performs one store
@@ -28,11 +30,12 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from . import ledger as _ledger
 from .errors import StoreRecordError
 from .ledger import current_activity, ledgers
 
-__all__ = ["Heartbeat", "clear_fault", "fault_record", "heartbeat", "publish_fault", "published", "read_json",
-           "read_record", "start"]
+__all__ = ["PUBLISHED_KEY", "Heartbeat", "clear_fault", "fault_record", "heartbeat", "publish_fault", "published",
+           "read_json", "read_record", "start"]
 
 _ROOT = "shardwise/faults"
 MIN_INTERVAL = 0.05
@@ -50,6 +53,10 @@ def _alive_key(rank: int) -> str:
 
 def _fault_key(rank: int) -> str:
     return f"{_ROOT}/fault/{rank}"
+
+
+#: a counter every publication (and withdrawal) of a fault record adds one to
+PUBLISHED_KEY = f"{_ROOT}/published"
 
 
 def snapshot() -> dict[str, Any]:
@@ -137,31 +144,57 @@ def publish_fault(error: str, comm: bool, doing: Optional[str] = None) -> None:
     ``doing`` names the engine call the error left (the activity has been popped by then).
     """
     beat = _CURRENT
-    if beat is None:
+    if beat is None or _keeps_root_cause(comm):
         return
-    record = {"error": error, "comm": comm, "time": time.time(), **snapshot()}
+    record = {"error": error, "comm": comm, "time": time.time(), **snapshot(), **_standing()}
     if doing is not None:
         record["doing"] = doing
     try:
         beat.store.set(_fault_key(beat.rank), json.dumps(record))
         _PUBLISHED[:] = [error]
+        _ROOT_CAUSE[:] = [] if comm else [True]
+        _count_publication(beat.store)
     except Exception:  # noqa: BLE001 - the store is unreachable: the peers will see this rank as gone
         pass
 
 
+#: whether the record published is this rank's own error (not a collective it saw fail)
+_ROOT_CAUSE: list[bool] = []
+
+
+def _keeps_root_cause(comm: bool) -> bool:
+    """A collective failing after this rank's own error was published (a peer gave up because of it) leaves
+    that error in the record: it is the cause the peers must name, and a record a peer is reading."""
+    return comm and bool(_ROOT_CAUSE)
+
+
+def _standing() -> dict[str, Any]:
+    """What a waiting peer needs to judge a fault record (:mod:`.published`): how many engine calls of this
+    process had failed once this one did (:attr:`doing.failures`)."""
+    return {"failures": _ledger.doing.failures}
+
+
+def _count_publication(store: Any) -> None:
+    """Tell waiting peers that a fault record changed (they read the records only when this count moved)."""
+    store.add(PUBLISHED_KEY, 1)
+
+
 def published() -> Optional[str]:
-    """The error this process published last, until a later engine call succeeds."""
+    """The error this process published last, until its ranks agree on an operation again."""
     return _PUBLISHED[0] if _PUBLISHED else None
 
 
 def clear_fault() -> None:
-    """A later engine call succeeded: the error published earlier was handled, it no longer explains anything."""
+    """Every rank passed an agreement since: the error published earlier was handled by all (or by none and they
+    stopped), it no longer explains anything."""
     beat = _CURRENT
     if not _PUBLISHED or beat is None:
         return
     _PUBLISHED.clear()
+    _ROOT_CAUSE.clear()
     try:
         beat.store.delete_key(_fault_key(beat.rank))
+        _count_publication(beat.store)
     except Exception:  # noqa: BLE001 - best effort: a stale note only adds a line to a peer's message
         pass
 

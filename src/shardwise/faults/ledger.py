@@ -25,7 +25,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["Entry", "Ledger", "LOG_LENGTH", "current_activity", "doing", "ledger_for", "ledgers"]
+__all__ = ["Entry", "Ledger", "LOG_LENGTH", "current_activity", "current_phase", "doing", "ledger_for", "ledgers",
+           "start"]
 
 #: how many recent collectives each ledger keeps for error messages
 LOG_LENGTH = 64
@@ -54,46 +55,75 @@ class Entry:
 
 
 # ------------------------------------------------------------------ activity
-_STACK: list[str] = []
+_STACK: list["doing"] = []
 _IDLE = "no engine call (between `engine` calls)"
 
 
 def current_activity() -> str:
     """The innermost engine call running now, as messages name it."""
-    return _STACK[-1] if _STACK else _IDLE
+    return _STACK[-1].text if _STACK else _IDLE
+
+
+def current_phase() -> Optional[str]:
+    """The innermost engine call's name (``generate``), None between engine calls."""
+    return _STACK[-1].phase if _STACK else None
+
+
+def start() -> None:
+    """The innermost engine call has started changing state (its ranks agreed on it): a failure from now on
+    counts in :attr:`doing.failures` (an argument refused before this point changes nothing, and does not)."""
+    if _STACK:
+        _STACK[-1].started = True
 
 
 class doing:  # noqa: N801 - used as a context manager, reads like one
     """``with doing("backward", engine.label):`` marks what this process does until the block ends.
 
-    An exception other than a :class:`~.errors.CommError` leaving the block is
-    published for the other ranks (their errors then say this rank failed and
-    why, instead of only that it stopped answering).  A class, not a generator:
-    it runs three times per training step.
+    An exception leaving the block is published for the other ranks (their
+    errors then say this rank failed and why, instead of only that it stopped
+    answering), once however many blocks it leaves.  When the call had
+    :func:`start` ed, it also counts in :attr:`failures`, which every
+    announcement and step check compares across ranks (:mod:`.control`): a
+    failure on some ranks only can never be followed by a silent pairing of
+    the ranks' next collectives.  A class, not a generator: it runs three times
+    per training step.
     """
 
-    __slots__ = ("text",)
+    __slots__ = ("phase", "text", "started")
     on_error: Optional[Callable[[BaseException, str], None]] = None
-    on_success: Optional[Callable[[], None]] = None
-    #: set once an error was published; the next successful call withdraws it
-    published = False
+    #: engine calls that raised after they started, in this process
+    failures = 0
 
     def __init__(self, phase: str, owner: str) -> None:
+        self.phase = phase
         self.text = f"`{phase}` of {owner}"
+        self.started = False
 
-    def __enter__(self) -> None:
-        _STACK.append(self.text)
+    def __enter__(self) -> "doing":
+        _STACK.append(self)
+        return self
 
     def __exit__(self, kind: Any, exc: Optional[BaseException], tb: Any) -> None:
-        if _STACK and _STACK[-1] is self.text:
+        if _STACK and _STACK[-1] is self:
             _STACK.pop()
-        if exc is not None:
-            if doing.on_error is not None:
-                doing.on_error(exc, self.text)
-                doing.published = True
-        elif doing.published and doing.on_success is not None:
-            doing.published = False
-            doing.on_success()
+        if exc is None:
+            return
+        # marks on the exception itself (not a reference to it here: it holds its frames, and their tensors)
+        if self.started and not _marked(exc, "_shardwise_counted"):
+            doing.failures += 1
+        if doing.on_error is not None and not _marked(exc, "_shardwise_published"):
+            doing.on_error(exc, self.text)
+
+
+def _marked(exc: BaseException, mark: str) -> bool:
+    """Whether ``exc`` carries ``mark`` already; sets it."""
+    if getattr(exc, mark, False):
+        return True
+    try:
+        setattr(exc, mark, True)
+    except AttributeError:  # an exception type without attributes: counted (and published) at each block
+        pass
+    return False
 
 
 # -------------------------------------------------------------------- ledger
@@ -116,12 +146,18 @@ class Ledger:
         self._keys: dict[tuple[str, int, torch.dtype, str], int] = {}
         #: the control group used by the step check and ``comms.debug`` (made on first use)
         self.control: Any = None
+        #: the announced operation running on this group now (None: none); announcements nested in it are skipped
+        self.scope: Any = None
+        #: engines built on this group so far (an engine's index names it in announcements)
+        self.engines = 0
+        #: what this rank's waits read of the errors other ranks published (made on first use)
+        self.peer_errors: Any = None
 
     def record(self, kind: str, numel: int, dtype: torch.dtype, label: str) -> Entry:
         """Give the next collective its number and fold it into the fingerprint."""
         self.seq += 1
         self.fingerprint = ((self.fingerprint * 1000003) ^ self.key_of(kind, numel, dtype, label)) & _MASK
-        entry = Entry(self.seq, kind, numel, dtype, label, _STACK[-1] if _STACK else _IDLE)
+        entry = Entry(self.seq, kind, numel, dtype, label, _STACK[-1].text if _STACK else _IDLE)
         self.log.append(entry)
         self.last = entry
         return entry

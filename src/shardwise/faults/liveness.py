@@ -8,7 +8,9 @@ never beat (no heartbeat thread: a single process, or the peer never got that
 far) is never reported: the caller's own timeout covers it.  A store that
 stops answering every read for as long is reported as its host gone (rank 0
 for ``env://`` rendezvous, :mod:`.store`): the store died with that process,
-and no other record can be read any more.
+and no other record can be read any more.  :meth:`PeerWatch.failed` names a
+peer that is alive but raised, and published an error that means it will not
+come (:mod:`.published`), within a fraction of a second.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Iterable, Optional
 
 from .errors import StoreRecordError
 from .heartbeat import heartbeat, read_record
+from .published import SLICE_S, PeerErrors
 from .store import store_host
 
 __all__ = ["PeerWatch"]
@@ -36,6 +39,23 @@ class PeerWatch:
         self._unreachable_since: Optional[float] = None
         #: the last record read of each rank (what it was doing when it stopped)
         self.records: dict[int, dict[str, Any]] = {}
+        self._errors: Optional[PeerErrors] = None
+        self._next_errors = 0.0
+
+    def failed(self, ranks: Iterable[int]) -> Optional[tuple[int, str]]:
+        """A peer among ``ranks`` whose published error means it will not come: its rank and the error in words
+        (None: none; read every :data:`~.published.SLICE_S` seconds at most)."""
+        now = time.monotonic()
+        if self.store is None or now < self._next_errors:
+            return None
+        self._next_errors = now + SLICE_S
+        peers = sorted(set(ranks))
+        if self._errors is None or self._errors.peers != peers:
+            self._errors = PeerErrors(self.store, peers)
+        try:
+            return self._errors.find()
+        except Exception:  # noqa: BLE001 - an unreachable store: `gone` names its host
+            return None
 
     def gone(self, ranks: Iterable[int]) -> list[int]:
         """The ranks among ``ranks`` whose heartbeat stood still long enough to call them gone."""

@@ -32,6 +32,7 @@ from ..construction import digests, require_same_construction
 from ..distributed import Comm
 from ..engine import Engine
 from ..export import save_state_dict
+from ..faults.announce import Announcer, collective
 from ..fingerprint import config_fingerprint
 from ..zero.flat import FlatStrategy
 from .checkpointing import PipelineState, global_order
@@ -90,6 +91,8 @@ class PipelineEngine(Engine):
             model_parameters=model_parameters, process_group=self.groups.data.group, name=name,
         )
         self.module: PipelineModule = module
+        # Its collective calls span every stage: they announce over the whole world, not one stage's replicas.
+        self._announcer = Announcer(self.groups.world, self._label, self._counters)
         # The step sees the whole model: the norm (clipping, overflow) summed over every stage, each tied
         # weight once (on the first stage holding it).
         assert isinstance(self.strategy, FlatStrategy)  # stages 0-1 (_check_pipeline_config)
@@ -114,6 +117,7 @@ class PipelineEngine(Engine):
         self.data_iterator = iterator
 
     # ------------------------------------------------------------ the API
+    @collective("train_batch")
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
         """Train on ``gradient_accumulation_steps`` micro-batches ``(inputs, labels)`` from
         ``data_iter`` and take one optimizer step; returns their mean loss on every rank.
@@ -145,6 +149,7 @@ class PipelineEngine(Engine):
         self._apply_step(steps)
         return self._mean_loss(losses)
 
+    @collective("eval_batch")
     def eval_batch(self, data_iter: Any = None, num_micro_batches: Optional[int] = None) -> torch.Tensor:
         """Mean loss of ``num_micro_batches`` (default: ``gradient_accumulation_steps``) micro-batches,
         on every rank; no gradient, no state changes (dropout off during the call). Without ``data_iter``:
@@ -285,6 +290,7 @@ class PipelineEngine(Engine):
         return value
 
     # ------------------------------------------------------------ whole-model state
+    @collective("full_state_dict")
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full-precision weights of every stage on global rank 0, in ``to_sequential()``'s order
         (``{}`` elsewhere); collective over all ranks."""
@@ -294,6 +300,7 @@ class PipelineEngine(Engine):
         merged = gather_to_first(self.groups.p2p, self.groups.pipe, stage_state, self.channel.device)
         return {name: merged[name] for name in global_order([list(merged)], self.module.tied_keys)}
 
+    @collective("save_16bit_model")
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Every stage's weights in the compute dtype, in one file written by global rank 0 (collective)."""
         state = self.state_dict_16bit()

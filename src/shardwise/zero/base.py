@@ -104,6 +104,9 @@ class Strategy(ABC):
     #: the engine divides the loss by this before backward, so a summing
     #: reduction yields the average with no extra pass over the gradients
     loss_divisor: float = 1.0
+    #: whether every forward and backward gathers parameters (collectives even without a reduction): the
+    #: engine then announces each of them (:mod:`shardwise.faults.announce`)
+    gathers: bool = False
 
     def __init__(self, module: nn.Module, comm: Comm, precision: Precision, zero_config: Any) -> None:
         self.module = module
@@ -137,6 +140,19 @@ class Strategy(ABC):
     @abstractmethod
     def finish_backward(self) -> None:
         """Called after autograd: flush and wait for gradient reduction (``backward.active`` becomes False)."""
+
+    def abort_forward(self) -> None:
+        """The engine's forward raised: let go of whatever its module hooks still hold (stage 3)."""
+
+    def abort_backward(self) -> None:
+        """Autograd raised between ``start_backward`` and ``finish_backward``: what the backward launched is
+        waited for and dropped (a peer that launched it too completes it; one that failed first is named), and
+        its hooks stop reducing.  What it accumulated stays until ``zero_grad``, which the engine asks for."""
+        self.backward.active = False
+
+    def attach_announcer(self, announcer: Any) -> None:
+        """The engine's announcements (:mod:`shardwise.faults.announce`): a stage whose module hooks move data
+        (stage 3) announces the passes that do not go through the engine."""
 
     @abstractmethod
     def step_sums(self) -> torch.Tensor:

@@ -134,6 +134,11 @@ class FlatStrategy(Strategy):
         """The stage's collective (:data:`.grads.Reduce`, one of the functions in :mod:`.grads` bound to this
         strategy's ``Comm``), chosen once per layout: the storage hands it each complete bucket."""
 
+    def abort_backward(self) -> None:
+        self.backward.active = False
+        if self.backward.sync:
+            self.grads.drain()
+
     def finish_backward(self) -> None:
         self.backward.active = False
         if not self.backward.sync:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from torch import nn
 
+from ..faults.announce import Announcer, register
 from .hooks import EXTERNAL_ATTR
 from .params import Unit, gather_units, unit_of
 
@@ -29,7 +30,9 @@ class GatheredParameters:
             if dist.get_rank() == 0:
                 model.head.weight[:10].zero_()
 
-    ``fwd_module`` is accepted for DeepSpeed compatibility and ignored.
+    ``fwd_module`` is accepted for DeepSpeed compatibility and ignored.  Collective, so it announces
+    itself first (:mod:`shardwise.faults.announce`): a rank entering it alone raises, with the others, before
+    anything is gathered.
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class GatheredParameters:
             params = [params]
         self.params = list(params) if params is not None and enabled else []
         self.modifier_rank = modifier_rank
+        self._scope: Any = None
         self.units: list[Unit] = []
         for param in self.params:
             if not isinstance(param, torch.Tensor):
@@ -62,10 +66,21 @@ class GatheredParameters:
                 )
 
     def __enter__(self) -> "GatheredParameters":
-        for unit in self.units:
-            unit.acquire()
-        gather_units(self.units)
+        if self.units:
+            self._scope = _announcer_of(self.units[0]).scope("GatheredParameters").open()
+        try:
+            for unit in self.units:
+                unit.acquire()
+            gather_units(self.units)
+        except BaseException:
+            self._close()
+            raise
         return self
+
+    def _close(self) -> None:
+        scope, self._scope = self._scope, None
+        if scope is not None:
+            scope.close()
 
     def __exit__(
         self,
@@ -84,8 +99,23 @@ class GatheredParameters:
                     if unit.holders > 1 or unit.persistent:
                         unit.refresh()
         finally:
-            for unit in self.units:
-                unit.owner.release(unit)
+            try:
+                for unit in self.units:
+                    unit.owner.release(unit)
+            finally:
+                self._close()
+
+
+def _announcer_of(unit: Unit) -> Announcer:
+    """Who announces for ``unit``: the engine that owns it, or (a model under ``zero.Init`` not yet wrapped) a
+    bare announcer on the unit's group."""
+    announcer = getattr(unit.owner, "announcer", None)
+    if isinstance(announcer, Announcer):
+        return announcer
+    return Announcer(unit.comm, "a model partitioned by `zero.Init`", engine=False)
+
+
+register("GatheredParameters.__enter__", "GatheredParameters")
 
 
 def register_external_parameter(module: nn.Module, parameter: torch.Tensor) -> None:

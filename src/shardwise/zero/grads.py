@@ -280,6 +280,16 @@ class GradStorage(ABC):
         self.reduced.note_share(torch.stack(parts).sum() if parts else self.reduced.zero())
         return self._used
 
+    def drain(self) -> None:
+        """A reducing backward raised partway: wait for the buckets it launched (their results are dropped:
+        ``zero_grad`` follows) so that no reduction stays in flight to land in a later step."""
+        works, self._works = self._works, []
+        for flight in works:
+            flight.work.wait()
+        self._next = len(self.layout.buckets)  # launch nothing more in this backward
+        self.reduced.forget_share()
+        self._reduced_all()
+
     def _flush(self, bucket: Bucket) -> None:
         """Before ``bucket`` is reduced: take the gradients of the parameters whose hook did not fire in this
         backward (accumulated earlier, or none since they were cleared: zeros, and not used here)."""

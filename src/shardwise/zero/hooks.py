@@ -35,6 +35,12 @@ hook, so the entry point does not matter: ``engine(x)``, ``engine.module(x)``,
   order changes (a branch), prefetches only go to waste: gathering on use is
   what guarantees correctness.
 
+* **announcements**: a forward or backward that does not go through an
+  announced engine call (``engine.module(x)``, the model's own ``generate``
+  loop, ``engine.generate``, ``loss.backward()``) announces each outermost pass
+  to the other ranks before its first gather (:mod:`shardwise.faults.announce`):
+  a rank running one alone raises, with the others, before any data moves.
+
 Collectives are issued in program order, so all ranks must run the same
 modules in the same order in a given forward (the usual ZeRO-3 / FSDP
 requirement); which modules run may change from one forward to the next.
@@ -50,6 +56,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..faults.ledger import current_phase
 from .offloaded_shards import offloads_params
 from .params import Unit, checksum, move, not_gathered_error, param_name, prepare_for_compile, unit_of
 from .traced import outside_graphs
@@ -166,6 +173,11 @@ class Gatherer:
         self.forward_order: dict[Unit, None] = {}
         #: what the model is doing; changed only by :meth:`_move`
         self.state = TrainingState.IDLE
+        #: the engine's announcements (set by the engine; None: nothing announces, e.g. before it is attached)
+        self.announcer: Any = None
+        #: the announced pass running now, forward or backward (closed when it ends)
+        self._pass: Any = None
+        self._backward_pass: Any = None
 
     # ------------------------------------------------------------ install
     def install(self) -> None:
@@ -298,13 +310,27 @@ class Gatherer:
     def _begin_pass(self) -> None:
         if self.state is TrainingState.BACKWARD:
             self._end_backward()  # a backward that raised never ran its final callback
+        self._pass = self._announce("forward")  # first: refused, it leaves the model as it was
         self._move(TrainingState.FORWARD, "begin a forward")
         self._trace = []
         self._cursor = 0
 
+    def _announce(self, kind: str) -> Any:
+        """Announce a stage-3 ``kind`` pass (unless an announced engine call already covers it); the open scope."""
+        if self.announcer is None:
+            return None
+        phase = current_phase()
+        where = (", outside any engine call (`engine.module(...)`, the model's own methods)," if phase is None
+                 else f", in `{phase}`,")
+        grad = "" if torch.is_grad_enabled() else " without grad"
+        return self.announcer.scope(f"a stage-3 {kind}{grad}", detail=where).open()
+
     def _end_pass(self) -> None:
         # with grad, the calls armed pre-backward hooks: the backward may follow
         after = TrainingState.PRE_BACKWARD if torch.is_grad_enabled() else TrainingState.IDLE
+        scope, self._pass = self._pass, None
+        if scope is not None:
+            scope.close()
         self._move(after, "end a forward")
         self._write_back(list(self._written))  # persistent units, and units written outside their call
         self.free_idle()
@@ -440,6 +466,8 @@ class Gatherer:
     def _ensure_backward_callback(self) -> None:
         task = torch._C._current_graph_task_id()
         if task != self._bw_task:
+            if self._backward_pass is None:  # (a reentrant backward inside it is covered)
+                self._backward_pass = self._announce("backward")
             self._move(TrainingState.BACKWARD, "begin a backward")
             self._bw_task = task
             self._bw_trace = list(reversed(self._last))
@@ -495,9 +523,27 @@ class Gatherer:
         self._bw_calls = []
         self.held_for_grads = {}
         self._bw_task = -1
+        scope, self._backward_pass = self._backward_pass, None
+        if scope is not None:
+            scope.close()
         self._move(TrainingState.IDLE, "end a backward")
         self.free_idle()
         self._settle_read_aheads()
+
+    def abort_forward(self) -> None:
+        """The engine's forward raised past the module hooks (torch runs the always-called post-hooks for an
+        ``Exception`` only: a ``KeyboardInterrupt`` skips them): let go of what its calls held, as their ends
+        would have."""
+        while self._stack:
+            self._post_forward(self._stack[-1].module, (), None)  # what the skipped hook would have done
+        if self.state is TrainingState.FORWARD:
+            self._end_pass()
+
+    def abort_backward(self) -> None:
+        """The engine's backward raised partway: let go of what it held, as its end would have."""
+        if self.state is TrainingState.BACKWARD:
+            self._end_backward()
+        self.forward_order = {}
 
 
 def module_units(root: nn.Module) -> dict[nn.Module, list[Unit]]:

@@ -68,6 +68,7 @@ class Stage3(Strategy):
 
     stage = 3
     shards_grads = True
+    gathers = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -208,6 +209,26 @@ class Stage3(Strategy):
         while len(self._works) > _MAX_IN_FLIGHT:
             self.pieces.add_reduced(self._works.pop(0), 1.0 / self.comm.world_size)
 
+    def abort_forward(self) -> None:
+        self.gatherer.abort_forward()
+
+    def abort_backward(self) -> None:
+        self.backward.active = False
+        self._drain()
+        self._arrived, self._ready = {}, set()
+        self._next = len(self._order)
+        self.gatherer.abort_backward()
+
+    def _drain(self) -> None:
+        """Wait for the reduce-scatters still in flight and drop their results (a backward that raised: they
+        must not land in the next step's gradients)."""
+        works, self._works = self._works, []
+        for flight in works:
+            flight.work.wait()
+
+    def attach_announcer(self, announcer: Any) -> None:
+        self.gatherer.announcer = announcer
+
     def finish_backward(self) -> None:
         self.backward.active = False
         self.gatherer.forward_order = {}
@@ -259,6 +280,7 @@ class Stage3(Strategy):
                 self.gatherer.drop(unit)
 
     def zero_grad(self) -> None:
+        self._drain()  # left by a backward that raised: never added into the gradients that follow
         self._forget_grads()
         self.pieces.zero_grads()
 

@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed import Comm
+from ..faults.announce import Announcer, register
+from ..faults.ledger import doing
 from .params import Unit, unit_of
 
 __all__ = ["LoadResult", "load_state_dict"]
@@ -153,6 +155,14 @@ def load_state_dict(module: nn.Module, state_dict_or_path: StateSource, strict: 
     unexpected names.
     """
     comm = _comm_of(module, process_group)
+    owner = f"a `{type(module).__name__}`"
+    # collective: announced first, so a rank loading alone raises with the others before anything moves
+    with doing("zero.load_state_dict", owner), Announcer(comm, owner, engine=False).scope("zero.load_state_dict"):
+        return _load(module, comm, state_dict_or_path, strict)
+
+
+def _load(module: nn.Module, comm: Comm, state_dict_or_path: StateSource, strict: bool) -> LoadResult:
+    """:func:`load_state_dict` once the ranks agreed to run it."""
     reader = _Reader(state_dict_or_path) if comm.rank == 0 else None
     shapes = comm.broadcast_object(reader.shapes() if reader is not None else None)
     plan = _plan(module, shapes)
@@ -220,3 +230,6 @@ def _load_plain(module: nn.Module, comm: Comm, reader: Optional[_Reader], plan: 
         comm.broadcast(value, src=0)
         with torch.no_grad():
             tensor.copy_(value)
+
+
+register("load_state_dict", "zero.load_state_dict")

@@ -1,0 +1,155 @@
+"""Every collective operation announces itself: the ranks agree on it before any of its data moves.
+
+A collective API called on some ranks only (``if rank == 0: engine.full_state_dict()``) used to pair its
+gathers with whatever the other ranks ran next (a forward's gathers, a backward's reductions): wrong weights,
+wrong tokens, files written from them, and an error, if any, only at the next step check.  Now each such
+operation first *announces* itself over the group's control group (:func:`.control.announce`): which
+operation, of which engine (its index on the group), at which step, and how many engine calls of the
+process failed so far.  Ranks in different operations raise :class:`~.errors.CollectiveMismatchError` on
+every rank before any data moves ("rank 0 is in `full_state_dict` ..., rank 1 is in a stage-3 forward ..."),
+and since nothing was exchanged the group stays usable.
+
+What announces (one exchange each, never one per collective; ``comms.debug`` keeps its per-collective check):
+
+* the engine's collective methods, through :func:`collective` (``full_state_dict``, ``save_checkpoint``...)
+  or a :class:`Scope` of their own (``destroy``, ``refresh_trainable``, ``initialize``);
+* ``forward`` where it moves data (every forward at stage 3; a buffer broadcast at stages 0-2), a
+  ``backward`` that reduces (every backward at stage 3, which re-gathers); ``step``'s step check is its
+  agreement;
+* a stage-3 forward or backward that does not go through the engine (``engine.module(x)``, a model's own
+  ``generate`` loop, ``loss.backward()``): the module hooks announce each outermost pass;
+* ``GatheredParameters`` (when it gathers), ``shardwise.save_checkpoints``/``load_checkpoints``.
+
+An announcement inside another on the same group is skipped: the outer one covers everything the
+operation does.  :data:`OPERATIONS` lists what announces, by qualified name, for the test that every public
+collective does; ``SHARDWISE_STRICT_COLLECTIVES=1`` makes a collective issued outside any announced
+operation an error (the same test's tour of the API).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import zlib
+from typing import Any, Callable, Optional, TypeVar, cast
+
+from . import control
+from . import ledger as _ledger
+from .ledger import doing
+
+__all__ = ["OPERATIONS", "STRICT", "Announcer", "Scope", "collective", "register"]
+
+#: qualified name of every public collective -> the operation it announces
+OPERATIONS: dict[str, str] = {}
+#: a collective issued outside any announced operation raises (tests; see the module docstring)
+STRICT = os.environ.get("SHARDWISE_STRICT_COLLECTIVES", "") == "1"
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def register(qualname: str, operation: str) -> None:
+    """Record that ``qualname`` announces ``operation`` (for what announces without :func:`collective`)."""
+    OPERATIONS[qualname] = operation
+
+
+def _code(operation: str) -> int:
+    return zlib.crc32(operation.encode())
+
+
+class Announcer:
+    """The announcements of one engine (or one collective function) on ``comm``'s group.
+
+    ``owner`` names it in messages; ``counters()`` gives its ``(global_steps, micro_steps)``; an engine
+    (``engine=True``) takes the next index on the group, the same on every rank (they build their engines in
+    the same order: the construction agreement checks it).
+    """
+
+    def __init__(self, comm: Any, owner: str, counters: Optional[Callable[[], tuple[int, int]]] = None,
+                 engine: bool = True) -> None:
+        self.comm = comm
+        self.owner = owner
+        self.counters = counters if counters is not None else _no_counters
+        self.index = -1
+        if engine:
+            self.index = comm.ledger.engines
+            comm.ledger.engines += 1
+
+    def scope(self, operation: str, announce: bool = True, detail: str = "") -> "Scope":
+        """Around one operation: announced when it opens (unless ``announce`` is False: it moves no data, or
+        has an agreement of its own), unless another already covers the group.  ``detail`` (``, in
+        `generate`,``) is part of the operation: the same operation with another detail is another."""
+        return Scope(self, operation, announce, detail)
+
+    def announce(self, operation: str, detail: str = "") -> None:
+        """Agree with the other ranks that each is about to run ``operation`` (raises on every rank if not)."""
+        comm = self.comm
+        steps, micro = self.counters()
+        what = f"in {_name(operation)} of {self.owner}{detail} at step {steps} (micro-step {micro})"
+        control.announce(comm.ledger, comm.global_rank, comm.timeout,
+                         [_code(operation + detail), self.index, steps, micro], what)
+
+
+def _no_counters() -> tuple[int, int]:
+    return 0, 0
+
+
+def _name(operation: str) -> str:
+    """How a message names an operation: an API call in backticks, a described pass as it is."""
+    return operation if " " in operation else f"`{operation}`"
+
+
+class Scope:
+    """One announced operation on a group; a context manager, or :meth:`open` and :meth:`close` (module hooks).
+
+    Opening it announces (see :meth:`Announcer.scope`), then marks the innermost engine call started: a
+    failure from there on counts (:attr:`~.ledger.doing.failures`), one before it (an argument refused) does not.
+    """
+
+    __slots__ = ("announcer", "operation", "announce", "detail", "owned")
+
+    def __init__(self, announcer: Announcer, operation: str, announce: bool, detail: str = "") -> None:
+        self.announcer = announcer
+        self.operation = operation
+        self.announce = announce
+        self.detail = detail
+        self.owned = False
+
+    def open(self) -> "Scope":
+        announcer = self.announcer
+        comm = announcer.comm
+        if comm.distributed and comm.ledger.scope is None:
+            if self.announce:
+                announcer.announce(self.operation, self.detail)
+            comm.ledger.scope = self
+            self.owned = True
+        _ledger.start()
+        return self
+
+    def close(self) -> None:
+        if self.owned:
+            self.owned = False
+            ledger = self.announcer.comm.ledger
+            if ledger.scope is self:
+                ledger.scope = None
+
+    __enter__ = open
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        self.close()
+
+
+def collective(operation: str) -> Callable[[_F], _F]:
+    """Decorate an engine method that is collective: it runs as engine call ``operation`` (what messages name,
+    :class:`~.ledger.doing`), announced on the engine's group first (``self._announcer``)."""
+
+    def wrap(method: _F) -> _F:
+        register(method.__qualname__, operation)
+
+        @functools.wraps(method)
+        def announced(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with doing(operation, self._announcer.owner), self._announcer.scope(operation):
+                return method(self, *args, **kwargs)
+
+        return cast(_F, announced)
+
+    return wrap
