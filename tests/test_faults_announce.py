@@ -49,7 +49,8 @@ LOCAL = {
     # DeepSpeed's getters (engine_getters.py), and a plain engine's refusal of the pipeline's calls
     "local_rank", "global_rank", "world_size", "train_batch_size", "train_micro_batch_size_per_gpu",
     "gradient_accumulation_steps", "fp16_enabled", "bfloat16_enabled", "get_global_grad_norm", "gradient_clipping",
-    "was_step_applied", "zero_optimization_stage", "train_batch", "eval_batch",
+    "was_step_applied", "zero_optimization_stage", "train_batch", "eval_batch", "device", "dp_world_size",
+    "global_samples", "steps_per_print", "training_dataloader",
     # the pipeline engine's data sources
     "set_dataloader", "set_dataiterator",
 }
