@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
 import torch
 
 from ..param_state import copy_value, is_per_element
-from .nvme_files import NvmeFiles, OffloadIOError
+from .nvme_files import NvmeFiles, OffloadChecksumError, OffloadIOError
 from .offload_plan import Chunk, SubGroup
 from .readahead import BufferPool, pipelined
 
@@ -103,9 +103,8 @@ class SubGroupStepper:
         changing the trainable set would spread a state that is half the new step and half the old."""
         if self.broken is not None:
             raise RuntimeError(
-                f"rank {self.files().rank}: cannot {doing}: this engine's offloaded optimizer state is incomplete "
-                f"since a step failed part-way ({self.broken}); some sub-groups hold the new step and some the "
-                "old. Build a new engine and `load_checkpoint` the last checkpoint")
+                f"rank {self.files().rank}: cannot {doing}: this engine's offloaded optimizer state {self.broken}. "
+                "Build a new engine and `load_checkpoint` the last checkpoint")
 
     # ------------------------------------------------------------------- step
     def step(self, inner: Any, arrangement: Arrangement) -> None:
@@ -117,13 +116,22 @@ class SubGroupStepper:
         try:
             self._step(inner, arrangement)
         except OffloadIOError as exc:
-            self.broken = f"{exc.operation} {exc.path} failed"
+            if isinstance(exc, OffloadChecksumError):
+                self.broken = f"was read back changed from what this rank wrote ({exc.path} failed its checksum)"
+            else:
+                self._part_way(f"{exc.operation} {exc.path} failed")
+            if self.files().failed is not None:
+                raise  # the files lost the state: their error says the engine refuses to go on
             raise exc.extended("This step updated part of the offloaded state only: this engine now refuses to "
                                "step or save; restart from the last checkpoint (a new engine and "
                                "`load_checkpoint`)") from exc.__cause__
         except BaseException as exc:
-            self.broken = f"{type(exc).__name__}: {exc}"
+            self._part_way(f"{type(exc).__name__}: {exc}")
             raise
+
+    def _part_way(self, why: str) -> None:
+        self.broken = (f"is incomplete since a step failed part-way ({why}); some sub-groups hold the new step and "
+                       "some the old")
 
     def _step(self, inner: Any, arrangement: Arrangement) -> None:
         kinds = dict(self.kinds)  # what the reads of this step find on disk (the step may add kinds)
@@ -268,8 +276,11 @@ class SubGroupStepper:
     def whole(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
         """The shard's ``kind``, all of it (a copy: the resident elements, then the file's)."""
         offloaded, files = self.numel - self.resident, self.files()
-        mapped = files.mapped(kind, offloaded, dtype) if offloaded else torch.zeros(0, dtype=dtype)
-        return torch.cat([self.memory[kind], mapped]) if self.resident else mapped.clone()
+        whole = torch.empty(self.numel, dtype=dtype)
+        whole[: self.resident].copy_(self.memory[kind])
+        if offloaded:  # read (and checked), not mapped: nothing writes through it
+            files.read_into(kind, whole[self.resident :], 0, f"all of this rank's `{kind}`")
+        return whole
 
     def memory_bytes(self, master: bool) -> int:
         """Host bytes of the resident elements' master (``master``) or optimizer state (not ``master``)."""

@@ -316,6 +316,8 @@ class Stage3(Strategy):
     # ========================================================== checkpoint
     @contextlib.contextmanager
     def checkpoint_shards(self, loading: bool, wanted: frozenset[str] = frozenset()) -> Iterator[list[ParamShard]]:
+        if self.shards is not None:
+            self.shards.check_usable()  # a shard file that lost its state: no save or load goes on from here
         if self.inner is None:
             yield []
             return
