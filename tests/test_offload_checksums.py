@@ -174,7 +174,7 @@ def test_bytes_changed_around_a_save_are_caught(stage: int, when: str, tmp_path:
         action()
     chain = [info.value, info.value.__cause__, info.value.__context__]
     assert any(isinstance(e, OffloadChecksumError) for e in chain), repr(info.value)
-    assert "changed since this rank wrote them" in str(info.value), info.value
+    assert "changed since this rank wrote them" in str(info.value) and "(sub-group 2 of " in str(info.value), info.value
     _refuses_to_step_and_save(engine, tmp_path / "ckpt", _full_step(engine, 2) if when == "before a save" else engine.step)
     engine.destroy()
 
@@ -256,3 +256,83 @@ def test_a_corrupted_file_on_one_rank_is_an_error_on_every_rank_within_seconds(t
     record_row("disagree", "NVMe offload: bytes of rank 1's `master` changed between steps (rank 1 stays alive)",
                "2", "rank 1 raises `OffloadChecksumError` naming the file, sub-group and fix; rank 0 raises "
                "quoting it; neither steps nor saves again", survivor["seconds"])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_digests_never_flag_what_this_rank_wrote_and_always_flag_a_change(seed: int, tmp_path: Path) -> None:
+    """The files alone, under random writes, reads and maps (some written through, held while other calls run,
+    freed in any order) at any offsets and sizes: a read always returns what was written and never raises; then
+    a byte changed under a recorded run is caught by the next read or map that covers its run."""
+    from shardwise.zero.nvme_files import NvmeFiles
+
+    rng = torch.Generator().manual_seed(seed)
+    size = 4096
+    files = NvmeFiles(str(tmp_path), 0)
+    files.create("f", size)
+    shadow = torch.zeros(size, dtype=torch.uint8)
+    maps: list[tuple[int, torch.Tensor]] = []
+
+    def span() -> tuple[int, int]:
+        start = int(torch.randint(0, size - 1, (1,), generator=rng))
+        return start, int(torch.randint(1, min(1024, size - start) + 1, (1,), generator=rng))
+
+    for _ in range(400):
+        op = int(torch.randint(0, 5, (1,), generator=rng))
+        start, count = span()
+        if op == 0:  # a write
+            values = torch.randint(0, 256, (count,), dtype=torch.uint8, generator=rng)
+            files.write_from("f", values, start)
+            shadow[start : start + count] = values
+        elif op == 1:  # a read
+            out = torch.empty(count, dtype=torch.uint8)
+            files.read_into("f", out, start)
+            assert torch.equal(out, shadow[start : start + count])
+        elif op == 2:  # a map, sometimes written through, held for a while
+            mapped = files.mapped_range("f", start, count, torch.uint8)
+            assert torch.equal(mapped, shadow[start : start + count])
+            if bool(torch.randint(0, 2, (1,), generator=rng)):
+                values = torch.randint(0, 256, (count,), dtype=torch.uint8, generator=rng)
+                mapped.copy_(values)
+                shadow[start : start + count] = values
+            maps.append((start, mapped))
+        elif maps:  # a held map written through later, or freed
+            at = int(torch.randint(0, len(maps), (1,), generator=rng))
+            where, mapped = maps[at]
+            if op == 3:
+                mapped.fill_(int(torch.randint(0, 256, (1,), generator=rng)))
+                shadow[where : where + mapped.numel()] = mapped
+            else:
+                del maps[at], mapped
+    maps.clear()
+    whole = torch.empty(size, dtype=torch.uint8)
+    files.read_into("f", whole)  # every byte has a digest from here on
+    assert torch.equal(whole, shadow)
+    run = files.sums._files["f"].runs[int(torch.randint(0, len(files.sums._files["f"].runs), (1,), generator=rng))]
+    _flip(files.path("f"), (run[0] + run[1]) // 2, 1)
+    with pytest.raises(OffloadChecksumError, match=rf"found bytes {run[0]:,}-{run[1]:,} changed"):
+        if seed % 2:
+            files.read_into("f", whole)
+        else:
+            files.mapped_range("f", (run[0] + run[1]) // 2, 1, torch.uint8)
+    with pytest.raises(OffloadChecksumError, match="these files are not read or written since"):
+        files.write_from("f", whole[:1], 0)
+    files.remove()
+
+
+def test_the_cost_benchmark_measures_digests_on_and_off(tmp_path: Path) -> None:
+    """`benchmarks.offload_checksums`: its candidates run on a buffer, and its "off" arm records no digest."""
+    from benchmarks.offload_checksums import _digests, digest_speeds
+    from shardwise.zero.nvme_files import NvmeFiles
+
+    speeds = digest_speeds([4096])
+    assert "XXH3-64 (xxhash)" in speeds and speeds["XXH3-64 (xxhash)"][4096][0] > 0
+    files = NvmeFiles(str(tmp_path), 0)
+    files.create("f", 64)
+    spent: list[float] = []
+    with _digests(False, spent):
+        files.write_from("f", torch.ones(16))
+    assert "f" not in files.sums._files and spent == []
+    with _digests(True, spent):
+        files.write_from("f", torch.ones(16))
+    assert len(files.sums._files["f"].runs) == 1 and spent[1] == 64
+    files.remove()

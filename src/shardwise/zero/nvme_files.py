@@ -254,23 +254,24 @@ class NvmeFiles:
         finally:
             os.close(fd)
 
-    def mapped_range(self, name: str, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def mapped_range(self, name: str, start: int, numel: int, dtype: torch.dtype, where: str = "") -> torch.Tensor:
         """Elements ``[start, start + numel)`` of the file as a tensor whose writes go to the file.
 
         Maps only the pages holding them (a whole-file map per piece of a checkpoint would map the file
         once per parameter), and those of the runs of bytes written at once that they touch, whose digests
-        are checked here; those wait for the map to be freed, then are taken anew (:mod:`.nvme_sums`)."""
+        are checked here; those wait for the map to be freed, then are taken anew (:mod:`.nvme_sums`).
+        ``where`` is named in errors."""
         if numel == 0:
             return torch.zeros(0, dtype=dtype)
         self.check_usable()
         first, nbytes = start * dtype.itemsize, numel * dtype.itemsize
         low, high = self.sums.span(name, first, first + nbytes)
         base = low - low % mmap.ALLOCATIONGRANULARITY  # a map starts at a page boundary
-        with self._failing("mapping", name, first, nbytes, ""):
+        with self._failing("mapping", name, first, nbytes, where):
             region = self._map(name, base, high - base, os.O_RDWR)
         bad = self.sums.check(name, low, memoryview(region)[low - base :], fill=False)
         if bad is not None:
-            raise self._mismatch(name, low, high - low, "", bad)  # (the map closes as it is freed)
+            raise self._mismatch(name, low, high - low, where, bad)  # (the map closes as it is freed)
         self.sums.suspend(name, low, high)
         weakref.finalize(region, _unmapped, weakref.ref(self), name, low, high)
         # the tensor keeps the map alive; the map closes when the last view of it goes
@@ -289,10 +290,10 @@ class NvmeFiles:
         """The digest of bytes ``[start, end)`` of the file as it is now (None where it cannot be read)."""
         base = start - start % mmap.ALLOCATIONGRANULARITY
         try:
-            with self._map(name, base, end - base, os.O_RDONLY) as region:
-                return digest(memoryview(region)[start - base :])
+            region = self._map(name, base, end - base, os.O_RDONLY)
         except (OSError, ValueError):
             return None
+        return digest(memoryview(region)[start - base :])  # (the map closes as it is freed, right after)
 
     def _counted(self, read: int = 0, written: int = 0) -> None:
         with self._count:

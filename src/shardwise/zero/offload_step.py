@@ -23,6 +23,7 @@ one layout whichever side a piece is on.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
 
@@ -174,6 +175,10 @@ class SubGroupStepper:
         return (f"sub-group {g + 1} of {len(self.groups)}: elements {group.start:,}-{group.end:,} "
                 "of this rank's shard")
 
+    def _group_at(self, element: int) -> int:
+        """The sub-group holding element ``element`` of the shard."""
+        return max(0, bisect.bisect_right([g.start for g in self.groups], element) - 1)
+
     def _read(self, g: int, buffer: torch.Tensor, kinds: Mapping[str, torch.dtype]) -> None:
         group, files, where = self.groups[g], self.files(), self._where(g)
         for kind, view in _views(group.numel, buffer, kinds).items():
@@ -262,7 +267,7 @@ class SubGroupStepper:
         if start + numel <= self.resident:
             return self.memory[kind].narrow(0, start, numel)
         self._one_side(start, numel)
-        return files.mapped_range(kind, start - self.resident, numel, dtype)
+        return files.mapped_range(kind, start - self.resident, numel, dtype, self._where(self._group_at(start)))
 
     def write(self, kind: str, start: int, values: torch.Tensor, where: str = "") -> None:
         """``values`` (1-D, CPU) into elements ``[start, ...)`` of the shard's ``kind``."""
