@@ -336,3 +336,31 @@ def test_the_cost_benchmark_measures_digests_on_and_off(tmp_path: Path) -> None:
         files.write_from("f", torch.ones(16))
     assert len(files.sums._files["f"].runs) == 1 and spent[1] == 64
     files.remove()
+
+
+def test_a_map_freed_while_the_digests_are_in_use_is_released_at_the_next_call(tmp_path: Path) -> None:
+    """A collection can free a map inside the digests' own lock (any allocation may run it): the release waits
+    for the next call instead of deadlocking on the lock, and the digest is then taken anew."""
+    import gc
+
+    from shardwise.zero.nvme_files import NvmeFiles
+
+    files = NvmeFiles(str(tmp_path), 0)
+    files.create("f", 64)
+    files.write_from("f", torch.arange(16, dtype=torch.float32))
+    mapped = files.mapped_range("f", 0, 16, torch.float32)
+    cycle: list[Any] = [mapped]
+    cycle.append(cycle)  # freed by the collector, not by a reference count
+    mapped.fill_(7.0)
+    del mapped
+    with files.sums._locked():
+        del cycle
+        gc.collect()
+        assert files.sums.deferred == [("f", 0, 64)]
+    out = torch.empty(16)
+    files.read_into("f", out)  # releases it first: a digest of the 7s, not a false alarm
+    assert torch.equal(out, torch.full((16,), 7.0)) and not files.sums.deferred
+    _flip(files.path("f"), 8, 1)
+    with pytest.raises(OffloadChecksumError):
+        files.read_into("f", out)
+    files.remove()

@@ -32,7 +32,7 @@ import tempfile
 import threading
 import weakref
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -103,10 +103,8 @@ def _check_size(size: int, needed: int) -> None:
 def _unmapped(ref: "weakref.ref[NvmeFiles]", name: str, start: int, end: int) -> None:
     """A map of ``[start, end)`` was freed: the digests it suspended are taken anew once no map holds them."""
     files = ref()
-    if files is None or files.failed is not None:
-        return
-    for low, high in files.sums.released(name, start, end):
-        files.sums.resumed(name, low, high, files.digest_of(name, low, high))
+    if files is not None:
+        files.unmapped(name, start, end)
 
 
 def _fix(exc: OSError, key: str) -> str:
@@ -126,9 +124,9 @@ def _fix(exc: OSError, key: str) -> str:
 
 
 #: what the error that made the files refuse every later use adds
-_REFUSING = ("These files no longer hold this rank's state: this engine refuses to step or save; restart from the "
-             "last checkpoint (a new engine and `load_checkpoint`); `engine.destroy(restore_params=False)` lets this "
-             "one go without reading them")
+_REFUSING = ("These files no longer hold this rank's state: this engine now refuses to step or save; restart from "
+             "the last checkpoint (a new engine and `load_checkpoint`); `engine.destroy(restore_params=False)` lets "
+             "this one go without reading them")
 
 
 class NvmeFiles:
@@ -192,8 +190,21 @@ class NvmeFiles:
         self.failed = error.extended(_REFUSING)
         return self.failed
 
+    def unmapped(self, name: str, start: int, end: int) -> None:
+        """A map of ``[start, end)`` was freed: the digests it suspended are taken anew once no map holds them (at
+        the next call, when it was freed by a collection inside this thread's use of the digests)."""
+        sums = self.sums
+        if sums.held_here():
+            sums.deferred.append((name, start, end))
+            return
+        if self.failed is None:
+            for low, high in sums.released(name, start, end):
+                sums.resumed(name, low, high, self.digest_of(name, low, high))
+
     def check_usable(self) -> None:
         """Raise once the files lost this rank's state (:attr:`failed`): what they hold must not be used again."""
+        while self.sums.deferred:
+            self.unmapped(*self.sums.deferred.pop())
         if self.failed is not None:
             raise self.failed.extended("(Found earlier; these files are not read or written since)")
 
@@ -254,24 +265,25 @@ class NvmeFiles:
         finally:
             os.close(fd)
 
-    def mapped_range(self, name: str, start: int, numel: int, dtype: torch.dtype, where: str = "") -> torch.Tensor:
+    def mapped_range(self, name: str, start: int, numel: int, dtype: torch.dtype,
+                     where: Callable[[int], str] = lambda byte: "") -> torch.Tensor:
         """Elements ``[start, start + numel)`` of the file as a tensor whose writes go to the file.
 
         Maps only the pages holding them (a whole-file map per piece of a checkpoint would map the file
         once per parameter), and those of the runs of bytes written at once that they touch, whose digests
         are checked here; those wait for the map to be freed, then are taken anew (:mod:`.nvme_sums`).
-        ``where`` is named in errors."""
+        ``where(byte)`` says in words what holds that byte of the file, for errors."""
         if numel == 0:
             return torch.zeros(0, dtype=dtype)
         self.check_usable()
         first, nbytes = start * dtype.itemsize, numel * dtype.itemsize
         low, high = self.sums.span(name, first, first + nbytes)
         base = low - low % mmap.ALLOCATIONGRANULARITY  # a map starts at a page boundary
-        with self._failing("mapping", name, first, nbytes, where):
+        with self._failing("mapping", name, first, nbytes, where(first)):
             region = self._map(name, base, high - base, os.O_RDWR)
         bad = self.sums.check(name, low, memoryview(region)[low - base :], fill=False)
         if bad is not None:
-            raise self._mismatch(name, low, high - low, where, bad)  # (the map closes as it is freed)
+            raise self._mismatch(name, low, high - low, where(bad.start), bad)  # (the map closes as it is freed)
         self.sums.suspend(name, low, high)
         weakref.finalize(region, _unmapped, weakref.ref(self), name, low, high)
         # the tensor keeps the map alive; the map closes when the last view of it goes

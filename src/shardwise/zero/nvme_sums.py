@@ -19,9 +19,10 @@ suspended while any map of them lives, and taken anew from the file once the las
 from __future__ import annotations
 
 import bisect
+import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import xxhash
 
@@ -100,21 +101,38 @@ class Sums:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._holder: Optional[int] = None
         self._files: dict[str, _Runs] = {}
+        #: maps freed while this thread held the lock (a collection inside it): released at the next call
+        self.deferred: list[tuple[str, int, int]] = []
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._holder = None
+
+    def held_here(self) -> bool:
+        """Whether this thread is inside one of these methods (a map freed by a collection run there must wait:
+        the lock is not re-entrant, and the tables are half-changed)."""
+        return self._holder == threading.get_ident()
 
     def _runs(self, name: str) -> _Runs:
         return self._files.setdefault(name, _Runs())
 
     def forget(self, name: str) -> None:
         """The file is new (created, or made anew): nothing is known of it."""
-        with self._lock:
+        with self._locked():
             self._files.pop(name, None)
 
     def wrote(self, name: str, offset: int, data: memoryview) -> None:
         """``data`` was written at ``offset``: its digest replaces those of the runs it overlaps."""
         value = digest(data)
         end = offset + len(data)
-        with self._lock:
+        with self._locked():
             runs = self._runs(name)
             if runs.mapped(offset, end):
                 runs.drop(runs.overlapping(offset, end))  # taken anew once the maps are gone
@@ -123,7 +141,7 @@ class Sums:
 
     def dropped(self, name: str, start: int, end: int) -> None:
         """A write of ``[start, end)`` failed part-way: what the runs it overlaps hold is not known."""
-        with self._lock:
+        with self._locked():
             runs = self._runs(name)
             runs.drop(runs.overlapping(start, end))
 
@@ -132,7 +150,7 @@ class Sums:
 
         With ``fill``, bytes with no digest get one now (unless a map may write them)."""
         end = offset + len(data)
-        with self._lock:
+        with self._locked():
             runs = self._runs(name)
             touching = [runs.runs[i] for i in runs.overlapping(offset, end)]
             blocked = [*runs.maps, *runs.suspended]
@@ -145,7 +163,7 @@ class Sums:
             return None
         covered = sorted([(s, e) for s, e, _ in touching] + blocked)
         fresh = [(lo, hi, digest(data[lo - offset : hi - offset])) for lo, hi in _gaps(offset, end, covered)]
-        with self._lock:
+        with self._locked():
             runs = self._runs(name)
             for lo, hi, value in fresh:
                 if not runs.overlapping(lo, hi) and not runs.mapped(lo, hi):  # (nothing wrote there meanwhile)
@@ -154,14 +172,14 @@ class Sums:
 
     def span(self, name: str, start: int, end: int) -> tuple[int, int]:
         """``[start, end)`` grown to the runs it touches: what a map must cover to check them."""
-        with self._lock:
+        with self._locked():
             runs = self._runs(name)
             touching = [runs.runs[i] for i in runs.overlapping(start, end)]
         return min([start, *(s for s, _, _ in touching)]), max([end, *(e for _, e, _ in touching)])
 
     def suspend(self, name: str, start: int, end: int) -> None:
         """A map of ``[start, end)`` (checked already) is handed out: its runs' digests wait for its end."""
-        with self._lock:
+        with self._locked():
             runs = self._runs(name)
             dropped = runs.drop(runs.overlapping(start, end))
             known = sorted([(s, e) for s, e, _ in dropped] + runs.suspended)
@@ -171,7 +189,7 @@ class Sums:
     def released(self, name: str, start: int, end: int) -> list[tuple[int, int]]:
         """The map of ``[start, end)`` is gone: the suspended ranges no live map touches any more (the caller
         sums them from the file and :meth:`resumed` each)."""
-        with self._lock:
+        with self._locked():
             runs = self._files.get(name)
             if runs is None or (start, end) not in runs.maps:
                 return []
@@ -182,7 +200,7 @@ class Sums:
 
     def resumed(self, name: str, start: int, end: int, value: Optional[int]) -> None:
         """The suspended range ``[start, end)`` holds bytes of digest ``value`` now (None: they could not be read)."""
-        with self._lock:
+        with self._locked():
             runs = self._files.get(name)
             if runs is not None and value is not None and not runs.mapped(start, end):
                 runs.add(start, end, value)

@@ -267,7 +267,11 @@ class SubGroupStepper:
         if start + numel <= self.resident:
             return self.memory[kind].narrow(0, start, numel)
         self._one_side(start, numel)
-        return files.mapped_range(kind, start - self.resident, numel, dtype, self._where(self._group_at(start)))
+
+        def where(byte: int) -> str:  # a byte of the file, in the shard's sub-groups
+            return self._where(self._group_at(self.resident + byte // dtype.itemsize))
+
+        return files.mapped_range(kind, start - self.resident, numel, dtype, where)
 
     def write(self, kind: str, start: int, values: torch.Tensor, where: str = "") -> None:
         """``values`` (1-D, CPU) into elements ``[start, ...)`` of the shard's ``kind``."""
