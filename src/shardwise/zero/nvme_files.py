@@ -279,7 +279,7 @@ class NvmeFiles:
         first, nbytes = start * dtype.itemsize, numel * dtype.itemsize
         low, high = self.sums.span(name, first, first + nbytes)
         base = low - low % mmap.ALLOCATIONGRANULARITY  # a map starts at a page boundary
-        with self._failing("mapping", name, first, nbytes, where(first)):
+        with self._failing("mapping", name, first, nbytes, ""):
             region = self._map(name, base, high - base, os.O_RDWR)
         bad = self.sums.check(name, low, memoryview(region)[low - base :], fill=False)
         if bad is not None:

@@ -82,6 +82,7 @@ class SubGroupStepper:
         here) maps each kind there is a file for to its dtype; the shard has ``numel`` elements, of which the
         first ``resident`` (whole sub-groups) stay in host memory and the files hold the others."""
         self.chunks, self.groups, self.pool = chunks, groups, pool
+        self._starts = [g.start for g in groups]
         self.files, self.kinds, self.numel, self.resident = files, kinds, numel, resident
         if any(g.start < resident < g.end for g in groups):
             raise RuntimeError(f"a sub-group spans the resident split at element {resident:,} (a bug in shardwise); "
@@ -177,7 +178,7 @@ class SubGroupStepper:
 
     def _group_at(self, element: int) -> int:
         """The sub-group holding element ``element`` of the shard."""
-        return max(0, bisect.bisect_right([g.start for g in self.groups], element) - 1)
+        return max(0, bisect.bisect_right(self._starts, element) - 1)
 
     def _read(self, g: int, buffer: torch.Tensor, kinds: Mapping[str, torch.dtype]) -> None:
         group, files, where = self.groups[g], self.files(), self._where(g)
