@@ -158,7 +158,8 @@ class Stage3(Strategy):
                     hook = WeakHook(self._on_grad_of, index)
                     added.append(param.register_post_accumulate_grad_hook(hook))
                     self._grad_hooks[id(param)] = added[-1]
-        remove_with(self, added)
+        if added:
+            remove_with(self, added)
         self._keys = [(unit, index) for unit in self.units for index in self._trainable.get(unit, ())]
 
     def has_pending_grads(self) -> bool:
