@@ -44,7 +44,8 @@ TESTS = ("tests/test_faults_death.py", "tests/test_faults_checkpoint.py", "tests
          "tests/test_faults_shm.py", "tests/test_faults_manifest.py", "tests/test_faults_store.py",
          "tests/test_faults_config.py", "tests/test_faults_offload.py", "tests/test_faults_offload_io.py",
          "tests/test_faults_offload_jobs.py", "tests/test_faults_store_values.py", "tests/test_faults_one_rank.py",
-         "tests/test_faults_exceptions.py", "tests/test_faults_announce.py")
+         "tests/test_faults_exceptions.py", "tests/test_faults_announce.py",
+         "tests/test_offload_checksums.py")
 ELASTIC = "tests/test_trainer_elastic.py"
 #: table sections, in the order the document shows them
 SECTIONS = {"death": "A rank dies", "checkpoint": "Checkpoints", "disagree": "Ranks that disagree or stop",

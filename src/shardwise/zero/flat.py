@@ -25,7 +25,6 @@ the same order even when their autograd orders differ.
 from __future__ import annotations
 
 import contextlib
-import functools
 from abc import abstractmethod
 from typing import Any, Iterator, Optional
 
@@ -40,6 +39,7 @@ from .layout import FlatLayout
 from .masters import Masters, ParamsAreMasters, choose_masters
 from .offload_plan import offload_spec
 from .pending import PendingGathers
+from .weak_hooks import WeakHook, remove_with
 
 __all__ = ["FlatStrategy"]
 
@@ -108,8 +108,11 @@ class FlatStrategy(Strategy):
         self._gathers = self.masters.gather_pairs() if self.layout.num_shards > 1 else []
         for group, originals in zip(self.inner.param_groups, self._groups):
             group["params"] = [self.steps[id(p)] for p in originals if id(p) in self.steps]
-        for index, param in enumerate(self.layout.params):  # straight to the storage: no stop here on the way
-            self._hooks.append(param.register_post_accumulate_grad_hook(functools.partial(self.grads.on_grad, index)))
+        # straight to the storage (no stop here on the way), held weakly: a dropped engine is freed (:mod:`.weak_hooks`)
+        hooks = [param.register_post_accumulate_grad_hook(WeakHook(self.grads.on_grad, index))
+                 for index, param in enumerate(self.layout.params)]
+        self._hooks.extend(hooks)
+        remove_with(self.grads, hooks)
         self._unused = []
 
     def _storage(self, allocate: Allocate) -> GradStorage:

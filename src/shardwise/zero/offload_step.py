@@ -23,13 +23,14 @@ one layout whichever side a piece is on.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
 
 import torch
 
 from ..param_state import copy_value, is_per_element
-from .nvme_files import NvmeFiles, OffloadIOError
+from .nvme_files import NvmeFiles, OffloadChecksumError, OffloadIOError
 from .offload_plan import Chunk, SubGroup
 from .readahead import BufferPool, pipelined
 
@@ -81,6 +82,7 @@ class SubGroupStepper:
         here) maps each kind there is a file for to its dtype; the shard has ``numel`` elements, of which the
         first ``resident`` (whole sub-groups) stay in host memory and the files hold the others."""
         self.chunks, self.groups, self.pool = chunks, groups, pool
+        self._starts = [g.start for g in groups]
         self.files, self.kinds, self.numel, self.resident = files, kinds, numel, resident
         if any(g.start < resident < g.end for g in groups):
             raise RuntimeError(f"a sub-group spans the resident split at element {resident:,} (a bug in shardwise); "
@@ -103,9 +105,8 @@ class SubGroupStepper:
         changing the trainable set would spread a state that is half the new step and half the old."""
         if self.broken is not None:
             raise RuntimeError(
-                f"rank {self.files().rank}: cannot {doing}: this engine's offloaded optimizer state is incomplete "
-                f"since a step failed part-way ({self.broken}); some sub-groups hold the new step and some the "
-                "old. Build a new engine and `load_checkpoint` the last checkpoint")
+                f"rank {self.files().rank}: cannot {doing}: this engine's offloaded optimizer state {self.broken}. "
+                "Build a new engine and `load_checkpoint` the last checkpoint")
 
     # ------------------------------------------------------------------- step
     def step(self, inner: Any, arrangement: Arrangement) -> None:
@@ -117,13 +118,22 @@ class SubGroupStepper:
         try:
             self._step(inner, arrangement)
         except OffloadIOError as exc:
-            self.broken = f"{exc.operation} {exc.path} failed"
+            if isinstance(exc, OffloadChecksumError):
+                self.broken = f"was read back changed from what this rank wrote ({exc.path} failed its checksum)"
+            else:
+                self._part_way(f"{exc.operation} {exc.path} failed")
+            if self.files().failed is not None:
+                raise  # the files lost the state: their error says the engine refuses to go on
             raise exc.extended("This step updated part of the offloaded state only: this engine now refuses to "
                                "step or save; restart from the last checkpoint (a new engine and "
                                "`load_checkpoint`)") from exc.__cause__
         except BaseException as exc:
-            self.broken = f"{type(exc).__name__}: {exc}"
+            self._part_way(f"{type(exc).__name__}: {exc}")
             raise
+
+    def _part_way(self, why: str) -> None:
+        self.broken = (f"is incomplete since a step failed part-way ({why}); some sub-groups hold the new step and "
+                       "some the old")
 
     def _step(self, inner: Any, arrangement: Arrangement) -> None:
         kinds = dict(self.kinds)  # what the reads of this step find on disk (the step may add kinds)
@@ -165,6 +175,10 @@ class SubGroupStepper:
         group = self.groups[g]
         return (f"sub-group {g + 1} of {len(self.groups)}: elements {group.start:,}-{group.end:,} "
                 "of this rank's shard")
+
+    def _group_at(self, element: int) -> int:
+        """The sub-group holding element ``element`` of the shard."""
+        return max(0, bisect.bisect_right(self._starts, element) - 1)
 
     def _read(self, g: int, buffer: torch.Tensor, kinds: Mapping[str, torch.dtype]) -> None:
         group, files, where = self.groups[g], self.files(), self._where(g)
@@ -254,7 +268,11 @@ class SubGroupStepper:
         if start + numel <= self.resident:
             return self.memory[kind].narrow(0, start, numel)
         self._one_side(start, numel)
-        return files.mapped_range(kind, start - self.resident, numel, dtype)
+
+        def where(byte: int) -> str:  # a byte of the file, in the shard's sub-groups
+            return self._where(self._group_at(self.resident + byte // dtype.itemsize))
+
+        return files.mapped_range(kind, start - self.resident, numel, dtype, where)
 
     def write(self, kind: str, start: int, values: torch.Tensor, where: str = "") -> None:
         """``values`` (1-D, CPU) into elements ``[start, ...)`` of the shard's ``kind``."""
@@ -268,8 +286,11 @@ class SubGroupStepper:
     def whole(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
         """The shard's ``kind``, all of it (a copy: the resident elements, then the file's)."""
         offloaded, files = self.numel - self.resident, self.files()
-        mapped = files.mapped(kind, offloaded, dtype) if offloaded else torch.zeros(0, dtype=dtype)
-        return torch.cat([self.memory[kind], mapped]) if self.resident else mapped.clone()
+        whole = torch.empty(self.numel, dtype=dtype)
+        whole[: self.resident].copy_(self.memory[kind])
+        if offloaded:  # read (and checked), not mapped: nothing writes through it
+            files.read_into(kind, whole[self.resident :], 0, f"all of this rank's `{kind}`")
+        return whole
 
     def memory_bytes(self, master: bool) -> int:
         """Host bytes of the resident elements' master (``master``) or optimizer state (not ``master``)."""

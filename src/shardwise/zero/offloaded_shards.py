@@ -107,6 +107,11 @@ class ShardCache:
             held -= shard.numel
             shard.evict()
 
+    def check_usable(self) -> None:
+        """Raise once the file lost this rank's shards (bytes changed under the job, cut short, removed): a step
+        or a save then refuses, even where every shard it needs is in host memory."""
+        self.files.check_usable()
+
     def close(self) -> None:
         """Wait for reads in flight and delete the folder (``engine.destroy()``; also done at exit)."""
         self.io.shutdown(wait=True)
@@ -159,6 +164,7 @@ class NvmeShard:
         self.get().copy_(shard)
 
     def write(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
+        self.cache.check_usable()  # a step publishing into shards whose file lost them refuses, resident or not
         if self.pending is not None:
             self._settle(self.pending)  # a failed read ahead is dropped: the parts go to the file instead
         if self.tensor is not None:

@@ -41,7 +41,6 @@ optimizer state in files, ``offload_optimizer: nvme``), chosen once by
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Iterator, Optional
 
 import torch
@@ -57,6 +56,7 @@ from .offloaded_shards import ShardCache, offloads_params, shard_cache
 from .params import Unit, UnitError, UnitState, is_partitioned, restore_parameter, unit_of
 from .pieces import InFlight, Piece, piece_sizes
 from .pieces_choice import choose_pieces
+from .weak_hooks import WeakHook, remove_with
 
 __all__ = ["Stage3"]
 
@@ -148,14 +148,18 @@ class Stage3(Strategy):
         if self.pieces.refresh(self.inner.state if self.inner is not None else {}) and self.inner is not None:
             self._point_optimizer()
         self._trainable = {}
+        added = []
         for param in self._params:
             unit = unit_of(param)
             if unit is not None and param.requires_grad:
                 index = param.__dict__["_shardwise_index"]
                 self._trainable.setdefault(unit, []).append(index)
-                if id(param) not in self._grad_hooks:
-                    hook = functools.partial(self._on_grad, unit, index)
-                    self._grad_hooks[id(param)] = param.register_post_accumulate_grad_hook(hook)
+                if id(param) not in self._grad_hooks:  # held weakly: a dropped engine is freed (:mod:`.weak_hooks`)
+                    hook = WeakHook(self._on_grad_of, index)
+                    added.append(param.register_post_accumulate_grad_hook(hook))
+                    self._grad_hooks[id(param)] = added[-1]
+        if added:
+            remove_with(self, added)
         self._keys = [(unit, index) for unit in self.units for index in self._trainable.get(unit, ())]
 
     def has_pending_grads(self) -> bool:
@@ -177,6 +181,11 @@ class Stage3(Strategy):
             used = [u for u in reversed(list(self.gatherer.forward_order)) if u in self._trainable]
             seen = set(used)
             self._order = used + [u for u in self.units if u in self._trainable and u not in seen]
+
+    def _on_grad_of(self, index: int, param: torch.Tensor) -> None:
+        unit = unit_of(param)  # (not held by the hook: the unit holds this engine's machinery)
+        if unit is not None:
+            self._on_grad(unit, index, param)
 
     def _on_grad(self, unit: Unit, index: int, param: torch.Tensor) -> None:
         """Parameter ``index`` of ``unit`` got its gradient: reduce the unit once all of its have."""
@@ -329,6 +338,8 @@ class Stage3(Strategy):
     # ========================================================== checkpoint
     @contextlib.contextmanager
     def checkpoint_shards(self, loading: bool, wanted: frozenset[str] = frozenset()) -> Iterator[list[ParamShard]]:
+        if self.shards is not None:
+            self.shards.check_usable()  # a shard file that lost its state: no save or load goes on from here
         if self.inner is None:
             yield []
             return

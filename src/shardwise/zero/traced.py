@@ -26,13 +26,21 @@ __all__ = ["outside_graphs", "skip_frames", "track", "traced_call", "untrack"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-#: id(parameter) -> (the parameter, its unit): how a check at trace time finds both from a constant
-_TRACKED: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
+#: id(parameter) -> (the parameter, its unit): how a check at trace time finds both from a constant.  Both
+#: held weakly (a unit holds its engine's machinery: a dropped engine and model must be freed), and an entry
+#: goes with its parameter.
+_TRACKED: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Any]]] = {}
 
 
 def track(param: torch.Tensor, unit: Any) -> None:
     """``param`` is partitioned into ``unit``: a traced read of it is checked by ``unit.owner``."""
-    _TRACKED[id(param)] = (weakref.ref(param), unit)
+    key = id(param)
+
+    def gone(ref: weakref.ref[torch.Tensor]) -> None:
+        if _TRACKED.get(key, (None,))[0] is ref:  # not a later parameter that got the same id
+            del _TRACKED[key]
+
+    _TRACKED[key] = (weakref.ref(param, gone), weakref.ref(unit))
 
 
 def untrack(param: torch.Tensor) -> None:
@@ -74,10 +82,9 @@ def skip_frames(fn: Callable[..., Any]) -> None:
 
 def _check_read_now(param_id: int) -> bool:
     entry = _TRACKED.get(param_id)
-    param = entry[0]() if entry is not None else None
-    if entry is None or param is None:
+    param, unit = (entry[0](), entry[1]()) if entry is not None else (None, None)
+    if param is None or unit is None:
         return True
-    unit = entry[1]
     unit.owner.on_traced_read(unit, param)
     return True
 
