@@ -36,7 +36,9 @@ operation an error (the same test's tour of the API).
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+import weakref
 import zlib
 from typing import Any, Callable, Optional, TypeVar, cast
 
@@ -75,7 +77,11 @@ class Announcer:
                  engine: bool = True) -> None:
         self.comm = comm
         self.owner = owner
-        self.counters = counters if counters is not None else _no_counters
+        # an engine's method is held weakly: a stage-3 model kept after its engine was dropped announces
+        # through its hooks' announcer, which must not keep the engine (and its strategy) alive
+        fixed = counters if counters is not None else _no_counters
+        self._counters: Callable[[], Optional[Callable[[], tuple[int, int]]]] = (
+            weakref.WeakMethod(fixed) if inspect.ismethod(fixed) else lambda: fixed)
         self.index = -1
         if engine:
             self.index = comm.ledger.engines
@@ -92,7 +98,8 @@ class Announcer:
     def announce(self, operation: str, detail: str = "") -> None:
         """Agree with the other ranks that each is about to run ``operation`` (raises on every rank if not)."""
         comm = self.comm
-        steps, micro = self.counters()
+        counters = self._counters()
+        steps, micro = counters() if counters is not None else (0, 0)  # (0, 0): its engine is gone
         what = f"in {_name(operation)} of {self.owner}{detail} at step {steps} (micro-step {micro})"
         control.announce(comm.ledger, comm.global_rank, comm.timeout,
                          [_code(operation + detail), self.index, steps, micro], what)
