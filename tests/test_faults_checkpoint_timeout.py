@@ -18,12 +18,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 from _faults_common import bounded_outcome, make_engine, outcome, record_row, train_step
 from torch.testing import assert_close
 
 import shardwise
+from shardwise import agreement
+from shardwise.checkpoint import CheckpointError
 from shardwise.testing import run_distributed, run_subtests
 
 #: what bounds a checkpoint call's wait for the other ranks here
@@ -161,3 +164,44 @@ def test_a_save_arriving_after_its_peer_gave_up_is_named_with_what_the_peer_does
     record_row("checkpoint", "rank 0 gives up on a lone `save_checkpoint` and trains on; rank 1 calls it late",
                "3", "both raise `CollectiveMismatchError` naming rank 0's forward and rank 1's save; the step "
                "again and a save together work (weights exact)", results[1]["late"]["seconds"])
+
+
+# ------------------------------------------------------------ a step's outcome against a peer's publication
+class _LateStore:
+    """A store whose first two `check`s miss the peer's outcome: it was written just after this rank looked."""
+
+    def __init__(self) -> None:
+        self.store = dist.HashStore()
+        self.misses = 2
+
+    def check(self, keys: list[str]) -> bool:
+        if self.misses:
+            self.misses -= 1
+            return False
+        return bool(self.store.check(keys))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+class _SeesTheFailure:
+    """What the peers published: rank 0 raised (and, as a failing step does, wrote its outcome first)."""
+
+    def failed(self, ranks: list[int]) -> Any:
+        return (0, "rank 0 raised `CheckpointError: denied`, and will not join") if 0 in ranks else None
+
+    def gone(self, ranks: Any) -> list[int]:
+        return []
+
+
+def test_a_peer_that_wrote_its_failed_step_is_named_by_that_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's step fails: it writes its outcome, raises and publishes.  Rank 1, which read that the outcome
+    was missing just before, then sees the publication: it reads the outcome and raises the step's
+    `CheckpointError` quoting rank 0's error, not a `PeerFailedError` (seen once in two runs of
+    tests/test_faults_checkpoint.py's unwritable directory)."""
+    monkeypatch.setattr(agreement, "PeerWatch", _SeesTheFailure)
+    store = _LateStore()
+    store.store.set("call/step1/0", '{"error": "CheckpointError: denied", "data": null}')
+    session = agreement.Session("save_checkpoint", 1, 2, 5.0, [{}, {}], store, "call", [0, 1])
+    with pytest.raises(CheckpointError, match=r"failed on rank\(s\) \[0\] while describing: rank 0: CheckpointError: denied"):
+        session.step("describing", lambda: None)

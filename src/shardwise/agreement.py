@@ -173,7 +173,14 @@ class Session:
         attempt = 0
         while not self.store.check(keys):
             missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
-            self._raise_if_gone(watch, missing, name)
+            try:
+                self._raise_if_gone(watch, missing, name)
+            except PeerFailedError:
+                # A step that fails writes its outcome here, then raises and publishes: a peer seen failed after
+                # `missing` was read may have written its outcome meanwhile, and that names it as this step's
+                if self.store.check(keys):
+                    break
+                raise
             if time.monotonic() > deadline:
                 raise CheckpointError(
                     f"rank {self.rank}: rank(s) {missing} did not finish {name} for `{self.op}` within "
