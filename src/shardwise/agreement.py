@@ -70,7 +70,7 @@ _CLOSED = "closed:"
 #: after ``closed:``: closed because the ranks missing wait in other operations' announcements
 _ELSEWHERE = "elsewhere:"
 #: seconds between two looks at whether the missing ranks wait in announcements (a few store reads each)
-_LOOK_S = 0.1
+_LOOK_S = 0.05
 _MEMBERS = re.compile(r"(?:[0-9]{1,7}(?:,[0-9]{1,7})*)?")
 _T = TypeVar("_T")
 

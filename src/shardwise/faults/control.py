@@ -34,7 +34,7 @@ between them what the peers published (:mod:`.published`): a peer that
 raised and will not come is named within a fraction of a second, not at
 ``comms.timeout``.
 
-An exchange that is still waiting after its first slice says so in the store
+An exchange that is still waiting after 50 ms says so in the store
 (:func:`waiting_in_next`): a checkpoint operation, which meets the other ranks
 in the store first (:mod:`shardwise.agreement`, bounded by
 ``checkpoint.timeout``), announces itself only once every rank joined it, or
@@ -69,6 +69,9 @@ from .liveness import PeerWatch
 __all__ = ["ANNOUNCE", "CALLS", "CHECK", "DEBUG", "agree", "announce", "before", "waiting_in_next"]
 
 _WIDTH = 8
+#: an exchange still waiting after this many seconds says so in the store (:func:`waiting_in_next`): one store
+#: `set` against a wait already 50 ms long
+_SAY_AFTER_S = 0.05
 CHECK = 1
 DEBUG = 2
 ANNOUNCE = 3
@@ -108,7 +111,7 @@ class _Control:
         row = list(values) + [0] * (_WIDTH - len(values))
         self.buffer.copy_(torch.tensor(row + [-v for v in row], dtype=torch.int64))
         work = self.group.allreduce([self.buffer], self.options)
-        if not _published.finished(work):
+        if not _published.finished(work, _SAY_AFTER_S):
             _say_waiting(self.store, self.ledger, self.rank, self.count)  # for a rank in a checkpoint's agreement
             # in slices: a peer that raised and published it will not come, and is named at once
             _published.wait(work, self.ledger, self.rank)
@@ -214,7 +217,7 @@ def _waiting_key(ledger: Ledger, rank: int) -> str:
 
 def _say_waiting(store: Any, ledger: Ledger, rank: int, count: int) -> None:
     """Record that this rank waits in exchange number ``count`` of ``ledger``'s control group (only an exchange
-    still waiting after its first slice writes it: one store ``set``, off the hot path)."""
+    still waiting after :data:`_SAY_AFTER_S` writes it: one store ``set``, off the hot path)."""
     store.set(_waiting_key(ledger, rank), json.dumps({"exchange": count}))
 
 
