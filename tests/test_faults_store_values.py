@@ -7,6 +7,10 @@ never "rank 0 (this very rank) is gone".  Rank 0, which hosts the store under
 `env://` rendezvous, exiting right after a committed `save_checkpoint` is the end
 of the job, not an error: rank 1's save returns, the checkpoint is complete, and
 only a later collective says that rank 0 and its store are gone.
+
+A rank blocked in `store.wait` on the job's store (a user's wait, or torch's) still beats: the heartbeat has a
+connection of its own (requests on one TCPStore client run one at a time, so such a wait held every beat and
+the rank was judged gone; the GIL is released, measured).
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch.distributed as dist
 from _faults_common import COMMS_TIMEOUT, bounded_outcome, die, make_engine, outcome, record_row, train_step
 from _store_forger import forge, store_prefix
 
 from shardwise.agreement import _ROOT, _group_key
+from shardwise.faults.heartbeat import Heartbeat
 from shardwise.testing import run_distributed
 
 #: the most a forged value may take to be named: about a heartbeat interval (0.1 s), with room for a loaded machine
@@ -125,3 +131,22 @@ def test_the_store_host_exiting_after_a_committed_save_ends_the_job_quietly(tmp_
                "`save_checkpoint`", "0", "rank 1's `save_checkpoint` returns (the checkpoint is complete); its next "
                "collective raises `RankGoneError` naming rank 0 and its store (was: a raw `DistNetworkError`)",
                survivor["later"]["seconds"])
+
+
+def test_a_rank_waiting_in_store_wait_still_beats() -> None:
+    """One process: a TCPStore client (under a prefix, as the default store is) blocked in `wait` for 1.5 s while
+    a heartbeat every 0.05 s beats into it (it used to manage one beat, when the wait returned)."""
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30), wait_for_workers=False)
+    store = dist.PrefixStore("default_pg", dist.TCPStore("127.0.0.1", server.port, 1, False, timedelta(seconds=30)))
+    beat = Heartbeat(store, 0, 0.05)
+    beat.start()
+    try:
+        before = beat.beats
+        start = time.monotonic()
+        with pytest.raises(dist.DistStoreError):
+            store.wait(["never written"], timedelta(seconds=1.5))
+        waited = time.monotonic() - start
+        during = beat.beats - before
+    finally:
+        beat.stop()
+    assert during >= 0.5 * waited / 0.05, f"{during} beats in a {waited:.2f} s `store.wait` (one every 0.05 s due)"

@@ -21,6 +21,13 @@ Protocol, per process group, with no state kept in the process:
   sees the close and raises; a rank arriving after the close knows that call
   is over and moves to its next number, so ranks realign after a failure.
 
+A checkpoint operation announces itself on the group's control group (:mod:`.faults.announce`) only once
+the ranks met here: :func:`join` calls the operation's :meth:`~.faults.announce.Scope.agreed`.  While it
+waits, it also looks whether every rank still missing waits in an announcement of its own (a rank that
+skipped the save and trains on, :func:`~.faults.control.waiting_in_next`): then it closes the call (marked
+``elsewhere``) and announces at once, and the announcement names both operations on every rank, within
+seconds instead of at ``checkpoint.timeout``.
+
 After joining, :meth:`Session.step` gives timeout-bounded, error-propagating
 checkpoints between phases (a rank that fails while preparing makes every rank
 raise instead of leaving the others inside a collective).
@@ -50,6 +57,7 @@ import torch.distributed as dist
 from .checkpoint import store_codec
 from .checkpoint.errors import CheckpointError
 from .distributed import Comm
+from .faults import control
 from .faults.diagnose import RESTART, short_cause
 from .faults.errors import PeerFailedError, RankGoneError
 from .faults.liveness import PeerWatch
@@ -59,6 +67,10 @@ __all__ = ["Session", "join"]
 
 _ROOT = "shardwise/checkpoint"
 _CLOSED = "closed:"
+#: after ``closed:``: closed because the ranks missing wait in other operations' announcements
+_ELSEWHERE = "elsewhere:"
+#: seconds between two looks at whether the missing ranks wait in announcements (a few store reads each)
+_LOOK_S = 0.05
 _MEMBERS = re.compile(r"(?:[0-9]{1,7}(?:,[0-9]{1,7})*)?")
 _T = TypeVar("_T")
 
@@ -161,7 +173,14 @@ class Session:
         attempt = 0
         while not self.store.check(keys):
             missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
-            self._raise_if_gone(watch, missing, name)
+            try:
+                self._raise_if_gone(watch, missing, name)
+            except PeerFailedError:
+                # A step that fails writes its outcome here, then raises and publishes: a peer seen failed after
+                # `missing` was read may have written its outcome meanwhile, and that names it as this step's
+                if self.store.check(keys):
+                    break
+                raise
             if time.monotonic() > deadline:
                 raise CheckpointError(
                     f"rank {self.rank}: rank(s) {missing} did not finish {name} for `{self.op}` within "
@@ -197,19 +216,39 @@ def _group_key(comm: Comm) -> str:
 
 
 def join(comm: Comm, op: str, payload: dict[str, Any], timeout: float) -> Session:
-    """Wait (at most ``timeout`` seconds) until every rank of ``comm`` calls ``op``; see the module doc."""
+    """Wait (at most ``timeout`` seconds) until every rank of ``comm`` calls ``op``; see the module doc.
+
+    Inside an operation whose announcement waits for this agreement (``after_agreement``), announces it."""
     if not comm.distributed:
         return Session(op, comm.rank, 1, timeout, [payload])
+    scope = comm.ledger.scope
+    announces = scope if scope is not None and scope.deferred else None
     store = dist.distributed_c10d._get_default_store()
     with _reachable(store, comm.rank, op, "waiting for every rank to call it"):
-        prefix = _enter(store, comm, op, payload, timeout)
+        try:
+            prefix = _enter(store, comm, op, payload, timeout, announces is not None)
+        except _Elsewhere as away:
+            if announces is not None:
+                announces.agreed()  # raises on every rank, naming what each is in
+            raise _not_joined(comm, op, timeout, away.present) from None
         payloads = [_payload(store, prefix, r, comm.rank) for r in range(comm.world_size)]
+    if announces is not None:
+        announces.agreed()
     ranks = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
     return Session(op, comm.rank, comm.world_size, timeout, payloads, store, prefix, ranks)
 
 
-def _enter(store: Any, comm: Comm, op: str, payload: dict[str, Any], timeout: float) -> str:
-    """Join the next call every rank makes, and wait until they all have; returns the call's key prefix."""
+class _Elsewhere(Exception):
+    """The call was closed because the ranks missing wait in other operations' announcements."""
+
+    def __init__(self, present: set[int]) -> None:
+        super().__init__()
+        self.present = present
+
+
+def _enter(store: Any, comm: Comm, op: str, payload: dict[str, Any], timeout: float, look: bool) -> str:
+    """Join the next call every rank makes, and wait until they all have; returns the call's key prefix.
+    ``look``: also look whether the ranks missing wait in announcements (:class:`_Elsewhere`)."""
     root = f"{_ROOT}/{_group_key(comm)}"
     deadline = time.monotonic() + timeout
     while True:
@@ -219,7 +258,7 @@ def _enter(store: Any, comm: Comm, op: str, payload: dict[str, Any], timeout: fl
         if _arrive(store, f"{prefix}/members", comm.rank, comm.world_size):
             break
         # That call was closed before we got there: our partners moved on to a later one.
-    _await_everyone(store, f"{prefix}/members", comm, op, timeout, deadline)
+    _await_everyone(store, f"{prefix}/members", comm, op, timeout, deadline, look)
     return prefix
 
 
@@ -272,29 +311,46 @@ def _arrive(store: Any, key: str, rank: int, world_size: int) -> bool:
         current = got
 
 
-def _await_everyone(store: Any, key: str, comm: Comm, op: str, timeout: float, deadline: float) -> None:
+def _await_everyone(store: Any, key: str, comm: Comm, op: str, timeout: float, deadline: float,
+                    look: bool) -> None:
     watch = PeerWatch()
     ranks = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
     attempt = 0
+    looked = time.monotonic()
     while True:
         if not store.check([key]):  # this rank wrote it: only another program can have deleted it
             raise store_codec.malformed(key, comm.rank, "was deleted while this rank waited on it")
         value = store.get(key).decode(errors="replace")
         if value.startswith(_CLOSED):
-            raise _not_joined(comm, op, timeout, _members(value[len(_CLOSED) :], key, comm.rank, comm.world_size))
+            _closed(value[len(_CLOSED) :], key, comm, op, timeout)
         present = _members(value, key, comm.rank, comm.world_size)
         if len(present) == comm.world_size:
             return
-        _raise_if_failed(watch, [ranks[r] for r in range(comm.world_size) if r not in present], comm.rank,
-                         f"`engine.{op}`")
-        gone = watch.gone(ranks[r] for r in range(comm.world_size) if r not in present)
-        if gone or time.monotonic() > deadline:
-            closed = _CLOSED + value
+        missing = [ranks[r] for r in range(comm.world_size) if r not in present]
+        _raise_if_failed(watch, missing, comm.rank, f"`engine.{op}`")
+        gone = watch.gone(missing)
+        away = False
+        if look and not gone and time.monotonic() - looked > _LOOK_S:
+            looked = time.monotonic()
+            away = control.waiting_in_next(comm.ledger, comm.global_rank, missing)
+        if gone or away or time.monotonic() > deadline:
+            closed = _CLOSED + (_ELSEWHERE if away else "") + value
             if store.compare_set(key, value, closed).decode() == closed:
-                raise _gone(comm, op, gone, watch) if gone else _not_joined(comm, op, timeout, present)
+                if gone:
+                    raise _gone(comm, op, gone, watch)
+                if away:
+                    raise _Elsewhere(present)
+                raise _not_joined(comm, op, timeout, present)
             continue  # someone joined or closed meanwhile: look again
         _sleep(attempt)
         attempt += 1
+
+
+def _closed(value: str, key: str, comm: Comm, op: str, timeout: float) -> None:
+    """Another member closed the call (``value``: the member list after ``closed:``): raise as it did."""
+    away = value.startswith(_ELSEWHERE)
+    present = _members(value[len(_ELSEWHERE) :] if away else value, key, comm.rank, comm.world_size)
+    raise _Elsewhere(present) if away else _not_joined(comm, op, timeout, present)
 
 
 def _raise_if_failed(watch: PeerWatch, ranks: list[int], rank: int, what: str) -> None:

@@ -34,14 +34,14 @@ class WeightsSurface:
     _announcer: Announcer
     _failed_step: Optional[str]
 
-    @collective("save_checkpoint")
+    @collective("save_checkpoint", after_agreement=True)
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict[str, Any]] = None) -> str:
         """Collectively write a checkpoint (every rank its own shard); returns its path."""
         from .checkpoint import save_checkpoint  # here: the checkpoint layer imports DCP (~1.4 s)
 
         return save_checkpoint(self.checkpointable(), save_dir, tag=tag, client_state=client_state)
 
-    @collective("load_checkpoint")
+    @collective("load_checkpoint", after_agreement=True)
     def load_checkpoint(
         self,
         load_dir: str,

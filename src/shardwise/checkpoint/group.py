@@ -82,7 +82,7 @@ def _announced(comm: Comm, operation: str, names: list[str], first: Checkpointab
         return
     owner = "engines " + ", ".join(f"`{name}`" for name in names)
     announcer = Announcer(comm, owner, lambda: (first.global_steps, 0), engine=False)
-    with doing(operation, owner), announcer.scope(operation):
+    with doing(operation, owner), announcer.scope(operation, after_agreement=True):
         yield
 
 

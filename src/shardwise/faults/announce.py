@@ -20,6 +20,13 @@ What announces (one exchange each, never one per collective; ``comms.debug`` kee
   ``generate`` loop, ``loss.backward()``): the module hooks announce each outermost pass;
 * ``GatheredParameters`` (when it gathers), ``shardwise.save_checkpoints``/``load_checkpoints``.
 
+A checkpoint operation (``save_checkpoint``, ``load_checkpoint``, ``save_checkpoints``, ``load_checkpoints``)
+announces *after* its store agreement (:func:`shardwise.agreement.join`), which ``checkpoint.timeout`` bounds:
+a rank in no shardwise call at all is waited for until then (a slow rank cannot be told from an absent
+one), and the call is closed in the store so the ranks realign; a rank in another announced operation is seen
+waiting in its exchange (:func:`.control.waiting_in_next`) and the announcement then names both operations on
+every rank within seconds.
+
 An announcement inside another on the same group is skipped: the outer one covers everything the
 operation does.  :data:`OPERATIONS` lists what announces, by qualified name, for the test that every public
 collective does; ``SHARDWISE_STRICT_COLLECTIVES=1`` makes a collective issued outside any announced
@@ -29,7 +36,9 @@ operation an error (the same test's tour of the API).
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+import weakref
 import zlib
 from typing import Any, Callable, Optional, TypeVar, cast
 
@@ -68,22 +77,29 @@ class Announcer:
                  engine: bool = True) -> None:
         self.comm = comm
         self.owner = owner
-        self.counters = counters if counters is not None else _no_counters
+        # an engine's method is held weakly: a stage-3 model kept after its engine was dropped announces
+        # through its hooks' announcer, which must not keep the engine (and its strategy) alive
+        fixed = counters if counters is not None else _no_counters
+        self._counters: Callable[[], Optional[Callable[[], tuple[int, int]]]] = (
+            weakref.WeakMethod(fixed) if inspect.ismethod(fixed) else lambda: fixed)
         self.index = -1
         if engine:
             self.index = comm.ledger.engines
             comm.ledger.engines += 1
 
-    def scope(self, operation: str, announce: bool = True, detail: str = "") -> "Scope":
+    def scope(self, operation: str, announce: bool = True, detail: str = "", after_agreement: bool = False) -> "Scope":
         """Around one operation: announced when it opens (unless ``announce`` is False: it moves no data, or
         has an agreement of its own), unless another already covers the group.  ``detail`` (``, in
-        `generate`,``) is part of the operation: the same operation with another detail is another."""
-        return Scope(self, operation, announce, detail)
+        `generate`,``) is part of the operation: the same operation with another detail is another.
+        ``after_agreement``: announced by the store agreement that starts the operation (:meth:`Scope.agreed`,
+        called by :func:`shardwise.agreement.join`), not when it opens."""
+        return Scope(self, operation, announce, detail, after_agreement)
 
     def announce(self, operation: str, detail: str = "") -> None:
         """Agree with the other ranks that each is about to run ``operation`` (raises on every rank if not)."""
         comm = self.comm
-        steps, micro = self.counters()
+        counters = self._counters()
+        steps, micro = counters() if counters is not None else (0, 0)  # (0, 0): its engine is gone
         what = f"in {_name(operation)} of {self.owner}{detail} at step {steps} (micro-step {micro})"
         control.announce(comm.ledger, comm.global_rank, comm.timeout,
                          [_code(operation + detail), self.index, steps, micro], what)
@@ -105,25 +121,43 @@ class Scope:
     failure from there on counts (:attr:`~.ledger.doing.failures`), one before it (an argument refused) does not.
     """
 
-    __slots__ = ("announcer", "operation", "announce", "detail", "owned")
+    __slots__ = ("announcer", "operation", "announce", "detail", "owned", "deferred", "call")
 
-    def __init__(self, announcer: Announcer, operation: str, announce: bool, detail: str = "") -> None:
+    def __init__(self, announcer: Announcer, operation: str, announce: bool, detail: str = "",
+                 after_agreement: bool = False) -> None:
         self.announcer = announcer
         self.operation = operation
         self.announce = announce
         self.detail = detail
         self.owned = False
+        #: announced by the operation's store agreement, which has not run yet
+        self.deferred = after_agreement
+        #: the engine call this operation runs in (a failure counts once the operation started)
+        self.call = _ledger.innermost()
 
     def open(self) -> "Scope":
         announcer = self.announcer
         comm = announcer.comm
         if comm.distributed and comm.ledger.scope is None:
-            if self.announce:
+            if self.announce and not self.deferred:
                 announcer.announce(self.operation, self.detail)
             comm.ledger.scope = self
             self.owned = True
-        _ledger.start()
+        else:
+            self.deferred = False  # one process, or inside another operation: nothing to announce
+        if not self.deferred:
+            _ledger.start(self.call)
         return self
+
+    def agreed(self) -> None:
+        """The operation's store agreement is over (every rank joined, or the ranks that did not wait in another
+        operation's announcement): announce it now (raises on every rank if the ranks are in different
+        operations).  Only the first agreement of the operation announces it."""
+        if self.deferred:
+            self.deferred = False
+            if self.announce:
+                self.announcer.announce(self.operation, self.detail)
+            _ledger.start(self.call)
 
     def close(self) -> None:
         if self.owned:
@@ -138,16 +172,18 @@ class Scope:
         self.close()
 
 
-def collective(operation: str) -> Callable[[_F], _F]:
+def collective(operation: str, after_agreement: bool = False) -> Callable[[_F], _F]:
     """Decorate an engine method that is collective: it runs as engine call ``operation`` (what messages name,
-    :class:`~.ledger.doing`), announced on the engine's group first (``self._announcer``)."""
+    :class:`~.ledger.doing`), announced on the engine's group first (``self._announcer``), or by its store
+    agreement (``after_agreement``: the checkpoint operations, see the module docstring)."""
 
     def wrap(method: _F) -> _F:
         register(method.__qualname__, operation)
 
         @functools.wraps(method)
         def announced(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with doing(operation, self._announcer.owner), self._announcer.scope(operation):
+            with doing(operation, self._announcer.owner), \
+                    self._announcer.scope(operation, after_agreement=after_agreement):
                 return method(self, *args, **kwargs)
 
         return cast(_F, announced)

@@ -33,6 +33,17 @@ shows the first place they differ.  Each exchange waits in slices, reading
 between them what the peers published (:mod:`.published`): a peer that
 raised and will not come is named within a fraction of a second, not at
 ``comms.timeout``.
+
+An exchange that is still waiting after 50 ms says so in the store
+(:func:`waiting_in_next`): a checkpoint operation, which meets the other ranks
+in the store first (:mod:`shardwise.agreement`, bounded by
+``checkpoint.timeout``), announces itself only once every rank joined it, or
+once every rank that did not is waiting in such an exchange (then the
+announcement names both operations on every rank within seconds).  So no
+exchange is ever issued and then abandoned: a gloo work left in flight would
+pair with whatever the peer sends next, and holds its process group's
+destruction (and the process's exit) until its own timeout (measured: a group
+dropped with a pending all-reduce took 19.5 s to go, its timeout being 20 s).
 """
 
 from __future__ import annotations
@@ -55,9 +66,12 @@ from .heartbeat import published as published_error
 from .ledger import Ledger, current_activity, ledgers
 from .liveness import PeerWatch
 
-__all__ = ["ANNOUNCE", "CALLS", "CHECK", "DEBUG", "agree", "announce", "before"]
+__all__ = ["ANNOUNCE", "CALLS", "CHECK", "DEBUG", "agree", "announce", "before", "waiting_in_next"]
 
 _WIDTH = 8
+#: an exchange still waiting after this many seconds says so in the store (:func:`waiting_in_next`): one store
+#: `set` against a wait already 50 ms long
+_SAY_AFTER_S = 0.05
 CHECK = 1
 DEBUG = 2
 ANNOUNCE = 3
@@ -96,8 +110,11 @@ class _Control:
         self.count += 1
         row = list(values) + [0] * (_WIDTH - len(values))
         self.buffer.copy_(torch.tensor(row + [-v for v in row], dtype=torch.int64))
-        # in slices: a peer that raised and published it will not come, and is named at once
-        _published.wait(self.group.allreduce([self.buffer], self.options), self.ledger, self.rank)
+        work = self.group.allreduce([self.buffer], self.options)
+        if not _published.finished(work, _SAY_AFTER_S):
+            _say_waiting(self.store, self.ledger, self.rank, self.count)  # for a rank in a checkpoint's agreement
+            # in slices: a peer that raised and published it will not come, and is named at once
+            _published.wait(work, self.ledger, self.rank)
         reduced = self.buffer.tolist()
         return reduced[:_WIDTH], [-v for v in reduced[_WIDTH:]]
 
@@ -132,6 +149,8 @@ def _connect(prefix: Any, ledger: Ledger, rank: int, timeout: float) -> Any:
 
 def _control(ledger: Ledger, rank: int, timeout: float, what: str) -> _Control:
     if ledger.control is None:
+        # building it waits for every rank: this is exchange 1, as a checkpoint's agreement reads it
+        _say_waiting(dist.distributed_c10d._get_default_store(), ledger, rank, 1)
         try:
             ledger.control = _Control(ledger, rank, timeout)
         except RuntimeError as exc:
@@ -189,6 +208,36 @@ def _compare(ledger: Ledger, rank: int, timeout: float, what: str, values: list[
         # every rank passed this agreement: an error published before it was handled by all (a broken group's
         # error stays: its peers still need it)
         clear_fault()
+
+
+# ------------------------------------------------------------ who waits in an exchange
+def _waiting_key(ledger: Ledger, rank: int) -> str:
+    return f"shardwise/announce/{ledger.key}/waiting/{rank}"
+
+
+def _say_waiting(store: Any, ledger: Ledger, rank: int, count: int) -> None:
+    """Record that this rank waits in exchange number ``count`` of ``ledger``'s control group (only an exchange
+    still waiting after :data:`_SAY_AFTER_S` writes it: one store ``set``, off the hot path)."""
+    store.set(_waiting_key(ledger, rank), json.dumps({"exchange": count}))
+
+
+def _exchange_problem(record: dict[str, Any]) -> Optional[str]:
+    count = record.get("exchange")
+    return None if isinstance(count, int) and not isinstance(count, bool) else "a record with an integer `exchange`"
+
+
+def waiting_in_next(ledger: Ledger, rank: int, peers: Sequence[int]) -> bool:
+    """Whether every one of ``peers`` (global ranks) waits in the control exchange this rank would issue next.
+
+    Such a peer is in another collective operation (or a step check) and waits for this rank: this rank can
+    issue its own announcement, which completes at once (a peer whose exchange ended has a lower number)."""
+    store = dist.distributed_c10d._get_default_store()
+    following = (ledger.control.count if ledger.control is not None else 0) + 1
+    for peer in peers:
+        record = read_json(store, _waiting_key(ledger, peer), _exchange_problem)
+        if record is None or record["exchange"] != following:
+            return False
+    return bool(peers)
 
 
 # ------------------------------------------------------------------ reports

@@ -25,8 +25,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["Entry", "Ledger", "LOG_LENGTH", "current_activity", "current_phase", "doing", "ledger_for", "ledgers",
-           "start"]
+__all__ = ["Entry", "Ledger", "LOG_LENGTH", "current_activity", "current_phase", "doing", "innermost", "ledger_for",
+           "ledgers", "start"]
 
 #: how many recent collectives each ledger keeps for error messages
 LOG_LENGTH = 64
@@ -69,11 +69,19 @@ def current_phase() -> Optional[str]:
     return _STACK[-1].phase if _STACK else None
 
 
-def start() -> None:
-    """The innermost engine call has started changing state (its ranks agreed on it): a failure from now on
-    counts in :attr:`doing.failures` (an argument refused before this point changes nothing, and does not)."""
-    if _STACK:
-        _STACK[-1].started = True
+def innermost() -> Optional["doing"]:
+    """The innermost engine call running now (None between engine calls)."""
+    return _STACK[-1] if _STACK else None
+
+
+def start(call: Optional["doing"] = None) -> None:
+    """Engine call ``call`` (default: the innermost) has started changing state (its ranks agreed on it): a
+    failure from now on counts in :attr:`doing.failures` (an argument refused before this point, or an
+    agreement that did not come about, changes nothing, and does not)."""
+    if call is None:
+        call = innermost()
+    if call is not None:
+        call.started = True
 
 
 class doing:  # noqa: N801 - used as a context manager, reads like one
