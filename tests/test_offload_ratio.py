@@ -27,8 +27,8 @@ from shardwise.config import Config, ConfigError
 from shardwise.testing import distributed_test, run_distributed, run_subtests
 from shardwise.zero.layout import Piece
 from shardwise.zero.nvme_files import NvmeFiles
-from shardwise.zero.offload_plan import Chunk, plan_sub_groups, resident_split
-from shardwise.zero.offload_step import OffloadSlot, SubGroupStepper, placeholder, pool_for
+from shardwise.zero.store.plan import Chunk, plan_sub_groups, resident_split
+from shardwise.zero.store.subgroups import OffloadSlot, SubGroupStepper, placeholder, pool_for
 
 SIZES = (700, 50, 400)
 SUB_GROUP = 300

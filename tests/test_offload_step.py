@@ -20,8 +20,8 @@ import torch
 from shardwise.processes import running
 from shardwise.zero.layout import Piece
 from shardwise.zero.nvme_files import NvmeFiles
-from shardwise.zero.offload_plan import Chunk, plan_sub_groups
-from shardwise.zero.offload_step import OffloadSlot, SubGroupStepper, placeholder, pool_for
+from shardwise.zero.store.plan import Chunk, plan_sub_groups
+from shardwise.zero.store.subgroups import OffloadSlot, SubGroupStepper, placeholder, pool_for
 
 #: piece sizes: the first spans sub-groups 1 and 2 and starts the third, which the other two share
 SIZES = (700, 50, 400)

@@ -33,12 +33,12 @@ from torch import nn
 
 from ..param_state import ParamShard
 from .base import Strategy, group_index, module_order, tensor_bytes
-from .frozen import FrozenStore, Kept
 from .grads import Allocate, FlatGrads, GradStorage, Reduce, private_zeros
 from .layout import FlatLayout
 from .masters import Masters, ParamsAreMasters, choose_masters
-from .offload_plan import offload_spec
 from .pending import PendingGathers
+from .store.frozen import FrozenStore, Kept
+from .store.plan import offload_spec
 from .weak_hooks import WeakHook, remove_with
 
 __all__ = ["FlatStrategy"]

@@ -25,12 +25,12 @@ import torch
 
 from ..distributed import Comm
 from ..param_state import KeptSlot, OptimizerSlot
-from .frozen import Kept
 from .grads import GradStorage, ReducedGrads
 from .layout import FlatLayout
 from .masters_base import Gather, Masters
-from .offload_plan import OffloadSpec
 from .offloaded import OffloadedMasters
+from .store.frozen import Kept
+from .store.plan import OffloadSpec
 
 __all__ = ["InPlaceMasters", "Masters", "OffloadedMasters", "ParamsAreMasters", "SeparateMasters", "choose_masters"]
 

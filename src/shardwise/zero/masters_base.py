@@ -13,10 +13,10 @@ import torch
 
 from ..distributed import Comm
 from ..param_state import OptimizerSlot, StateSlot
-from .carry import export_state, import_state
-from .frozen import Kept
 from .grads import ReducedGrads
 from .layout import FlatLayout
+from .store.carry import export_state, import_state
+from .store.frozen import Kept
 
 __all__ = ["Gather", "Masters"]
 

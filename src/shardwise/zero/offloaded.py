@@ -34,14 +34,14 @@ import torch
 
 from ..distributed import Comm
 from ..param_state import StateSlot, copy_value
-from .carry import export_state
-from .frozen import Kept
 from .grads import ReducedGrads
 from .layout import FlatLayout
 from .masters_base import Gather, Masters
 from .nvme_files import NvmeFiles
-from .offload_plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, say_split
-from .offload_step import OffloadSlot, SubGroupStepper, placeholder, pool_for
+from .store.carry import export_state
+from .store.frozen import Kept
+from .store.plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, say_split
+from .store.subgroups import OffloadSlot, SubGroupStepper, placeholder, pool_for
 
 __all__ = ["OffloadedMasters"]
 

@@ -33,14 +33,14 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..param_state import KeptSlot, ParamShard, copy_value
-from .frozen import Kept
 from .layout import Piece as Run
 from .nvme_files import NvmeFiles
-from .offload_plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, say_split, state_bytes_per_element
-from .offload_step import OffloadSlot, SubGroupStepper, placeholder, pool_for
 from .params import Unit
 from .pieces import Piece, Pieces, exact_values
 from .readahead import BufferPool
+from .store.frozen import Kept
+from .store.plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, say_split, state_bytes_per_element
+from .store.subgroups import OffloadSlot, SubGroupStepper, placeholder, pool_for
 
 __all__ = ["OffloadedPieces"]
 

@@ -30,8 +30,8 @@ from torch import nn
 
 from ..distributed import Work
 from ..param_state import OptimizerSlot, ParamShard
-from .frozen import FrozenStore, Kept
 from .params import Unit
+from .store.frozen import FrozenStore, Kept
 
 __all__ = ["InFlight", "NormShare", "Piece", "Pieces", "SeparateMasters", "ShardsAreMasters", "exact_values",
            "piece_sizes"]

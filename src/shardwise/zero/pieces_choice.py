@@ -11,9 +11,9 @@ from typing import Optional
 
 import torch
 
-from .offload_plan import OffloadSpec
 from .offloaded_pieces import OffloadedPieces
 from .pieces import Pieces, SeparateMasters, ShardsAreMasters
+from .store.plan import OffloadSpec
 
 __all__ = ["choose_pieces"]
 

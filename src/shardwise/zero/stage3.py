@@ -51,11 +51,11 @@ from ..param_state import ParamShard
 from .base import Apply, Strategy, module_order, tensor_bytes
 from .gathered import GatheredParameters
 from .hooks import Gatherer
-from .offload_plan import offload_spec
 from .offloaded_shards import ShardCache, offloads_params, shard_cache
 from .params import Unit, UnitError, UnitState, is_partitioned, restore_parameter, unit_of
 from .pieces import InFlight, Piece, piece_sizes
 from .pieces_choice import choose_pieces
+from .store.plan import offload_spec
 from .weak_hooks import WeakHook, remove_with
 
 __all__ = ["Stage3"]

@@ -15,10 +15,10 @@ from typing import Any, Callable, Mapping, MutableMapping
 
 import torch
 
-from ..distributed import Comm
-from ..param_state import KeptSlot, OptimizerSlot, copy_value, is_per_element
+from ...distributed import Comm
+from ...param_state import KeptSlot, OptimizerSlot, copy_value, is_per_element
+from ..layout import FlatLayout
 from .frozen import Kept
-from .layout import FlatLayout
 
 __all__ = ["export_state", "import_state"]
 

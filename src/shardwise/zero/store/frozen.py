@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from ..param_state import KeptSlot, ParamShard, copy_value, is_per_element
+from ...param_state import KeptSlot, ParamShard, copy_value, is_per_element
 
 __all__ = ["FrozenStore", "Kept"]
 
