@@ -1,4 +1,4 @@
-"""A partial NVMe offload (``offload_optimizer.ratio`` below 1; zero/offload_plan.py, zero/offload_step.py).
+"""A partial NVMe offload (``offload_optimizer.ratio`` below 1; zero/store/plan.py, zero/store/subgroups.py).
 
 Of the ``n`` sub-groups of a rank's shard the first ``int((1 - ratio) * n)`` keep their fp32 master and
 optimizer state in host memory, the split moved back to a piece's start where it would cut one; the files

@@ -1,4 +1,4 @@
-"""The sub-group step both NVMe-offloaded arrangements share (zero/offload_step.py), in one process.
+"""The sub-group step of the store's home in files, every stage's (zero/store/subgroups.py), in one process.
 
 Three pieces in two param groups are stepped sub-group by sub-group out of files by torch's Adam and
 compared with Adam stepping the three whole tensors: equal to the bit (tolerance 0: Adam is element-wise,
