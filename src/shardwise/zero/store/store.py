@@ -138,10 +138,6 @@ class MasterStore:
         """What the inner optimizer steps in place of the param group ``originals``: the trainable keys."""
         return [p.key for param in originals if (p := self.by_param.get(id(param))) is not None and p.key is not None]
 
-    def key_of(self, param: torch.Tensor) -> Optional[torch.Tensor]:
-        piece = self.by_param.get(id(param))
-        return piece.key if piece is not None else None
-
     # -------------------------------------------------------- trainability
     def refresh(self, state: MutableMapping[Any, Any]) -> bool:
         """Stage 3: newly trainable pieces get their master (the kept one, or the model's values); newly frozen
@@ -169,10 +165,8 @@ class MasterStore:
             entry = carried.get(id(piece.param))
             if piece.key is None or entry is None:
                 continue  # never trained before: the master came from the parameter, the state starts fresh
-            mine = entry.piece(piece.start, piece.end)
-            master = self.home.master(piece)
-            if master.data_ptr() != mine.master.data_ptr():
-                master.copy_(mine.master)
+            mine = entry.piece(piece.start, piece.end)  # (a copy)
+            self.home.master(piece).copy_(mine.master)
             if mine.state:
                 self.home.slot(piece, state).set(mine.state)
 
