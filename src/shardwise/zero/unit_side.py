@@ -16,7 +16,7 @@ it is the gatherer's :class:`~.hooks.MasterValues`.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -44,17 +44,13 @@ class UnitSide:
     def pieces(self, unit: Unit, group_of: dict[int, int]) -> list[Piece]:
         """This rank's piece of each of ``unit``'s optimizer parameters (``group_of``: id -> param group), after
         ``unit.build``, placed in the shard after the pieces given out before."""
-        lo = self.rank * unit.shard_numel
-        hi = lo + unit.shard_numel
         pieces = []
-        for index, param in enumerate(unit.params):
-            offset = unit.offsets[index]
-            start, end = max(lo, offset), min(hi, offset + unit.shapes[index].numel())
-            if id(param) not in group_of or start >= end:
-                continue
-            pieces.append(Piece(param, unit.names[index], unit.shapes[index], start - offset, end - offset,
-                                self.numel, group_of[id(param)], index, start - lo, unit))
-            self.numel += end - start
+        for index, start, end, offset in _cuts([s.numel() for s in unit.shapes], unit.shard_numel, self.rank):
+            param = unit.params[index]
+            if id(param) in group_of:
+                pieces.append(Piece(param, unit.names[index], unit.shapes[index], start, end, self.numel,
+                                    group_of[id(param)], index, offset, unit))
+                self.numel += end - start
         if pieces:
             self.by_unit[unit] = pieces
         return pieces
@@ -153,13 +149,20 @@ def piece_runs(units: Iterable[Sequence[torch.Tensor]], group_of: dict[int, int]
     with torch._C.DisableTorchFunctionSubclass():
         for params in units:
             numels = [p.numel() for p in params]
-            total = sum(numels)
-            shard = (-(-total // world) * world if total else world) // world
-            lo, offset = rank * shard, 0
-            for param, numel in zip(params, numels):
-                start, end = max(lo, offset), min(lo + shard, offset + numel)
-                if id(param) in group_of and start < end:
+            shard = max(1, -(-sum(numels) // world))
+            for index, start, end, _ in _cuts(numels, shard, rank):
+                if id(params[index]) in group_of:
                     runs.append(Run(len(runs), 0, end - start, at))
                     at += end - start
-                offset += numel
     return runs
+
+
+def _cuts(numels: Sequence[int], shard: int, rank: int) -> Iterator[tuple[int, int, int, int]]:
+    """For each parameter (of ``numels`` elements, laid one after the other) with elements in slice ``rank`` of
+    ``shard`` elements: its index, ``[start, end)`` of its elements there, and where they start in the slice."""
+    lo, offset = rank * shard, 0
+    for index, numel in enumerate(numels):
+        start, end = max(lo, offset), min(lo + shard, offset + numel)
+        if start < end:
+            yield index, start - offset, end - offset, start - lo
+        offset += numel
