@@ -13,14 +13,13 @@ stage's :class:`~.store.MasterStore` holds one :class:`FrozenStore`:
 
 Checkpoints carry the kept state like a trainable parameter's
 (:meth:`~.store.MasterStore.shards`), and a load can hand state to a parameter
-that has been frozen since ``initialize`` (:meth:`FrozenStore.loading`).
+that has been frozen since ``initialize``.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -85,38 +84,3 @@ class FrozenStore:
             for v in kept.state.values()
             if isinstance(v, torch.Tensor)
         )
-
-    @contextlib.contextmanager
-    def loading(
-        self,
-        frozen: Sequence[torch.Tensor],
-        wanted: Callable[[torch.Tensor], bool],
-        fresh: Callable[[torch.Tensor], Optional[Kept]],
-        write_back: Callable[[torch.Tensor, Kept], None],
-    ) -> Iterator[None]:
-        """While open, ``wanted`` frozen parameters without an entry get a temporary one
-        (``fresh(param)``; None when this rank holds no piece of it), so a checkpoint
-        load can fill master and optimizer state.
-
-        On a clean exit every entry's (loaded) master is written into the model
-        with ``write_back``, and temporary entries that received optimizer state
-        are kept; the others are dropped (a parameter with no state needs none).
-        """
-        temporary = []
-        for param in frozen:
-            if id(param) not in self._kept and wanted(param) and (kept := fresh(param)) is not None:
-                self._kept[id(param)] = kept
-                temporary.append(param)
-        try:
-            yield
-        except BaseException:
-            for param in temporary:
-                self._kept.pop(id(param), None)
-            raise
-        for param in frozen:
-            kept = self._kept.get(id(param))
-            if kept is not None:
-                write_back(param, kept)
-        for param in temporary:
-            if not self._kept[id(param)].state:
-                del self._kept[id(param)]

@@ -20,7 +20,7 @@ once, for every stage and home:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, MutableMapping, NamedTuple, Optional, Sequence
+from typing import Any, Iterator, MutableMapping, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -266,21 +266,28 @@ class MasterStore:
         optimizer's).  Loading: frozen pieces named in ``wanted`` (the checkpoint has optimizer state for them)
         get a kept entry too, to receive it; on a clean exit every kept master is written into the model."""
         self.home.check_whole("save or load a checkpoint")
-        frozen = {id(p.param): p for p in self.pieces if p.key is None}
+        frozen = [p for p in self.pieces if p.key is None]
         if not loading:
-            yield self._shards(state, frozen.values())
+            yield self._shards(state, frozen)
             return
         self.home.loading()
-
-        def write(param: torch.Tensor, kept: Kept) -> None:
-            self.side.write([(frozen[id(param)], 0, kept.master)])
-
-        with self.frozen.loading([p.param for p in frozen.values()], lambda param: frozen[id(param)].name in wanted,
-                                 lambda param: self._fresh_kept(frozen[id(param)]), write):
-            yield self._shards(state, frozen.values())
+        temporary = [p for p in frozen if p.name in wanted and self.frozen.get(p.param) is None]
+        for piece in temporary:
+            self.frozen.keep(piece.param, self._fresh_kept(piece))
+        try:
+            yield self._shards(state, frozen)
+        except BaseException:
+            for piece in temporary:
+                self.frozen.take(piece.param)
+            raise
+        self.side.write([(p, 0, kept.master) for p in frozen if (kept := self.frozen.get(p.param)) is not None])
         self.side.settle()
+        for piece in temporary:
+            kept = self.frozen.get(piece.param)
+            if kept is not None and not kept.state:  # one that received no state needs none
+                self.frozen.take(piece.param)
 
-    def _shards(self, state: MutableMapping[Any, Any], frozen: Iterable[Piece]) -> list[ParamShard]:
+    def _shards(self, state: MutableMapping[Any, Any], frozen: list[Piece]) -> list[ParamShard]:
         shards = [ParamShard(p.name, p.shape, p.start, p.end, self.home.master(p), p.group, self.home.slot(p, state))
                   for p in self.pieces if p.key is not None]
         for piece in frozen:
