@@ -110,15 +110,13 @@ def _shard_numel(engine: Any) -> int:
 
 def _resident_numel(engine: Any) -> int:
     """Elements of this rank's shard whose optimizer state stays in host memory (``ratio`` below 1)."""
-    strategy = engine.strategy
-    holder = getattr(strategy, "masters", None) or getattr(strategy, "pieces", None)
-    return cast(int, getattr(holder, "resident", 0))
+    return cast(int, getattr(engine.strategy.store.home, "resident", 0))
 
 
 def _moved(engine: Any) -> tuple[int, int]:
     """Bytes read and written so far by the optimizer's files and the parameter shards' file."""
     strategy = engine.strategy
-    holders = [getattr(strategy, "masters", None), getattr(strategy, "pieces", None), getattr(strategy, "shards", None)]
+    holders = [strategy.store.home, getattr(strategy, "shards", None)]
     found = [files for holder in holders if (files := getattr(holder, "files", None)) is not None]
     return sum(f.bytes_read for f in found), sum(f.bytes_written for f in found)
 

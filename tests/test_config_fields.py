@@ -248,18 +248,18 @@ probe("zero_optimization.stage3_gather_16bit_weights_on_model_save", lambda v, t
 probe("zero_optimization.sub_group_size", lambda v, t, m: _of(
     {**_nvme("offload_optimizer", t / str(v), 1), "zero_optimization": {
         **_nvme("offload_optimizer", t / str(v), 1)["zero_optimization"], "sub_group_size": v}},
-    lambda e: len(e.strategy.masters.groups)), 10, 10**6)
+    lambda e: len(e.strategy.store.home.stepper.groups)), 10, 10**6)
 probe("zero_optimization.offload_optimizer.device", lambda v, t, m: _of(
     {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": v, "nvme_path": str(t)}}},
-    lambda e: type(e.strategy.masters).__name__), "cpu", "nvme")
+    lambda e: type(e.strategy.store.home).__name__), "cpu", "nvme")
 probe("zero_optimization.offload_optimizer.nvme_path", lambda v, t, m: _files_under(
     _nvme("offload_optimizer", t / "here", 1), t / v), "elsewhere", "here")
 probe("zero_optimization.offload_optimizer.buffer_count", lambda v, t, m: _of(
     {"zero_optimization": {**_nvme("offload_optimizer", t / str(v), 1, buffer_count=v)["zero_optimization"],
-                           "sub_group_size": 10}}, lambda e: e.strategy.masters.pool.count), 1, 3)
+                           "sub_group_size": 10}}, lambda e: e.strategy.store.home.pool.count), 1, 3)
 probe("zero_optimization.offload_optimizer.ratio", lambda v, t, m: _of(
     {"zero_optimization": {**_nvme("offload_optimizer", t / str(v), 1, ratio=v)["zero_optimization"],
-                           "sub_group_size": 10}}, lambda e: e.strategy.masters.resident), 1.0, 0.5)
+                           "sub_group_size": 10}}, lambda e: e.strategy.store.home.resident), 1.0, 0.5)
 probe("zero_optimization.offload_param.device", lambda v, t, m: _of(
     {"zero_optimization": {"stage": 3, "offload_param": {"device": v, "nvme_path": str(t)}}},
     lambda e: e.strategy.shards is None), "cpu", "nvme")

@@ -96,20 +96,19 @@ def _persists_like_ddp(stage: int) -> None:
 
 def _bf16_write_reaches_the_master() -> None:
     engine = _engine(3, threshold=0, bf16=True)
-    head_before = {id(p): p.master.clone() for p in engine.strategy.pieces.all if p.master is not None
-                   and p.unit.names[p.index] == "head.weight"}
+    head_before = {id(p): p.key.clone() for p in engine.strategy.store.pieces if p.key is not None
+                   and p.name == "head.weight"}
     def fill(module: nn.Module, args: Any) -> None:
         module.weight.data.fill_(0.25)
 
     engine.module.fc1.register_forward_pre_hook(fill)
     engine.optimizer.inner.param_groups[0]["lr"] = 0.0  # the step changes nothing: only the write shows
     _train(engine, 1)
-    for piece in engine.strategy.pieces.all:
-        name = piece.unit.names[piece.index]
-        if name == "fc1.weight" and piece.master is not None:
-            assert torch.equal(piece.master, torch.full_like(piece.master, 0.25)), "the write missed the master"
+    for piece in engine.strategy.store.pieces:
+        if piece.name == "fc1.weight" and piece.key is not None:
+            assert torch.equal(piece.key, torch.full_like(piece.key, 0.25)), "the write missed the master"
         if id(piece) in head_before:
-            assert torch.equal(piece.master, head_before[id(piece)]), "an unwritten master was rounded"
+            assert torch.equal(piece.key, head_before[id(piece)]), "an unwritten master was rounded"
     with shardwise.zero.GatheredParameters([engine.module.fc1.weight]):
         assert torch.equal(engine.module.fc1.weight.float(), torch.full((16, 8), 0.25))
     engine.destroy()

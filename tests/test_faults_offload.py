@@ -77,7 +77,7 @@ def test_offload_at_a_stage_without_it_is_a_config_error(tmp_path: Path, stage: 
 
 def test_files_are_removed_at_destroy(tmp_path: Path) -> None:
     engine = _initialize(str(tmp_path))
-    folder = engine.strategy.masters.files.folder
+    folder = engine.strategy.store.home.files.folder
     assert folder.parent == tmp_path and any(folder.iterdir())
     engine.destroy()
     assert list(tmp_path.iterdir()) == []
@@ -90,7 +90,7 @@ config = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvm
 engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters()), config)
 engine.backward(engine(torch.ones(2, 8)).sum())
 engine.step()
-print(engine.strategy.masters.files.folder, flush=True)
+print(engine.strategy.store.home.files.folder, flush=True)
 """
 
 

@@ -88,7 +88,7 @@ def _fault_mid_training(nvme: str, fault: str, stage: int) -> dict[str, Any]:
     engine = _engine(nvme, stage)
     for step in range(3):
         train_step(engine, step)
-    masters = engine.strategy.masters
+    masters = engine.strategy.store.home
     inject = FAULTS[fault][0]
     with inject(masters.files.folder) if dist.get_rank() == VICTIM else contextlib.nullcontext():
         # rank 0's fourth step ends with the parameters' all-gather in flight: its fifth waits on rank 1
@@ -97,7 +97,7 @@ def _fault_mid_training(nvme: str, fault: str, stage: int) -> dict[str, Any]:
     held = bounded_outcome(masters.pool.nbytes, 10.0)
     result["pool_whole"] = held["error"] is None
     result["folder"] = str(masters.files.folder)
-    result["groups"] = len(masters.groups)
+    result["groups"] = len(masters.stepper.groups)
     return result
 
 
@@ -133,7 +133,7 @@ def _stall_mid_training(nvme: str) -> dict[str, Any]:
     engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
     for step in range(3):
         train_step(engine, step)
-    folder, real, once = engine.strategy.masters.files.folder, os.pwrite, threading.Event()
+    folder, real, once = engine.strategy.store.home.files.folder, os.pwrite, threading.Event()
 
     def stalled(fd: int, *args: Any) -> int:
         if os.readlink(f"/proc/self/fd/{fd}").startswith(str(folder)) and not once.is_set():
@@ -183,7 +183,7 @@ def test_an_engine_whose_offloaded_step_failed_refuses_to_step_or_save(stage: in
     engine = _engine(str(tmp_path / "nvme"), stage)
     _plain_steps(engine, 0, 3)
     engine.save_checkpoint(str(tmp_path / "ckpt"), tag="three")
-    arrangement = engine.strategy.pieces if stage == 3 else engine.strategy.masters
+    arrangement = engine.strategy.store.home
     folder = arrangement.files.folder
     with _failing_syscall("pwrite", errno.ENOSPC, folder), pytest.raises(OffloadIOError):
         _plain_steps(engine, 3, 1)
@@ -244,7 +244,7 @@ def test_a_truncated_state_file_is_an_error_at_save_not_zeros_or_a_crash(tmp_pat
     `from_file`) or crashed the process with SIGBUS past its end; it is an `OffloadIOError` naming the file."""
     engine = _engine(str(tmp_path / "nvme"))
     _plain_steps(engine, 0, 2)
-    cut = engine.strategy.masters.files.path("exp_avg_sq")
+    cut = engine.strategy.store.home.files.path("exp_avg_sq")
     os.truncate(cut, 100)
     with pytest.raises(Exception) as info:
         engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")

@@ -53,7 +53,7 @@ def _killed_mid_step(nvme: str) -> dict[str, Any]:
     if dist.get_rank() == VICTIM:
         engine.optimizer.inner.step = lambda *args, **kwargs: die()  # inside the offloaded step, I/O in flight
     result = outcome(lambda: [train_step(engine, step) for step in (2, 3)])
-    result["folder"] = str(engine.strategy.masters.files.folder)
+    result["folder"] = str(engine.strategy.store.home.files.folder)
     return result
 
 
@@ -174,7 +174,7 @@ def test_two_jobs_on_one_nvme_path_at_once_train_as_alone(tmp_path: Path) -> Non
 # ------------------------------------------------------------------ room for every rank of the host
 def _two_ranks_on_a_small_disk(nvme: str) -> dict[str, Any]:
     probe = _engine(nvme)
-    need = probe.strategy.masters.layout.shard_numel * 12  # fp32 master, AdamW's two moments
+    need = probe.strategy.layout.shard_numel * 12  # fp32 master, AdamW's two moments
     probe.destroy()
     needs: list[Any] = [None, None]
     dist.all_gather_object(needs, need)

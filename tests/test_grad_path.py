@@ -156,7 +156,7 @@ def test_the_engines_step_drops_gradients_in_its_own_call_and_a_direct_optimizer
         assert engine.optimizer.step()
         assert engine.strategy.has_pending_grads() and not calls, stage
         if stage == 3:
-            assert engine.strategy.pieces.grads(), "stage 3: a direct optimizer.step() dropped the gradients"
+            assert engine.strategy.store.grads(), "stage 3: a direct optimizer.step() dropped the gradients"
         engine.zero_grad()
         assert not engine.strategy.has_pending_grads() and calls == ["zero_grad"], stage
         calls.clear()
@@ -164,7 +164,7 @@ def test_the_engines_step_drops_gradients_in_its_own_call_and_a_direct_optimizer
         engine.step()
         assert not engine.strategy.has_pending_grads() and not calls, (stage, calls)
         if stage == 3:
-            assert not engine.strategy.pieces.grads() and engine.strategy.pieces.share is None
+            assert not engine.strategy.store.grads() and engine.strategy.store.share is None
         engine.destroy()
 
 

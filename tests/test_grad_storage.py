@@ -1,6 +1,6 @@
 """Gradient storage is an object chosen once per stage (``shardwise.zero.grads``), one process.
 
-Each stage's storage and masters' arrangement, per precision; what a storage does with a fresh
+Each stage's storage and where its masters live (the master store's home), per precision; what a storage does with a fresh
 gradient (copied over what it held, never added) and with none (zeros, "not used"); stage 2's path
 from backward to the step passes through the storage and never through stage2.py; shared-memory
 set-up lives in ``shardwise.shm``, not in ``Comm``.  Multi-rank behaviour is covered, unchanged, by
@@ -21,7 +21,6 @@ from shardwise.distributed import Comm
 from shardwise.zero.base import Backward
 from shardwise.zero.grads import FlatGrads, StagedGrads, private_zeros
 from shardwise.zero.layout import FlatLayout
-from shardwise.zero.masters import InPlaceMasters, ParamsAreMasters, SeparateMasters
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -29,13 +28,21 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.grad_path import trace_path  # noqa: E402
 
-# (stage, dtype) -> (storage, masters), one process (one shard): in fp32 with a flat buffer the parameters
-# are stepped themselves (plain DDP); stage 2's staged gradients never sit in `param.grad` at the step
+#: the parameters themselves are stepped (plain DDP), the masters are this rank's fp32 slice of the flat
+#: parameter buffer, or they are separate fp32 copies
+WHOLE, IN_BUFFER, SEPARATE = "whole", "in buffer", "separate"
+# (stage, dtype) -> (storage, masters), one process (one shard): in fp32 with a flat gradient buffer the
+# parameters are stepped themselves (plain DDP); stage 2's staged gradients never sit in `param.grad` at the step
 EXPECTED = {
-    (0, "fp32"): (FlatGrads, ParamsAreMasters), (1, "fp32"): (FlatGrads, ParamsAreMasters),
-    (2, "fp32"): (StagedGrads, InPlaceMasters), (0, "bf16"): (FlatGrads, SeparateMasters),
-    (1, "bf16"): (FlatGrads, SeparateMasters), (2, "bf16"): (StagedGrads, SeparateMasters),
+    (0, "fp32"): (FlatGrads, WHOLE), (1, "fp32"): (FlatGrads, WHOLE),
+    (2, "fp32"): (StagedGrads, IN_BUFFER), (0, "bf16"): (FlatGrads, SEPARATE),
+    (1, "bf16"): (FlatGrads, SEPARATE), (2, "bf16"): (StagedGrads, SEPARATE),
 }
+
+
+def _masters(strategy: object) -> str:
+    whole, in_model = strategy.side.whole, strategy.store.home.in_model  # type: ignore[attr-defined]
+    return WHOLE if whole else IN_BUFFER if in_model else SEPARATE
 
 
 def _engine(stage: int, precision: str) -> shardwise.Engine:
@@ -49,7 +56,7 @@ def _engine(stage: int, precision: str) -> shardwise.Engine:
 def test_each_stage_gets_its_storage_and_masters_beside_it(stage: int, precision: str) -> None:
     engine = _engine(stage, precision)
     storage, masters = EXPECTED[(stage, precision)]
-    assert type(engine.strategy.grads) is storage and type(engine.strategy.masters) is masters
+    assert type(engine.strategy.grads) is storage and _masters(engine.strategy) == masters
     # fp32 with a flat buffer: the averages land in the buffer itself, nothing held apart
     in_place = storage is FlatGrads and precision == "fp32"
     assert (engine.strategy.grads.reduced.nbytes() == 0) == in_place

@@ -63,7 +63,7 @@ def _files(engine: Any, kind: str) -> Any:
     strategy = engine.strategy
     if kind == "params":
         return strategy.shards.files
-    return strategy.pieces.files if strategy.stage == 3 else strategy.masters.files
+    return strategy.store.home.files
 
 
 def _middle(engine: Any, kind: str) -> int:
@@ -71,8 +71,8 @@ def _middle(engine: Any, kind: str) -> int:
     if kind == "params":
         stored = next(u for u in engine.strategy.units if "fc2.weight" in u.names).storage
         return int(stored.offset) + stored.numel * stored.dtype.itemsize // 2
-    arrangement = engine.strategy.pieces if engine.strategy.stage == 3 else engine.strategy.masters
-    stepper = arrangement._plan() if engine.strategy.stage == 3 else arrangement.stepper
+    arrangement = engine.strategy.store.home
+    stepper = arrangement.stepper
     group = stepper.groups[1]
     return ((group.start + group.end) // 2 - stepper.resident) * 4
 
@@ -80,7 +80,7 @@ def _middle(engine: Any, kind: str) -> int:
 def _groups(engine: Any) -> list[Any]:
     """The sub-groups of the engine's offloaded optimizer state on this rank."""
     strategy = engine.strategy
-    return strategy.pieces._plan().groups if strategy.stage == 3 else strategy.masters.stepper.groups
+    return strategy.store.home.stepper.groups
 
 
 def _flip(path: Path, at: int, count: int = 4) -> None:
@@ -210,7 +210,7 @@ def test_a_failed_last_write_of_a_step_is_raised_and_the_engine_refuses_to_go_on
     _steps(engine, 0, 2)
     engine.save_checkpoint(str(tmp_path / "ckpt"), tag="before")
     files, groups = _files(engine, "exp_avg_sq"), _groups(engine)
-    last = (groups[-1].start - (engine.strategy.pieces if stage == 3 else engine.strategy.masters).resident) * 4
+    last = (groups[-1].start - engine.strategy.store.home.resident) * 4
     with _failing_write_at(files.path("exp_avg_sq"), last), pytest.raises(OffloadIOError) as info:
         _steps(engine, 2, 1)
     message = str(info.value)

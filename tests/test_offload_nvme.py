@@ -43,15 +43,15 @@ def _parity_case(stage: int, nvme: str, bf16: bool = False) -> None:
     plain = _engine(stage, None, bf16=bf16)
     train_steps(plain, 0, 20)
     offloaded = _engine(stage, nvme, bf16=bf16)
-    masters = offloaded.strategy.masters
+    masters = offloaded.strategy.store.home
     folder = masters.files.folder
     train_steps(offloaded, 0, 20)
     assert_close_params(params_of(offloaded.module), params_of(plain.module), atol=ATOL)
     assert not offloaded.optimizer.inner.state, "optimizer state stays on disk between steps"
     # the embedding's piece (512 elements a rank) is cut across sub-groups: none is larger than asked
     # (but for a bucket's padding, fewer elements than ranks)
-    largest = max(g.numel for g in masters.groups)
-    assert largest <= SUB_GROUP + 1 and len(masters.groups) >= 4, [g.numel for g in masters.groups]
+    largest = max(g.numel for g in masters.stepper.groups)
+    assert largest <= SUB_GROUP + 1 and len(masters.stepper.groups) >= 4, [g.numel for g in masters.stepper.groups]
     held = masters.pool.nbytes()  # fp32 master and Adam's two moments, each region 64-byte aligned
     assert 0 < held <= masters.spec.buffer_count * (largest * 12 + 4 * 64), (held, largest)
     offloaded.destroy()
@@ -72,7 +72,7 @@ def _round_trip(root: str) -> None:
     nvme = str(Path(root) / "nvme")
     first = _engine(2, nvme)
     second = _engine(1, nvme)  # same nvme_path, alive at once: its own folder
-    assert first.strategy.masters.files.folder != second.strategy.masters.files.folder
+    assert first.strategy.store.home.files.folder != second.strategy.store.home.files.folder
     train_steps(first, 0, 3)
     train_steps(second, 0, 3)
     first.save_checkpoint(str(Path(root) / "offloaded"), tag="a")

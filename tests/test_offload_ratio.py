@@ -1,4 +1,4 @@
-"""A partial NVMe offload (``offload_optimizer.ratio`` below 1; zero/offload_plan.py, zero/offload_step.py).
+"""A partial NVMe offload (``offload_optimizer.ratio`` below 1; zero/store/plan.py, zero/store/subgroups.py).
 
 Of the ``n`` sub-groups of a rank's shard the first ``int((1 - ratio) * n)`` keep their fp32 master and
 optimizer state in host memory, the split moved back to a piece's start where it would cut one; the files
@@ -27,8 +27,8 @@ from shardwise.config import Config, ConfigError
 from shardwise.testing import distributed_test, run_distributed, run_subtests
 from shardwise.zero.layout import Piece
 from shardwise.zero.nvme_files import NvmeFiles
-from shardwise.zero.offload_plan import Chunk, plan_sub_groups, resident_split
-from shardwise.zero.offload_step import OffloadSlot, SubGroupStepper, placeholder, pool_for
+from shardwise.zero.store.plan import Chunk, plan_sub_groups, resident_split
+from shardwise.zero.store.subgroups import OffloadSlot, SubGroupStepper, placeholder, pool_for
 
 SIZES = (700, 50, 400)
 SUB_GROUP = 300
@@ -121,8 +121,7 @@ def _engine(stage: int, nvme: Optional[str], ratio: float = 1.0, micro: int = 2,
 
 
 def _holder(engine: Any) -> Any:
-    strategy = engine.strategy
-    return strategy.masters if strategy.stage != 3 else strategy.pieces
+    return engine.strategy.store.home  # the store's home in files, at every stage
 
 
 def _parity_case(stage: int, nvme: str, ratio: float) -> None:
@@ -130,7 +129,7 @@ def _parity_case(stage: int, nvme: str, ratio: float) -> None:
     train_steps(plain, 0, 10)
     partial = _engine(stage, nvme, ratio)
     holder = _holder(partial)
-    stepper = holder.stepper if stage != 3 else holder._plan()
+    stepper = holder.stepper
     resident, numel = stepper.resident, stepper.numel
     assert 0 < resident < numel, (resident, numel)
     assert (resident > numel // 2) == (ratio < 0.5), (ratio, resident, numel)  # 0.2: 3 of 4 sub-groups stay
@@ -159,9 +158,8 @@ def _freeze_and_thaw(stage: int, nvme: Optional[str]) -> dict[str, torch.Tensor]
     """embed.weight (resident at ratio 0.5) and fc2.weight (offloaded) stop training at step 2, train again at 4."""
     engine = _engine(stage, nvme, 0.5, micro=1)
     if nvme is not None and stage == 3:
-        pieces = engine.strategy.pieces
-        sides = {name: pieces.at[p] < pieces.resident for p in pieces.all
-                 for name in [p.name] if name in ("embed.weight", "fc2.weight")}
+        store = engine.strategy.store
+        sides = {p.name: p.at < store.home.resident for p in store.pieces if p.name in ("embed.weight", "fc2.weight")}
         assert sides == {"embed.weight": True, "fc2.weight": False}, sides
     for step in range(6):
         if step in (2, 4):

@@ -26,7 +26,7 @@ import shardwise
 from benchmarks.offload import measure
 from shardwise.config import Config, ConfigError
 from shardwise.testing import distributed_test, run_distributed, run_subtests
-from shardwise.zero.offloaded_pieces import OffloadedPieces
+from shardwise.zero.store.nvme import Nvme
 
 #: small enough that this rank's pieces span several sub-groups, the embedding's cut across them
 SUB_GROUP = 300
@@ -55,8 +55,9 @@ def _engine(nvme: Optional[str], what: str = "both", micro: int = 2, bf16: bool 
 def _folders(engine: Any) -> list[Path]:
     strategy = engine.strategy
     found = [] if strategy.shards is None else [strategy.shards.files.folder]
-    if isinstance(strategy.pieces, OffloadedPieces) and strategy.pieces.files is not None:
-        found.append(strategy.pieces.files.folder)
+    home = strategy.store.home
+    if isinstance(home, Nvme) and home.files is not None:
+        found.append(home.files.folder)
     return found
 
 
@@ -76,8 +77,7 @@ def _parity_case(nvme: str, what: str, bf16: bool = False) -> None:
         assert shards.files.bytes_read > 0 and shards.files.bytes_written > 0
         assert shards.ahead_hits > 0, "the gatherer's prefetch read shards ahead"
     if what != "param":
-        pieces = offloaded.strategy.pieces
-        groups = pieces._planned().groups
+        groups = offloaded.strategy.store.home.stepper.groups
         assert len(groups) >= 3 and max(g.numel for g in groups) <= SUB_GROUP
     offloaded.destroy()
     plain.destroy()

@@ -252,10 +252,10 @@ def test_a_thawed_master_is_a_copy_not_a_view_of_the_shard(tmp_path: Path) -> No
     engine = _engine(tmp_path, model)
     engine.module.embed.weight.requires_grad_(True)
     engine.refresh_trainable()
-    piece = next(p for p in engine.strategy.pieces.all if p.name == "embed.weight")
-    assert piece.master is not None and piece.master._base is None
-    assert torch.equal(piece.master, piece.local(piece.unit.shard))
-    assert piece.master.data_ptr() != piece.unit.shard.data_ptr()
+    piece = next(p for p in engine.strategy.store.pieces if p.name == "embed.weight")
+    assert piece.key is not None and piece.key._base is None
+    assert torch.equal(piece.key, piece.unit.shard.narrow(0, piece.offset, piece.numel))
+    assert piece.key.data_ptr() != piece.unit.shard.data_ptr()
     engine.destroy()
 
 

@@ -1,4 +1,4 @@
-"""The sub-group step both NVMe-offloaded arrangements share (zero/offload_step.py), in one process.
+"""The sub-group step of the store's home in files, every stage's (zero/store/subgroups.py), in one process.
 
 Three pieces in two param groups are stepped sub-group by sub-group out of files by torch's Adam and
 compared with Adam stepping the three whole tensors: equal to the bit (tolerance 0: Adam is element-wise,
@@ -20,8 +20,8 @@ import torch
 from shardwise.processes import running
 from shardwise.zero.layout import Piece
 from shardwise.zero.nvme_files import NvmeFiles
-from shardwise.zero.offload_plan import Chunk, plan_sub_groups
-from shardwise.zero.offload_step import OffloadSlot, SubGroupStepper, placeholder, pool_for
+from shardwise.zero.store.plan import Chunk, plan_sub_groups
+from shardwise.zero.store.subgroups import OffloadSlot, SubGroupStepper, placeholder, pool_for
 
 #: piece sizes: the first spans sub-groups 1 and 2 and starts the third, which the other two share
 SIZES = (700, 50, 400)

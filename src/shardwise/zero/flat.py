@@ -6,9 +6,12 @@ slices behind the next forward, and carrying state across a change of the
 trainable set.  Where gradients live is the stage's
 :attr:`FlatStrategy.grad_storage` (:mod:`.grads`), built once per layout with
 the allocator the transport offers: each parameter's post-accumulate hook is
-the storage's, which launches a complete bucket itself.  The masters'
-arrangement is chosen beside it (:mod:`.masters`).  A stage differs only in how
-it reduces (its ``_reduction``) and which storage it uses:
+the storage's, which launches a complete bucket itself.  The masters and
+optimizer state are the master store's (:mod:`.store`), in the home chosen
+once at initialize; the store's model side here is :mod:`.flat_side` (this
+rank's slice of the flat parameter buffer), and each piece's ``.grad`` is a
+fixed view of the reduced gradients.  A stage differs only in how it reduces
+(its ``_reduction``) and which storage it uses:
 
 * stage 0 (:mod:`.stage0`): one shard; each bucket is all-reduced, and the
   step writes every parameter itself; a flat gradient buffer;
@@ -33,12 +36,13 @@ from torch import nn
 
 from ..param_state import ParamShard
 from .base import Strategy, group_index, module_order, tensor_bytes
-from .frozen import FrozenStore, Kept
+from .flat_side import FlatSide
 from .grads import Allocate, FlatGrads, GradStorage, Reduce, private_zeros
 from .layout import FlatLayout
-from .masters import Masters, ParamsAreMasters, choose_masters
-from .offload_plan import offload_spec
 from .pending import PendingGathers
+from .store.carry import export_state
+from .store.plan import offload_spec
+from .store.store import MasterStore, Resident, choose_home
 from .weak_hooks import WeakHook, remove_with
 
 __all__ = ["FlatStrategy"]
@@ -60,10 +64,9 @@ class FlatStrategy(Strategy):
         # empty until `attach` builds them (inference: they stay empty)
         self.layout = FlatLayout([], 1, 1, 0)
         self.grads: GradStorage = self._storage(private_zeros)
-        self.masters: Masters = ParamsAreMasters(self.layout, self.precision.dtype, self.device)
-        self.frozen = FrozenStore()
-        #: per parameter id, the fp32 tensor the inner optimizer steps
-        self.steps: dict[int, torch.Tensor] = {}
+        self.side = FlatSide(self.layout, self.precision.dtype, self.device, whole=True)
+        #: this rank's masters and optimizer state (:mod:`.store`), rebuilt with the layout (frozen ones kept)
+        self.store = MasterStore(Resident(self.side, True))
         #: per bucket, (the model's region of it, this rank's updated slice inside it): what the step
         #: all-gathers (empty with one shard: the step wrote every parameter)
         self._gathers: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -99,21 +102,46 @@ class FlatStrategy(Strategy):
         self.layout = FlatLayout(params, self.zero_config.reduce_bucket_size, self.num_shards, rank)
         self.device = params[0].device if params else torch.device("cpu")
         self.grads = self._storage(self._allocator())
-        offload = offload_spec(self.zero_config, self.comm.rank, self.inner)
-        self.masters = choose_masters(self.layout, self.precision.dtype, self.device, self.grads, offload)
-        self.masters.build(initial)
-        self.steps = self.masters.steps(self.grads.reduced)
+        self._build_store(params, initial)
         self._uncounted = self._reduced_grads_of(self._elsewhere)
         # fixed views for the life of this layout; one shard: the step wrote every parameter, nothing to gather
-        self._gathers = self.masters.gather_pairs() if self.layout.num_shards > 1 else []
+        self._gathers = self.side.gather_pairs()
         for group, originals in zip(self.inner.param_groups, self._groups):
-            group["params"] = [self.steps[id(p)] for p in originals if id(p) in self.steps]
+            group["params"] = self.store.keys_for(originals)
         # straight to the storage (no stop here on the way), held weakly: a dropped engine is freed (:mod:`.weak_hooks`)
         hooks = [param.register_post_accumulate_grad_hook(WeakHook(self.grads.on_grad, index))
                  for index, param in enumerate(self.layout.params)]
         self._hooks.extend(hooks)
         remove_with(self.grads, hooks)
         self._unused = []
+
+    def _build_store(self, params: list[nn.Parameter], initial: dict[int, torch.Tensor]) -> None:
+        """The master store for this layout: the home chosen as at initialize, the frozen entries carried over.
+
+        The parameters are stepped themselves (no flat buffer, no copy) where nothing is sharded or offloaded, the
+        model is fp32 and ``param.grad`` holds the full averaged gradient (stage 0); each other key's ``.grad`` is
+        its fixed view of this rank's reduced gradients."""
+        layout, dtype, fp32 = self.layout, self.precision.dtype, self.precision.dtype == torch.float32
+        offload = offload_spec(self.zero_config, self.comm.rank)
+        whole = offload is None and fp32 and layout.num_shards == 1 and self.grads.in_params
+        self.side = FlatSide(layout, dtype, self.device, whole)
+        self.store = MasterStore(choose_home(self.side, offload, fp32, self.device), self.store.frozen)
+        training = {id(p) for p in params}
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        pieces = self.side.pieces(names, group_index(self._groups), [p for p in self._order if id(p) not in training])
+        self.store.plan(layout.pieces, layout.shard_numel, self.inner)
+        try:
+            for piece in pieces:
+                source = initial.get(id(piece.param), piece.param.data).reshape(-1)
+                self.store.add(piece, source[piece.start : piece.end] if piece.at >= 0 else None)
+        except BaseException:  # refused or failed at initialize: an offload folder is not left behind
+            self.store.close()
+            raise
+        reduced = self.grads.reduced.slices
+        for piece, run in zip(pieces, layout.pieces):
+            if piece.key is not None and piece.key is not piece.param:
+                bucket, _ = layout.bucket_of[run.param]
+                piece.key.grad = reduced[bucket.index].narrow(0, run.shard_offset - bucket.shard_offset, run.numel)
 
     def _storage(self, allocate: Allocate) -> GradStorage:
         return self.grad_storage(self.layout, self.precision.dtype, self.device, allocate, self.backward,
@@ -166,26 +194,6 @@ class FlatStrategy(Strategy):
             grad.add_(earlier)
         self._unused = sorted(unused & set(self._unused))
 
-    @contextlib.contextmanager
-    def _leaving_unused_alone(self) -> Iterator[None]:
-        """While the optimizer steps: the parameters no rank had a gradient for have ``.grad`` None.
-
-        The model's own ``.grad`` stays None afterwards, as DDP leaves a globally unused parameter's.
-        """
-        hidden: list[tuple[torch.Tensor, Optional[torch.Tensor]]] = []
-        for index in self._unused:
-            param = self.layout.params[index]
-            param.grad = None  # not a use of the values (see .pending)
-            step = self.steps.get(id(param))
-            if step is not None and step is not param:
-                hidden.append((step, step.grad))
-                step.grad = None
-        try:
-            yield
-        finally:
-            for step, grad in hidden:
-                step.grad = grad
-
     # ------------------------------------------------------------------- step
     def step_sums(self) -> torch.Tensor:
         """This rank's sum of squared reduced gradients (taken while the reduction was waited for); the
@@ -217,15 +225,20 @@ class FlatStrategy(Strategy):
         self.settle()
         if factor != 1.0:
             self.grads.reduced.scale(factor)
-        with self._leaving_unused_alone():
-            self.masters.step(inner)  # steps (an offloaded arrangement a sub-group at a time) and publishes
+        unused = []  # no rank had a gradient for them: left alone while the optimizer steps
+        for index in self._unused:
+            param = self.layout.params[index]
+            param.grad = None  # not a use of the values (see .pending); it stays None, as DDP leaves it
+            if (piece := self.store.by_param.get(id(param))) is not None:
+                unused.append(piece)
+        self.store.step(inner, 1.0, unused)  # steps (an offloaded home a sub-group at a time) and publishes
         if release:
             self._forget_grads()
         self._regather()
 
     def sync_params_from_master(self) -> None:
         self.settle()
-        self.masters.publish()
+        self.store.publish()
         self._regather()
 
     def _regather(self) -> None:
@@ -270,21 +283,23 @@ class FlatStrategy(Strategy):
         if self.inner is None:
             return
         self.settle()
-        carried = self.masters.export(self.inner.state, self.steps, self.comm, self.gather_flat)
+        carried = export_state(self.layout, self.store, self.inner.state, self.comm, self.gather_flat,
+                               self.side.whole, self.device)
         self.close()
         for param in self.layout.params:
             param.grad = None
-        self.masters.release()
+        self.side.release()
         self._build({})
+        frozen = self.store.frozen
         for param in self.layout.params:
-            kept = self.frozen.take(param)
+            kept = frozen.take(param)
             if kept is not None:
                 carried.setdefault(id(param), kept)
-        self.masters.adopt(carried, self.inner.state, self.steps)
+        self.store.adopt(carried, self.inner.state)
         training = {id(p) for p in self.layout.params}
         for param in self._order:
             if id(param) not in training and id(param) in carried:
-                self.frozen.keep(param, carried[id(param)])
+                frozen.keep(param, carried[id(param)])
 
     # -------------------------------------------------------------- checkpoint
     @contextlib.contextmanager
@@ -293,46 +308,34 @@ class FlatStrategy(Strategy):
         if self.inner is None:
             yield []
             return
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        groups = group_index(self._groups)
-        training = {id(p) for p in self.layout.params}
-        frozen = [p for p in self._order if id(p) not in training]
-        if not loading:
-            yield self._shards(names, groups) + self.frozen.shards(frozen, names, groups)
-            return
-        with self.frozen.loading(frozen, lambda p: names[id(p)] in wanted, _whole, _write_whole):
-            yield self._shards(names, groups) + self.frozen.shards(frozen, names, groups)
-
-    def _shards(self, names: dict[int, str], groups: dict[int, int]) -> list[ParamShard]:
-        shards = []
-        for index, piece in enumerate(self.layout.pieces):
-            param = self.layout.params[piece.param]
-            master, slot = self.masters.piece(index, self.steps[id(param)], self.inner.state)
-            shards.append(ParamShard(names[id(param)], param.shape, piece.start, piece.end, master,
-                                     groups[id(param)], slot))
-        return shards
+        with self.store.shards(self.inner.state, loading, wanted) as shards:
+            yield shards
 
     # ------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, int]:
         params = {id(p): p for p in self.module.parameters()}
         state = getattr(self.inner, "state", {}) if self.inner is not None else {}
-        kept_masters = self.frozen.master_bytes() if self.masters.owns_copies else 0
         return {
             "parameters": tensor_bytes(list(params.values())),
-            "master_weights": self.masters.nbytes() + kept_masters,
+            "master_weights": self.store.master_bytes(),
             "gradients": self.grads.nbytes(),
-            "optimizer_state": tensor_bytes(list(state.values())) + self.frozen.state_bytes()
-            + self.masters.state_nbytes(),
+            "optimizer_state": self.store.state_bytes(state),
         }
 
     def full_master_weights(self) -> dict[int, torch.Tensor]:
         self.settle()
         if self.inner is None:
             return {}
-        result = self.masters.full(self.gather_flat)
+        layout = self.layout
+        if self.precision.dtype == torch.float32:  # the parameters hold the masters' exact values once published
+            self.store.publish()
+            result = {id(p): p.detach().clone() for p in layout.params}
+        else:
+            flat = self.gather_flat(self.store.shard(layout.shard_numel, self.device))
+            result = {id(p): layout.param_slice(flat, i).view_as(p).clone() for i, p in enumerate(layout.params)}
         # frozen parameters keep their fp32 master in the store until they train again
         for param in self._order:
-            kept = self.frozen.get(param)
+            kept = self.store.frozen.get(param)
             if kept is not None:
                 result[id(param)] = kept.master.view(param.shape).clone()
         return result
@@ -352,15 +355,5 @@ class FlatStrategy(Strategy):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self.masters.close()
+        self.store.close()
 
-
-def _whole(param: torch.Tensor) -> Kept:
-    """A frozen parameter's entry, whole, from its current value (it may receive loaded state)."""
-    return Kept(0, param.numel(), param.detach().float().reshape(-1).clone())
-
-
-def _write_whole(param: torch.Tensor, kept: Kept) -> None:
-    flat = param.detach().view(-1)
-    if flat.data_ptr() != kept.master.data_ptr():
-        flat.copy_(kept.master)

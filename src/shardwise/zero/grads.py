@@ -1,6 +1,6 @@
 """Where the flat stages keep gradients, from autograd's hooks to the reduced gradient.
 
-Chosen once per stage, beside the masters' arrangement.  Two storages, one class each:
+Chosen once per stage, beside where the masters live (the master store's home, :mod:`.store`).  Two storages, one class each:
 
 * :class:`FlatGrads` (stages 0 and 1): one full-size flat buffer that
   ``param.grad`` views into, as DDP's ``gradient_as_bucket_view``; a bucket is

@@ -27,40 +27,51 @@ dropped by it) and ``param.grad`` is released.  Units are reduced in
 a fixed order (reverse order of first use in forward, then the rest), so all
 ranks issue the same collectives in the same order.
 
-Step.  ``step`` (through ``Pieces.step``) copies the updated pieces into the local slice of each
+Step.  ``step`` (the master store's) copies the updated pieces into the local slice of each
 unit (nothing to copy in fp32): no communication, the next forward gathers
 the new values.  Only the persistent unit is re-gathered.
 
-The pieces and their masters live in :mod:`.pieces` (masters that are the
-shards, or separate fp32 ones) and :mod:`.offloaded_pieces` (masters and
-optimizer state in files, ``offload_optimizer: nvme``), chosen once by
-:mod:`.pieces_choice`; shards kept in a file (``offload_param: nvme``) in
-:mod:`.offloaded_shards`; the hooks that gather and free units in :mod:`.hooks`.
+The pieces, their masters and optimizer state are the master store's (:mod:`.store`, the same store as
+the flat stages', its home chosen once: in memory, or in files with ``offload_optimizer: nvme``); its
+model side here, the units' shards, is :mod:`.unit_side`; shards kept in a file (``offload_param: nvme``)
+in :mod:`.offloaded_shards`; the hooks that gather and free units in :mod:`.hooks`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 from torch import nn
 
-from ..distributed import Comm
+from ..distributed import Comm, Work
 from ..param_state import ParamShard
 from .base import Apply, Strategy, module_order, tensor_bytes
 from .gathered import GatheredParameters
 from .hooks import Gatherer
-from .offload_plan import offload_spec
 from .offloaded_shards import ShardCache, offloads_params, shard_cache
 from .params import Unit, UnitError, UnitState, is_partitioned, restore_parameter, unit_of
-from .pieces import InFlight, Piece, piece_sizes
-from .pieces_choice import choose_pieces
+from .store.home import Piece
+from .store.plan import offload_spec
+from .store.store import MasterStore, choose_home
+from .unit_side import UnitSide, piece_runs
 from .weak_hooks import WeakHook, remove_with
 
-__all__ = ["Stage3"]
+__all__ = ["InFlight", "Stage3"]
 
 _MAX_IN_FLIGHT = 2
+
+
+class InFlight(NamedTuple):
+    """One unit's reduce-scatter, launched: ``source`` (the unit's local gradients) stays alive until it is
+    waited for; ``output`` receives this rank's slice; ``trainable``: the indices of its trainable params."""
+
+    work: Work
+    unit: Unit
+    source: torch.Tensor
+    output: torch.Tensor
+    trainable: list[int]
 
 
 class Stage3(Strategy):
@@ -73,13 +84,18 @@ class Stage3(Strategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.units: list[Unit] = []
-        #: the pieces and their masters, arranged once: for the compute dtype (fp32: the shards are the masters)
-        #: and for offload (masters and state in files; shards in files need masters apart from them)
-        offload = offload_spec(self.zero_config, self.comm.rank, None)  # the optimizer's own estimate: at attach
-        self.pieces = choose_pieces(self.precision.dtype, self.comm.rank, offload, offloads_params(self.zero_config))
+        #: this rank's pieces with their masters and optimizer state, the home chosen once: in fp32 the shards
+        #: are the masters, unless they live in files (masters apart from them), or the state goes to files
+        in_files = offloads_params(self.zero_config)
+        self.side = UnitSide(self.comm.rank, in_files)
+        fp32 = self.precision.dtype == torch.float32
+        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        self.store = MasterStore(choose_home(self.side, offload_spec(self.zero_config, self.comm.rank),
+                                             fp32 and not in_files, device))
+        self.side.store = self.store
         #: the shards' file and host cache where `offload_param` is nvme (made with the units)
         self.shards: Optional[ShardCache] = None
-        self.gatherer = Gatherer(self.module, self.units, self.zero_config, self.pieces, self.comm.rank)
+        self.gatherer = Gatherer(self.module, self.units, self.zero_config, self.side, self.comm.rank)
         self._params: list[nn.Parameter] = []  # the optimizer's parameters, module order
         self._mask: tuple[bool, ...] = ()
         self._trainable: dict[Unit, list[int]] = {}  # unit -> indices of its trainable params
@@ -119,15 +135,16 @@ class Stage3(Strategy):
         specs = unit_specs(self.module, threshold)
         world = self.comm.world_size
         bound = sum(max(1, -(-sum(p.numel() for p in params) // world)) for params, _, _ in specs)  # shard elements
-        sizes = piece_sizes([params for params, _, _ in specs], group_of, self.comm.rank, world)
-        self.pieces.begin(self.inner, bound, sizes)
+        runs = piece_runs([params for params, _, _ in specs], group_of, self.comm.rank, world)
+        self.store.plan(runs, sum(run.numel for run in runs), self.inner)
         self.shards = shard_cache(self.zero_config, self.comm.rank, bound, self.precision.dtype)
         for params, names, persistent in specs:
             unit = Unit(len(self.units), params, names, self.comm, self.gatherer, persistent)
             values = _initial_flat(unit, self.initial)
             unit.build(values, self.precision.dtype)
             # after build: in fp32 `values` became the (now freed) full buffer, and the masters are the shard
-            self.pieces.add(unit, values, group_of)
+            for piece in self.side.pieces(unit, group_of):
+                self.store.add(piece, self.side.initial(piece, values) if piece.param.requires_grad else None)
             if self.shards is not None:
                 unit.keep_shard_in(self.shards.place(unit.shard, unit))
             self.units.append(unit)
@@ -135,7 +152,7 @@ class Stage3(Strategy):
     def _point_optimizer(self) -> None:
         """Put this rank's fp32 pieces into the inner optimizer's groups in place of the parameters."""
         for group, originals in zip(self.inner.param_groups, self._groups):
-            group["params"] = self.pieces.optimizer_params(originals)
+            group["params"] = self.store.keys_for(originals)
 
     # ======================================================== trainability
     def trainable_changed(self) -> bool:
@@ -145,7 +162,7 @@ class Stage3(Strategy):
         """Frozen pieces leave the optimizer, unfrozen ones join it; trainable parameters get their hook
         (torch refuses hooks on frozen ones: added when unfrozen)."""
         self._mask = tuple(p.requires_grad for p in self._params)
-        if self.pieces.refresh(self.inner.state if self.inner is not None else {}) and self.inner is not None:
+        if self.store.refresh(self.inner.state if self.inner is not None else {}) and self.inner is not None:
             self._point_optimizer()
         self._trainable = {}
         added = []
@@ -216,7 +233,14 @@ class Stage3(Strategy):
         work = self.comm.reduce_scatter(output, source, async_op=True, label=unit.label)
         self._works.append(InFlight(work, unit, source, output, trainable))
         while len(self._works) > _MAX_IN_FLIGHT:
-            self.pieces.add_reduced(self._works.pop(0), 1.0 / self.comm.world_size)
+            self.store.add_reduced([self._landed(self._works.pop(0))], 1.0 / self.comm.world_size, False)
+
+    def _landed(self, flight: InFlight) -> tuple[list[Piece], torch.Tensor]:
+        """Wait for ``flight``: its unit's trainable pieces and this rank's slice of their reduced gradients (the
+        store adds them to the pieces' gradients; which of them no rank had a gradient for, :meth:`step` is told)."""
+        flight.work.wait()
+        pieces = self.side.by_unit.get(flight.unit, ())
+        return [p for p in pieces if p.index in flight.trainable], flight.output
 
     def abort_forward(self) -> None:
         self.gatherer.abort_forward()
@@ -247,33 +271,34 @@ class Stage3(Strategy):
             self._launch(unit)
         self._next = len(self._order)
         works, self._works = self._works, []
-        self.pieces.finish_reduction(works, 1.0 / self.comm.world_size)
+        self.store.add_reduced([self._landed(flight) for flight in works], 1.0 / self.comm.world_size, True)
 
     # ================================================================ step
     def step_sums(self) -> torch.Tensor:
         """This rank's sum of squared gradients (taken as the reduction finished, unless written since), then
         per trainable parameter whether this rank had a gradient for it: the flags ride the norm's all-reduce
         (DDP's `find_unused_parameters` without a collective of its own)."""
-        share = self.pieces.share
-        if share is not None and all(master.grad is grad and grad._version == version
-                                     for master, grad, version in share.seen):
+        share = self.store.share
+        if share is not None and all(key.grad is grad and grad._version == version for key, grad, version in share.seen):
             sq = share.sq
         else:  # written since the reduction finished (a script's own scaling, a trainability change)
-            sq = self.pieces.grad_sq()
+            sq = self.store.grad_sq()
         flags = [float(key in self._had) for key in self._keys]
         return torch.cat([sq.reshape(1).to(self._grad_device),
                           torch.tensor(flags, dtype=torch.float32, device=self._grad_device)])
 
     def step(self, inner: Any, factor: float, sums: torch.Tensor, release: bool) -> None:
         used = {key for key, count in zip(self._keys, sums.tolist()) if count > 0}
-        # scale, leave unused alone, step, publish into the shards (and drop the gradients, if asked)
-        self.pieces.step(inner, factor, used, release)
+        store = self.store
+        # scale, leave the pieces no rank had a gradient for alone, step, publish into the shards
+        unused = [p for p in store.pieces if p.key is not None and (p.unit, p.index) not in used]
+        store.step(inner, factor, unused, release)  # (and drop the gradients, if asked)
         if release:
             self._forget_grads()
         self._refresh_gathered()
 
     def sync_params_from_master(self) -> None:
-        self.pieces.publish()
+        self.store.publish()
         self._refresh_gathered()
 
     def _refresh_gathered(self) -> None:
@@ -291,7 +316,7 @@ class Stage3(Strategy):
     def zero_grad(self) -> None:
         self._drain()  # left by a backward that raised: never added into the gradients that follow
         self._forget_grads()
-        self.pieces.zero_grads()
+        self.store.drop_grads()
 
     def _forget_grads(self) -> None:
         """What zero_grad forgets here, beside the pieces' gradients."""
@@ -309,16 +334,15 @@ class Stage3(Strategy):
         params = sum(u.storage.held_bytes() for u in self.units)  # an offloaded shard: only while in host memory
         params += sum(u.padded * u.element_bytes() for u in self.units if u.persistent)
         params += tensor_bytes([p for p in self.module.parameters() if not is_partitioned(p)])
-        grads = [p.grad for p in self.pieces.all if p.grad is not None]
+        grads = [p.grad for p in self.store.pieces if p.grad is not None]
         with torch._C.DisableTorchFunctionSubclass():
             grads += [p.grad for u in self.units for p in u.params if p.grad is not None]
         state = getattr(self.inner, "state", {}) if self.inner is not None else {}
         return {
             "parameters": params,
-            "master_weights": self.pieces.master_bytes(),
+            "master_weights": self.store.master_bytes(),
             "gradients": tensor_bytes(grads),
-            "optimizer_state": tensor_bytes(list(state.values())) + self.pieces.frozen.state_bytes()
-            + self.pieces.held_state_bytes(),
+            "optimizer_state": self.store.state_bytes(state),
         }
 
     def full_master_weights(self) -> dict[int, torch.Tensor]:
@@ -328,7 +352,7 @@ class Stage3(Strategy):
             # file, be marked written)
             shard = unit.shard.to(torch.float32, copy=True)
             unit.shard_released()  # only read: a shard kept in a file may leave (`max_in_cpu`)
-            self.pieces.fill(unit, shard)
+            self.side.fill(unit, shard)
             full = torch.empty(unit.padded, dtype=torch.float32, device=shard.device)
             self.comm.all_gather(full, shard)
             for index, param in enumerate(unit.params):
@@ -343,17 +367,10 @@ class Stage3(Strategy):
         if self.inner is None:
             yield []
             return
-        pieces, store = self.pieces, self.pieces.frozen
-        names = {id(p.param): p.name for p in pieces.all}
-        groups = {id(p.param): p.group for p in pieces.all}
-        frozen = [p.param for p in pieces.all if p.master is None]
+        with self.store.shards(self.inner.state, loading, wanted) as shards:
+            yield shards
         if not loading:
-            yield pieces.shards(self.inner.state, loading=False) + store.shards(frozen, names, groups)
             return
-        by_param: dict[int, Piece] = {id(p.param): p for p in pieces.all}
-        with store.loading(frozen, lambda p: names[id(p)] in wanted, lambda p: pieces.fresh_kept(by_param[id(p)]),
-                           lambda p, kept: pieces.write_kept(by_param[id(p)], kept)):
-            yield pieces.shards(self.inner.state) + store.shards(frozen, names, groups)
         for unit in self.units:  # frozen units took loaded values: drop stale gathered copies
             if unit.gathered and unit not in self._trainable:
                 unit.refresh()
@@ -423,7 +440,7 @@ class Stage3(Strategy):
             # never reads this one's file again (its newest values were in the host copy just let go)
             self.units.pop(0)
         self._had = set()
-        self.pieces.close()
+        self.store.close()
         if self.shards is not None:
             self.shards.close()
             self.shards = None

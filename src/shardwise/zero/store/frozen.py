@@ -4,7 +4,7 @@ A parameter that stops training leaves the optimizer (it gets no gradient and
 no update, exactly as ``torch.optim`` treats a parameter whose ``.grad`` is
 None), but its fp32 master and its optimizer state (Adam's moments and
 ``step``) are kept here, so unfreezing resumes exactly where it stopped.  Every
-stage uses one :class:`FrozenStore`:
+stage's :class:`~.store.MasterStore` holds one :class:`FrozenStore`:
 
 * the flat stages (0-2) keep each entry whole, replicated on every rank (their
   layout is rebuilt when the trainable set changes, so a rank cannot know which
@@ -12,19 +12,18 @@ stage uses one :class:`FrozenStore`:
 * stage 3 keeps this rank's piece (its partitioning never changes).
 
 Checkpoints carry the kept state like a trainable parameter's
-(:meth:`FrozenStore.shards`), and a load can hand state to a parameter that
-has been frozen since ``initialize`` (:meth:`FrozenStore.receiving`).
+(:meth:`~.store.MasterStore.shards`), and a load can hand state to a parameter
+that has been frozen since ``initialize``.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
-from ..param_state import KeptSlot, ParamShard, copy_value, is_per_element
+from ...param_state import KeptSlot, copy_value, is_per_element
 
 __all__ = ["FrozenStore", "Kept"]
 
@@ -72,15 +71,10 @@ class FrozenStore:
         """Remove and return ``param``'s entry (it trains again)."""
         return self._kept.pop(id(param), None)
 
-    def __contains__(self, param: torch.Tensor) -> bool:
-        return id(param) in self._kept
-
-    def __len__(self) -> int:
-        return len(self._kept)
-
     def master_bytes(self) -> int:
-        """Bytes of the kept fp32 masters."""
-        return sum(kept.master.numel() * kept.master.element_size() for kept in self._kept.values())
+        """Bytes of the kept fp32 masters that hold memory of their own (a view of the model's values holds none)."""
+        return sum(kept.master.numel() * kept.master.element_size() for kept in self._kept.values()
+                   if not kept.master._is_view())
 
     def state_bytes(self) -> int:
         """Bytes of the kept optimizer-state tensors."""
@@ -90,46 +84,3 @@ class FrozenStore:
             for v in kept.state.values()
             if isinstance(v, torch.Tensor)
         )
-
-    def shards(self, params: Sequence[torch.Tensor], names: dict[int, str], groups: dict[int, int]) -> list[ParamShard]:
-        """One :class:`ParamShard` per kept entry of ``params`` (in their order)."""
-        return [
-            ParamShard(names[id(p)], p.shape, kept.start, kept.end, kept.master, groups[id(p)], kept.slot)
-            for p in params
-            if (kept := self._kept.get(id(p))) is not None
-        ]
-
-    @contextlib.contextmanager
-    def loading(
-        self,
-        frozen: Sequence[torch.Tensor],
-        wanted: Callable[[torch.Tensor], bool],
-        fresh: Callable[[torch.Tensor], Optional[Kept]],
-        write_back: Callable[[torch.Tensor, Kept], None],
-    ) -> Iterator[None]:
-        """While open, ``wanted`` frozen parameters without an entry get a temporary one
-        (``fresh(param)``; None when this rank holds no piece of it), so a checkpoint
-        load can fill master and optimizer state.
-
-        On a clean exit every entry's (loaded) master is written into the model
-        with ``write_back``, and temporary entries that received optimizer state
-        are kept; the others are dropped (a parameter with no state needs none).
-        """
-        temporary = []
-        for param in frozen:
-            if id(param) not in self._kept and wanted(param) and (kept := fresh(param)) is not None:
-                self._kept[id(param)] = kept
-                temporary.append(param)
-        try:
-            yield
-        except BaseException:
-            for param in temporary:
-                self._kept.pop(id(param), None)
-            raise
-        for param in frozen:
-            kept = self._kept.get(id(param))
-            if kept is not None:
-                write_back(param, kept)
-        for param in temporary:
-            if not self._kept[id(param)].state:
-                del self._kept[id(param)]

@@ -1,20 +1,17 @@
-"""The step both NVMe-offloaded arrangements share: sub-group by sub-group, read ahead, step, write behind.
+"""The step of the store's home in files (:mod:`.nvme`): sub-group by sub-group, read ahead, step, write behind.
 
-Stages 1-2 (:class:`~.offloaded.OffloadedMasters`) and stage 3 (:class:`~.offloaded_pieces.OffloadedPieces`)
-keep each piece's fp32 master and per-element optimizer state as a run of elements in files laid out alike
-(``master``, ``exp_avg``, ...), cut into chunks and sub-groups by :mod:`.offload_plan`.  A
+The home keeps each piece's fp32 master and per-element optimizer state as a run of elements in files laid
+out alike (``master``, ``exp_avg``, ...), cut into chunks and sub-groups by :mod:`.plan`.  A
 :class:`SubGroupStepper` holds what the inner optimizer keeps of each chunk between steps (its other, small
 state values and which kinds of state it has in the files) and runs the step: it reads a sub-group into a
-pool buffer (:mod:`.readahead`), points the chunks' tensors, gradients and state at that buffer, runs torch's
+pool buffer (:mod:`..readahead`), points the chunks' tensors, gradients and state at that buffer, runs torch's
 own ``step`` over those chunks only, takes their state back out, hands the updated masters to the
-arrangement (:class:`Arrangement`), and writes the buffer back while the next sub-group is stepped.
-
-What differs between the two stays with them: which tensor the inner optimizer holds for a piece (its
-``.grad`` the gradient; the param group holding it is the chunk's), which chunks a step passes by, and
-where updated masters go (the flat parameter buffer, or the units' shards).
+home (:class:`Arrangement`), and writes the buffer back while the next sub-group is stepped.  The home
+says which tensor the inner optimizer holds for a piece (its ``.grad`` the gradient; the param group
+holding it is the chunk's), which chunks a step passes by, and takes the updated masters to the model.
 
 A partial offload (``offload_optimizer.ratio`` below 1) keeps the shard's first ``resident`` elements, whole
-sub-groups (:func:`.offload_plan.resident_split`), in host memory: one tensor per kind, stepped in place with
+sub-groups (:func:`.plan.resident_split`), in host memory: one tensor per kind, stepped in place with
 no buffer and no I/O, published as the others.  The files hold the elements after ``resident`` only (element
 ``x`` of the shard at element ``x - resident`` of each file); :meth:`SubGroupStepper.region` and
 :meth:`SubGroupStepper.write` say where a run of elements lives, so checkpoints and trainability changes see
@@ -29,10 +26,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
 
 import torch
 
-from ..param_state import copy_value, is_per_element
-from .nvme_files import NvmeFiles, OffloadChecksumError, OffloadIOError
-from .offload_plan import Chunk, SubGroup
-from .readahead import BufferPool, pipelined
+from ...param_state import copy_value, is_per_element
+from ..nvme_files import NvmeFiles, OffloadChecksumError, OffloadIOError
+from ..readahead import BufferPool, pipelined
+from .plan import Chunk, SubGroup
 
 __all__ = ["Arrangement", "OffloadSlot", "SubGroupStepper", "placeholder", "pool_for"]
 
@@ -61,7 +58,7 @@ def pool_for(groups: list[SubGroup], count: int, state_bytes: int, pin: bool = F
 
 
 class Arrangement(Protocol):
-    """What an offloaded arrangement tells the shared step about its pieces."""
+    """What the home in files tells the step about its pieces."""
 
     def stepped(self, chunk: Chunk) -> Optional[torch.Tensor]:
         """The tensor the inner optimizer's param group holds for the chunk's piece (its ``.grad`` the piece's

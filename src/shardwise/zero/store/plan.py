@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from .layout import Piece
+from ..layout import Piece
 
 __all__ = ["Chunk", "OffloadSpec", "SubGroup", "offload_spec", "plan_sub_groups", "resident_split",
            "say_split", "state_bytes_per_element"]
@@ -38,8 +38,6 @@ class OffloadSpec:
     pin_memory: bool
     sub_group_size: int
     rank: int
-    #: optimizer state bytes per element, for the free-space check before training
-    state_bytes: int
     #: the share of the sub-groups whose state is offloaded (``offload_optimizer.ratio``); the others stay in memory
     ratio: float = 1.0
 
@@ -135,10 +133,10 @@ def state_bytes_per_element(inner: Any) -> int:
     return _STATE_BYTES.get(name, 8) + 4 * any(g.get("amsgrad") for g in groups)
 
 
-def offload_spec(zero_config: Any, rank: int, inner: Any) -> Optional[OffloadSpec]:
+def offload_spec(zero_config: Any, rank: int) -> Optional[OffloadSpec]:
     """The spec when ``zero_config`` offloads the optimizer to NVMe, else None."""
     section = getattr(zero_config, "offload_optimizer", None)
     if section is None or section.device != "nvme":
         return None
     return OffloadSpec(str(section.nvme_path), section.buffer_count, section.pin_memory,
-                       zero_config.sub_group_size, rank, state_bytes_per_element(inner), float(section.ratio))
+                       zero_config.sub_group_size, rank, float(section.ratio))

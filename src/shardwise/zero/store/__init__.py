@@ -1,0 +1,1 @@
+"""This rank's fp32 master weights and optimizer state, for every ZeRO stage, and where they live."""

@@ -1,0 +1,198 @@
+"""The store's home in files (``offload_optimizer: {device: nvme}``): fp32 masters and optimizer state on disk.
+
+Each piece of the shard gets a run of elements at ``piece.at`` in a ``master`` file and in one file per kind
+of per-element optimizer state (``exp_avg``, ...), all laid out as this rank's shard, in a folder of this
+rank's own under ``nvme_path`` (:class:`~..nvme_files.NvmeFiles`); with ``offload_optimizer.ratio`` below 1
+the first sub-groups' elements stay in host memory instead (:mod:`.subgroups`), and the files hold the rest.
+The tensor the inner optimizer holds for a trainable piece (its key) is a placeholder of its size that holds
+one element; its ``.grad`` is the piece's fp32 gradient, in memory as without offload, so clipping and the
+unused-parameter rule see it unchanged.
+
+The step (:meth:`Nvme.step`) cuts the shard into sub-groups (:mod:`.plan`); for each, one background thread
+reads master and state into a pool buffer ahead of time, the chunks' tensors are pointed at it, torch's own
+``step`` runs over that sub-group only, the updated masters go to the model through the stage's
+:class:`~.home.ModelSide`, and the thread writes the sub-group back while the next one is stepped
+(:class:`~.subgroups.SubGroupStepper`).  A chunk whose key has no gradient (a frozen piece, or one no rank
+had a gradient for) is passed by, and a sub-group of such chunks only is neither read nor written.  Between
+steps the inner optimizer's ``state`` is empty.
+
+A checkpoint sees a trainable piece's master and state as memory maps of the files, or views of host memory
+where the piece is resident (:class:`~.subgroups.OffloadSlot`); a piece that stops training takes them out
+into the store's kept entries, as the other homes keep them, and puts them back when it trains again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, MutableMapping, Optional, Sequence
+
+import torch
+
+from ...param_state import KeptSlot, copy_value
+from ..nvme_files import NvmeFiles
+from ..readahead import BufferPool
+from .frozen import Kept
+from .home import Home, ModelSide, Piece, Run
+from .plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, say_split, state_bytes_per_element
+from .subgroups import OffloadSlot, SubGroupStepper, placeholder, pool_for
+
+__all__ = ["Nvme"]
+
+
+class Nvme(Home):
+    """fp32 masters and optimizer state of this rank's pieces in files under ``nvme_path`` (module docstring)."""
+
+    def __init__(self, side: ModelSide, spec: OffloadSpec, pin: bool = False) -> None:
+        super().__init__(side)
+        self.spec, self.pin = spec, pin
+        #: the per-element state kinds there are files for, and their dtype
+        self.kinds: dict[str, torch.dtype] = {}
+        self.files: Optional[NvmeFiles] = None
+        self.pool = BufferPool(0)
+        self._stepper: Optional[SubGroupStepper] = None
+        #: the runs of the shard the pieces fill, in order (the plan's)
+        self._runs: list[Run] = []
+        #: each piece's index in the plan
+        self._index: dict[Piece, int] = {}
+        #: whether the files may hold masters the model does not show yet (a checkpoint load or adoption wrote them)
+        self.stale = False
+
+    # ------------------------------------------------------------------ build
+    def plan(self, runs: Sequence[Run], numel: int, inner: Any) -> None:
+        """Plan the sub-groups of ``runs``, then make this rank's folder and its ``master`` file for the offloaded
+        ones of the shard's ``numel`` elements, once there is room."""
+        if inner is None:
+            return  # inference: no optimizer, no masters
+        state_bytes = state_bytes_per_element(inner)
+        self._runs = list(runs)
+        resident = resident_split(self._runs, self.spec.sub_group_size, self.spec.ratio)
+        chunks, groups = plan_sub_groups(self._runs, self.spec.sub_group_size, resident)
+        say_split(self.spec, resident, numel, groups)
+        self.pool = pool_for(groups, self.spec.buffer_count, state_bytes, self.pin, resident)
+        self._stepper = SubGroupStepper(chunks, groups, self.pool, lambda: self._files, self.kinds, numel, resident)
+        offloaded = numel - resident
+        files = NvmeFiles(self.spec.root, self.spec.rank)
+        try:  # the room every rank of this host on the disk claims, not this rank's alone
+            files.reserve(offloaded * (4 + state_bytes), f"fp32 masters and {state_bytes} bytes of "
+                          f"optimizer state for each of {offloaded:,} elements")
+            files.create("master", offloaded * 4)
+        except BaseException:  # refused or failed at initialize: no folder is left behind
+            files.remove()
+            raise
+        self.files = files
+
+    def add(self, piece: Piece, initial: Optional[torch.Tensor]) -> None:
+        if piece.at < 0:
+            return  # a frozen flat-stage parameter, kept whole by the store
+        index = len(self._index)
+        if index >= len(self._runs) or (self._runs[index].shard_offset, self._runs[index].numel) != (piece.at, piece.numel):
+            raise RuntimeError(f"rank {self.spec.rank}: the offloaded pieces do not match the plan their files were "
+                               "laid out for (a bug in shardwise); please report it")
+        self._index[piece] = index
+        super().add(piece, initial)
+
+    def start(self, piece: Piece, initial: torch.Tensor) -> torch.Tensor:
+        self._plan().write("master", piece.at, initial.float().contiguous(), "the initial masters")
+        return placeholder(piece.numel)
+
+    @property
+    def _files(self) -> NvmeFiles:
+        if self.files is None:
+            raise RuntimeError(f"rank {self.spec.rank}: the offloaded masters were closed (`engine.destroy()` ran); "
+                               "build a new engine")
+        return self.files
+
+    def _plan(self) -> SubGroupStepper:
+        """The sub-groups of the shard and the step over them (planned in :meth:`plan`)."""
+        if self._stepper is None:
+            raise RuntimeError(f"rank {self.spec.rank}: the offloaded masters were used before they were planned "
+                               "(a bug in shardwise); please report it")
+        return self._stepper
+
+    @property
+    def stepper(self) -> SubGroupStepper:
+        return self._plan()
+
+    @property
+    def resident(self) -> int:
+        """Elements of the shard whose master and state stay in host memory (``ratio`` below 1)."""
+        return self._stepper.resident if self._stepper is not None else 0
+
+    def check_whole(self, doing: str) -> None:
+        if self._stepper is not None:
+            self._stepper.check_whole(doing)
+
+    # ------------------------------------------------- where a piece's state is
+    def region(self, kind: str, piece: Piece) -> torch.Tensor:
+        """The piece's elements of ``kind``: a memory map of its file, or a view of host memory where the piece is
+        resident (writes go there)."""
+        return self._plan().region(kind, piece.at, piece.numel, self.kinds.get(kind, torch.float32))
+
+    def master(self, piece: Piece) -> torch.Tensor:
+        return self.region("master", piece)
+
+    def slot(self, piece: Piece, state: MutableMapping[Any, Any]) -> OffloadSlot:
+        """The piece's optimizer state, as memory maps of its files and its chunks' small values."""
+        return OffloadSlot(self._plan(), self._index[piece], piece.numel, lambda kind: self.region(kind, piece))
+
+    # -------------------------------------------------------- trainability
+    def freeze(self, piece: Piece, state: MutableMapping[Any, Any]) -> Kept:
+        kept_state = {k: copy_value(v) for k, v in self.slot(piece, state).get().items()}
+        kept = Kept(piece.start, piece.end, self.region("master", piece).clone(), KeptSlot(kept_state))
+        self._plan().forget(self._index[piece])
+        return kept
+
+    def thaw(self, piece: Piece, kept: Optional[Kept], state: MutableMapping[Any, Any]) -> None:
+        self.region("master", piece).copy_(kept.master if kept is not None else self.side.values(piece))
+        self._plan().forget(self._index[piece])
+        if kept is not None and kept.state:
+            self.slot(piece, state).set(kept.state)
+        piece.key = placeholder(piece.numel)
+
+    # ------------------------------------------------------------------- step
+    def step(self, inner: Any) -> None:
+        """One optimizer step over every sub-group with something to step: read ahead, step, publish, write
+        behind (a step that fails part-way leaves the engine refusing to step or save:
+        :meth:`.SubGroupStepper.step`)."""
+        self.publish()  # after a load: the files' masters into the model first
+        self.side.settle()  # (a shard a failed step left held)
+        self._plan().step(inner, self)
+        self.side.settle()
+
+    def stepped(self, chunk: Chunk) -> Optional[torch.Tensor]:
+        """The chunk's key where its piece trains and has a gradient this step (else torch would leave it alone:
+        the step passes it by)."""
+        key = self.pieces[chunk.piece].key
+        return key if key is not None and key.grad is not None else None
+
+    def publish_sub_group(self, updated: list[tuple[Chunk, torch.Tensor]]) -> None:
+        """The updated masters into the model."""
+        self.side.write([(self.pieces[chunk.piece], chunk.at, master) for chunk, master in updated])
+
+    def publish(self) -> None:
+        """The step publishes each sub-group's masters as it goes; after a load, all of them."""
+        if not self.stale:
+            return
+        self.side.write([(p, 0, self.region("master", p)) for p in self.pieces if p.key is not None])
+        self.side.settle()
+        self.stale = False
+
+    def loading(self) -> None:
+        self.stale = True  # the loaded masters reach the model at the next publish
+
+    # ----------------------------------------------------------- accounting
+    def nbytes(self) -> int:
+        """Host bytes of the read-ahead/write-behind buffers and the resident masters (the others are on disk)."""
+        resident = self._stepper.memory_bytes(master=True) if self._stepper is not None else 0
+        return self.pool.nbytes() + resident
+
+    def state_nbytes(self) -> int:
+        """Host bytes of the resident sub-groups' optimizer state."""
+        return self._stepper.memory_bytes(master=False) if self._stepper is not None else 0
+
+    def close(self) -> None:
+        """Delete this rank's offload folder and let the resident state go (``engine.destroy()``; also at exit)."""
+        if self.files is not None:
+            self.files.remove()
+            self.files = None
+        if self._stepper is not None:
+            self._stepper.memory.clear()
