@@ -5,7 +5,7 @@
   t = a + b·S fitted to the relative errors gives α = a / (2(N−1)) and
   β = b / (2(N−1)/N).
 * The same through shardwise's shared memory (what its engine uses on one
-  host, ``shardwise.shm``): ``Comm.all_reduce`` of a region of a buffer every
+  host, ``shardwise.comm.shm``): ``Comm.all_reduce`` of a region of a buffer every
   rank maps, as the flat stages reduce their gradients; and an all-gather of a
   private tensor, staged through the segment's slots, as parameters are
   gathered. Comm's own host work per collective is in the figures.
@@ -86,7 +86,7 @@ def measure_shared_memory(sizes: list[int], repeats: int = 15, gather: bool = Fa
     shared buffer, or (``gather``) an all-gather of a private tensor into ``bytes`` (collective)."""
     import torch.distributed as dist
 
-    from shardwise.distributed import Comm
+    from shardwise.comm.distributed import Comm
 
     comm = Comm(None)
     comm.open_shared_memory()

@@ -8,7 +8,7 @@ Yuan 2009) take
 * reduce-scatter and all-gather: (N−1)·α + (N−1)/N · S · β
 * all-reduce (= reduce-scatter + all-gather): 2(N−1)·α + 2(N−1)/N · S · β
 
-so the byte terms match what ``shardwise.distributed.Comm`` counts.  A job that
+so the byte terms match what ``shardwise.comm.distributed.Comm`` counts.  A job that
 sends a collective as B buckets pays the latency term B times.
 """
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from shardwise.hardware import bf16_support, cpu_model
+from shardwise.optim.hardware import bf16_support, cpu_model
 
 __all__ = ["comparison_markdown", "machine", "scaling_markdown", "write_json"]
 

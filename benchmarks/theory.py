@@ -5,7 +5,7 @@ State (ZeRO paper, Adam): fp32 training holds 4Ψ parameters, 4Ψ gradients and
 gradients and 12Ψ optimizer state (fp32 master, m, v).  Stage 1 divides the
 optimizer state by N, stage 2 the gradients too, stage 3 the parameters too.
 
-Traffic (ring accounting, as ``shardwise.distributed.Comm`` counts it): with
+Traffic (ring accounting, as ``shardwise.comm.distributed.Comm`` counts it): with
 f = (N-1)/N, an all-reduce of S bytes sends 2fS per rank, a reduce-scatter or
 all-gather of a full-size S bytes sends fS, a broadcast sends S from its source.
 Gradients are reduced in fp32 by every system here (4 bytes per element);

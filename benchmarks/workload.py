@@ -70,7 +70,7 @@ def model_units(size: str, threshold: int = 10_000, **overrides: int) -> int:
     """Units stage 3 gathers for the preset ``size``, formed as the engine forms them: modules whose direct
     parameters hold more than ``threshold`` elements (``stage3_param_persistence_threshold``; smaller ones
     stay gathered)."""
-    from shardwise.zero.stage3 import unit_specs
+    from shardwise.zero.stage3.strategy import unit_specs
 
     return sum(not persistent for _, _, persistent in unit_specs(_meta_model(size, **overrides), threshold))
 

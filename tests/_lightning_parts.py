@@ -27,9 +27,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import shardwise.lightning
 from shardwise.lightning import ShardwiseStrategy, convert_zero_checkpoint_to_fp32_state_dict
-from shardwise.schedulers import build_scheduler
+from shardwise.optim.schedulers import build_scheduler
 from shardwise.testing import run_subtests
-from shardwise.zero.params import is_partitioned
+from shardwise.zero.stage3.params import is_partitioned
 
 LR = 1e-2
 CLIP = 0.3

@@ -178,7 +178,7 @@ def test_consolidate_equals_full_state_dict_and_loads_into_plain_model(tmp_path:
 
 
 def _check_cli(root: Path, capsys: Any) -> None:
-    from shardwise.cli import main
+    from shardwise.cli.commands import main
 
     assert main(["checkpoint", "inspect", str(root / "tied3")]) == 0
     text = capsys.readouterr().out

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkSto
 
 from shardwise.checkpoint import CheckpointError, consolidated_state_dict, describe, load_consolidated
 from shardwise.checkpoint.layout import validate_tag
-from shardwise.cli import main
+from shardwise.cli.commands import main
 from shardwise.testing import distributed_test, run_distributed, run_subtests
 
 RSS_LIMIT_MB = 200.0

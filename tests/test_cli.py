@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from shardwise.cli import COMMANDS, build_parser, main, torchrun_args
+from shardwise.cli.commands import COMMANDS, build_parser, main, torchrun_args
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
@@ -136,7 +136,7 @@ def test_run_respects_torchrun_environment(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_run_environment_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardwise.cli import _launch_environment
+    from shardwise.cli.commands import _launch_environment
 
     for name in ("OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
         monkeypatch.delenv(name, raising=False)

@@ -1,11 +1,11 @@
-"""The collectives in shardwise.distributed.Comm: results and byte counts, on 2 gloo ranks."""
+"""The collectives in shardwise.comm.distributed.Comm: results and byte counts, on 2 gloo ranks."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from shardwise.distributed import GLOO_BROADCAST_GATHER_MIN, Comm
+from shardwise.comm.distributed import GLOO_BROADCAST_GATHER_MIN, Comm
 from shardwise.testing import distributed_test, run_subtests
 
 

@@ -40,7 +40,7 @@ def test_low_precision_reduction_matches_fp32_within_its_rounding() -> None:
         got, sent = _train(stage, wire)
         assert_close_params(got, want, atol=2e-3)
         assert any(not torch.equal(got[n], want[n]) for n in want), "the reduction really ran in low precision"
-        kind = "all_reduce" if stage == 0 else "reduce_scatter"  # stages 1-2: through shared memory (see shardwise.shm)
+        kind = "all_reduce" if stage == 0 else "reduce_scatter"  # stages 1-2: through shared memory (see shardwise.comm.shm)
         # one scalar all-reduce (overflow flag / norm) rides along in fp32
         assert abs(sent[kind] - sent32[kind] / 2) <= 64, (stage, sent, sent32)
 

@@ -20,7 +20,7 @@ from torch import nn
 
 import shardwise
 from shardwise.testing import distributed_test, run_subtests
-from shardwise.zero.hooks import EXTERNAL_ATTR
+from shardwise.zero.stage3.hooks import EXTERNAL_ATTR
 
 STEPS = 4
 

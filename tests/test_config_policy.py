@@ -15,13 +15,13 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise.cli import main
+from shardwise.cli.commands import main
 from shardwise.config import Config, ConfigError
 from shardwise.config.catalog import ALIASES, CATALOG, Entry
 from shardwise.config.optimizers import OPTIMIZERS
 from shardwise.config.schedules import REQUIRED, SCHEDULES
-from shardwise.optim import build_optimizer
-from shardwise.schedulers import SCHEDULERS
+from shardwise.optim.optimizers import build_optimizer
+from shardwise.optim.schedulers import SCHEDULERS
 
 CONFIGS = Path(__file__).parent / "configs"
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import shardwise
 from shardwise.checkpoint import CheckpointError, load_consolidated
-from shardwise.cli import main as cli_main
+from shardwise.cli.commands import main as cli_main
 from shardwise.testing import distributed_test
 
 TOLERANCE = {"fp32": 1e-6, "bf16": 1e-3, "fp16": 1e-6}

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import shardwise
 import shardwise.deepspeed as deepspeed
-from shardwise.schedulers import WarmupCosineLR, WarmupLR
+from shardwise.optim.schedulers import WarmupCosineLR, WarmupLR
 from shardwise.testing import distributed_test
 
 LR_TOLERANCE = 1e-12  # absolute

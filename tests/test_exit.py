@@ -1,4 +1,4 @@
-"""shardwise.exit: the collectives nobody waited for are waited for at exit, bounded, and never raise."""
+"""shardwise.comm.exit: the collectives nobody waited for are waited for at exit, bounded, and never raise."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from shardwise import exit as shardwise_exit
+from shardwise.comm import exit as shardwise_exit
 
 
 class _FakeWork:
@@ -62,7 +62,7 @@ def test_exit_waits_for_unwaited_collectives_with_a_bound_and_swallows_failures(
 def _collectives_are_tracked_until_waited() -> list[bool]:
     import torch
 
-    from shardwise.distributed import Comm
+    from shardwise.comm.distributed import Comm
 
     comm = Comm(timeout=30)
     full, grads = torch.zeros(8), torch.ones(8)

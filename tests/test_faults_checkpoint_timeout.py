@@ -25,8 +25,8 @@ from _faults_common import bounded_outcome, make_engine, outcome, record_row, tr
 from torch.testing import assert_close
 
 import shardwise
-from shardwise import agreement
 from shardwise.checkpoint import CheckpointError
+from shardwise.comm import agreement
 from shardwise.testing import run_distributed, run_subtests
 
 #: what bounds a checkpoint call's wait for the other ranks here

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from _faults_common import record_row
 
-from shardwise.cli import main
+from shardwise.cli.commands import main
 
 #: seconds a hostile file may take to refuse, in process (the slowest measures ~0.6 s on a loaded 2-core host)
 LIMIT_S = 2.0

@@ -27,7 +27,7 @@ from _pipe_models import micro_batches, pipeline, tied_layers
 from torch import nn
 
 import shardwise
-from shardwise.fingerprint import client_fingerprint, config_fingerprint, module_fingerprint
+from shardwise.comm.fingerprint import client_fingerprint, config_fingerprint, module_fingerprint
 from shardwise.testing import run_distributed, run_subtests
 
 #: the DDP-parity tolerance of the legitimate case (fp32; a plain DDP run reaches ~1e-7)

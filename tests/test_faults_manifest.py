@@ -24,7 +24,7 @@ import torch.distributed as dist
 from _faults_common import make_engine, outcome, record_row, train_step
 
 from shardwise.checkpoint import CheckpointError, consolidated_state_dict
-from shardwise.cli import main
+from shardwise.cli.commands import main
 from shardwise.testing import run_distributed
 
 TAG = "good"

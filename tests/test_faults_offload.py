@@ -105,7 +105,7 @@ def test_files_are_removed_when_a_process_exits_without_destroy(tmp_path: Path) 
 
 _FORKED_CHILD_EXITS = """
 import os, sys
-from shardwise.zero.nvme_files import NvmeFiles
+from shardwise.zero.offload.files import NvmeFiles
 files = NvmeFiles(sys.argv[1], 0)
 child = os.fork()
 if child == 0:

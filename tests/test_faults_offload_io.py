@@ -30,8 +30,8 @@ from _parity import assert_close_params, batch, make_model
 
 import shardwise
 from shardwise.testing import run_distributed
-from shardwise.zero.nvme_files import OffloadIOError
-from shardwise.zero.readahead import BufferPool, pipelined
+from shardwise.zero.offload.files import OffloadIOError
+from shardwise.zero.offload.readahead import BufferPool, pipelined
 
 #: the parity model's shard (about 1,100 elements a rank) in several sub-groups, each a few hundred
 SUB_GROUP = 300
@@ -187,7 +187,7 @@ def test_an_engine_whose_offloaded_step_failed_refuses_to_step_or_save(stage: in
     folder = arrangement.files.folder
     with _failing_syscall("pwrite", errno.ENOSPC, folder), pytest.raises(OffloadIOError):
         _plain_steps(engine, 3, 1)
-    # a retried step is refused by the engine itself (any step that raised partway; shardwise.engine), a save by
+    # a retried step is refused by the engine itself (any step that raised partway; shardwise.engine.engine), a save by
     # the offloaded state
     refused = ("offloaded optimizer state is incomplete since a step failed", r"the last `engine.step\(\)`.* raised")
     for action, match in ((engine.step, refused[1]), (lambda: engine.save_checkpoint(str(tmp_path / "ckpt")), refused[0])):

@@ -1,6 +1,6 @@
 """No shared-memory segment file outlives a failed set-up: a rank raises or is killed at each set-up point.
 
-Shared memory is set up by two collective steps (``shardwise.shm``): opening the
+Shared memory is set up by two collective steps (``shardwise.comm.shm``): opening the
 group's segment (rank 0 creates a file, broadcasts its name, every rank maps it,
 all vote) and allocating a buffer every rank maps (each rank creates a file, the
 names are exchanged, every rank maps every file, all vote).  A rank that leaves
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from _faults_common import die, record_row
 
-from shardwise import shm
-from shardwise.distributed import Comm
+from shardwise.comm import shm
+from shardwise.comm.distributed import Comm
 from shardwise.testing import run_distributed
 
 #: seconds a set-up collective waits for a rank that left (the survivor's time to error)

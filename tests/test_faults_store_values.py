@@ -26,7 +26,7 @@ import torch.distributed as dist
 from _faults_common import COMMS_TIMEOUT, bounded_outcome, die, make_engine, outcome, record_row, train_step
 from _store_forger import forge, store_prefix
 
-from shardwise.agreement import _ROOT, _group_key
+from shardwise.comm.agreement import _ROOT, _group_key
 from shardwise.faults.heartbeat import Heartbeat
 from shardwise.testing import run_distributed
 

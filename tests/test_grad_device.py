@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.zero.grads import ReducedGrads
-from shardwise.zero.layout import FlatLayout
+from shardwise.zero.flat.grads import ReducedGrads
+from shardwise.zero.flat.layout import FlatLayout
 
 
 def test_no_gradient_sums_to_a_zero_on_the_gradients_device() -> None:

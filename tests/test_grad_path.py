@@ -22,7 +22,7 @@ from torch import nn
 
 import shardwise
 from shardwise.testing import distributed_test
-from shardwise.zero.params import UnitState
+from shardwise.zero.stage3.params import UnitState
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:

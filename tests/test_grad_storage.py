@@ -1,9 +1,9 @@
-"""Gradient storage is an object chosen once per stage (``shardwise.zero.grads``), one process.
+"""Gradient storage is an object chosen once per stage (``shardwise.zero.flat.grads``), one process.
 
 Each stage's storage and where its masters live (the master store's home), per precision; what a storage does with a fresh
 gradient (copied over what it held, never added) and with none (zeros, "not used"); stage 2's path
 from backward to the step passes through the storage and never through stage2.py; shared-memory
-set-up lives in ``shardwise.shm``, not in ``Comm``.  Multi-rank behaviour is covered, unchanged, by
+set-up lives in ``shardwise.comm.shm``, not in ``Comm``.  Multi-rank behaviour is covered, unchanged, by
 test_zero12.py, test_stage0.py, test_user_grads.py and test_shm.py.
 """
 
@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 import shardwise
-from shardwise.distributed import Comm
+from shardwise.comm.distributed import Comm
 from shardwise.zero.base import Backward
-from shardwise.zero.grads import FlatGrads, StagedGrads, private_zeros
-from shardwise.zero.layout import FlatLayout
+from shardwise.zero.flat.grads import FlatGrads, StagedGrads, private_zeros
+from shardwise.zero.flat.layout import FlatLayout
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from shardwise import hardware
+from shardwise.optim import hardware
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:

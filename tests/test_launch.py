@@ -15,8 +15,8 @@ import pytest
 import torch.distributed as dist
 
 import shardwise
-from shardwise.cli import _launch_environment, launch
-from shardwise.placement import DeviceError, plan_placement, require_gpu, visible_gpus
+from shardwise.cli.commands import _launch_environment, launch
+from shardwise.comm.placement import DeviceError, plan_placement, require_gpu, visible_gpus
 
 LAUNCH_VARS = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 

@@ -14,7 +14,7 @@ from _checkpoint_common import TiedNet, tied_model
 from torch import nn
 
 import shardwise
-from shardwise.export import save_state_dict
+from shardwise.model_io.export import save_state_dict
 from shardwise.testing import distributed_test, run_subtests
 from shardwise.zero import GatheredParameters
 

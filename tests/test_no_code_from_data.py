@@ -29,8 +29,8 @@ from torch import nn
 
 import shardwise.checkpoint.store_codec as store_codec
 from shardwise.checkpoint.errors import CheckpointError, StoreValueError
-from shardwise.cli import main
-from shardwise.generate import ModelSpecError, UntrustedSourceError, find_model_spec, load_model
+from shardwise.cli.commands import main
+from shardwise.model_io.generate import ModelSpecError, UntrustedSourceError, find_model_spec, load_model
 from shardwise.testing import distributed_test, run_subtests
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

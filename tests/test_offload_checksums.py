@@ -31,7 +31,7 @@ from _parity import batch, make_model
 
 import shardwise
 from shardwise.testing import run_distributed
-from shardwise.zero.nvme_files import OffloadChecksumError, OffloadIOError
+from shardwise.zero.offload.files import OffloadChecksumError, OffloadIOError
 
 #: the parity model's shard (about 2,200 elements in one process) in several sub-groups of a few hundred
 SUB_GROUP = 300
@@ -266,7 +266,7 @@ def test_digests_never_flag_what_this_rank_wrote_and_always_flag_a_change(seed: 
     """The files alone, under random writes, reads and maps (some written through, held while other calls run,
     freed in any order) at any offsets and sizes: a read always returns what was written and never raises; then
     a byte changed under a recorded run is caught by the next read or map that covers its run."""
-    from shardwise.zero.nvme_files import NvmeFiles
+    from shardwise.zero.offload.files import NvmeFiles
 
     rng = torch.Generator().manual_seed(seed)
     size = 4096
@@ -325,7 +325,7 @@ def test_digests_never_flag_what_this_rank_wrote_and_always_flag_a_change(seed: 
 def test_the_cost_benchmark_measures_digests_on_and_off(tmp_path: Path) -> None:
     """`benchmarks.offload_checksums`: its candidates run on a buffer, and its "off" arm records no digest."""
     from benchmarks.offload_checksums import _digests, digest_speeds
-    from shardwise.zero.nvme_files import NvmeFiles
+    from shardwise.zero.offload.files import NvmeFiles
 
     speeds = digest_speeds([4096])
     assert "XXH3-64 (xxhash)" in speeds and speeds["XXH3-64 (xxhash)"][4096][0] > 0
@@ -346,7 +346,7 @@ def test_a_map_freed_while_the_digests_are_in_use_is_released_at_the_next_call(t
     for the next call instead of deadlocking on the lock, and the digest is then taken anew."""
     import gc
 
-    from shardwise.zero.nvme_files import NvmeFiles
+    from shardwise.zero.offload.files import NvmeFiles
 
     files = NvmeFiles(str(tmp_path), 0)
     files.create("f", 64)

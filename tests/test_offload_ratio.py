@@ -25,8 +25,8 @@ import shardwise
 from benchmarks.offload import measure
 from shardwise.config import Config, ConfigError
 from shardwise.testing import distributed_test, run_distributed, run_subtests
-from shardwise.zero.layout import Piece
-from shardwise.zero.nvme_files import NvmeFiles
+from shardwise.zero.flat.layout import Piece
+from shardwise.zero.offload.files import NvmeFiles
 from shardwise.zero.store.plan import Chunk, plan_sub_groups, resident_split
 from shardwise.zero.store.subgroups import OffloadSlot, SubGroupStepper, placeholder, pool_for
 

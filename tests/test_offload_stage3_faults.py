@@ -25,9 +25,9 @@ from _parity import batch, make_model
 from torch import nn
 
 import shardwise
-from shardwise.zero.nvme_files import NvmeFiles, OffloadIOError
-from shardwise.zero.offloaded_shards import NvmeShard
-from shardwise.zero.params import Unit, UnitError, UnitState
+from shardwise.zero.offload.files import NvmeFiles, OffloadIOError
+from shardwise.zero.offload.shards import NvmeShard
+from shardwise.zero.stage3.params import Unit, UnitError, UnitState
 
 
 def _engine(nvme: Path, model: Optional[nn.Module] = None, max_in_cpu: int = 0) -> Any:

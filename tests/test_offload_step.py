@@ -17,9 +17,9 @@ from typing import Optional
 
 import torch
 
-from shardwise.processes import running
-from shardwise.zero.layout import Piece
-from shardwise.zero.nvme_files import NvmeFiles
+from shardwise.comm.processes import running
+from shardwise.zero.flat.layout import Piece
+from shardwise.zero.offload.files import NvmeFiles
 from shardwise.zero.store.plan import Chunk, plan_sub_groups
 from shardwise.zero.store.subgroups import OffloadSlot, SubGroupStepper, placeholder, pool_for
 

@@ -9,7 +9,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from shardwise.config import Config, ConfigError
-from shardwise.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from shardwise.optim.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 STEPS = 14
 

@@ -1,4 +1,4 @@
-"""Collectives through shared memory (``shardwise.shm``) against gloo's own, on 2 and 3 ranks.
+"""Collectives through shared memory (``shardwise.comm.shm``) against gloo's own, on 2 and 3 ranks.
 
 Both paths: tensors of the process's own, staged through the segment's slots,
 and regions of a buffer every rank maps (``Comm.shm.zeros``), read in place.
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 import shardwise
-from shardwise import shm
-from shardwise.distributed import Comm
+from shardwise.comm import shm
+from shardwise.comm.distributed import Comm
 from shardwise.faults import RankGoneError
 from shardwise.testing import distributed_test, run_distributed
 

@@ -29,7 +29,7 @@ from torch import nn
 
 import shardwise
 from shardwise.testing import distributed_test, run_subtests
-from shardwise.zero.params import is_partitioned
+from shardwise.zero.stage3.params import is_partitioned
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, gpt_config  # noqa: E402

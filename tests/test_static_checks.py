@@ -31,7 +31,7 @@ def test_ruff_reports_nothing() -> None:
 
 # zero/ is being refactored elsewhere; these deferred imports (init -> params, a loop the refactor removes;
 # safetensors and torch._dynamo) are theirs to settle. Listed by name, so a new one anywhere still fails.
-_DEFERRED_NOT_YET_EXPLAINED = {"shardwise.zero.init", "shardwise.zero.traced", "shardwise.zero.weights"}
+_DEFERRED_NOT_YET_EXPLAINED = {"shardwise.zero.stage3.init", "shardwise.zero.stage3.traced", "shardwise.zero.stage3.weights"}
 
 
 # The circles kept, each with its reason (docs/architecture.md, "Import circles kept"). Compared for equality:
@@ -39,7 +39,7 @@ _DEFERRED_NOT_YET_EXPLAINED = {"shardwise.zero.init", "shardwise.zero.traced", "
 _CIRCLES_KEPT = [
     # to be removed in the layout change of issue 36: engine_state and engine_weights (its checkpoint view and
     # weights surface) name the Engine in their annotations, and the Engine builds them
-    ["shardwise.engine", "shardwise.engine_state", "shardwise.engine_weights"],
+    ["shardwise.engine.engine", "shardwise.engine.state", "shardwise.engine.weights"],
 ]
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from _trainer_common import config
 from torch import nn
 
-from shardwise.cli import main as cli_main
+from shardwise.cli.commands import main as cli_main
 from shardwise.testing import run_distributed
 from shardwise.trainer import CSVLogger, MLflowCallback, Trainer, WandbCallback
 from shardwise.trainer.progress import Bar, Lines, make_progress

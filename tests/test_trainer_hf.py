@@ -218,7 +218,7 @@ def _export_round_trip(engine: Any, root: str, hf_dir: str, ids: torch.Tensor, w
     """`shardwise checkpoint export --hf` of a stage-3 checkpoint, in one process, loads with the same logits."""
     from transformers import AutoModelForCausalLM
 
-    from shardwise.cli import main
+    from shardwise.cli.commands import main
 
     engine.save_checkpoint(f"{root}/ckpt")
     if dist.get_rank() == 0:

@@ -12,8 +12,8 @@ from _parity import adamw, batch, make_model
 import shardwise
 from shardwise.testing import distributed_test
 from shardwise.zero import GatheredParameters
-from shardwise.zero.hooks import TrainingState
-from shardwise.zero.params import UnitError, UnitState, unit_of
+from shardwise.zero.stage3.hooks import TrainingState
+from shardwise.zero.stage3.params import UnitError, UnitState, unit_of
 
 # units: embed 1024, fc1 408, fc2 600, head 200 elements: only the head is persistent
 _CONFIG = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 250}}

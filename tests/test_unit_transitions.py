@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise.distributed import Comm
-from shardwise.zero.hooks import Gatherer, TrainingState
-from shardwise.zero.params import _UNIT_MOVES, Unit, UnitError, UnitState, move, restore_parameter
+from shardwise.comm.distributed import Comm
+from shardwise.zero.stage3.hooks import Gatherer, TrainingState
+from shardwise.zero.stage3.params import _UNIT_MOVES, Unit, UnitError, UnitState, move, restore_parameter
 
 T = TrainingState
 S = UnitState

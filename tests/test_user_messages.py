@@ -33,7 +33,7 @@ from torch.utils.data import TensorDataset
 import shardwise
 import shardwise.deepspeed as deepspeed
 from shardwise.checkpoint import CheckpointError
-from shardwise.cli import main as cli_main
+from shardwise.cli.commands import main as cli_main
 from shardwise.config import Config, ConfigError
 from shardwise.testing import distributed_test
 

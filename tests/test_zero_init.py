@@ -16,7 +16,7 @@ from torch.nn.modules import module as module_hooks
 
 import shardwise
 from shardwise.testing import distributed_test, run_subtests
-from shardwise.zero.params import is_partitioned
+from shardwise.zero.stage3.params import is_partitioned
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, gpt_config  # noqa: E402

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 
 from . import pipe, zero
 from ._version import __version__ as __version__
+from .comm.distributed import init_distributed
 from .config import Config, ConfigError, load_configs
-from .distributed import init_distributed
-from .engine import Engine
-from .engines import load_checkpoints, save_checkpoints
-from .initialization import initialize
-from .optim import ShardwiseOptimizer
+from .engine.engine import Engine
+from .engine.initialization import initialize
+from .engine.multi import load_checkpoints, save_checkpoints
+from .optim.optimizers import ShardwiseOptimizer
 from .trainer import Trainer
 
 if TYPE_CHECKING:

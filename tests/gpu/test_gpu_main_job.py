@@ -5,7 +5,7 @@
 * README command 1 exactly as written (``shardwise run --nproc-per-node 2
   examples/train_gpt.py``, default size and steps): with one GPU the two ranks
   run on the CPU with gloo and one line on stderr says so
-  (src/shardwise/placement.py); with two or more they train on the GPUs.
+  (src/shardwise/comm/placement.py); with two or more they train on the GPUs.
   It runs in a scratch folder holding a link to ``examples``, so ``runs/``
   lands there.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import _gpu
 import pytest
 
-from shardwise.placement import visible_gpus
+from shardwise.comm.placement import visible_gpus
 
 
 def _shardwise(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:

@@ -44,7 +44,8 @@ def _consolidate(ns: argparse.Namespace) -> int:
 
 
 def _export(ns: argparse.Namespace) -> int:
-    from ..pretrained import export_pretrained  # here: it imports DCP (~1.4 s), which `shardwise run` does not need
+    # here: it imports DCP (~1.4 s), which `shardwise run` does not need
+    from ..model_io.pretrained import export_pretrained
 
     try:
         configs = export_pretrained(ns.ckpt_dir, ns.out_dir, tag=ns.tag, engine=ns.engine, config=ns.config)

@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ..export import ALIASES_KEY, KEYS_KEY, save_state_dict, tied_aliases
+from ..model_io.export import ALIASES_KEY, KEYS_KEY, save_state_dict, tied_aliases
 from .codec import Decoder, refuse_pickles, tensor_refs
 from .deepspeed_files import find_deepspeed
 from .deepspeed_format import read_deepspeed

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..agreement import Session
+from ..comm.agreement import Session
 from .digests import digest
 from .errors import StoreValueError
 from .oserror import explained

@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..agreement import Session
-from ..param_state import ParamShard
+from ..comm.agreement import Session
+from ..optim.param_state import ParamShard
 from .deepspeed_format import DeepSpeedCheckpoint, DeepSpeedParam, read_deepspeed
 from .deepspeed_model import ModelShapes
 from .errors import CheckpointError

@@ -5,7 +5,7 @@
     SAVE_DIR/
       latest                    the tag of the newest complete checkpoint
       TAG/
-        engines.json            {"format": "shardwise.engines", "engines": ["student", "teacher"], ...}
+        engines.json            {"format": "shardwise.engine.multi", "engines": ["student", "teacher"], ...}
         student/                a complete checkpoint of one engine (see layout.py)
         teacher/
 
@@ -32,8 +32,8 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch.distributed as dist
 
-from ..agreement import Session, join
-from ..distributed import Comm
+from ..comm.agreement import Session, join
+from ..comm.distributed import Comm
 from ..faults.announce import Announcer
 from ..faults.ledger import doing
 from . import files

@@ -45,7 +45,7 @@ __all__ = [
 MANIFEST = "shardwise.json"
 #: a checkpoint of several engines: their names, next to one subdirectory each (group.py)
 GROUP_MANIFEST = "engines.json"
-GROUP_FORMAT = "shardwise.engines"
+GROUP_FORMAT = "shardwise.engine.multi"
 _MAX_GROUP_BYTES = 1 << 20
 LATEST = "latest"
 TEMP_PREFIX = ".tmp-"

@@ -22,8 +22,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ..agreement import Session, join
-from ..param_state import ParamShard
+from ..comm.agreement import Session, join
+from ..optim.param_state import ParamShard
 from .codec import Decoder, refuse_pickles, tensor_refs
 from .conform import conform
 from .deepspeed_files import find_deepspeed

@@ -4,8 +4,8 @@
 :class:`Checkpointable` (``Engine.checkpointable()`` provides one; a pipeline
 engine can provide its own).  It covers
 
-* the process group (:class:`~shardwise.distributed.Comm`) and settings;
-* this rank's :class:`~shardwise.param_state.ParamShard`s: fp32 masters and,
+* the process group (:class:`~shardwise.comm.distributed.Comm`) and settings;
+* this rank's :class:`~shardwise.optim.param_state.ParamShard`s: fp32 masters and,
   through each shard's slot, optimizer state, wherever the stage keeps them;
 * the module's other entries (buffers, frozen parameters), whose full values
   the stage reads and writes, collectively where they are partitioned;
@@ -23,8 +23,8 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 from torch import nn
 
-from ..distributed import Comm
-from ..param_state import ParamShard
+from ..comm.distributed import Comm
+from ..optim.param_state import ParamShard
 
 __all__ = ["Apply", "Checkpointable", "OptimizerInfo", "Stateful"]
 

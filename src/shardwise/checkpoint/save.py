@@ -40,10 +40,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from .._version import __version__
-from ..agreement import Session, join
-from ..export import save_state_dict
+from ..comm.agreement import Session, join
 from ..faults.errors import RankGoneError
-from ..param_state import ParamShard
+from ..model_io.export import save_state_dict
+from ..optim.param_state import ParamShard
 from .codec import Encoder
 from .commit import commit, remove_stale_temps, write_json
 from .dcp_steps import save_through_steps

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..param_state import ParamShard, is_per_element
+from ..optim.param_state import ParamShard, is_per_element
 from .codec import Decoder, Encoder
 from .errors import CheckpointError
 from .storage import FlatChunks

@@ -16,7 +16,7 @@ Defaults follow plain PyTorch: `gradient_clipping` is 0 (off) when absent, where
 clips at 1.0 by default.
 
 This package only describes: it imports no shardwise runtime module. The runtime
-(`shardwise.optim`, `shardwise.schedulers`, the engine) imports it.
+(`shardwise.optim.optimizers`, `shardwise.optim.schedulers`, the engine) imports it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The one optimizer registry: which torch optimizer each config `optimizer.type` names.
 
-This module only describes; `shardwise.optim.build_optimizer` builds from it and the
+This module only describes; `shardwise.optim.optimizers.build_optimizer` builds from it and the
 `optimizer` config section validates against it. Every optimizer here updates each element
 from its own gradient and state, which is what lets ZeRO shard it piece by piece (see
 docs/zero.md); whole-tensor optimizers (LAMB, Adafactor, Muon) do not fit.

@@ -1,6 +1,6 @@
 """The learning-rate schedules a config `scheduler` section can name, and their argument checks.
 
-This module only describes (names, arguments, defaults, valid ranges): `shardwise.schedulers`
+This module only describes (names, arguments, defaults, valid ranges): `shardwise.optim.schedulers`
 implements the schedules and validates against the same description, so the config and the
 constructors reject the same values.
 """

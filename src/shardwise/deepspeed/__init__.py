@@ -18,7 +18,7 @@ docs/from-deepspeed.md lists the porting steps and what differs.
 
 from __future__ import annotations
 
-from shardwise.engine import Engine as DeepSpeedEngine
+from shardwise.engine.engine import Engine as DeepSpeedEngine
 
 from . import accelerator, comm, pipe, runtime, utils, zero
 from .arguments import add_config_arguments

@@ -4,7 +4,7 @@ Client code written against `deepspeed.comm` (`dist.get_rank()`, `dist.all_reduc
 `dist.barrier()`) runs unchanged with `import shardwise.deepspeed.comm as dist`. Ranks and
 sizes answer 0 and 1 when no process group exists, as in a plain one-process run; collectives
 need a group (`init_distributed`). DeepSpeed's profiling keywords (`prof`, `log_name`, `debug`)
-are accepted and ignored. shardwise's own engine talks to `shardwise.distributed.Comm`, not to
+are accepted and ignored. shardwise's own engine talks to `shardwise.comm.distributed.Comm`, not to
 this module.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardwise.distributed import init_distributed as _init_from_env
+from shardwise.comm.distributed import init_distributed as _init_from_env
 
 __all__ = [
     "ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all_single", "barrier", "broadcast",

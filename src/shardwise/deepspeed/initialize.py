@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import shardwise
 from shardwise.config import Config
-from shardwise.engine import Engine
+from shardwise.engine.engine import Engine
 from shardwise.pipe import PipelineModule
 from shardwise.pipe.engine import PipelineEngine
 

@@ -21,7 +21,7 @@ What announces (one exchange each, never one per collective; ``comms.debug`` kee
 * ``GatheredParameters`` (when it gathers), ``shardwise.save_checkpoints``/``load_checkpoints``.
 
 A checkpoint operation (``save_checkpoint``, ``load_checkpoint``, ``save_checkpoints``, ``load_checkpoints``)
-announces *after* its store agreement (:func:`shardwise.agreement.join`), which ``checkpoint.timeout`` bounds:
+announces *after* its store agreement (:func:`shardwise.comm.agreement.join`), which ``checkpoint.timeout`` bounds:
 a rank in no shardwise call at all is waited for until then (a slow rank cannot be told from an absent
 one), and the call is closed in the store so the ranks realign; a rank in another announced operation is seen
 waiting in its exchange (:func:`.control.waiting_in_next`) and the announcement then names both operations on
@@ -92,7 +92,7 @@ class Announcer:
         has an agreement of its own), unless another already covers the group.  ``detail`` (``, in
         `generate`,``) is part of the operation: the same operation with another detail is another.
         ``after_agreement``: announced by the store agreement that starts the operation (:meth:`Scope.agreed`,
-        called by :func:`shardwise.agreement.join`), not when it opens."""
+        called by :func:`shardwise.comm.agreement.join`), not when it opens."""
         return Scope(self, operation, announce, detail, after_agreement)
 
     def announce(self, operation: str, detail: str = "") -> None:

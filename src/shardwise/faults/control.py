@@ -36,7 +36,7 @@ raised and will not come is named within a fraction of a second, not at
 
 An exchange that is still waiting after 50 ms says so in the store
 (:func:`waiting_in_next`): a checkpoint operation, which meets the other ranks
-in the store first (:mod:`shardwise.agreement`, bounded by
+in the store first (:mod:`shardwise.comm.agreement`, bounded by
 ``checkpoint.timeout``), announces itself only once every rank joined it, or
 once every rank that did not is waiting in such an exchange (then the
 announcement names both operations on every rank within seconds).  So no

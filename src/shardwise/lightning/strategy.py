@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import shardwise
 from shardwise.config import Config
-from shardwise.engine import Engine
-from shardwise.optim import build_optimizer
-from shardwise.schedulers import build_scheduler
+from shardwise.engine.engine import Engine
+from shardwise.optim.optimizers import build_optimizer
+from shardwise.optim.schedulers import build_scheduler
 
 from . import flavour as flavours
 from .checks import refuse_unsupported, single_optimizer

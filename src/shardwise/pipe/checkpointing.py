@@ -2,7 +2,7 @@
 
 The checkpoint layer sees an engine through that protocol only;
 :class:`PipelineState` is the pipeline's, a plain engine's
-(:class:`~shardwise.engine_state.EngineState`) with four things changed:
+(:class:`~shardwise.engine.state.EngineState`) with four things changed:
 
 * ``comm`` is the whole world: every stage of every replica takes part and
   writes its pieces;
@@ -30,16 +30,16 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..distributed import Comm
-from ..engine_state import EngineState
-from ..param_state import ParamShard
+from ..comm.distributed import Comm
+from ..engine.state import EngineState
+from ..optim.param_state import ParamShard
 from .module import TIED_PREFIX, PipelineModule
 from .ties import TiedWeights
 from .topology import PipeGroups
 
 if TYPE_CHECKING:
     from ..checkpoint.protocol import Apply
-    from ..engine import Engine
+    from ..engine.engine import Engine
 
 __all__ = ["GlobalModule", "PipelineState", "global_order"]
 

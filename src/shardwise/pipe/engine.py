@@ -26,15 +26,15 @@ from typing import Any, Iterator, NoReturn, Optional
 import torch
 import torch.distributed as dist
 
-from ..agreement import join
+from ..comm.agreement import join
+from ..comm.construction import digests, require_same_construction
+from ..comm.distributed import Comm
+from ..comm.fingerprint import config_fingerprint
 from ..config import Config
-from ..construction import digests, require_same_construction
-from ..distributed import Comm
-from ..engine import Engine
-from ..export import save_state_dict
+from ..engine.engine import Engine
 from ..faults.announce import Announcer, collective
-from ..fingerprint import config_fingerprint
-from ..zero.flat import FlatStrategy
+from ..model_io.export import save_state_dict
+from ..zero.flat.strategy import FlatStrategy
 from .checkpointing import PipelineState, global_order
 from .layers import compute_loss
 from .module import PipelineModule

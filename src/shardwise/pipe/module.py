@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed import init_distributed
+from ..comm.distributed import init_distributed
 from .layers import CheckpointFn, Layer, compute_loss, default_checkpoint, run_layers
 from .partition import partition
 from .sequential import PipelineSequential

@@ -9,7 +9,7 @@ the receiving side knows every shape without another header.
 Sends are asynchronous (``isend``) and waited on at the end of the schedule;
 receives block.  Messages between two ranks arrive in the order they were
 sent, and activations and gradients travel in opposite directions, so
-neither needs a tag.  All traffic goes through :class:`~shardwise.distributed.Comm`,
+neither needs a tag.  All traffic goes through :class:`~shardwise.comm.distributed.Comm`,
 which counts the bytes.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..distributed import Comm, Work
+from ..comm.distributed import Comm, Work
 
 __all__ = ["Channel", "HEADER_SLOTS", "gather_to_first", "working_copy"]
 

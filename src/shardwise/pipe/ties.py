@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..distributed import Comm
+from ..comm.distributed import Comm
 from .module import TIED_PREFIX, PipelineModule
 from .topology import PipeGroups
 

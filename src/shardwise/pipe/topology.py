@@ -4,7 +4,7 @@ Ranks are laid out stage-major, as DeepSpeed's ``PipeDataParallelTopology``:
 rank ``= stage × replicas + replica``, so the replicas of one stage are
 neighbours (their gradient reductions are the heavy traffic).  Every rank
 creates every group in the same order, as ``torch.distributed.new_group``
-requires, and keeps a :class:`~shardwise.distributed.Comm` for the ones it
+requires, and keeps a :class:`~shardwise.comm.distributed.Comm` for the ones it
 belongs to.
 """
 
@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 
 import torch.distributed as dist
 
-from ..distributed import Comm
+from ..comm.distributed import Comm
 
 __all__ = ["PipeGroups", "PipeTopology"]
 

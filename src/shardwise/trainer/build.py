@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
+from ..comm.distributed import init_distributed
 from ..config import Config
-from ..distributed import init_distributed
-from ..initialization import initialize
+from ..engine.initialization import initialize
 
 __all__ = ["TOTAL_STEPS", "build_engine", "planned_steps"]
 

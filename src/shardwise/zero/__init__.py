@@ -6,16 +6,16 @@ from typing import Any
 
 from torch import nn
 
-from ..distributed import Comm
-from ..precision import Precision
+from ..comm.distributed import Comm
+from ..optim.precision import Precision
 from .base import Strategy
-from .gathered import GatheredParameters, register_external_parameter
-from .init import Init
-from .stage0 import Stage0
-from .stage1 import Stage1
-from .stage2 import Stage2
-from .stage3 import Stage3
-from .weights import LoadResult, load_state_dict
+from .flat.stage0 import Stage0
+from .flat.stage1 import Stage1
+from .flat.stage2 import Stage2
+from .stage3.gathered import GatheredParameters, register_external_parameter
+from .stage3.init import Init
+from .stage3.strategy import Stage3
+from .stage3.weights import LoadResult, load_state_dict
 
 __all__ = [
     "GatheredParameters", "Init", "LoadResult", "Strategy", "load_state_dict", "make_strategy",

@@ -27,10 +27,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..distributed import Comm
-from ..ownership import owner_label
-from ..param_state import ParamShard
-from ..precision import Precision
+from ..comm.distributed import Comm
+from ..engine.ownership import owner_label
+from ..optim.param_state import ParamShard
+from ..optim.precision import Precision
 
 __all__ = ["Backward", "Strategy", "group_index", "module_order", "tensor_bytes"]
 

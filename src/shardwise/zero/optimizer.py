@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional
 
-from ..distributed import Comm
-from ..optim import ShardwiseOptimizer
-from ..precision import Precision
+from ..comm.distributed import Comm
+from ..optim.optimizers import ShardwiseOptimizer
+from ..optim.precision import Precision
 from .base import Strategy
 
 __all__ = ["ZeroOptimizer"]

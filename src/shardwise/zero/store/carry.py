@@ -16,9 +16,9 @@ from typing import Any, Callable, MutableMapping
 
 import torch
 
-from ...distributed import Comm
-from ...param_state import KeptSlot, copy_value, is_per_element
-from ..layout import FlatLayout
+from ...comm.distributed import Comm
+from ...optim.param_state import KeptSlot, copy_value, is_per_element
+from ..flat.layout import FlatLayout
 from .frozen import Kept
 from .store import MasterStore
 

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from ...param_state import KeptSlot, copy_value, is_per_element
+from ...optim.param_state import KeptSlot, copy_value, is_per_element
 
 __all__ = ["FrozenStore", "Kept"]
 

@@ -28,8 +28,8 @@ from typing import Any, MutableMapping, Optional, Protocol, Sequence
 
 import torch
 
-from ...param_state import StateSlot
-from ..layout import Piece as Run
+from ...optim.param_state import StateSlot
+from ..flat.layout import Piece as Run
 from .frozen import Kept
 
 __all__ = ["Home", "ModelSide", "Piece", "Run", "Runs"]

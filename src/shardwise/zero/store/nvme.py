@@ -27,9 +27,9 @@ from typing import Any, MutableMapping, Optional, Sequence
 
 import torch
 
-from ...param_state import KeptSlot, copy_value
-from ..nvme_files import NvmeFiles
-from ..readahead import BufferPool
+from ...optim.param_state import KeptSlot, copy_value
+from ..offload.files import NvmeFiles
+from ..offload.readahead import BufferPool
 from .frozen import Kept
 from .home import Home, ModelSide, Piece, Run
 from .plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, say_split, state_bytes_per_element

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from ..layout import Piece
+from ..flat.layout import Piece
 
 __all__ = ["Chunk", "OffloadSpec", "SubGroup", "offload_spec", "plan_sub_groups", "resident_split",
            "say_split", "state_bytes_per_element"]

@@ -12,7 +12,7 @@ once, for every stage and home:
 * freezing: a piece that stops training leaves the optimizer, its master and state kept
   (:class:`~.frozen.FrozenStore`) until it trains again (:meth:`MasterStore.refresh`; the flat stages
   rebuild their layout instead, :meth:`MasterStore.adopt` taking back what :mod:`.carry` kept);
-* checkpoints: each piece as a :class:`~shardwise.param_state.ParamShard`, frozen ones included
+* checkpoints: each piece as a :class:`~shardwise.optim.param_state.ParamShard`, frozen ones included
   (:meth:`MasterStore.shards`);
 * byte accounting; and values written into the model: the masters follow (:meth:`MasterStore.take`).
 """
@@ -24,7 +24,7 @@ from typing import Any, Iterator, MutableMapping, NamedTuple, Optional, Sequence
 
 import torch
 
-from ...param_state import KeptSlot, OptimizerSlot, ParamShard, StateSlot
+from ...optim.param_state import KeptSlot, OptimizerSlot, ParamShard, StateSlot
 from ..base import tensor_bytes
 from .frozen import FrozenStore, Kept
 from .home import Home, ModelSide, Piece, Run

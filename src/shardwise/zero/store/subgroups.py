@@ -26,9 +26,9 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
 
 import torch
 
-from ...param_state import copy_value, is_per_element
-from ..nvme_files import NvmeFiles, OffloadChecksumError, OffloadIOError
-from ..readahead import BufferPool, pipelined
+from ...optim.param_state import copy_value, is_per_element
+from ..offload.files import NvmeFiles, OffloadChecksumError, OffloadIOError
+from ..offload.readahead import BufferPool, pipelined
 from .plan import Chunk, SubGroup
 
 __all__ = ["Arrangement", "OffloadSlot", "SubGroupStepper", "placeholder", "pool_for"]

@@ -1,0 +1,630 @@
+"""Collectives through shared memory, for the CPU ranks of one host.
+
+gloo moves every byte of a collective through a loopback TCP socket: a copy
+into the kernel, a copy out, and the kernel's network stack in between, all on
+the cores training needs.  Ranks on one host can read each other's data where
+it lies instead.  Measured on a 2-core Xeon, 2 ranks, a 20 MB fp32 all-reduce:
+gloo 12-19 ms, this module 6-8 ms, with bit-identical results.
+
+How.  The ranks of a group map one segment under ``/dev/shm``: a header of
+per-rank flags and, per rank, two slots of :data:`CHUNK` bytes.  A collective
+runs chunk by chunk, each chunk with the group's next sequence number ``s``.
+A rank copies its part of the chunk into its slot ``s % 2``, publishes
+``s + 1`` in its flag, waits until every rank's flag reads at least ``s + 1``,
+then reads what it needs from every slot: a sum taken in rank order (the same
+bits on every rank), or the pieces of an all-gather.  Two slots suffice: a
+rank writes slot ``s % 2`` again only at ``s + 2``, after it saw every flag
+reach ``s + 1``, which a rank publishes only once it has read chunk ``s``.
+
+Collectives run on one worker thread per segment, in the order they were
+issued (the order every rank issues them), so an asynchronous one overlaps
+backward as gloo's does (torch kernels release the GIL).  A rank waits for
+its peers by polling their flags with a growing sleep (20 µs up to 0.5 ms,
+5 ms once it has waited a second); it gives up after
+``comms.timeout``, or as soon as a peer's heartbeat stops (a dead peer never
+publishes), with a ``RuntimeError`` the fault layer turns into an error that
+names the rank (:mod:`shardwise.faults`).
+
+Buffers every rank maps (:meth:`SharedSegment.allocate`; the flat stages keep
+their gradients in one) need no staging: a collective over a region of one
+reads the peers' copies where they lie.  For an all-reduce each rank sums its
+1/N of the region across the N copies (in rank order) and writes the result
+into all N; for a reduce-scatter, its own slice only.  Two flags fence it:
+"my region is written" before anyone reads, "I am done with yours" before
+anyone writes that region again.  That moves a fifth of the bytes the staged
+path moves at 2 ranks (measured: see docs/benchmarks.md).
+
+Set up once per :class:`~shardwise.comm.distributed.Comm` that asks for it (through
+the :class:`SharedMemory` handle it keeps), a collective step of its own: rank 0 creates the file, every rank maps it and
+checks a random token, and the segment is used only if every rank succeeded.
+No file outlives its set-up: every rank that knows a file's name removes it
+on every way out of the set-up (right after the vote that says every rank
+mapped it, or when a collective of the set-up raises: a peer raised, was
+killed or timed out), so a peer killed with ``SIGKILL``, whose own clean-up
+never runs, leaves nothing either.  The one gap, a creator killed before its
+peers learnt the name, is closed by the next set-up on the host: a file of
+this user named after a process that no longer exists is removed
+(:func:`sweep`).  Otherwise (ranks on several hosts, no ``/dev/shm``, no
+room) the group keeps gloo.  x86-64 only: there stores become visible to other cores in
+program order, so a peer that reads a flag also sees the data written before.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import queue
+import re
+import secrets
+import struct
+import threading
+import time
+import weakref
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..faults.liveness import PeerWatch
+from .processes import running
+
+__all__ = ["CHUNK", "SharedMemory", "ShmWork", "SharedSegment", "open_segment", "supported", "sweep"]
+
+#: bytes per rank per step (measured: 4 MiB beat 1, 2, 8 and 16 MiB for a 20 MB all-reduce)
+CHUNK = 4 << 20
+_HEADER = 4096  # bytes: int64 words, [0] the token, [8 + r] rank r's flag
+_TOKEN, _FLAGS = 0, 8
+_MAX_RANKS = _HEADER // 8 - _FLAGS
+_DIRECTORY = "/dev/shm"
+#: a segment file's name: the prefix, the creating process's id, a random part
+_PREFIX = "shardwise-"
+_NAME = re.compile(rf"{_PREFIX}(\d+)-[0-9a-f]{{16}}")
+_FIRST_SLEEP, _LAST_SLEEP = 2e-5, 5e-4  # seconds between polls of a flag, doubling up to the last
+#: after this long waiting (a peer busy elsewhere: evaluation, data loading) poll this often instead
+_LONG_WAIT, _LONG_SLEEP = 1.0, 5e-3
+
+
+def supported(world: int) -> str:
+    """Why this process cannot use shared memory for a ``world``-rank group ('' when it can)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the CPU is {platform.machine()}, not x86-64"
+    if world > _MAX_RANKS:
+        return f"{world} ranks is more than {_MAX_RANKS}"
+    if not os.path.isdir(_DIRECTORY):
+        return f"there is no {_DIRECTORY}"
+    return ""
+
+
+class ShmWork:
+    """An issued shared-memory collective: ``wait`` returns once the worker finished it, or raises its error."""
+
+    def __init__(self, worker: threading.Thread) -> None:
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._worker = worker
+
+    def finish(self, error: Optional[BaseException]) -> None:
+        self._error = error
+        self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        # The worker bounds every wait on a peer by itself; a bound here only stops a caller (exit) early.
+        limit = timeout.total_seconds() if timeout is not None else None
+        start = time.monotonic()
+        while not self.wait_for(1.0 if limit is None else min(1.0, limit)):
+            if limit is not None and time.monotonic() - start > limit:
+                raise RuntimeError(f"shared-memory collective not finished within {limit:g} s")
+        return True
+
+    def wait_for(self, seconds: float) -> bool:
+        """Wait at most ``seconds``: True once finished (its error raised), False while it runs on."""
+        if not self._done.wait(seconds):
+            if not self._worker.is_alive():
+                raise RuntimeError("the shared-memory collective worker thread has ended")
+            return False
+        if self._error is not None:
+            raise RuntimeError(str(self._error)) from self._error
+        return True
+
+
+class SharedSegment:
+    """A mapped segment and the worker thread that runs one group's collectives through it."""
+
+    def __init__(self, mapped: mmap.mmap, rank: int, world: int, peers: list[int], timeout: float) -> None:
+        self.rank, self.world = rank, world
+        self._words = memoryview(mapped)[:_HEADER].cast("q")
+        data = torch.frombuffer(mapped, dtype=torch.uint8, offset=_HEADER, count=2 * world * CHUNK)
+        self._slots = data.view(2, world, CHUNK)
+        self._seq = 0
+        self._peers = [p for i, p in enumerate(peers) if i != rank]  # global ranks, for the heartbeat watch
+        self._timeout = timeout
+        self._watch = PeerWatch()
+        self._broken: Optional[BaseException] = None
+        #: the waiter gave up (a peer raised and will not come): the collective being run stops waiting
+        self._abandoned = False
+        #: buffers every rank maps: this rank's base address -> (bytes, every rank's copy as uint8, None for this rank)
+        self._shared: dict[int, tuple[int, list[Optional[torch.Tensor]]]] = {}
+        self._queue: queue.SimpleQueue[Optional[_Job]] = queue.SimpleQueue()
+        # The thread holds the segment only weakly: a segment nobody uses any more is freed, and its thread ends.
+        self._thread = threading.Thread(target=_serve, args=(self._queue, weakref.ref(self)), name="shardwise-shm",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """End the worker thread once the collectives already issued are done."""
+        self._queue.put(None)
+
+    def abandon(self) -> None:
+        """The group is broken (its waiter raised): the collective waiting for a peer stops at its next poll,
+        and every later one fails at once, instead of each waiting out ``comms.timeout``."""
+        self._abandoned = True
+
+    # ------------------------------------------------------------ the API
+    def all_reduce(self, tensor: torch.Tensor) -> ShmWork:
+        """Sum ``tensor`` across ranks, in place."""
+        copies = self._copies(tensor)
+        if copies is not None:
+            return self._submit(self._all_reduce_shared, tensor, copies)
+        return self._submit(self._all_reduce, tensor)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> ShmWork:
+        """Every rank's ``input`` concatenated, in rank order, into ``output``."""
+        return self._submit(self._all_gather, output, input)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> ShmWork:
+        """The sum across ranks of chunk ``rank`` of ``input`` (N equal chunks), into ``output``."""
+        copies = self._copies(input)
+        if copies is not None:
+            return self._submit(self._reduce_scatter_shared, output, copies)
+        return self._submit(self._reduce_scatter, output, input)
+
+    def _submit(self, run: Callable[..., None], *args: Any) -> ShmWork:
+        work = ShmWork(self._thread)
+        self._queue.put((run, args, work))
+        return work
+
+    def _run(self, job: "_Job") -> None:
+        run, args, work = job
+        if self._broken is None:
+            try:
+                run(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter; later collectives fail too
+                self._broken = exc
+        work.finish(self._broken)
+
+    # ----------------------------------------------------------- one step
+    def _mine(self) -> torch.Tensor:
+        """This rank's slot for the next step (write its part there, then :meth:`_publish`)."""
+        return self._slots[self._seq % 2, self.rank]
+
+    def _publish(self) -> torch.Tensor:
+        """Say this rank's slot is written; return every rank's slot of this step once all are."""
+        seq = self._seq
+        self._seq += 1
+        self._words[_FLAGS + self.rank] = seq + 1
+        self._await(seq + 1)
+        return self._slots[seq % 2]
+
+    def _await(self, value: int) -> None:
+        words = self._words
+        start = time.monotonic()
+        for r in range(self.world):
+            delay = _FIRST_SLEEP
+            while words[_FLAGS + r] < value:
+                time.sleep(delay)
+                if delay < _LAST_SLEEP:
+                    delay *= 2
+                    continue
+                self._check_peers(r, start)
+                if time.monotonic() - start > _LONG_WAIT:
+                    delay = _LONG_SLEEP  # a long wait costs the waiting rank's core ~200 wake-ups a second
+
+    def _check_peers(self, waiting_for: int, start: float) -> None:
+        if self._abandoned:
+            raise RuntimeError(f"shared-memory collective abandoned while waiting for group rank {waiting_for}: "
+                               "this rank gave up on the group (its error says why)")
+        gone = self._watch.gone(self._peers)
+        if gone:
+            raise RuntimeError(f"shared-memory collective: rank(s) {gone} stopped beating (gone) while this rank "
+                               f"waited for group rank {waiting_for}")
+        if time.monotonic() - start > self._timeout:
+            raise RuntimeError(f"shared-memory collective timed out after {self._timeout:g} s waiting for group "
+                               f"rank {waiting_for}")
+
+    # -------------------------------------------------------- collectives
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        with _contiguous(tensor) as flat:
+            per = CHUNK // flat.element_size()
+            for start in range(0, flat.numel(), per):
+                part = flat[start : start + per]
+                count = part.numel()
+                self._mine().view(flat.dtype)[:count].copy_(part)
+                self._sum(self._publish().view(flat.dtype)[:, :count], part)
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        with _contiguous(output) as out, _contiguous(input, copy_back=False) as inp:
+            source, target = inp.view(torch.uint8), out.view(torch.uint8)
+            size = source.numel()
+            for start in range(0, size, CHUNK):
+                count = min(CHUNK, size - start)
+                self._mine()[:count].copy_(source[start : start + count])
+                slots = self._publish()
+                for r in range(self.world):
+                    target[r * size + start : r * size + start + count].copy_(slots[r, :count])
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        with _contiguous(output) as out, _contiguous(input, copy_back=False) as inp:
+            world, size = self.world, out.numel()
+            rows = inp.view(world, size)  # row q: what this rank adds to rank q's result
+            per = CHUNK // (world * out.element_size())
+            for start in range(0, size, per):
+                count = min(per, size - start)
+                mine = self._mine().view(out.dtype)[: world * per].view(world, per)
+                mine[:, :count].copy_(rows[:, start : start + count])
+                pieces = self._publish().view(out.dtype)[:, : world * per].view(world, world, per)
+                self._sum(pieces[:, self.rank, :count], out[start : start + count])
+
+    def _all_reduce_shared(self, tensor: torch.Tensor, copies: list[torch.Tensor]) -> None:
+        """In a buffer every rank maps: sum this rank's 1/N of the region over all copies, write it into all."""
+        self._publish()  # this rank's region is written: peers may read it
+        count = tensor.numel()
+        lo, hi = count * self.rank // self.world, count * (self.rank + 1) // self.world
+        step = CHUNK // tensor.element_size()
+        for start in range(lo, hi, step):  # a chunk at a time: the sum is still in cache when it is copied out
+            end = min(start + step, hi)
+            rows = [copy[start:end] for copy in copies]
+            mine = rows[self.rank]
+            self._sum(rows, mine)
+            for q, row in enumerate(rows):
+                if q != self.rank:
+                    row.copy_(mine)
+        self._publish()  # this rank's part is in every copy, and it reads no copy any more
+
+    def _reduce_scatter_shared(self, output: torch.Tensor, copies: list[torch.Tensor]) -> None:
+        """In a buffer every rank maps: this rank's slice summed over all copies, into its own copy and ``output``."""
+        self._publish()
+        size = output.numel()
+        lo, step = self.rank * size, CHUNK // output.element_size()
+        for start in range(lo, lo + size, step):  # a chunk at a time: bounds _sum's scratch tensor
+            end = min(start + step, lo + size)
+            rows = [copy[start:end] for copy in copies]
+            self._sum(rows, rows[self.rank])
+        mine = copies[self.rank][lo : lo + size]
+        if output.data_ptr() != mine.data_ptr():
+            output.copy_(mine.view_as(output))
+        self._publish()  # done reading the peers' slices: they may write their buffers again
+
+    @staticmethod
+    def _sum(rows: Any, out: torch.Tensor) -> None:
+        """``out`` = rows[0] + rows[1] + ..., in rank order: the same bits on every rank.
+
+        ``out`` may be one of the rows; past the first two, that row is read last, so the partial sum
+        goes to a scratch tensor first.
+        """
+        late = any(row.data_ptr() == out.data_ptr() for row in rows[2:])
+        total = torch.add(rows[0], rows[1]) if late else torch.add(rows[0], rows[1], out=out)
+        for r in range(2, len(rows)):
+            total.add_(rows[r])
+        if late:
+            out.copy_(total)
+
+    # ------------------------------------------------- buffers every rank maps
+    def allocate(self, numel: int, dtype: torch.dtype, exchange: Callable[[bytes], list[bytes]],
+                 agree: Callable[[bool], bool]) -> Optional[torch.Tensor]:
+        """Collective: a zeroed flat tensor in memory every rank maps, or None (then allocate privately).
+
+        ``exchange(offer)`` returns every rank's bytes (an all-gather); ``agree(ok)`` as for
+        :func:`open_segment`.
+        """
+        nbytes = max(numel * torch.empty(0, dtype=dtype).element_size(), 1)
+        offer, reason = _create(_HEADER + nbytes)
+        offers = [offer]
+        mappings: list[Optional[mmap.mmap]] = []
+        try:
+            offers = exchange(offer)
+            for peer in offers:
+                mapped, why = _attach(peer, _HEADER + nbytes) if peer else (None, "no segment")
+                reason = reason or why
+                mappings.append(mapped)
+            usable = agree(not reason)
+        finally:
+            # Every rank removes every file it knows of: a peer killed after the exchange cannot remove its own.
+            _remove_all(offers)
+        own = mappings[self.rank]
+        if not usable or own is None:
+            return None
+        mine = torch.frombuffer(own, dtype=torch.uint8, offset=_HEADER, count=nbytes)
+        copies: list[Optional[torch.Tensor]] = [
+            None if r == self.rank or mapped is None else
+            torch.frombuffer(mapped, dtype=torch.uint8, offset=_HEADER, count=nbytes)
+            for r, mapped in enumerate(mappings)]
+        self._shared[mine.data_ptr()] = (nbytes, copies)
+        # When the last view of this rank's buffer is freed, its mapping goes, and with it the peers' copies.
+        # (A tensor's Python object is no handle on its lifetime: torch makes a new one for every `_base`.)
+        weakref.finalize(own, self._shared.pop, mine.data_ptr(), None)
+        return mine.view(dtype)[:numel]
+
+    def _copies(self, tensor: torch.Tensor) -> Optional[list[torch.Tensor]]:
+        """Every rank's copy of ``tensor``'s region (this rank's: ``tensor``), when it lies in a shared buffer."""
+        if not self._shared or not tensor.is_contiguous():
+            return None
+        address, count = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        for base, (nbytes, copies) in self._shared.items():
+            offset = address - base
+            if 0 <= offset and offset + count <= nbytes:
+                return [tensor.view(-1) if copy is None else copy[offset : offset + count].view(tensor.dtype)
+                        for copy in copies]
+        return None
+
+
+_Job = tuple[Callable[..., None], tuple[Any, ...], ShmWork]
+
+
+def _serve(jobs: "queue.SimpleQueue[Optional[_Job]]", segment: "weakref.ref[SharedSegment]") -> None:
+    """The worker thread: run the segment's collectives in order until it is closed or freed."""
+    while True:
+        try:
+            job = jobs.get(timeout=1.0)
+        except queue.Empty:
+            if segment() is None:
+                return
+            continue
+        owner = segment()
+        if job is None or owner is None:
+            return
+        owner._run(job)
+        del owner, job  # hold nothing between jobs
+
+
+class _contiguous:
+    """``tensor`` as a flat contiguous view, or a flat copy written back on exit (``copy_back``)."""
+
+    def __init__(self, tensor: torch.Tensor, copy_back: bool = True) -> None:
+        self.tensor = tensor
+        self.copy = not tensor.is_contiguous()
+        self.copy_back = copy_back
+
+    def __enter__(self) -> torch.Tensor:
+        self.flat = (self.tensor.contiguous() if self.copy else self.tensor).view(-1)
+        return self.flat
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.copy and self.copy_back and exc[0] is None:
+            self.tensor.copy_(self.flat.view_as(self.tensor))
+
+
+# ------------------------------------------------------- a group's handle
+#: what a set-up collective's failure becomes: ``fault(operation, cause)`` returns the error to raise
+Fault = Callable[[str, BaseException], BaseException]
+
+
+class SharedMemory:
+    """One group's shared-memory transport, set up on request: the handle a ``Comm`` keeps.
+
+    Holds the segment (None until :meth:`open` succeeded on every rank) and runs the set-up collectives
+    itself, straight on the process group and outside the ledger: every rank issues them at the same point.
+    ``pg`` is None where shared memory cannot apply (one rank, a backend other than gloo).
+    """
+
+    _OFFER = 512  # bytes: a segment's path and token
+
+    def __init__(self, pg: Any, rank: int, world: int, timeout: float, fault: Fault) -> None:
+        self._pg = pg
+        self.rank, self.world = rank, world
+        self._timeout = timeout
+        self._limit = timedelta(seconds=timeout)
+        self._fault = fault
+        #: where gloo's all-reduce, reduce-scatter and all-gather of CPU tensors go instead
+        self.segment: Optional[SharedSegment] = None
+        #: why shared memory is not used, when it was asked for and could not be
+        self.refused = ""
+
+    @property
+    def active(self) -> bool:
+        """Whether data collectives of CPU tensors go through shared memory."""
+        return self.segment is not None
+
+    def open(self) -> None:
+        """Collective: map a segment on every rank, or keep the backend (:attr:`refused` says why)."""
+        if self._pg is None or self.segment is not None:
+            return
+        ranks = dist.get_process_group_ranks(self._pg)
+        self.segment, self.refused = open_segment(self.rank, self.world, ranks, self._timeout, self._share,
+                                                  self._agree)
+
+    def close(self) -> None:
+        """Stop using shared memory (its worker thread ends once the collectives in flight are done)."""
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
+    def abandon(self) -> None:
+        """The group is broken: the segment's worker stops waiting for peers (:meth:`SharedSegment.abandon`)."""
+        if self.segment is not None:
+            self.segment.abandon()
+
+    def zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Collective while :attr:`active`: a zeroed flat tensor every rank maps (a collective over a region of
+        it then reads the peers' copies in place); else, or for another device, a private one."""
+        # numel is the same on every rank, so all skip the set-up alike (nothing trains: an empty buffer)
+        if self.segment is not None and device.type == "cpu" and numel > 0:
+            tensor = self.segment.allocate(numel, dtype, self._exchange, self._agree)
+            if tensor is not None:
+                return tensor
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    def carrier(self, *tensors: torch.Tensor, summed: bool = False) -> Optional[SharedSegment]:
+        """The segment, when it can carry a collective of ``tensors`` (the same answer on every rank)."""
+        if self.segment is None or any(t.device.type != "cpu" for t in tensors):
+            return None
+        if summed and any(t.dtype in (torch.bool, torch.complex64, torch.complex128) for t in tensors):
+            return None
+        return self.segment
+
+    def describe(self, backend: str) -> str:
+        """How the group's data collectives travel, in words (``backend``: the group's own)."""
+        if self.segment is not None:
+            return f"shared memory ({backend} for the rest)"
+        return f"{backend} ({self.refused})" if self.refused else backend
+
+    def name(self, backend: str) -> str:
+        """``shared memory`` or ``backend``."""
+        return "shared memory" if self.segment is not None else backend
+
+    # ------------------------------------------------- set-up collectives
+    def _offer_tensor(self, offer: bytes) -> torch.Tensor:
+        buffer = torch.zeros(self._OFFER, dtype=torch.uint8)
+        if offer:
+            buffer[: len(offer)] = torch.frombuffer(bytearray(offer), dtype=torch.uint8)
+        return buffer
+
+    def _opts(self, cls: Any, **fields: Any) -> Any:
+        opts = cls()
+        opts.timeout = self._limit
+        for field, value in fields.items():
+            setattr(opts, field, value)
+        return opts
+
+    def _share(self, offer: bytes) -> bytes:
+        """Rank 0's ``offer`` on every rank."""
+        buffer = self._offer_tensor(offer)
+        opts = self._opts(dist.BroadcastOptions, rootRank=0, rootTensor=0)
+        self._raw(lambda: self._pg.broadcast([buffer], opts), "sharing a segment's name")
+        return bytes(buffer.tolist()).rstrip(b"\0")
+
+    def _exchange(self, offer: bytes) -> list[bytes]:
+        """Every rank's ``offer``, in rank order."""
+        buffer = self._offer_tensor(offer)
+        every = [torch.zeros(self._OFFER, dtype=torch.uint8) for _ in range(self.world)]
+        opts = self._opts(torch._C._distributed_c10d.AllgatherOptions)
+        self._raw(lambda: self._pg.allgather([every], [buffer], opts), "exchanging segment names")
+        return [bytes(row.tolist()).rstrip(b"\0") for row in every]
+
+    def _agree(self, ok: bool) -> bool:
+        """True only if ``ok`` on every rank."""
+        flag = torch.tensor([int(ok)], dtype=torch.int64)
+        opts = self._opts(dist.AllreduceOptions, reduceOp=dist.ReduceOp.MIN)
+        self._raw(lambda: self._pg.allreduce([flag], opts), "agreeing to use shared memory")
+        return bool(flag.item())
+
+    def _raw(self, start: Callable[[], Any], what: str) -> None:
+        """A set-up collective, waited on; a failure becomes the group's named error."""
+        try:
+            start().wait()
+        except RuntimeError as exc:
+            raise self._fault(f"setting up shared-memory collectives ({what})", exc) from exc
+
+
+# ------------------------------------------------------------------ setting up
+def open_segment(rank: int, world: int, peers: list[int], timeout: float,
+                 share: Callable[[bytes], bytes], agree: Callable[[bool], bool]) -> tuple[Optional[SharedSegment], str]:
+    """Map one segment on every rank of a group, or none (then with the reason).
+
+    Collective: ``share(name)`` returns rank 0's bytes on every rank (a
+    broadcast); ``agree(ok)`` is True only if it is True on every rank.
+    """
+    size = _HEADER + 2 * world * CHUNK
+    reason = supported(world)
+    offer = b""
+    if rank == 0 and not reason:
+        offer, reason = _create(size)
+    try:
+        offer = share(offer)
+        mapped, reason = _map_offer(offer, size, reason)
+        usable = agree(not reason)
+    finally:
+        # Once the vote passed every rank has mapped the file; on an error, a peer is gone or will not map it.
+        # Any rank that knows the name removes it: rank 0 may be the one that was killed.
+        _remove_all([offer])
+    if not usable:
+        return None, reason or "another rank could not map the segment"
+    assert mapped is not None
+    return SharedSegment(mapped, rank, world, peers, timeout), ""
+
+
+def _map_offer(offer: bytes, size: int, reason: str) -> tuple[Optional[mmap.mmap], str]:
+    """Map the segment rank 0 offered (None, with the reason, when there is none or it cannot be mapped)."""
+    if reason:
+        return None, reason
+    if not offer:
+        return None, "rank 0 could not create the segment"
+    return _attach(offer, size)
+
+
+def _create(size: int) -> tuple[bytes, str]:
+    """A new file of ``size`` bytes, with room reserved (no SIGBUS later), and a token in it."""
+    sweep()
+    path = os.path.join(_DIRECTORY, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+    token = secrets.randbits(62)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            with mmap.mmap(fd, _HEADER) as header:
+                struct.pack_into("q", header, 8 * _TOKEN, token)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        _remove(path.encode())
+        return b"", f"cannot create {path} ({size} bytes): {exc.strerror}"
+    return f"{path}\n{token}".encode(), ""
+
+
+def _attach(offer: bytes, size: int) -> tuple[Optional[mmap.mmap], str]:
+    path, token = offer.decode().split("\n")
+    try:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mapped = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return None, f"cannot map {path}: {exc.strerror} (ranks on several hosts?)"
+    if struct.unpack_from("q", mapped, 8 * _TOKEN)[0] != int(token):
+        return None, f"{path} holds another segment (ranks on several hosts?)"
+    return mapped, ""
+
+
+def _remove(offer: bytes) -> None:
+    path = offer.decode().split("\n")[0]
+    try:
+        os.unlink(path)
+    except OSError:
+        pass  # already removed by another rank
+
+
+def _remove_all(offers: list[bytes]) -> None:
+    for offer in offers:
+        if offer:
+            _remove(offer)
+
+
+def sweep() -> list[str]:
+    """Remove this user's segment files whose creating process no longer exists; return their names.
+
+    A creator killed between making its file and telling its peers the name leaves the file behind (nobody
+    else knows it); without this, such files would pile up under ``--max-restarts``.  A file lives only for
+    the seconds of one set-up, so one whose creator is gone is never in use.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(_DIRECTORY)
+    except OSError:
+        return removed
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if match is None or running(int(match.group(1))):
+            continue
+        path = os.path.join(_DIRECTORY, name)
+        try:
+            if os.stat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue  # removed meanwhile, or not ours
+    return removed

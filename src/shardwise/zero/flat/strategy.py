@@ -1,0 +1,359 @@
+"""Flat-bucket strategies (stages 0, 1 and 2): full parameters on every rank.
+
+What the three stages share lives here: the :class:`~.layout.FlatLayout`,
+the optimizer step over this rank's masters, the all-gather of the updated
+slices behind the next forward, and carrying state across a change of the
+trainable set.  Where gradients live is the stage's
+:attr:`FlatStrategy.grad_storage` (:mod:`.grads`), built once per layout with
+the allocator the transport offers: each parameter's post-accumulate hook is
+the storage's, which launches a complete bucket itself.  The masters and
+optimizer state are the master store's (:mod:`.store`), in the home chosen
+once at initialize; the store's model side here is :mod:`.flat_side` (this
+rank's slice of the flat parameter buffer), and each piece's ``.grad`` is a
+fixed view of the reduced gradients.  A stage differs only in how it reduces
+(its ``_reduction``) and which storage it uses:
+
+* stage 0 (:mod:`.stage0`): one shard; each bucket is all-reduced, and the
+  step writes every parameter itself; a flat gradient buffer;
+* stage 1 (:mod:`.stage1`): N shards; each bucket is reduce-scattered and the
+  updated slices are all-gathered; a flat gradient buffer;
+* stage 2 (:mod:`.stage2`): as stage 1, with gradients staged per bucket at
+  the boundary instead of living in a full-size buffer.
+
+A bucket is launched once all of its parameters' gradients are in *and* every
+earlier bucket has been launched, so all ranks issue the same collectives in
+the same order even when their autograd orders differ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import abstractmethod
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from ...optim.param_state import ParamShard
+from ..base import Strategy, group_index, module_order, tensor_bytes
+from ..store.carry import export_state
+from ..store.plan import offload_spec
+from ..store.store import MasterStore, Resident, choose_home
+from ..weak_hooks import WeakHook, remove_with
+from .grads import Allocate, FlatGrads, GradStorage, Reduce, private_zeros
+from .layout import FlatLayout
+from .pending import PendingGathers
+from .side import FlatSide
+
+__all__ = ["FlatStrategy"]
+
+
+class FlatStrategy(Strategy):
+    """Base of stages 0-2; see the module docstring."""
+
+    #: where this stage keeps gradients (:mod:`.grads`)
+    grad_storage: type[GradStorage] = FlatGrads
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_shards = self._num_shards()
+        self.shards_grads = self.num_shards > 1
+        # Gradients are averaged by pre-dividing the loss (see Strategy.loss_divisor).
+        self.loss_divisor = float(self.comm.world_size)
+        self.device = torch.device("cpu")
+        # empty until `attach` builds them (inference: they stay empty)
+        self.layout = FlatLayout([], 1, 1, 0)
+        self.grads: GradStorage = self._storage(private_zeros)
+        self.side = FlatSide(self.layout, self.precision.dtype, self.device, whole=True)
+        #: this rank's masters and optimizer state (:mod:`.store`), rebuilt with the layout (frozen ones kept)
+        self.store = MasterStore(Resident(self.side, True))
+        #: per bucket, (the model's region of it, this rank's updated slice inside it): what the step
+        #: all-gathers (empty with one shard: the step wrote every parameter)
+        self._gathers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: updated parameters still being gathered; waited for on first use (:mod:`.pending`)
+        self.pending = PendingGathers()
+        self._hooks: list[Any] = []
+        self._order: list[nn.Parameter] = []
+        self._mask: tuple[bool, ...] = ()
+        self._dirty = False
+        #: indices of the parameters no rank had a gradient for at the last reduction: the step leaves them alone
+        self._unused: list[int] = []
+        #: parameters another model-parallel rank counts in the norm, and their reduced gradients (per layout)
+        self._elsewhere: frozenset[str] = frozenset()
+        self._uncounted: list[torch.Tensor] = []
+
+    def _num_shards(self) -> int:
+        return self.comm.world_size
+
+    # ------------------------------------------------------------------ build
+    def attach(self, inner: Optional[Any], initial: Optional[dict[int, torch.Tensor]] = None) -> None:
+        super().attach(inner, initial)
+        if inner is None:
+            return
+        self._groups = [list(group["params"]) for group in inner.param_groups]
+        self._order = module_order(self.module, self._groups)
+        self._build(self.initial)
+        self.initial = {}  # only needed once: let the fp32 originals go
+
+    def _build(self, initial: dict[int, torch.Tensor]) -> None:
+        params = [p for p in self._order if p.requires_grad]
+        self._mask = tuple(p.requires_grad for p in self._order)
+        rank = self.comm.rank if self.num_shards > 1 else 0
+        self.layout = FlatLayout(params, self.zero_config.reduce_bucket_size, self.num_shards, rank)
+        self.device = params[0].device if params else torch.device("cpu")
+        self.grads = self._storage(self._allocator())
+        self._build_store(params, initial)
+        self._uncounted = self._reduced_grads_of(self._elsewhere)
+        # fixed views for the life of this layout; one shard: the step wrote every parameter, nothing to gather
+        self._gathers = self.side.gather_pairs()
+        for group, originals in zip(self.inner.param_groups, self._groups):
+            group["params"] = self.store.keys_for(originals)
+        # straight to the storage (no stop here on the way), held weakly: a dropped engine is freed (:mod:`.weak_hooks`)
+        hooks = [param.register_post_accumulate_grad_hook(WeakHook(self.grads.on_grad, index))
+                 for index, param in enumerate(self.layout.params)]
+        self._hooks.extend(hooks)
+        remove_with(self.grads, hooks)
+        self._unused = []
+
+    def _build_store(self, params: list[nn.Parameter], initial: dict[int, torch.Tensor]) -> None:
+        """The master store for this layout: the home chosen as at initialize, the frozen entries carried over.
+
+        The parameters are stepped themselves (no flat buffer, no copy) where nothing is sharded or offloaded, the
+        model is fp32 and ``param.grad`` holds the full averaged gradient (stage 0); each other key's ``.grad`` is
+        its fixed view of this rank's reduced gradients."""
+        layout, dtype, fp32 = self.layout, self.precision.dtype, self.precision.dtype == torch.float32
+        offload = offload_spec(self.zero_config, self.comm.rank)
+        whole = offload is None and fp32 and layout.num_shards == 1 and self.grads.in_params
+        self.side = FlatSide(layout, dtype, self.device, whole)
+        self.store = MasterStore(choose_home(self.side, offload, fp32, self.device), self.store.frozen)
+        training = {id(p) for p in params}
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        pieces = self.side.pieces(names, group_index(self._groups), [p for p in self._order if id(p) not in training])
+        self.store.plan(layout.pieces, layout.shard_numel, self.inner)
+        try:
+            for piece in pieces:
+                source = initial.get(id(piece.param), piece.param.data).reshape(-1)
+                self.store.add(piece, source[piece.start : piece.end] if piece.at >= 0 else None)
+        except BaseException:  # refused or failed at initialize: an offload folder is not left behind
+            self.store.close()
+            raise
+        reduced = self.grads.reduced.slices
+        for piece, run in zip(pieces, layout.pieces):
+            if piece.key is not None and piece.key is not piece.param:
+                bucket, _ = layout.bucket_of[run.param]
+                piece.key.grad = reduced[bucket.index].narrow(0, run.shard_offset - bucket.shard_offset, run.numel)
+
+    def _storage(self, allocate: Allocate) -> GradStorage:
+        return self.grad_storage(self.layout, self.precision.dtype, self.device, allocate, self.backward,
+                                 self._reduction(), self.precision.reduce_dtype)
+
+    def _allocator(self) -> Allocate:
+        """Memory every rank maps when collectives go through shared memory (a reduction then reads the
+        peers' gradients in place), else this process's own; the same choice on every rank."""
+        return self.comm.shm.zeros if self.comm.shm.active else private_zeros
+
+    # --------------------------------------------------------------- backward
+    def start_backward(self, sync: bool) -> None:
+        self.settle()  # parameters no forward used, and masters the next step writes
+        backward = self.backward
+        backward.sync, backward.active, backward.arrivals = sync, True, 0
+        backward.serial += 1  # the storage starts this backward afresh at its first hook
+        self._dirty = True
+
+    @abstractmethod
+    def _reduction(self) -> Reduce:
+        """The stage's collective (:data:`.grads.Reduce`, one of the functions in :mod:`.grads` bound to this
+        strategy's ``Comm``), chosen once per layout: the storage hands it each complete bucket."""
+
+    def abort_backward(self) -> None:
+        self.backward.active = False
+        if self.backward.sync:
+            self.grads.drain()
+
+    def finish_backward(self) -> None:
+        self.backward.active = False
+        if not self.backward.sync:
+            return
+        used = torch.tensor(self.grads.finish(), dtype=torch.float32, device=self.device)
+        # DDP's `find_unused_parameters`: torch's optimizers leave a parameter whose `.grad` is None alone (no
+        # momentum, no weight decay), and so does the step here for one no rank had a gradient for
+        self.comm.all_reduce(used, label="which parameters had gradients")
+        self._unused = (used == 0).nonzero().view(-1).tolist()
+
+    @contextlib.contextmanager
+    def adding_to_reduced(self) -> Iterator[None]:
+        """A second reducing backward before the step: this rank's reduced gradients are kept aside, the
+        gradients cleared (so the next ones overwrite the buffer), and the kept ones added to the new
+        reduction; a parameter either backward used counts as used."""
+        self.settle()
+        kept = [grad.clone() for grad in self.grads.reduced.slices]
+        unused = set(self._unused)
+        self.zero_grad()
+        yield
+        for grad, earlier in zip(self.grads.reduced.slices, kept):
+            grad.add_(earlier)
+        self._unused = sorted(unused & set(self._unused))
+
+    # ------------------------------------------------------------------- step
+    def step_sums(self) -> torch.Tensor:
+        """This rank's sum of squared reduced gradients (taken while the reduction was waited for); the
+        "had a gradient" flags were summed at the end of backward, where DDP leaves unused ``.grad`` None."""
+        total = self.grads.reduced.norm_share().reshape(1).clone()  # (a copy: the sum is taken in place)
+        for grad in self._uncounted:
+            total[0] -= torch.dot(grad, grad)
+        return total
+
+    def count_elsewhere(self, names: frozenset[str]) -> None:
+        """Leave the gradients of the parameters ``names`` out of :meth:`step_sums`, now and after every
+        rebuild of the layout: another model-parallel rank counts them (a pipeline's tied copies, whose first
+        holder is another stage, :mod:`shardwise.pipe.ties`)."""
+        self._elsewhere = names
+        self._uncounted = self._reduced_grads_of(names)
+
+    def _reduced_grads_of(self, names: frozenset[str]) -> list[torch.Tensor]:
+        """This rank's pieces of the reduced fp32 gradients of the trainable parameters ``names``."""
+        named = {id(p): n for n, p in self.module.named_parameters()} if names else {}
+        found = []
+        for piece in self.layout.pieces:
+            if named.get(id(self.layout.params[piece.param])) in names:
+                bucket, _ = self.layout.bucket_of[piece.param]
+                start = piece.shard_offset - bucket.shard_offset
+                found.append(self.grads.reduced.slices[bucket.index].narrow(0, start, piece.numel))
+        return found
+
+    def step(self, inner: Any, factor: float, sums: torch.Tensor, release: bool) -> None:
+        self.settle()
+        if factor != 1.0:
+            self.grads.reduced.scale(factor)
+        unused = []  # no rank had a gradient for them: left alone while the optimizer steps
+        for index in self._unused:
+            param = self.layout.params[index]
+            param.grad = None  # not a use of the values (see .pending); it stays None, as DDP leaves it
+            if (piece := self.store.by_param.get(id(param))) is not None:
+                unused.append(piece)
+        self.store.step(inner, 1.0, unused)  # steps (an offloaded home a sub-group at a time) and publishes
+        if release:
+            self._forget_grads()
+        self._regather()
+
+    def sync_params_from_master(self) -> None:
+        self.settle()
+        self.store.publish()
+        self._regather()
+
+    def _regather(self) -> None:
+        """Start the all-gather of every bucket's updated slice, in forward order, and return.
+
+        The last bucket holds the first layers (buckets follow backward order), so it goes first.
+        """
+        params = self.layout.params
+        for bucket, (region, owned) in reversed(list(zip(self.layout.buckets, self._gathers))):
+            work = self.comm.all_gather(region, owned, async_op=True, label=f"parameters, bucket {bucket.index}")
+            self.pending.start(bucket.index, work, [params[i] for i in bucket.params])
+
+    def settle(self) -> None:
+        self.pending.wait_all()
+
+    def zero_grad(self) -> None:
+        """Gradients become None, as torch's default; the storage is overwritten, not zeroed (:mod:`.grads`)."""
+        self._forget_grads()
+
+    def _forget_grads(self) -> None:
+        self._dirty = False
+        for param in self.layout.params:
+            param.grad = None  # not a use of the values: no wait for a gather in flight (see .pending)
+
+    def has_pending_grads(self) -> bool:
+        return self._dirty
+
+    def trained_count(self) -> int:
+        return len(self.layout.params)
+
+    # ------------------------------------------------------------ trainability
+    def trainable_changed(self) -> bool:
+        # Reading flags is not a use of the values: it does not wait for a gather in flight (see .pending).
+        return self.inner is not None and tuple(p.requires_grad for p in self._order) != self._mask
+
+    def refresh_trainable(self) -> None:
+        """Rebuild layout, buffers, hooks and optimizer pieces for the current ``requires_grad`` flags.
+
+        Master weights and optimizer state move with their parameters; a
+        parameter that stops training keeps them in the frozen store.
+        """
+        if self.inner is None:
+            return
+        self.settle()
+        carried = export_state(self.layout, self.store, self.inner.state, self.comm, self.gather_flat,
+                               self.side.whole, self.device)
+        self.close()
+        for param in self.layout.params:
+            param.grad = None
+        self.side.release()
+        self._build({})
+        frozen = self.store.frozen
+        for param in self.layout.params:
+            kept = frozen.take(param)
+            if kept is not None:
+                carried.setdefault(id(param), kept)
+        self.store.adopt(carried, self.inner.state)
+        training = {id(p) for p in self.layout.params}
+        for param in self._order:
+            if id(param) not in training and id(param) in carried:
+                frozen.keep(param, carried[id(param)])
+
+    # -------------------------------------------------------------- checkpoint
+    @contextlib.contextmanager
+    def checkpoint_shards(self, loading: bool, wanted: frozenset[str] = frozenset()) -> Iterator[list[ParamShard]]:
+        self.settle()
+        if self.inner is None:
+            yield []
+            return
+        with self.store.shards(self.inner.state, loading, wanted) as shards:
+            yield shards
+
+    # ------------------------------------------------------------ accounting
+    def memory_breakdown(self) -> dict[str, int]:
+        params = {id(p): p for p in self.module.parameters()}
+        state = getattr(self.inner, "state", {}) if self.inner is not None else {}
+        return {
+            "parameters": tensor_bytes(list(params.values())),
+            "master_weights": self.store.master_bytes(),
+            "gradients": self.grads.nbytes(),
+            "optimizer_state": self.store.state_bytes(state),
+        }
+
+    def full_master_weights(self) -> dict[int, torch.Tensor]:
+        self.settle()
+        if self.inner is None:
+            return {}
+        layout = self.layout
+        if self.precision.dtype == torch.float32:  # the parameters hold the masters' exact values once published
+            self.store.publish()
+            result = {id(p): p.detach().clone() for p in layout.params}
+        else:
+            flat = self.gather_flat(self.store.shard(layout.shard_numel, self.device))
+            result = {id(p): layout.param_slice(flat, i).view_as(p).clone() for i, p in enumerate(layout.params)}
+        # frozen parameters keep their fp32 master in the store until they train again
+        for param in self._order:
+            kept = self.store.frozen.get(param)
+            if kept is not None:
+                result[id(param)] = kept.master.view(param.shape).clone()
+        return result
+
+    def gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+        """The full-size flat tensor whose slices, across ranks, are ``shard`` (collective)."""
+        layout = self.layout
+        if self.num_shards == 1:
+            return shard
+        full = shard.new_empty(layout.padded_numel)
+        for bucket in layout.buckets:
+            self.comm.all_gather(layout.bucket_slice(full, bucket), layout.shard_slice(shard, bucket))
+        return full
+
+    def close(self, restore_params: bool = True) -> None:
+        self.settle()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.store.close()
+

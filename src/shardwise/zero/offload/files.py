@@ -1,0 +1,317 @@
+"""The files one rank's offloaded optimizer state lives in (``offload_optimizer: {device: nvme}``).
+
+Each rank of each engine makes its own folder under ``nvme_path`` with
+:func:`tempfile.mkdtemp` (a unique name, created atomically, that names the
+host and process: :mod:`.nvme_folder`), so two jobs or two engines pointing at
+the same ``nvme_path`` never share a file.  The folder is removed when the
+engine is destroyed and, failing that, when the process exits
+(``weakref.finalize`` runs at exit); a killed process's folder is removed by
+the next set-up on the host (:func:`.nvme_folder.sweep`).
+
+Reads and writes are plain ``pread``/``pwrite`` into and out of tensors the
+caller owns, so host memory holds only what the caller preallocated.  The bytes
+moved are counted for the measurement in docs/offload.md.  Every failing
+operation raises :class:`OffloadIOError` naming the rank, the file, the
+operation, where in the file, the caller's context and the fix.
+
+Every write records a digest of the bytes written, and every read and map checks
+the bytes it finds against it (:mod:`.nvme_sums`): bytes changed between a write
+and a read raise :class:`OffloadChecksumError`, after which these files refuse
+every read, write and map (nothing read wrong is trained on or saved).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import re
+import shutil
+import tempfile
+import threading
+import weakref
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from .folder import folder_prefix, sweep
+from .room import claim_room
+from .sums import Mismatch, Sums, digest
+
+__all__ = ["OPTIMIZER_KEY", "NvmeFiles", "OffloadChecksumError", "OffloadIOError"]
+
+#: the config key errors name by default (parameter offload passes its own)
+OPTIMIZER_KEY = "zero_optimization.offload_optimizer.nvme_path"
+
+
+class OffloadIOError(RuntimeError):
+    """A read or write of offloaded state failed; the message names the rank, file, operation and fix.
+
+    ``errno`` is the operating system's error number (``errno.ENOSPC``, ...), ``path`` the file and
+    ``operation`` what was done (``"reading"``, ``"writing"``, ``"creating"``, ``"mapping"``).
+    """
+
+    def __init__(self, message: str, *, rank: int, path: str, operation: str, error: int | None) -> None:
+        super().__init__(message)
+        self.rank, self.path, self.operation, self.errno = rank, path, operation, error
+
+    def extended(self, more: str) -> OffloadIOError:
+        """The same error with ``more`` said after its message (what the caller's state is now)."""
+        return type(self)(f"{self}. {more}", rank=self.rank, path=self.path, operation=self.operation,
+                          error=self.errno)
+
+
+class OffloadChecksumError(OffloadIOError):
+    """Bytes read back from an offload file are not those this rank wrote there (their digest differs).
+
+    Once raised, the files refuse every later read, write and map with it (``errno`` is None)."""
+
+
+def _make_folder(root: str, rank: int, key: str) -> Path:
+    try:
+        os.makedirs(root, exist_ok=True)
+        sweep(root)  # folders of killed processes of this host: their state is lost already
+        return Path(tempfile.mkdtemp(prefix=folder_prefix(rank), dir=root))
+    except OSError as exc:
+        raise RuntimeError(
+            f"rank {rank}: cannot make this rank's offload folder under `{key}` {root!r} ({exc}); "
+            f"set `{key}` to a writable directory") from exc
+
+
+def _remove_if_creator(folder: str, creator: int) -> None:
+    """Remove ``folder`` unless this is a forked child of its creator (whose exit must not take the parent's)."""
+    if os.getpid() == creator:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().data
+
+
+class _CutShort(OSError):
+    """A file holds fewer bytes than this rank wrote there."""
+
+
+def _check_size(size: int, needed: int) -> None:
+    if size < needed:
+        raise _CutShort(errno.EIO, f"the file holds {size:,} bytes, fewer than the {needed:,} it should")
+
+
+def _unmapped(ref: "weakref.ref[NvmeFiles]", name: str, start: int, end: int) -> None:
+    """A map of ``[start, end)`` was freed: the digests it suspended are taken anew once no map holds them."""
+    files = ref()
+    if files is not None:
+        files.unmapped(name, start, end)
+
+
+def _fix(exc: OSError, key: str) -> str:
+    """What probably happened, and what to do, for an I/O error."""
+    error = exc.errno
+    if isinstance(exc, _CutShort):
+        return ("the file was cut short while the job used it (another process or a clean-up wrote to it): keep "
+                f"other processes and clean-up jobs out of the folders under `{key}` while a job runs")
+    if error in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk under `{key}` is full: free space there or point `{key}` at a larger disk"
+    if error == errno.ENOENT:
+        return ("the file was removed while the job used it (a clean-up of the folder, or another process): keep "
+                f"other processes and clean-up jobs out of the folders under `{key}` while a job runs")
+    if error in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "the file may no longer be written (its permissions changed, or the disk was remounted read-only)"
+    return f"the disk reported an error: check its health (`dmesg`, `smartctl`) or point `{key}` at another disk"
+
+
+#: what the error that made the files refuse every later use adds
+_REFUSING = ("These files no longer hold this rank's state: this engine now refuses to step or save; restart from "
+             "the last checkpoint (a new engine and `load_checkpoint`); `engine.destroy(restore_params=False)` lets "
+             "this one go without reading them")
+
+
+class NvmeFiles:
+    """Named files of raw tensor bytes in this rank's own folder under ``root``.
+
+    ``key`` (the config key of ``root``) and ``label`` (what the files hold) are what errors name."""
+
+    def __init__(self, root: str, rank: int, key: str = OPTIMIZER_KEY, label: str = "offloaded optimizer state") -> None:
+        self.rank, self.key, self.label = rank, key, label
+        self.folder = _make_folder(root, rank, key)
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._count = threading.Lock()  # the I/O thread and the caller both count
+        self._remove = weakref.finalize(self, _remove_if_creator, str(self.folder), os.getpid())
+        #: the digests of what this rank wrote, checked against what it reads
+        self.sums = Sums()
+        #: the first error that says the files lost this rank's state (bytes changed, the file cut short or
+        #: removed): every later read, write or map raises it, so nothing read wrong is trained on or saved
+        self.failed: Optional[OffloadIOError] = None
+
+    def path(self, name: str) -> Path:
+        return self.folder / re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+    def reserve(self, needed: int, what: str) -> None:
+        """Claim ``needed`` bytes on the disk; raise when this host's ranks using it need more than is free (the
+        folder removed first: a refused set-up leaves nothing behind)."""
+        try:
+            claim_room(self.folder, needed, self.rank, what, self.key, self.label)
+        except RuntimeError:
+            self.remove()
+            raise
+
+    @contextlib.contextmanager
+    def _failing(self, operation: str, name: str, offset: int, nbytes: int, where: str) -> Iterator[None]:
+        """Turn an ``OSError`` of one operation into an :class:`OffloadIOError` that says all about it."""
+        try:
+            yield
+        except OSError as exc:
+            code = exc.errno
+            cause = f"{errno.errorcode.get(code, 'error')} ({exc.strerror or exc})" if code else str(exc)
+            place = f"{nbytes:,} bytes at byte {offset:,} of " if nbytes else ""
+            context = f" ({where})" if where else ""
+            error = OffloadIOError(
+                f"rank {self.rank}: {self.label}: {operation} {place}{self.path(name)}{context} "
+                f"failed: {cause}; {_fix(exc, self.key)}", rank=self.rank, path=str(self.path(name)), operation=operation,
+                error=code)
+            raise (self._lost(error) if isinstance(exc, _CutShort) or code == errno.ENOENT else error) from exc
+
+    def _mismatch(self, name: str, offset: int, nbytes: int, where: str, bad: Mismatch) -> OffloadIOError:
+        context = f" ({where})" if where else ""
+        return self._lost(OffloadChecksumError(
+            f"rank {self.rank}: {self.label}: reading {nbytes:,} bytes at byte {offset:,} of {self.path(name)}{context} "
+            f"found bytes {bad.start:,}-{bad.end:,} changed since this rank wrote them (their digest is "
+            f"{bad.found:016x}, {bad.expected:016x} was written): another process wrote into the file, or the disk "
+            "or memory corrupted it; check the disk (`dmesg`, `smartctl`) and that nothing else writes there. "
+            "Nothing read from it was used", rank=self.rank, path=str(self.path(name)), operation="reading",
+            error=None))
+
+    def _lost(self, error: OffloadIOError) -> OffloadIOError:
+        """``error`` says the files no longer hold this rank's state: from now on they refuse every use."""
+        self.failed = error.extended(_REFUSING)
+        return self.failed
+
+    def unmapped(self, name: str, start: int, end: int) -> None:
+        """A map of ``[start, end)`` was freed: the digests it suspended are taken anew once no map holds them (at
+        the next call, when it was freed by a collection inside this thread's use of the digests)."""
+        sums = self.sums
+        if sums.held_here():
+            sums.deferred.append((name, start, end))
+            return
+        if self.failed is None:
+            for low, high in sums.released(name, start, end):
+                sums.resumed(name, low, high, self.digest_of(name, low, high))
+
+    def check_usable(self) -> None:
+        """Raise once the files lost this rank's state (:attr:`failed`): what they hold must not be used again."""
+        while self.sums.deferred:
+            self.unmapped(*self.sums.deferred.pop())
+        if self.failed is not None:
+            raise self.failed.extended("(Found earlier; these files are not read or written since)")
+
+    def create(self, name: str, nbytes: int) -> None:
+        """A file of ``nbytes`` zero bytes (sparse until written)."""
+        self.check_usable()
+        with self._failing("creating", name, 0, nbytes, ""), open(self.path(name), "wb") as handle:
+            handle.truncate(nbytes)
+        self.sums.forget(name)
+
+    def exists(self, name: str) -> bool:
+        return self.path(name).exists()
+
+    def read_into(self, name: str, out: torch.Tensor, offset: int = 0, where: str = "") -> None:
+        """Fill ``out`` (contiguous, CPU) from the file's bytes at ``offset``; ``where`` is named in errors."""
+        if not out.is_contiguous():
+            raise ValueError(f"reading {name} into a non-contiguous tensor would fill a copy; pass a contiguous one")
+        self.check_usable()
+        view = _as_bytes(out)  # `out` is contiguous: its bytes, not a copy
+        with self._failing("reading", name, offset, len(view), where):
+            fd = os.open(self.path(name), os.O_RDONLY)
+            try:
+                done = 0
+                while done < len(view):
+                    got = os.preadv(fd, [view[done:]], offset + done)
+                    if got <= 0:
+                        raise _CutShort(errno.EIO, f"the file ended {done:,} bytes into the read")
+                    done += got
+            finally:
+                os.close(fd)
+        self._counted(read=len(view))
+        bad = self.sums.check(name, offset, view)
+        if bad is not None:
+            raise self._mismatch(name, offset, len(view), where, bad)
+
+    def write_from(self, name: str, data: torch.Tensor, offset: int = 0, where: str = "") -> None:
+        """Write ``data``'s bytes (a CPU tensor) into the file at ``offset``; ``where`` is named in errors."""
+        self.check_usable()
+        view = _as_bytes(data)
+        try:
+            with self._failing("writing", name, offset, len(view), where):
+                self._write(name, view, offset)
+        except OffloadIOError:
+            self.sums.dropped(name, offset, offset + len(view))  # part of it may have reached the file
+            raise
+        self.sums.wrote(name, offset, view)
+        self._counted(written=len(view))
+
+    def _write(self, name: str, view: memoryview, offset: int) -> None:
+        fd = os.open(self.path(name), os.O_WRONLY)
+        try:
+            done = 0
+            while done < len(view):
+                wrote = os.pwrite(fd, view[done:], offset + done)
+                if wrote <= 0:  # a regular file never does this; looping on it would hang the step
+                    raise OSError(errno.EIO, f"the write stopped {done:,} bytes in")
+                done += wrote
+        finally:
+            os.close(fd)
+
+    def mapped_range(self, name: str, start: int, numel: int, dtype: torch.dtype,
+                     where: Callable[[int], str] = lambda byte: "") -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of the file as a tensor whose writes go to the file.
+
+        Maps only the pages holding them (a whole-file map per piece of a checkpoint would map the file
+        once per parameter), and those of the runs of bytes written at once that they touch, whose digests
+        are checked here; those wait for the map to be freed, then are taken anew (:mod:`.nvme_sums`).
+        ``where(byte)`` says in words what holds that byte of the file, for errors."""
+        if numel == 0:
+            return torch.zeros(0, dtype=dtype)
+        self.check_usable()
+        first, nbytes = start * dtype.itemsize, numel * dtype.itemsize
+        low, high = self.sums.span(name, first, first + nbytes)
+        base = low - low % mmap.ALLOCATIONGRANULARITY  # a map starts at a page boundary
+        with self._failing("mapping", name, first, nbytes, ""):
+            region = self._map(name, base, high - base, os.O_RDWR)
+        bad = self.sums.check(name, low, memoryview(region)[low - base :], fill=False)
+        if bad is not None:
+            raise self._mismatch(name, low, high - low, where(bad.start), bad)  # (the map closes as it is freed)
+        self.sums.suspend(name, low, high)
+        weakref.finalize(region, _unmapped, weakref.ref(self), name, low, high)
+        # the tensor keeps the map alive; the map closes when the last view of it goes
+        return torch.frombuffer(region, dtype=torch.uint8)[first - base : first - base + nbytes].view(dtype)
+
+    def _map(self, name: str, base: int, length: int, flags: int) -> mmap.mmap:
+        fd = os.open(self.path(name), flags)
+        try:
+            _check_size(os.fstat(fd).st_size, base + length)  # a page past the end would be SIGBUS, not an error
+            access = mmap.ACCESS_WRITE if flags == os.O_RDWR else mmap.ACCESS_READ
+            return mmap.mmap(fd, length, offset=base, access=access)
+        finally:
+            os.close(fd)
+
+    def digest_of(self, name: str, start: int, end: int) -> Optional[int]:
+        """The digest of bytes ``[start, end)`` of the file as it is now (None where it cannot be read)."""
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            region = self._map(name, base, end - base, os.O_RDONLY)
+        except (OSError, ValueError):
+            return None
+        return digest(memoryview(region)[start - base :])  # (the map closes as it is freed, right after)
+
+    def _counted(self, read: int = 0, written: int = 0) -> None:
+        with self._count:
+            self.bytes_read += read
+            self.bytes_written += written
+
+    def remove(self) -> None:
+        """Delete the folder and everything in it (also done at exit)."""
+        self._remove()

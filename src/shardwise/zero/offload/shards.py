@@ -1,0 +1,273 @@
+"""Stage 3's local shards in a file (``offload_param: {device: nvme}``), at most ``max_in_cpu`` elements in memory.
+
+Each unit's shard (this rank's 1/N of it, in the compute dtype) gets a run of bytes in one ``params`` file in
+a folder of this rank's own under ``offload_param.nvme_path`` (:class:`~.nvme_files.NvmeFiles`), and a
+:class:`NvmeShard` in place of its in-memory storage (:class:`~.params.ShardStorage`).  Reading
+``unit.shard`` brings it into host memory (waiting for a read ahead in flight, or reading it then): the
+all-gather of a gather reads it there, and code that reads or writes the shard outside a gather (a step
+publishing masters, ``GatheredParameters(modifier_rank=...)``, a checkpoint, ``full_state_dict``) finds it
+the same way.
+
+The host copy is a tensor of its own, made anew each time the shard is read (a view of a copy that left
+keeps that copy's memory alive rather than pointing at freed memory).  Whether it was written is
+read from torch's version counter, which every in-place write through it or a view of it bumps: only a
+written shard is written back.  Shards leave host memory, least recently used first, when the cache holds
+more than ``max_in_cpu`` elements, and only at points where no view of them is held
+(:meth:`~.params.Unit.shard_released`: a unit freed after use, a unit's masters published, a shard read
+outside a gather: re-gathered, loaded, turned into masters); a shard an
+all-gather is still reading never leaves, nor one read ahead (at most ``offload_param.buffer_count`` of
+those, past the units the gatherer prefetches) before its gather takes it; a read ahead that the pass which
+asked for it did not use becomes an ordinary host copy when the pass ends (:meth:`NvmeShard.settle_read_ahead`).
+
+A read becomes the host copy only once it succeeded: a read that fails or is interrupted part-way leaves
+the shard only in its file, so the next use reads it again (and a failed read ahead is forgotten once
+its error was raised), never a half-read copy used as the weights or written back over the file.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional, Protocol, Sequence
+
+import torch
+
+from .files import NvmeFiles, OffloadIOError
+
+__all__ = ["NvmeShard", "ShardCache", "offloads_params", "shard_cache"]
+
+_KEY = "zero_optimization.offload_param.nvme_path"
+
+
+class Gathers(Protocol):
+    """What owns a shard (a unit): whether the shard must stay in host memory now (an all-gather reads it),
+    and how errors name it."""
+
+    @property
+    def shard_busy(self) -> bool: ...
+
+    @property
+    def label(self) -> str: ...
+
+
+class ShardCache:
+    """This rank's offloaded shards: one file, and the host copies of at most ``max_in_cpu`` elements of them."""
+
+    def __init__(self, root: str, rank: int, numel: int, dtype: torch.dtype, max_in_cpu: int, ahead: int) -> None:
+        self.files = NvmeFiles(root, rank, key=_KEY, label="offloaded parameter shards")
+        nbytes = numel * dtype.itemsize
+        self.files.reserve(nbytes, f"{numel:,} elements of {dtype}")  # what every rank of this host claims there
+        self.files.create("params", nbytes)
+        self.max_in_cpu = max_in_cpu
+        #: shards read ahead at most at once (``offload_param.buffer_count``)
+        self.ahead = ahead
+        self.used = 0  # bytes of the file given out
+        self.capacity = nbytes
+        #: the shards in host memory, least recently used first
+        self.resident: OrderedDict[NvmeShard, None] = OrderedDict()
+        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-param-io")
+        #: uses that found their shard read ahead, and uses that had to read it then (for the measurement)
+        self.ahead_hits = 0
+        self.misses = 0
+        #: set by `engine.destroy()`: the file is deleted next, so no host copy leaves (nor is written back)
+        self.closing = False
+
+    def place(self, shard: torch.Tensor, owner: Gathers) -> "NvmeShard":
+        """A new run of the file for ``shard`` (written there); the host copy then leaves as the cache decides."""
+        nbytes = shard.numel() * shard.element_size()
+        if self.used + nbytes > self.capacity:
+            raise RuntimeError(f"stage 3's offloaded shards outgrew the {self.capacity:,} bytes their file was laid "
+                               "out for (a bug in shardwise); please report it")
+        stored = NvmeShard(self, self.used, shard.contiguous(), owner)
+        self.used += nbytes
+        stored.write_back(force=True)
+        self.touch(stored)
+        return stored
+
+    def touch(self, shard: "NvmeShard") -> None:
+        self.resident[shard] = None
+        self.resident.move_to_end(shard)
+
+    def held_numel(self) -> int:
+        return sum(s.numel for s in self.resident)
+
+    def reading_ahead(self) -> int:
+        return sum(1 for s in self.resident if s.pending is not None)
+
+    def trim(self) -> None:
+        """Shards leave host memory, least recently used first, until at most ``max_in_cpu`` elements remain."""
+        if self.closing:
+            return  # writing back into a file about to be deleted is wasted I/O
+        held = self.held_numel()
+        for shard in list(self.resident):
+            if held <= self.max_in_cpu:
+                return
+            if shard.owner.shard_busy or shard.pending is not None:
+                continue  # an all-gather reads it, a step publishes into it, or it was read ahead for a gather
+            held -= shard.numel
+            shard.evict()
+
+    def check_usable(self) -> None:
+        """Raise once the file lost this rank's shards (bytes changed under the job, cut short, removed): a step
+        or a save then refuses, even where every shard it needs is in host memory."""
+        self.files.check_usable()
+
+    def close(self) -> None:
+        """Wait for reads in flight and delete the folder (``engine.destroy()``; also done at exit)."""
+        self.io.shutdown(wait=True)
+        self.resident.clear()
+        self.files.remove()
+
+
+class NvmeShard:
+    """One unit's shard: a run of the cache's file, and a host copy while it is resident (see the module docstring)."""
+
+    def __init__(self, cache: ShardCache, offset: int, tensor: torch.Tensor, owner: Gathers) -> None:
+        self.cache = cache
+        self.offset = offset
+        self.owner = owner
+        self.shape, self.dtype, self._device = tensor.shape, tensor.dtype, tensor.device
+        self.numel = tensor.numel()
+        #: the host copy (None: only in the file)
+        self.tensor: Optional[torch.Tensor] = tensor
+        self.clean = -1  # its version counter when it and the file last agreed (-1: never)
+        self.pending: Optional[Future[torch.Tensor]] = None
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def _where(self) -> str:
+        return f"the shard of {self.owner.label}"  # what an I/O error names besides the file
+
+    def get(self) -> torch.Tensor:
+        if self.pending is not None:
+            self._take(self._finish_read_ahead(self.pending))
+            self.cache.ahead_hits += 1
+        tensor = self.tensor
+        if tensor is None:
+            tensor = self._read()
+            self._take(tensor)  # only now: a read that raised left nothing behind
+            self.cache.misses += 1
+        self.cache.touch(self)
+        return tensor
+
+    def put(self, shard: torch.Tensor) -> None:
+        if shard is self.tensor:
+            return
+        if shard.dtype != self.dtype or shard.shape != self.shape:
+            raise RuntimeError(
+                f"a stage 3 shard kept in a file (`offload_param: {{device: nvme}}`) cannot become a "
+                f"{shard.dtype} tensor of shape {tuple(shard.shape)} (it is {self.dtype}, {tuple(self.shape)}); "
+                "cast the model before `shardwise.initialize`, not after")
+        self.get().copy_(shard)
+
+    def write(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
+        self.cache.check_usable()  # a step publishing into shards whose file lost them refuses, resident or not
+        if self.pending is not None:
+            self._settle(self.pending)  # a failed read ahead is dropped: the parts go to the file instead
+        if self.tensor is not None:
+            shard = self.get()  # in host memory: written there, written back when it leaves
+            for at, values in parts:
+                shard.narrow(0, at, values.numel()).copy_(values)
+            return
+        for at, values in parts:  # only in the file: the parts go there, nothing is read
+            cast = values.detach().to(self.dtype).contiguous()
+            self.cache.files.write_from("params", cast, self.offset + at * self.dtype.itemsize, where=self._where)
+
+    def released(self) -> None:
+        self.cache.trim()
+
+    def read_ahead(self) -> None:
+        if self.tensor is not None or self.pending is not None or self.cache.reading_ahead() >= self.cache.ahead:
+            return
+        self.pending = self.cache.io.submit(self._read)
+        self.cache.touch(self)
+
+    def settle_read_ahead(self) -> None:
+        """A read ahead no gather took (the pass went another way) becomes an ordinary host copy, which may
+        leave now; one that failed is dropped (its values were never used: the next use reads the file)."""
+        if self.pending is not None:
+            self._settle(self.pending)
+            self.cache.trim()
+
+    def held_bytes(self) -> int:
+        held = self.tensor is not None or self.pending is not None  # a read ahead's tensor exists already
+        return self.numel * self.dtype.itemsize if held else 0
+
+    # ------------------------------------------------------------------ I/O
+    def _read(self) -> torch.Tensor:
+        """A fresh host copy read from the file (a new tensor each time: a view of an evicted one keeps its own
+        memory alive); it becomes :attr:`tensor` only once the read succeeded (:meth:`_take`)."""
+        tensor = torch.empty(self.shape, dtype=self.dtype, device=self._device)
+        self.cache.files.read_into("params", tensor, self.offset, where=self._where)
+        return tensor
+
+    def _take(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.clean = tensor._version  # the read wrote through a byte view, which torch does not count
+
+    def _settle(self, pending: Future[torch.Tensor]) -> None:
+        """The read ahead ``pending`` ends without a use: cancelled, taken as the host copy, or dropped."""
+        if pending.cancel():  # not started yet
+            self._forget_read_ahead()
+            return
+        try:
+            self._take(self._finish_read_ahead(pending))
+        except OffloadIOError:
+            pass  # nothing read is kept; a disk that keeps failing fails the next use, naming the unit
+
+    def _finish_read_ahead(self, pending: Future[torch.Tensor]) -> torch.Tensor:
+        """Wait for the read ahead ``pending``; a failed one is forgotten (so the next use reads again) and
+        raised, saying so."""
+        try:
+            tensor = pending.result()
+        except OffloadIOError as exc:
+            self._forget_read_ahead()
+            raise exc.extended("The read ahead was dropped: the next use of this shard reads it again") from exc
+        except Exception:
+            self._forget_read_ahead()
+            raise
+        self.pending = None
+        return tensor
+
+    def _forget_read_ahead(self) -> None:
+        self.pending = None
+        self.cache.resident.pop(self, None)
+
+    def write_back(self, force: bool = False) -> None:
+        """The host copy into the file, if anything wrote it since it last agreed with the file."""
+        tensor = self.tensor
+        if tensor is not None and (force or tensor._version != self.clean):
+            self.cache.files.write_from("params", tensor, self.offset, where=self._where)
+            self.clean = tensor._version
+
+    def evict(self) -> None:
+        """Write the host copy back if it was written, then let it go."""
+        if self.pending is not None:
+            self._settle(self.pending)  # (trim never evicts a shard read ahead; a direct call may)
+        self.write_back()
+        self.discard()
+
+    def discard(self) -> None:
+        """Let the host copy go unwritten (``engine.destroy()``: the unit's parameters hold its values now, and
+        the file is deleted next); a read ahead in flight is waited for or cancelled first."""
+        if self.pending is not None:
+            self._settle(self.pending)
+        self.tensor = None
+        self.cache.resident.pop(self, None)
+
+
+def offloads_params(zero_config: object) -> bool:
+    """Whether ``zero_config`` keeps stage 3's shards on NVMe (``offload_param: {device: nvme}``)."""
+    section = getattr(zero_config, "offload_param", None)
+    return section is not None and section.device == "nvme"
+
+
+def shard_cache(zero_config: object, rank: int, numel: int, dtype: torch.dtype) -> Optional[ShardCache]:
+    """The cache for up to ``numel`` shard elements of ``dtype`` when ``zero_config`` offloads them, else None."""
+    if not offloads_params(zero_config):
+        return None
+    section = getattr(zero_config, "offload_param")  # noqa: B009 - typed object, checked above
+    return ShardCache(str(section.nvme_path), rank, numel, dtype, int(section.max_in_cpu), int(section.buffer_count))

@@ -1,0 +1,578 @@
+"""Module hooks that gather stage 3 parameters exactly while they are needed.
+
+Every submodule of the engine's model gets a forward pre-hook and a forward
+hook, so the entry point does not matter: ``engine(x)``, ``engine.module(x)``,
+``engine.generate(...)`` and nested calls all run them.
+
+* **forward**: the pre-hook opens a *call* for the module and gathers its
+  units (the units holding its direct parameters, plus any registered with
+  ``register_external_parameter``); the post-hook releases them.  A parameter
+  that the running forward reads but does not own (``F.linear(x,
+  self.child.weight)``, a tied head reading the embedding) is noticed by the
+  parameter's ``__torch_function__`` and gathered *for the innermost running
+  call*, so it is released with that call and re-gathered for its backward.
+* **backward**: a hook on the call's outputs fires before the module's
+  backward and re-gathers every unit the call used; an identity autograd
+  function on the call's inputs fires after it and releases them.  A call
+  whose inputs need no gradient (the first layer) releases a unit when all of
+  its trainable parameters' gradients have arrived, or at the end of backward.
+* **in-place writes**: a write to a parameter while a forward (or backward)
+  holds it (``w.clamp_(...)``, ``w.data.mul_(...)``, ``w.copy_(...)``) changes
+  the gathered copy only; when the call that holds the unit ends, each rank
+  copies its slice of the new values into its shard and fp32 master, so the
+  write persists.  A write through ``param.data`` is found by comparing a
+  checksum of the values from the ``.data`` access to the end of the call.
+  Each write is folded into the group's ledger with a checksum of the new
+  values, so ranks that wrote different values fail the next step check.
+* **prefetch**: the units acquired in a forward are recorded; the next forward
+  starts all-gathers for the upcoming units ahead of use
+  (``stage3_prefetch_bucket_size`` elements, at most
+  ``stage3_max_live_parameters`` gathered), and backward does the same in
+  reverse; with ``offload_param: nvme`` the shards of the next
+  ``buffer_count`` units past those start reading from their file.  A
+  unit released in forward stays gathered when the recording says it is
+  used again within ``stage3_max_reuse_distance`` elements.  When the
+  order changes (a branch), prefetches only go to waste: gathering on use is
+  what guarantees correctness.
+
+* **announcements**: a forward or backward that does not go through an
+  announced engine call (``engine.module(x)``, the model's own ``generate``
+  loop, ``engine.generate``, ``loss.backward()``) announces each outermost pass
+  to the other ranks before its first gather (:mod:`shardwise.faults.announce`):
+  a rank running one alone raises, with the others, before any data moves.
+
+Collectives are issued in program order, so all ranks must run the same
+modules in the same order in a given forward (the usual ZeRO-3 / FSDP
+requirement); which modules run may change from one forward to the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from typing import Any, Iterator, Optional, Protocol
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ...faults.ledger import current_phase
+from ..offload.shards import offloads_params
+from .params import Unit, checksum, move, not_gathered_error, param_name, prepare_for_compile, unit_of
+from .traced import outside_graphs
+
+__all__ = ["Gatherer", "MasterValues", "TrainingState", "module_units"]
+
+EXTERNAL_ATTR = "_shardwise_external_params"
+_TENSOR_DATA = torch.Tensor.data
+
+
+class _Call:
+    """One invocation of a module's forward, and what it needs in backward."""
+
+    __slots__ = ("module", "units", "positions", "held", "task", "post")
+
+    def __init__(self, module: nn.Module, units: list[Unit]) -> None:
+        self.module = module
+        self.units = units
+        self.positions: list[int] = []
+        self.held: list[Unit] = []
+        self.task = -1
+        self.post = False
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a call's inputs; its backward runs once the call's backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, gatherer: "Gatherer", call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.gatherer, ctx.call = gatherer, call
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.gatherer.post_backward(ctx.call)
+        return (None, None, *grads)
+
+
+class TrainingState(enum.Enum):
+    """Where one engine's model is between forward and backward (what its hooks are doing)."""
+
+    #: no forward running, no backward pending
+    IDLE = "idle"
+    #: a forward (outermost call) is running
+    FORWARD = "forward"
+    #: a forward with grad enabled finished; its backward has not started
+    PRE_BACKWARD = "pre-backward"
+    #: autograd is running the backward through the model's calls
+    BACKWARD = "backward"
+
+
+#: the moves of a model's training state; anything else raises
+_TRAINING_MOVES: dict[TrainingState, frozenset[TrainingState]] = {
+    TrainingState.IDLE: frozenset({TrainingState.FORWARD, TrainingState.BACKWARD}),
+    TrainingState.FORWARD: frozenset({TrainingState.PRE_BACKWARD, TrainingState.IDLE}),
+    TrainingState.PRE_BACKWARD: frozenset({TrainingState.FORWARD, TrainingState.BACKWARD}),
+    # a backward inside a backward (reentrant activation checkpointing) starts another graph task
+    TrainingState.BACKWARD: frozenset({TrainingState.IDLE, TrainingState.BACKWARD}),
+}
+
+
+class MasterValues(Protocol):
+    """Who keeps copies of the units' values apart from their shards (stage 3's master weights)."""
+
+    def on_params_modified(self, unit: Unit) -> None:
+        """New full values were written into ``unit`` and scattered to its shards."""
+
+    def on_written(self, unit: Unit) -> None:
+        """A forward (or backward) wrote ``unit``'s gathered values in place: keep this rank's slice of them."""
+
+    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
+        """``unit``'s shard took the fp32 ``values`` (this rank's slice) for the parameters ``loaded``."""
+
+
+class Gatherer:
+    """Owns the gather/free life cycle of one engine's units (the stage 3 ``UnitOwner``).
+
+    ``units`` is the engine's list of units (filled before :meth:`install`); ``values``
+    is told about every change of their values that did not come from a step.
+    """
+
+    def __init__(self, module: nn.Module, units: list[Unit], zero_config: Any, values: MasterValues,
+                 rank: int) -> None:
+        self.module = module
+        self.rank = rank
+        self.units = units
+        self.values = values
+        #: per module, the non-persistent units of its direct parameters (set by :meth:`install`)
+        self.module_units: dict[nn.Module, list[Unit]] = {}
+        self.prefetch_numel = int(zero_config.stage3_prefetch_bucket_size)
+        self.max_live = int(zero_config.stage3_max_live_parameters)
+        self.reuse_distance = int(zero_config.stage3_max_reuse_distance)
+        #: units past the prefetched ones whose shards start coming from their file (`offload_param: nvme`)
+        self.read_ahead = int(zero_config.offload_param.buffer_count) if offloads_params(zero_config) else 0
+        #: units whose shards this pass (forward or backward) asked to read ahead: settled when it ends
+        self._read_ahead: dict[Unit, None] = {}
+        self._handles: list[Any] = []
+        self._stack: list[_Call] = []
+        self._trace: list[Unit] = []
+        self._last: list[Unit] = []
+        self._next_use: list[Optional[int]] = []
+        self._cursor = 0
+        self._bw_calls: list[_Call] = []
+        #: per unit, the backward calls with no post-backward that hold it: released when its gradients are in
+        self.held_for_grads: dict[Unit, list[_Call]] = {}
+        self._bw_extra: list[Unit] = []
+        self._bw_task = -1
+        self._bw_trace: list[Unit] = []
+        self._bw_cursor = 0
+        self._live: set[Unit] = set()
+        #: units written in place while gathered -> their checksum before (None: a definite write)
+        self._written: dict[Unit, Optional[int]] = {}
+        #: units acquired by forwards with grad enabled since the last backward, first use first
+        self.forward_order: dict[Unit, None] = {}
+        #: what the model is doing; changed only by :meth:`_move`
+        self.state = TrainingState.IDLE
+        #: the engine's announcements (set by the engine; None: nothing announces, e.g. before it is attached)
+        self.announcer: Any = None
+        #: the announced pass running now, forward or backward (closed when it ends)
+        self._pass: Any = None
+        self._backward_pass: Any = None
+
+    # ------------------------------------------------------------ install
+    def install(self) -> None:
+        # Gathering is a collective on Python state: under torch.compile the hooks run eagerly,
+        # between graphs (one break per module call), never traced into one.
+        prepare_for_compile()
+        self.module_units = module_units(self.module)
+        pre, post = outside_graphs(self._pre_forward), outside_graphs(self._post_forward)
+        for module in self.module.modules():
+            self._handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(post, always_call=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------- state
+    def _move(self, to: TrainingState, event: str) -> None:
+        """The one place the training state changes: raises on a move the life cycle lacks."""
+        fix = "forward and backward of one engine must not interleave this way"
+        self.state = move(self.rank, f"the model ({type(self.module).__name__})", self.state, to, _TRAINING_MOVES,
+                          event, fix)
+
+    # ----------------------------------------------------- gather / free
+    def acquire(self, unit: Unit) -> None:
+        """Hold ``unit`` gathered (until :meth:`release`)."""
+        unit.acquire()
+        if not unit.gathered:
+            self._live.add(unit)
+        unit.ensure_gathered()
+
+    def release(self, unit: Unit, keep: bool = False) -> None:
+        """Drop one hold; free the unit when nothing holds it (``keep``: leave it gathered)."""
+        if unit.release() == 0 and not keep:
+            self.drop(unit)
+
+    def drop(self, unit: Unit) -> None:
+        """Free a unit nothing holds (its gathered values are stale or unneeded)."""
+        unit.free()
+        self._live.discard(unit)
+
+    def free_idle(self) -> None:
+        """Free every gathered unit nothing holds (prefetched but unused, kept for reuse)."""
+        for unit in list(self._live):
+            if unit.holders == 0:
+                self.drop(unit)
+
+    def _live_numel(self) -> int:
+        return sum(u.numel for u in self._live if u.gathered)
+
+    def _prefetch(self, trace: list[Unit], start: int) -> int:
+        """Start gathers for ``trace[start:]`` up to the prefetch budget; returns where it stopped."""
+        budget, live = self.prefetch_numel, None
+        index = start
+        while index < len(trace) and budget > 0:
+            unit = trace[index]
+            if not unit.gathered:
+                live = self._live_numel() if live is None else live
+                if live + unit.numel > self.max_live:
+                    break
+                unit.gather(async_op=True)
+                self._live.add(unit)
+                live += unit.numel
+                budget -= unit.numel
+            index += 1
+        for unit in trace[index : index + self.read_ahead]:
+            unit.read_ahead()  # shards kept in files: read while this stretch computes, gathered later
+            self._read_ahead[unit] = None
+        return index
+
+    def _settle_read_aheads(self) -> None:
+        """A pass ended: shards read ahead for units it did not gather (a branch not taken) stop holding
+        read-ahead slots and leave host memory as ``max_in_cpu`` says, instead of staying pending for good."""
+        units, self._read_ahead = self._read_ahead, {}
+        for unit in units:
+            unit.settle_read_ahead()
+
+    # ------------------------------------------------------------ forward
+    def _in_backward(self) -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if not self._stack and not self._in_backward():
+            self._begin_pass()
+        units = list(self.module_units.get(module, ()))
+        for param in module.__dict__.get(EXTERNAL_ATTR, ()):
+            unit = param.__dict__.get("_shardwise_unit")
+            if unit is not None and unit.owner is self and unit not in units:
+                units.append(unit)
+        call = _Call(module, units)
+        self._stack.append(call)
+        if units and self._last:
+            # Start this call's own gathers and the next ones together, then wait for its own.
+            self._cursor = self._prefetch(self._last, max(self._cursor, len(self._trace)))
+        for unit in units:
+            self._acquire_for(call, unit)
+        if units and torch.is_grad_enabled():
+            return self._arm_post_backward(call, args, kwargs)
+        return None
+
+    def _acquire_for(self, call: _Call, unit: Unit) -> None:
+        call.positions.append(len(self._trace))
+        self._trace.append(unit)
+        if torch.is_grad_enabled() and not self._in_backward():
+            self.forward_order.setdefault(unit, None)
+        self.acquire(unit)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._stack or self._stack[-1].module is not module:
+            return  # hooks installed while this module was already running
+        call = self._stack.pop()
+        if self._written:
+            self._write_back([u for u in call.units if u in self._written])
+        for unit, position in zip(call.units, call.positions):
+            self.release(unit, keep=self._reused_soon(unit, position))
+        if call.units and torch.is_grad_enabled() and output is not None:
+            self._arm_pre_backward(call, output)
+        if not self._stack and not self._in_backward():
+            self._end_pass()
+
+    def _reused_soon(self, unit: Unit, position: int) -> bool:
+        if position >= len(self._last) or self._last[position] is not unit:
+            return False
+        distance = self._next_use[position]
+        if distance is None or distance > self.reuse_distance:
+            return False
+        return self._live_numel() <= self.max_live
+
+    def _begin_pass(self) -> None:
+        if self.state is TrainingState.BACKWARD:
+            self._end_backward()  # a backward that raised never ran its final callback
+        self._pass = self._announce("forward")  # first: refused, it leaves the model as it was
+        self._move(TrainingState.FORWARD, "begin a forward")
+        self._trace = []
+        self._cursor = 0
+
+    def _announce(self, kind: str) -> Any:
+        """Announce a stage-3 ``kind`` pass (unless an announced engine call already covers it); the open scope."""
+        if self.announcer is None:
+            return None
+        phase = current_phase()
+        where = (", outside any engine call (`engine.module(...)`, the model's own methods)," if phase is None
+                 else f", in `{phase}`,")
+        grad = "" if torch.is_grad_enabled() else " without grad"
+        return self.announcer.scope(f"a stage-3 {kind}{grad}", detail=where).open()
+
+    def _end_pass(self) -> None:
+        # with grad, the calls armed pre-backward hooks: the backward may follow
+        after = TrainingState.PRE_BACKWARD if torch.is_grad_enabled() else TrainingState.IDLE
+        scope, self._pass = self._pass, None
+        if scope is not None:
+            scope.close()
+        self._move(after, "end a forward")
+        self._write_back(list(self._written))  # persistent units, and units written outside their call
+        self.free_idle()
+        self._settle_read_aheads()
+        self._last = self._trace
+        self._next_use = _next_use(self._last)
+        self._trace = []
+
+    def needs(self, unit: Unit) -> bool:
+        """Freed, or read by a running forward that did not gather it (its backward must re-gather it)."""
+        if not unit.gathered:
+            return True
+        return bool(self._stack) and not unit.persistent and unit not in self._stack[-1].units
+
+    def on_demand(self, units: list[Unit], func: Any, mutating: bool) -> contextlib.AbstractContextManager[None]:
+        """A running forward (or backward) read parameters it does not own: gather them for it."""
+        if self._stack:
+            call = self._stack[-1]
+            for unit in units:
+                if unit not in call.units:
+                    call.units.append(unit)
+                    self._acquire_for(call, unit)
+                else:
+                    unit.ensure_gathered()
+            return contextlib.nullcontext()
+        if self._in_backward():
+            for unit in units:
+                self._bw_extra.append(unit)
+                self.acquire(unit)
+            self._ensure_backward_callback()
+            return contextlib.nullcontext()
+        freed = [p for u in units for p in u.params if not u.gathered]
+        if not freed:
+            return contextlib.nullcontext()
+        raise not_gathered_error(freed[0], func)
+
+    def on_data_access(self, unit: Unit) -> None:
+        self.on_demand([unit], _TENSOR_DATA, False)
+
+    def on_traced_read(self, unit: Unit, param: torch.Tensor) -> None:
+        """torch.compile traces a read of ``param`` (once; replays skip this): the running module
+        gathers its unit on every call from now on, as if it were registered as external."""
+        if unit.persistent:
+            return
+        if not self._stack:
+            raise RuntimeError(
+                f"rank {unit.comm.rank}: a compiled function reads parameter `{param_name(param)}`, which ZeRO "
+                "stage 3 partitions, outside any forward of the engine's model, where nothing gathers it on "
+                "each call; compile the module (`engine.compile()`, or `torch.compile(model)` before "
+                "`shardwise.initialize`) instead of a function around it, or run that function eagerly"
+            )
+        call = self._stack[-1]
+        if unit in call.units:
+            return
+        external = call.module.__dict__.setdefault(EXTERNAL_ATTR, [])
+        if not any(p is param for p in external):
+            external.append(param)
+        self.on_demand([unit], _TENSOR_DATA, False)
+
+    def on_cast(self, unit: Unit, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> bool:
+        return False
+
+    def on_params_modified(self, unit: Unit) -> None:
+        """``GatheredParameters(modifier_rank=...)`` wrote new values into ``unit``."""
+        self.values.on_params_modified(unit)
+
+    # ----------------------------------------------------- in-place writes
+    def on_write(self, unit: Unit) -> contextlib.AbstractContextManager[None]:
+        """An in-place operation is about to write parameters of the gathered ``unit``."""
+        if self._stack or self._in_backward():
+            self._written[unit] = None  # written back when the call holding it ends
+            return contextlib.nullcontext()
+        if unit.persistent and unit.holders == 0:
+            return self._writing(unit)  # always gathered, no call will end: write back right after
+        return contextlib.nullcontext()  # inside `GatheredParameters`: its `modifier_rank` decides
+
+    def on_gathered_data_access(self, unit: Unit) -> None:
+        """``param.data`` of a gathered unit was taken inside a call: hold it for the call, it may be written."""
+        if not (self._stack or self._in_backward()):
+            return
+        if self.needs(unit):
+            self.on_data_access(unit)  # held for the running call like any read (and a prefetch finishes first)
+        unit.settle()
+        if unit not in self._written:
+            self._written[unit] = checksum(unit.full)
+
+    @contextlib.contextmanager
+    def _writing(self, unit: Unit) -> Iterator[None]:
+        yield
+        self._written[unit] = None
+        self._write_back([unit])
+
+    def _write_back(self, units: list[Unit]) -> None:
+        for unit in units:
+            before = self._written.pop(unit)
+            if not unit.gathered:
+                continue
+            after = checksum(unit.full)
+            if before is not None and before == after:
+                continue  # `.data` was only read
+            self.values.on_written(unit)
+            # No collective: the step check compares this note, so different writes on different ranks fail it.
+            unit.comm.ledger.record("in-place write", unit.numel, unit.full.dtype, f"{unit.label}, values {after:x}")
+
+    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
+        """``zero.load_state_dict`` gave ``unit`` new fp32 values."""
+        self.values.on_values_loaded(unit, values, loaded)
+
+    # ----------------------------------------------------------- backward
+    def _arm_post_backward(self, call: _Call, args: Any, kwargs: Any) -> Any:
+        flat, spec = tree_flatten((args, kwargs))
+        where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not where:
+            return None
+        outputs = _PostBackward.apply(self, call, *[flat[i] for i in where])
+        for i, value in zip(where, outputs):
+            flat[i] = value
+        call.post = True
+        return tree_unflatten(flat, spec)
+
+    def _arm_pre_backward(self, call: _Call, output: Any) -> None:
+        flat, _ = tree_flatten(output)
+        tensors = [v for v in flat if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not tensors and hasattr(output, "__dict__"):
+            tensors = [v for v in vars(output).values() if isinstance(v, torch.Tensor) and v.requires_grad]
+
+        def hook(grad: torch.Tensor) -> None:
+            self._pre_backward(call)
+
+        for tensor in tensors:
+            tensor.register_hook(hook)
+
+    def _ensure_backward_callback(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._bw_task:
+            if self._backward_pass is None:  # (a reentrant backward inside it is covered)
+                self._backward_pass = self._announce("backward")
+            self._move(TrainingState.BACKWARD, "begin a backward")
+            self._bw_task = task
+            self._bw_trace = list(reversed(self._last))
+            self._bw_cursor = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _pre_backward(self, call: _Call) -> None:
+        task = torch._C._current_graph_task_id()
+        if call.task == task:
+            return
+        call.task = task
+        self._ensure_backward_callback()
+        for unit in call.units:
+            if not unit.gathered:
+                unit.gather(async_op=True)
+                self._live.add(unit)
+        for unit in call.units:
+            self.acquire(unit)
+        call.held = list(call.units)
+        self._bw_calls.append(call)
+        if not call.post:
+            for unit in call.units:
+                self.held_for_grads.setdefault(unit, []).append(call)
+        self._prefetch_backward(call)
+
+    def _prefetch_backward(self, call: _Call) -> None:
+        trace = self._bw_trace
+        for index in range(self._bw_cursor, len(trace)):
+            if trace[index] in call.units:
+                self._bw_cursor = index + 1
+                break
+        self._prefetch(trace, self._bw_cursor)
+
+    def post_backward(self, call: _Call) -> None:
+        held, call.held = call.held, []
+        for unit in held:
+            self.release(unit)
+
+    def grads_ready(self, unit: Unit) -> None:
+        """All trainable parameters of ``unit`` have their gradient: calls with no post-backward let go."""
+        for call in self.held_for_grads.pop(unit, ()):
+            if unit in call.held:
+                call.held.remove(unit)
+                self.release(unit)
+
+    def _end_backward(self) -> None:
+        self._write_back(list(self._written))
+        for call in self._bw_calls:
+            self.post_backward(call)
+        extra, self._bw_extra = self._bw_extra, []
+        for unit in extra:
+            self.release(unit)
+        self._bw_calls = []
+        self.held_for_grads = {}
+        self._bw_task = -1
+        scope, self._backward_pass = self._backward_pass, None
+        if scope is not None:
+            scope.close()
+        self._move(TrainingState.IDLE, "end a backward")
+        self.free_idle()
+        self._settle_read_aheads()
+
+    def abort_forward(self) -> None:
+        """The engine's forward raised past the module hooks (torch runs the always-called post-hooks for an
+        ``Exception`` only: a ``KeyboardInterrupt`` skips them): let go of what its calls held, as their ends
+        would have."""
+        while self._stack:
+            self._post_forward(self._stack[-1].module, (), None)  # what the skipped hook would have done
+        if self.state is TrainingState.FORWARD:
+            self._end_pass()
+
+    def abort_backward(self) -> None:
+        """The engine's backward raised partway: let go of what it held, as its end would have."""
+        if self.state is TrainingState.BACKWARD:
+            self._end_backward()
+        self.forward_order = {}
+
+
+def module_units(root: nn.Module) -> dict[nn.Module, list[Unit]]:
+    """Per module of ``root``, the non-persistent units holding its direct parameters (a tied parameter's
+    unit is gathered by every module holding it)."""
+    holders: dict[nn.Module, list[Unit]] = {}
+    for module in root.modules():
+        found: list[Unit] = []
+        for param in module._parameters.values():
+            holder = unit_of(param)
+            if holder is not None and not holder.persistent and holder not in found:
+                found.append(holder)
+        if found:
+            holders[module] = found
+    return holders
+
+
+def _next_use(trace: list[Unit]) -> list[Optional[int]]:
+    """For each position, the elements gathered before the same unit is used again (None: never)."""
+    result: list[Optional[int]] = [None] * len(trace)
+    seen: dict[int, int] = {}
+    prefix = [0]
+    for unit in trace:
+        prefix.append(prefix[-1] + unit.numel)
+    for position in range(len(trace) - 1, -1, -1):
+        unit = trace[position]
+        later = seen.get(id(unit))
+        if later is not None:
+            result[position] = prefix[later] - prefix[position + 1]
+        seen[id(unit)] = position
+    return result
+

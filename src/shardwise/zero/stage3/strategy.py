@@ -1,0 +1,515 @@
+"""Stage 3: parameters, gradients, master weights and optimizer state all sharded.
+
+Layout.  Every module's *direct* floating-point parameters form one
+:class:`~.params.Unit` (a flat buffer padded to a multiple of N; rank ``r``
+keeps slice ``r`` in the compute dtype).  Units of at most
+``stage3_param_persistence_threshold`` elements are merged into one
+*persistent* unit that stays gathered.  A tied parameter belongs to the first
+module that holds it; every module holding it gathers that unit.
+
+Master weights.  For each trainable parameter this rank owns a *piece*: the
+elements ``[start, end)`` of the flattened parameter that fall into its slice
+of the unit, as a standalone fp32 tensor (in fp32 runs, a view into the
+unit's slice itself: the slice *is* the master weight, as in torch FSDP).  The inner optimizer's param groups
+hold these pieces in place of the model's parameters (same groups,
+hyperparameters untouched), so any torch optimizer, or a wrapper exposing
+``param_groups``, steps exactly this rank's 1/N.  A piece's ``.grad`` is None
+while its parameter is frozen (or got no gradient this step anywhere), so the
+optimizer skips it exactly as torch skips a parameter whose ``.grad`` is None.
+
+Gradients.  Autograd writes full-size gradients into ``param.grad``; between
+accumulation boundaries they just accumulate there.  At a boundary
+(``sync``), once every trainable parameter of a unit has its gradient, the
+unit's gradients are copied into one fp32 flat tensor and reduce-scattered
+(asynchronously, a couple in flight); the result, divided by N, is added to
+the pieces' gradients (allocated by the first reduction after ``zero_grad``,
+dropped by it) and ``param.grad`` is released.  Units are reduced in
+a fixed order (reverse order of first use in forward, then the rest), so all
+ranks issue the same collectives in the same order.
+
+Step.  ``step`` (the master store's) copies the updated pieces into the local slice of each
+unit (nothing to copy in fp32): no communication, the next forward gathers
+the new values.  Only the persistent unit is re-gathered.
+
+The pieces, their masters and optimizer state are the master store's (:mod:`.store`, the same store as
+the flat stages', its home chosen once: in memory, or in files with ``offload_optimizer: nvme``); its
+model side here, the units' shards, is :mod:`.unit_side`; shards kept in a file (``offload_param: nvme``)
+in :mod:`.offloaded_shards`; the hooks that gather and free units in :mod:`.hooks`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from ...comm.distributed import Comm, Work
+from ...optim.param_state import ParamShard
+from ..base import Apply, Strategy, module_order, tensor_bytes
+from ..offload.shards import ShardCache, offloads_params, shard_cache
+from ..store.home import Piece
+from ..store.plan import offload_spec
+from ..store.store import MasterStore, choose_home
+from ..weak_hooks import WeakHook, remove_with
+from .gathered import GatheredParameters
+from .hooks import Gatherer
+from .params import Unit, UnitError, UnitState, is_partitioned, restore_parameter, unit_of
+from .side import UnitSide, piece_runs
+
+__all__ = ["InFlight", "Stage3"]
+
+_MAX_IN_FLIGHT = 2
+
+
+class InFlight(NamedTuple):
+    """One unit's reduce-scatter, launched: ``source`` (the unit's local gradients) stays alive until it is
+    waited for; ``output`` receives this rank's slice; ``trainable``: the indices of its trainable params."""
+
+    work: Work
+    unit: Unit
+    source: torch.Tensor
+    output: torch.Tensor
+    trainable: list[int]
+
+
+class Stage3(Strategy):
+    """Partitioned parameters gathered by module hooks; see the module docstring."""
+
+    stage = 3
+    shards_grads = True
+    gathers = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.units: list[Unit] = []
+        #: this rank's pieces with their masters and optimizer state, the home chosen once: in fp32 the shards
+        #: are the masters, unless they live in files (masters apart from them), or the state goes to files
+        in_files = offloads_params(self.zero_config)
+        self.side = UnitSide(self.comm.rank, in_files)
+        fp32 = self.precision.dtype == torch.float32
+        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        self.store = MasterStore(choose_home(self.side, offload_spec(self.zero_config, self.comm.rank),
+                                             fp32 and not in_files, device))
+        self.side.store = self.store
+        #: the shards' file and host cache where `offload_param` is nvme (made with the units)
+        self.shards: Optional[ShardCache] = None
+        self.gatherer = Gatherer(self.module, self.units, self.zero_config, self.side, self.comm.rank)
+        self._params: list[nn.Parameter] = []  # the optimizer's parameters, module order
+        self._mask: tuple[bool, ...] = ()
+        self._trainable: dict[Unit, list[int]] = {}  # unit -> indices of its trainable params
+        #: (unit, index) of every trainable parameter, in the same order on every rank: the flags' order
+        self._keys: list[tuple[Unit, int]] = []
+        self._grad_hooks: dict[int, Any] = {}
+        self._order: list[Unit] = []
+        self._next = 0
+        self._ready: set[Unit] = set()
+        self._arrived: dict[Unit, set[int]] = {}
+        self._works: list[InFlight] = []
+        self._dirty = False
+        #: (unit, index) of the trainable parameters this rank had a gradient for since `zero_grad`: summed over
+        #: the ranks with the norm (:meth:`step_sums`), the step leaves those no rank had alone
+        self._had: set[tuple[Unit, int]] = set()
+        #: where the reduced gradients live (the flags' all-reduce must use the same device as the collectives)
+        self._grad_device = torch.device("cpu")
+
+    # ================================================================ build
+    def attach(self, inner: Optional[Any], initial: Optional[dict[int, torch.Tensor]] = None) -> None:
+        super().attach(inner, initial)
+        _check_module(self.module, self.comm)
+        if inner is not None:
+            self._groups = [list(group["params"]) for group in inner.param_groups]
+            self._params = module_order(self.module, self._groups)
+        self._mask = tuple(p.requires_grad for p in self._params)
+        self._build_units()
+        self.initial = {}
+        self.refresh_trainable()
+        if inner is not None:
+            self._point_optimizer()
+        self.gatherer.install()
+
+    def _build_units(self) -> None:
+        group_of = {id(p): g for g, params in enumerate(self._groups) for p in params}
+        threshold = int(self.zero_config.stage3_param_persistence_threshold)
+        specs = unit_specs(self.module, threshold)
+        world = self.comm.world_size
+        bound = sum(max(1, -(-sum(p.numel() for p in params) // world)) for params, _, _ in specs)  # shard elements
+        runs = piece_runs([params for params, _, _ in specs], group_of, self.comm.rank, world)
+        self.store.plan(runs, sum(run.numel for run in runs), self.inner)
+        self.shards = shard_cache(self.zero_config, self.comm.rank, bound, self.precision.dtype)
+        for params, names, persistent in specs:
+            unit = Unit(len(self.units), params, names, self.comm, self.gatherer, persistent)
+            values = _initial_flat(unit, self.initial)
+            unit.build(values, self.precision.dtype)
+            # after build: in fp32 `values` became the (now freed) full buffer, and the masters are the shard
+            for piece in self.side.pieces(unit, group_of):
+                self.store.add(piece, self.side.initial(piece, values) if piece.param.requires_grad else None)
+            if self.shards is not None:
+                unit.keep_shard_in(self.shards.place(unit.shard, unit))
+            self.units.append(unit)
+
+    def _point_optimizer(self) -> None:
+        """Put this rank's fp32 pieces into the inner optimizer's groups in place of the parameters."""
+        for group, originals in zip(self.inner.param_groups, self._groups):
+            group["params"] = self.store.keys_for(originals)
+
+    # ======================================================== trainability
+    def trainable_changed(self) -> bool:
+        return tuple(p.requires_grad for p in self._params) != self._mask
+
+    def refresh_trainable(self) -> None:
+        """Frozen pieces leave the optimizer, unfrozen ones join it; trainable parameters get their hook
+        (torch refuses hooks on frozen ones: added when unfrozen)."""
+        self._mask = tuple(p.requires_grad for p in self._params)
+        if self.store.refresh(self.inner.state if self.inner is not None else {}) and self.inner is not None:
+            self._point_optimizer()
+        self._trainable = {}
+        added = []
+        for param in self._params:
+            unit = unit_of(param)
+            if unit is not None and param.requires_grad:
+                index = param.__dict__["_shardwise_index"]
+                self._trainable.setdefault(unit, []).append(index)
+                if id(param) not in self._grad_hooks:  # held weakly: a dropped engine is freed (:mod:`.weak_hooks`)
+                    hook = WeakHook(self._on_grad_of, index)
+                    added.append(param.register_post_accumulate_grad_hook(hook))
+                    self._grad_hooks[id(param)] = added[-1]
+        if added:
+            remove_with(self, added)
+        self._keys = [(unit, index) for unit in self.units for index in self._trainable.get(unit, ())]
+
+    def has_pending_grads(self) -> bool:
+        return self._dirty
+
+    def trained_count(self) -> int:
+        return sum(len(indices) for indices in self._trainable.values())
+
+    # ============================================================ backward
+    def start_backward(self, sync: bool) -> None:
+        backward = self.backward
+        backward.sync, backward.active, backward.arrivals = sync, True, 0
+        backward.serial += 1
+        self._dirty = True
+        self._arrived = {}
+        self._ready = set()
+        self._next = 0
+        if sync:  # reverse order of first use in forward, then the units that forward did not use
+            used = [u for u in reversed(list(self.gatherer.forward_order)) if u in self._trainable]
+            seen = set(used)
+            self._order = used + [u for u in self.units if u in self._trainable and u not in seen]
+
+    def _on_grad_of(self, index: int, param: torch.Tensor) -> None:
+        unit = unit_of(param)  # (not held by the hook: the unit holds this engine's machinery)
+        if unit is not None:
+            self._on_grad(unit, index, param)
+
+    def _on_grad(self, unit: Unit, index: int, param: torch.Tensor) -> None:
+        """Parameter ``index`` of ``unit`` got its gradient: reduce the unit once all of its have."""
+        backward = self.backward
+        if unit not in self._trainable or not backward.active:
+            return  # (not in this engine's backward: another engine's loss reached this model)
+        backward.arrivals += 1
+        arrived = self._arrived.setdefault(unit, set())
+        arrived.add(index)
+        if len(arrived) < len(self._trainable[unit]):
+            return
+        if unit in self.gatherer.held_for_grads:  # a call with no post-backward holds it until now
+            self.gatherer.grads_ready(unit)
+        if backward.sync and unit not in self._ready:
+            self._ready.add(unit)
+            while self._next < len(self._order) and self._order[self._next] in self._ready:
+                self._launch(self._order[self._next])
+                self._next += 1
+
+    def _launch(self, unit: Unit) -> None:
+        # fp32 unless `communication_data_type` halves the bytes on the wire; averaged into fp32 below
+        wire = self.precision.reduce_dtype
+        trainable = self._trainable[unit]
+        source, had_grad = unit.take_grads(trainable, wire)
+        self._had.update((unit, index) for index in had_grad)
+        self._grad_device = source.device
+        output = torch.empty(unit.shard_numel, dtype=wire, device=source.device)
+        work = self.comm.reduce_scatter(output, source, async_op=True, label=unit.label)
+        self._works.append(InFlight(work, unit, source, output, trainable))
+        while len(self._works) > _MAX_IN_FLIGHT:
+            self.store.add_reduced([self._landed(self._works.pop(0))], 1.0 / self.comm.world_size, False)
+
+    def _landed(self, flight: InFlight) -> tuple[list[Piece], torch.Tensor]:
+        """Wait for ``flight``: its unit's trainable pieces and this rank's slice of their reduced gradients (the
+        store adds them to the pieces' gradients; which of them no rank had a gradient for, :meth:`step` is told)."""
+        flight.work.wait()
+        pieces = self.side.by_unit.get(flight.unit, ())
+        return [p for p in pieces if p.index in flight.trainable], flight.output
+
+    def abort_forward(self) -> None:
+        self.gatherer.abort_forward()
+
+    def abort_backward(self) -> None:
+        self.backward.active = False
+        self._drain()
+        self._arrived, self._ready = {}, set()
+        self._next = len(self._order)
+        self.gatherer.abort_backward()
+
+    def _drain(self) -> None:
+        """Wait for the reduce-scatters still in flight and drop their results (a backward that raised: they
+        must not land in the next step's gradients)."""
+        works, self._works = self._works, []
+        for flight in works:
+            flight.work.wait()
+
+    def attach_announcer(self, announcer: Any) -> None:
+        self.gatherer.announcer = announcer
+
+    def finish_backward(self) -> None:
+        self.backward.active = False
+        self.gatherer.forward_order = {}
+        if not self.backward.sync:
+            return
+        for unit in self._order[self._next :]:
+            self._launch(unit)
+        self._next = len(self._order)
+        works, self._works = self._works, []
+        self.store.add_reduced([self._landed(flight) for flight in works], 1.0 / self.comm.world_size, True)
+
+    # ================================================================ step
+    def step_sums(self) -> torch.Tensor:
+        """This rank's sum of squared gradients (taken as the reduction finished, unless written since), then
+        per trainable parameter whether this rank had a gradient for it: the flags ride the norm's all-reduce
+        (DDP's `find_unused_parameters` without a collective of its own)."""
+        share = self.store.share
+        if share is not None and all(key.grad is grad and grad._version == version for key, grad, version in share.seen):
+            sq = share.sq
+        else:  # written since the reduction finished (a script's own scaling, a trainability change)
+            sq = self.store.grad_sq()
+        flags = [float(key in self._had) for key in self._keys]
+        return torch.cat([sq.reshape(1).to(self._grad_device),
+                          torch.tensor(flags, dtype=torch.float32, device=self._grad_device)])
+
+    def step(self, inner: Any, factor: float, sums: torch.Tensor, release: bool) -> None:
+        used = {key for key, count in zip(self._keys, sums.tolist()) if count > 0}
+        store = self.store
+        # scale, leave the pieces no rank had a gradient for alone, step, publish into the shards
+        unused = [p for p in store.pieces if p.key is not None and (p.unit, p.index) not in used]
+        store.step(inner, factor, unused, release)  # (and drop the gradients, if asked)
+        if release:
+            self._forget_grads()
+        self._refresh_gathered()
+
+    def sync_params_from_master(self) -> None:
+        self.store.publish()
+        self._refresh_gathered()
+
+    def _refresh_gathered(self) -> None:
+        """Gathered units of trainable parameters hold stale full values after a step: a persistent unit, or
+        one something holds, is re-gathered; any other is dropped (the next use gathers it)."""
+        for unit in self.units:
+            state = unit.state
+            if unit not in self._trainable or state is UnitState.SHARDED:
+                continue
+            if state is UnitState.PERSISTENT or unit.holders:
+                unit.refresh()
+            else:
+                self.gatherer.drop(unit)
+
+    def zero_grad(self) -> None:
+        self._drain()  # left by a backward that raised: never added into the gradients that follow
+        self._forget_grads()
+        self.store.drop_grads()
+
+    def _forget_grads(self) -> None:
+        """What zero_grad forgets here, beside the pieces' gradients."""
+        self._dirty = False
+        self._arrived = {}
+        self._ready = set()
+        self._had = set()
+        with torch._C.DisableTorchFunctionSubclass():
+            for unit in self.units:
+                for param in unit.params:
+                    param.grad = None
+
+    # ========================================================== accounting
+    def memory_breakdown(self) -> dict[str, int]:
+        params = sum(u.storage.held_bytes() for u in self.units)  # an offloaded shard: only while in host memory
+        params += sum(u.padded * u.element_bytes() for u in self.units if u.persistent)
+        params += tensor_bytes([p for p in self.module.parameters() if not is_partitioned(p)])
+        grads = [p.grad for p in self.store.pieces if p.grad is not None]
+        with torch._C.DisableTorchFunctionSubclass():
+            grads += [p.grad for u in self.units for p in u.params if p.grad is not None]
+        state = getattr(self.inner, "state", {}) if self.inner is not None else {}
+        return {
+            "parameters": params,
+            "master_weights": self.store.master_bytes(),
+            "gradients": tensor_bytes(grads),
+            "optimizer_state": self.store.state_bytes(state),
+        }
+
+    def full_master_weights(self) -> dict[int, torch.Tensor]:
+        result: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            # a copy even in fp32: `fill` writes into it, and the shard itself must not change (nor, kept in a
+            # file, be marked written)
+            shard = unit.shard.to(torch.float32, copy=True)
+            unit.shard_released()  # only read: a shard kept in a file may leave (`max_in_cpu`)
+            self.side.fill(unit, shard)
+            full = torch.empty(unit.padded, dtype=torch.float32, device=shard.device)
+            self.comm.all_gather(full, shard)
+            for index, param in enumerate(unit.params):
+                result[id(param)] = unit.param_view(full, index).clone()
+        return result
+
+    # ========================================================== checkpoint
+    @contextlib.contextmanager
+    def checkpoint_shards(self, loading: bool, wanted: frozenset[str] = frozenset()) -> Iterator[list[ParamShard]]:
+        if self.shards is not None:
+            self.shards.check_usable()  # a shard file that lost its state: no save or load goes on from here
+        if self.inner is None:
+            yield []
+            return
+        with self.store.shards(self.inner.state, loading, wanted) as shards:
+            yield shards
+        if not loading:
+            return
+        for unit in self.units:  # frozen units took loaded values: drop stale gathered copies
+            if unit.gathered and unit not in self._trainable:
+                unit.refresh()
+
+    def save_entries(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Partitioned entries are gathered one at a time; entry ``i`` of them is written by rank
+        ``i % N``, so no rank holds more than its share (collective)."""
+        owned = super().save_entries({n: t for n, t in live.items() if not is_partitioned(t)})
+        partitioned = [n for n, t in live.items() if is_partitioned(t)]
+        for index, name in enumerate(partitioned):
+            with GatheredParameters([live[name]]):
+                if index % self.comm.world_size == self.comm.rank:
+                    owned[name] = live[name].detach().clone()
+        return owned
+
+    def load_entries(self, live: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Apply]:
+        buffers, apply_local = super().load_entries({n: t for n, t in live.items() if not is_partitioned(t)})
+        partitioned = {n: t for n, t in live.items() if is_partitioned(t)}
+        with torch._C.DisableTorchFunctionSubclass():
+            buffers.update({n: torch.empty(t.shape, dtype=t.dtype, device=t.device) for n, t in partitioned.items()})
+
+        def apply() -> None:
+            apply_local()
+            for name, param in partitioned.items():  # collective: rank 0's values, re-partitioned
+                with GatheredParameters([param], modifier_rank=0), torch.no_grad():
+                    param.copy_(buffers[name])
+
+        return buffers, apply
+
+    @contextlib.contextmanager
+    def writable_full_params(self) -> Iterator[None]:
+        with GatheredParameters(list(self.module.parameters()), modifier_rank=0):
+            yield
+
+    # =============================================================== close
+    def close(self, restore_params: bool = True) -> None:
+        """Remove every hook and give each parameter back its full storage (collective); without
+        ``restore_params``, an empty one instead (nothing gathered: a model no rank could hold whole)."""
+        held = [unit for unit in self.units if unit.holders]
+        if held:
+            raise UnitError(
+                f"rank {self.comm.rank}: `engine.destroy()` while {held[:3]} are still held (a forward, "
+                "backward or `GatheredParameters` block is running); destroy the engine outside them"
+            )
+        self.gatherer.remove()
+        if self.shards is not None:
+            self.shards.closing = True  # the files are deleted below: no host copy is written back first
+        for hook in self._grad_hooks.values():
+            hook.remove()
+        self._grad_hooks = {}
+        while self.units:
+            unit = self.units[0]
+            if restore_params:
+                unit.ensure_gathered()
+            else:
+                unit.settle()  # a prefetch in flight ends before its buffer goes
+            with torch._C.DisableTorchFunctionSubclass():
+                for index, param in enumerate(unit.params):
+                    param.data = (unit.param_view(unit.full, index).clone() if restore_params
+                                  else torch.empty(0, dtype=unit.full.dtype, device=unit.device))
+                    restore_parameter(param)
+            unit.unpersist()
+            if unit.gathered:
+                unit.free()
+            unit.discard_shard()  # a shard kept in a file: its host copy goes now, not with the file below
+            # restored: a destroy retried after a failure here (a shard's read) goes on from the next unit, and
+            # never reads this one's file again (its newest values were in the host copy just let go)
+            self.units.pop(0)
+        self._had = set()
+        self.store.close()
+        if self.shards is not None:
+            self.shards.close()
+            self.shards = None
+
+
+def _check_module(module: nn.Module, comm: Comm) -> None:
+    """Refuse parameters another stage 3 engine partitions, or ``zero.Init`` partitioned over another group."""
+    for name, param in module.named_parameters():
+        unit = unit_of(param)
+        if unit is not None and isinstance(unit.owner, Gatherer):
+            raise ValueError(
+                f"rank {comm.rank}: parameter `{name}` is already partitioned by another stage 3 "
+                "engine; call `engine.destroy()` on that engine before wrapping the module again"
+            )
+        if unit is not None and unit.comm.world_size != comm.world_size:
+            raise ValueError(
+                f"rank {comm.rank}: parameter `{name}` was partitioned by `zero.Init` over "
+                f"{unit.comm.world_size} ranks but the engine's process group has {comm.world_size}; "
+                "pass the same `process_group` to `zero.Init` and `shardwise.initialize`"
+            )
+
+
+def _initial_flat(unit: Unit, initial: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The unit's full fp32 values (``initial``: exact values by id; from ``zero.Init`` shards where the
+    model was built partitioned)."""
+    gathered: dict[int, torch.Tensor] = {}
+    values = []
+    for param in unit.params:
+        source = unit_of(param)
+        if source is None:
+            values.append(initial.get(id(param), param.data))
+            continue
+        if id(source) not in gathered:
+            gathered[id(source)] = _gather_fp32(source)
+        values.append(source.param_view(gathered[id(source)], param.__dict__["_shardwise_index"]))
+    device = values[0].device if values else torch.device("cpu")
+    return unit.flatten(values, torch.float32, device)
+
+
+def _gather_fp32(unit: Unit) -> torch.Tensor:
+    """The full flat fp32 values of a ``zero.Init`` unit (exact when it was cast down)."""
+    source = unit.pristine if unit.pristine is not None else unit.shard
+    gathered = torch.empty(unit.padded, dtype=source.dtype, device=source.device)
+    unit.comm.all_gather(gathered, source)
+    return gathered.float()
+
+
+def unit_specs(module: nn.Module, threshold: int) -> list[tuple[list[nn.Parameter], list[str], bool]]:
+    """Which parameters of ``module`` form which unit, with their names and whether the unit is persistent:
+    per module, its direct floating-point parameters not taken by an earlier module; modules holding at most
+    ``threshold`` elements (``stage3_param_persistence_threshold``) merged into one persistent unit, last."""
+    taken: set[int] = set()
+    specs: list[tuple[list[nn.Parameter], list[str], bool]] = []
+    small: tuple[list[nn.Parameter], list[str]] = ([], [])
+    for prefix, child in module.named_modules():
+        params, names = [], []
+        for name, param in child._parameters.items():
+            if param is None or id(param) in taken or not param.is_floating_point():
+                continue
+            taken.add(id(param))
+            params.append(param)
+            names.append(f"{prefix}.{name}" if prefix else name)
+        if not params:
+            continue
+        if sum(p.numel() for p in params) <= threshold:
+            small[0].extend(params)
+            small[1].extend(names)
+        else:
+            specs.append((params, names, False))
+    if small[0]:
+        specs.append((small[0], small[1], True))
+    return specs
