@@ -8,9 +8,9 @@ the feature when it turns one on; anything else is an unknown key, reported with
 one. `"auto"` resolves from what is known (`auto.py`). Every invalid config raises
 :class:`ConfigError`, which lists each problem on its own line with the dotted key path.
 
-Reading is total and bounded (`limits.py`, `reading.py`, `yaml_reader.py`): whatever a file or dict
-holds, the outcome is a Config or a ConfigError within about a second. Number keys take numbers only
-(`numbers.py`): no booleans, nothing infinite, sizes below stated bounds.
+Reading is total and bounded (`limits.py`, `reading.py`): whatever a file or dict holds, the outcome is a
+Config or a ConfigError within about a second. Number keys take numbers only (`sections.py`): no booleans,
+nothing infinite, sizes below stated bounds.
 
 Defaults follow plain PyTorch: `gradient_clipping` is 0 (off) when absent, whereas recent DeepSpeed
 clips at 1.0 by default.
@@ -21,9 +21,8 @@ This package only describes: it imports no shardwise runtime module. The runtime
 
 from __future__ import annotations
 
-from .errors import ConfigError
+from .errors import ConfigError, Note
 from .model import BatchSizes, Config, load_configs
-from .notes import Note
 from .reading import read_config_file
 from .sections import (
     BF16Config,

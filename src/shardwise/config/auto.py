@@ -26,8 +26,7 @@ import torch
 from torch import nn
 
 from .catalog import is_auto
-from .errors import ConfigError
-from .notes import Note
+from .errors import ConfigError, Note
 from .optimizers import OPTIMIZERS
 from .schedules import SCHEDULES
 

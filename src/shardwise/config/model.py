@@ -14,19 +14,19 @@ from torch import nn
 
 from . import auto
 from .describe import problems_from
-from .errors import ConfigError, Problems, canonical
+from .errors import ConfigError, Note, Problems, announce, canonical
 from .limits import MAX_ACCUMULATION, MAX_MICRO_BATCH, MAX_STEPS, MAX_TIMEOUT_S, MAX_TRAIN_BATCH, check_shape
-from .notes import Note, announce
-from .numbers import Count, Real
 from .policy import prepare
 from .reading import read_config_file
 from .sections import (
     BF16Config,
     CheckpointConfig,
     CommsConfig,
+    Count,
     FP16Config,
     OffloadParamConfig,
     OptimizerConfig,
+    Real,
     SchedulerConfig,
     Section,
     ZeroConfig,

@@ -5,7 +5,7 @@
 1. reads a DeepSpeed alias or legacy name as its canonical name (with an info line);
 2. a key shardwise implements: `auto` is settled by `auto.py`'s rules, a string number or boolean
    becomes a number or boolean (`"1e-3"`, `"true"`) with an info line saying so, and the value goes
-   on to pydantic (whose number fields then take numbers only, `numbers.py`);
+   on to pydantic (whose number fields then take numbers only, `sections.Count` and `Real`);
 3. a DeepSpeed key in `catalog.CATALOG`: accepted with an info line when it changes nothing here,
    an error naming the feature when it turns one on;
 4. anything else: an unknown-key error with the closest known key.
@@ -26,9 +26,8 @@ from pydantic import BaseModel
 
 from .auto import BATCH_KEYS, resolves_later
 from .catalog import ALIASES, CATALOG, OFFLOAD_KEYS, Entry, is_auto
-from .errors import MAX_SHOWN, problem_line, shown_value, suggest
+from .errors import MAX_SHOWN, Note, problem_line, shown_value, suggest
 from .limits import NO_LIMIT
-from .notes import Note
 from .sections import OffloadSection, OptimizerConfig, SchedulerConfig, field_default, section_of, upper_bound
 
 __all__ = ["Prepared", "coerce", "prepare"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["DEEPSPEED_ONLY_SCHEDULES", "REQUIRED", "SCHEDULES", "WARMUP_TYPES", "param_problems"]
+__all__ = ["DEEPSPEED_ONLY_SCHEDULES", "REQUIRED", "SCHEDULES", "WARMUP_TYPES", "is_number", "param_problems"]
 
 WARMUP_TYPES = ("log", "linear")
 
@@ -48,13 +48,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _lr_ok(value: Any) -> bool:
     values = value if isinstance(value, (list, tuple)) else [value]
-    return bool(values) and all(_is_number(v) and v >= 0 for v in values)
+    return bool(values) and all(is_number(v) and v >= 0 for v in values)
 
 
 def param_problems(params: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -78,7 +78,7 @@ def param_problems(params: Mapping[str, Any]) -> list[tuple[str, str]]:
             bad(name, "a number >= 0, or a list of them with one per param group")
     for name in ("warmup_min_ratio", "cos_min_ratio"):
         value = params.get(name, 0.0)
-        if not (_is_number(value) and 0 <= value <= 1):
+        if not (is_number(value) and 0 <= value <= 1):
             bad(name, "a number in [0, 1]")
     iteration = params.get("last_batch_iteration", -1)
     if not (_is_int(iteration) and iteration >= -1):

@@ -21,9 +21,8 @@ from __future__ import annotations
 from shardwise.engine.engine import Engine as DeepSpeedEngine
 
 from . import accelerator, comm, pipe, runtime, utils, zero
-from .arguments import add_config_arguments
 from .comm import init_distributed
-from .initialize import initialize
+from .initialize import add_config_arguments, initialize
 from .pipe import PipelineModule
 
 __all__ = [

@@ -105,7 +105,6 @@ class CpuAccelerator(Accelerator):
     """The CPU as DeepSpeed's `cpu` accelerator: one device, gloo, memory read from the process."""
 
     _name = "cpu"
-    _communication_backend_name = "gloo"
 
     def device_name(self, device_index: int | None = None) -> str:
         return "cpu"  # DeepSpeed scripts pass a local rank; the CPU has no per-rank index
