@@ -44,6 +44,11 @@ class BatchSizes:
     micro_batch_size: int | None
     gradient_accumulation_steps: int
 
+    def as_keys(self) -> dict[str, int | None]:
+        """The three config keys these sizes are."""
+        return {"train_batch_size": self.train_batch_size, "train_micro_batch_size_per_gpu": self.micro_batch_size,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps}
+
 
 class Config(Section):
     """A validated shardwise config. Build one with :meth:`load` (dict, .json/.yaml path or Config).
@@ -84,21 +89,26 @@ class Config(Section):
 
     def __init__(self, **data: Any) -> None:
         """Validate keyword settings; problems raise ConfigError (prefer :meth:`load`)."""
-        check_shape(data)
-        prepared = prepare(data, Config)
-        if prepared.problems:
-            raise ConfigError(prepared.problems)
-        try:
-            self.__pydantic_validator__.validate_python(
-                prepared.data, self_instance=self, context={"pending": prepared.pending})
-        except ValidationError as exc:
-            raise ConfigError(problems_from(Config, exc)) from None
-        self._notes, self._pending = tuple(prepared.notes), dict(prepared.pending)
-        self._written = written(self)
+        self._fill(data)
 
     # Mark the override as pydantic's own __init__: otherwise model_validate would route every
     # validation through it and wrap our ConfigError inside a ValidationError.
     __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    def _fill(self, data: Any, source: str | None = None, prefix: tuple[str, ...] = ()) -> None:
+        """Validate `data` into this instance; every problem found (policy's and pydantic's) in one ConfigError."""
+        _check_shape(data, source, prefix)
+        prepared = prepare(data, Config, prefix)
+        problems = list(prepared.problems)
+        try:
+            self.__pydantic_validator__.validate_python(
+                prepared.data, self_instance=self, context={"pending": prepared.pending})
+        except ValidationError as exc:
+            problems += problems_from(Config, exc, prefix)
+        if problems:
+            raise ConfigError(problems, source)
+        self._notes, self._pending = tuple(prepared.notes), dict(prepared.pending)
+        self._written = written(self)
 
     @field_validator("bf16")
     @classmethod
@@ -155,21 +165,8 @@ class Config(Section):
 
     @classmethod
     def _validate(cls, data: Any, source: str | None = None, prefix: tuple[str, ...] = ()) -> Config:
-        try:
-            check_shape(data, prefix)
-        except ConfigError as exc:
-            raise ConfigError(exc.problems, source) from None
-        prepared = prepare(data, cls, prefix)
-        problems = list(prepared.problems)
-        config = None
-        try:
-            config = cls.model_validate(prepared.data, context={"pending": prepared.pending})
-        except ValidationError as exc:
-            problems += problems_from(cls, exc, prefix)
-        if problems or config is None:
-            raise ConfigError(problems, source)
-        config._notes, config._pending = tuple(prepared.notes), dict(prepared.pending)
-        config._written = written(config)
+        config = cls.__new__(cls)
+        config._fill(data, source, prefix)
         return config
 
     def replace(self, **changes: Any) -> Config:
@@ -230,15 +227,18 @@ class Config(Section):
         notes = auto.fill(data, self._pending, facts)
         notes += _check_offload(data, torch.device(device))
         notes += _stage_notes(self.zero_optimization, self._written)
-        sizes = self.batch_sizes(world_size)
-        data["train_batch_size"] = sizes.train_batch_size
-        data["train_micro_batch_size_per_gpu"] = sizes.micro_batch_size
-        data["gradient_accumulation_steps"] = sizes.gradient_accumulation_steps
-        resolved = Config._validate(data)
+        resolved = Config._validate(data | self.batch_sizes(world_size).as_keys())
         resolved._notes = self._notes + tuple(notes) + resolved._notes
         resolved._announced = announce(resolved._notes, self._announced)
         resolved._written = self._written
         return resolved
+
+
+def _check_shape(data: Any, source: str | None, prefix: tuple[str, ...] = ()) -> None:
+    try:
+        check_shape(data, prefix)
+    except ConfigError as exc:
+        raise ConfigError(exc.problems, source) from None
 
 
 def _top_level_key(shown: str) -> str | None:
@@ -384,10 +384,7 @@ def load_configs(path: str | os.PathLike[str] | Mapping[str, Any], *, name: str 
         data, source = dict(path), name
     else:
         data, source = read_config_file(Path(path)), str(path)
-    try:
-        check_shape(data)
-    except ConfigError as exc:
-        raise ConfigError(exc.problems, source) from None
+    _check_shape(data, source)
     engines = data.get("engines")
     extra = [str(k)[:80] for k in data if k != "engines"]
     if not isinstance(engines, dict) or not engines or extra:

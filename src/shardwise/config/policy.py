@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Set
-from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
@@ -57,23 +56,11 @@ def coerce(value: Any) -> Any:
     return value
 
 
-@dataclass
-class Prepared:
-    """The outcome of `prepare`: data for pydantic, info lines, problems, and `auto`s left for `resolve`."""
-
-    data: Any
-    notes: list[Note] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    #: dotted path -> how its `auto` resolves at initialize
-    pending: dict[str, str] = field(default_factory=dict)
-
-
 def prepare(raw: Any, root: type[BaseModel], prefix: tuple[str, ...] = ()) -> Prepared:
     """Apply the policy to `raw` (a config dict; anything else is left for pydantic to reject)."""
-    if not isinstance(raw, Mapping):
-        return Prepared(raw)
-    walk = _Walk(prefix)
-    return Prepared(walk.section(root, raw, ()), walk.notes, walk.problems, walk.pending)
+    prepared = Prepared(prefix)
+    prepared.data = prepared.section(root, raw, ()) if isinstance(raw, Mapping) else raw
+    return prepared
 
 
 #: per offload section, the keys that act when its device is nvme (the others tune DeepSpeed's own swapping)
@@ -81,11 +68,16 @@ _NVME_ACTING = {"offload_optimizer": frozenset({"nvme_path", "buffer_count", "pi
                 "offload_param": frozenset({"nvme_path", "buffer_count", "pin_memory", "max_in_cpu"})}
 
 
-class _Walk:
+class Prepared:
+    """The outcome of `prepare`, made by walking the raw config: data for pydantic, info lines, problems, and
+    `auto`s left for `resolve`."""
+
     def __init__(self, prefix: tuple[str, ...]) -> None:
         self.prefix = prefix
+        self.data: Any = None
         self.notes: list[Note] = []
         self.problems: list[str] = []
+        #: dotted path -> how its `auto` resolves at initialize
         self.pending: dict[str, str] = {}
 
     def shown(self, path: tuple[str, ...]) -> str:
