@@ -1,18 +1,10 @@
 """Hugging Face's `"auto"` values: what each becomes, and when it is known.
 
-Three kinds, by key:
-
-* batch numbers (`train_batch_size`, `train_micro_batch_size_per_gpu`,
-  `gradient_accumulation_steps`) become "not given": DeepSpeed's rule derives them from the other
-  two and the world size (`Config.batch_sizes`, filled in by `Config.resolve`);
-* keys that depend on what `initialize` receives stay pending until `Config.resolve`:
-  `fp16.enabled` / `bf16.enabled` (the model's dtype), the ZeRO bucket sizes (the model's hidden
-  size, as transformers computes them), `optimizer.params.*` (the optimizer passed, else torch's
-  defaults), `scheduler.params.*` (the lr scheduler or optimizer passed, the trainer's total steps);
-* any other key takes the engine's default at load.
-
-transformers' `HfTrainerDeepSpeedConfig` fills the same keys from `TrainingArguments`; this module
-fills them from what shardwise knows instead (learned from its rules, not copied).
+Batch numbers become "not given" (DeepSpeed's rule derives them from the other two and the world size).
+Keys that depend on what `initialize` receives stay pending until `Config.resolve` (`_LATER` and the
+`optimizer` / `scheduler` params below). Any other key takes the engine's default at load.
+transformers' `HfTrainerDeepSpeedConfig` fills the same keys from `TrainingArguments`; this module fills
+them from what shardwise knows instead (learned from its rules, not copied).
 """
 
 from __future__ import annotations
@@ -27,8 +19,7 @@ from torch import nn
 
 from .catalog import is_auto
 from .errors import ConfigError, Note
-from .optimizers import OPTIMIZERS
-from .schedules import SCHEDULES
+from .registry import OPTIMIZERS, SCHEDULES
 
 __all__ = ["BATCH_KEYS", "Facts", "fill", "resolves_later"]
 

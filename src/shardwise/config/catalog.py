@@ -1,18 +1,12 @@
 """DeepSpeed's config keys that shardwise does not implement, one entry each, and DeepSpeed's aliases.
 
-The policy (DESIGN.md) in table form. A key shardwise implements is a field of a section model
-(`sections.py`) and is not listed here. Every other key that DeepSpeed's config schema knows is
-an :class:`Entry`:
-
-* a *knob* (no `feature`): accepted whatever its value, because it tunes something that has no
-  meaning in shardwise or asks for what shardwise always does; its `reason` ends the info line;
-* a *switch* (`feature` set): accepted while `is_off(value)` holds (the feature stays off, as
-  it does in shardwise); any other value turns on a DeepSpeed feature shardwise lacks and is an
-  error naming `feature` and the `fix`.
-
-Anything in neither the sections nor this table is an unknown key. Learned from DeepSpeed's own
-schema (`deepspeed/runtime/config.py`, `constants.py`, `zero/config.py`, `zero/offload_config.py`,
-`precision_config.py`, the monitor and profiler configs); the wording is shardwise's.
+The policy (DESIGN.md) in table form; a key shardwise implements is a field of a section model
+(`sections.py`) instead. A *knob* (no `feature`) is accepted whatever its value: it tunes something with
+no meaning here, or asks for what shardwise always does (its `reason` ends the info line). A *switch*
+(`feature` set) is accepted while `is_off(value)` holds, and is an error naming `feature` and the `fix`
+otherwise. Learned from DeepSpeed's own schema (`deepspeed/runtime/config.py`, `constants.py`,
+`zero/config.py`, `zero/offload_config.py`, `precision_config.py`, the monitor and profiler configs);
+the wording is shardwise's.
 """
 
 from __future__ import annotations

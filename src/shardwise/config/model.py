@@ -84,8 +84,8 @@ class Config(Section):
     _notes: tuple[Note, ...] = PrivateAttr(default=())
     _pending: dict[str, str] = PrivateAttr(default_factory=dict)
     _announced: frozenset[str] = PrivateAttr(default=frozenset())
-    #: dotted paths of the values the user wrote (not defaults, not `auto`s a resolve filled in)
-    _written: frozenset[str] = PrivateAttr(default=frozenset())
+    #: the `zero_optimization` keys the user wrote (not defaults, not `auto`s a resolve filled in)
+    _zero_written: frozenset[str] = PrivateAttr(default=frozenset())
 
     def __init__(self, **data: Any) -> None:
         """Validate keyword settings; problems raise ConfigError (prefer :meth:`load`)."""
@@ -108,7 +108,7 @@ class Config(Section):
         if problems:
             raise ConfigError(problems, source)
         self._notes, self._pending = tuple(prepared.notes), dict(prepared.pending)
-        self._written = written(self)
+        self._zero_written = frozenset(self.zero_optimization.model_fields_set)
 
     @field_validator("bf16")
     @classmethod
@@ -226,11 +226,11 @@ class Config(Section):
         facts = auto.Facts(model, optimizer, lr_scheduler, total_num_steps)
         notes = auto.fill(data, self._pending, facts)
         notes += _check_offload(data, torch.device(device))
-        notes += _stage_notes(self.zero_optimization, self._written)
+        notes += _stage_notes(self.zero_optimization, self._zero_written)
         resolved = Config._validate(data | self.batch_sizes(world_size).as_keys())
         resolved._notes = self._notes + tuple(notes) + resolved._notes
         resolved._announced = announce(resolved._notes, self._announced)
-        resolved._written = self._written
+        resolved._zero_written = self._zero_written
         return resolved
 
 
@@ -266,27 +266,21 @@ def _gives(changes: Mapping[str, Any], path: str) -> bool:
 def _batch_sizes(train: int | None, micro: int | None, gas: int | None, world: int) -> BatchSizes:
     names = {"micro": f"train_micro_batch_size_per_gpu {micro}", "gas": f"gradient_accumulation_steps {gas}"}
     where = f"world_size {world}"
-    if train is not None and micro is not None and gas is not None:
+    if train is None:
+        return BatchSizes(None if micro is None else micro * (gas or 1) * world, micro, gas or 1)
+    if micro is not None and gas is not None:
         if train != micro * gas * world:
             product = f"{names['micro']} × {names['gas']} × {where} = {micro * gas * world}"
             raise ConfigError(f"train_batch_size {train} != {product}; fix one of them")
         return BatchSizes(train, micro, gas)
-    if train is not None:
-        # One of micro / gas is given (or neither, and gas defaults to 1): derive the other.
-        if micro is not None:
-            divisor, terms = micro * world, f"{names['micro']} × {where}"
-        elif gas is not None:
-            divisor, terms = gas * world, f"{names['gas']} × {where}"
-        else:
-            divisor, terms = world, where
-        if train % divisor:
-            raise ConfigError(f"train_batch_size {train} is not divisible by {terms} = {divisor}; fix one of them")
-        if micro is not None:
-            return BatchSizes(train, micro, train // divisor)
-        return BatchSizes(train, train // divisor, gas or 1)
+    # One of micro / gas is given (or neither, and gas defaults to 1): derive the other.
+    key, given = ("micro", micro) if micro is not None else ("gas", gas)
+    divisor, terms = (given or 1) * world, (where if given is None else f"{names[key]} × {where}")
+    if train % divisor:
+        raise ConfigError(f"train_batch_size {train} is not divisible by {terms} = {divisor}; fix one of them")
     if micro is not None:
-        return BatchSizes(micro * (gas or 1) * world, micro, gas or 1)
-    return BatchSizes(None, None, gas or 1)
+        return BatchSizes(train, micro, train // divisor)
+    return BatchSizes(train, train // divisor, gas or 1)
 
 
 #: keys that tune only the flat buckets of stages 0-2, and only stage 3's units and gathers
@@ -295,21 +289,9 @@ _STAGE3_ONLY = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "st
                 "stage3_param_persistence_threshold")
 
 
-def written(model: BaseModel, prefix: str = "") -> frozenset[str]:
-    """The dotted paths of every value set on ``model`` and its sections (what validation was given)."""
-    found: set[str] = set()
-    for name in model.model_fields_set:
-        found.add(prefix + name)
-        value = getattr(model, name)
-        if isinstance(value, BaseModel):
-            found |= written(value, f"{prefix}{name}.")
-    return frozenset(found)
-
-
-def _stage_notes(zero: ZeroConfig, given_paths: frozenset[str]) -> list[Note]:
+def _stage_notes(zero: ZeroConfig, given: frozenset[str]) -> list[Note]:
     """An info line for each key the user wrote that the chosen stage does not use (nothing accepted silently;
     nothing said about a default, or an `auto` a resolve filled in)."""
-    given = {name for name in type(zero).model_fields if f"zero_optimization.{name}" in given_paths}
     if zero.stage == 3:
         unused = {k: "stage 3 reduce-scatters each module's gradients as one unit" for k in _FLAT_ONLY if k in given}
     else:

@@ -10,8 +10,8 @@
    an error naming the feature when it turns one on;
 4. anything else: an unknown-key error with the closest known key.
 
-Problems are collected, not raised one by one, so the user sees all of them at once (the message
-shows the first `errors.MAX_SHOWN`; past those, unknown keys are counted without the difflib search).
+Problems are collected, so the user sees all of them at once (past `errors.MAX_SHOWN`, unknown keys are
+counted without the difflib search).
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from . import registry
 from .errors import MAX_SHOWN, Item, Problems, canonical, shown_value, suggest
 from .limits import MAX_ELEMENTS, MAX_LOSS_SCALE, MAX_STEPS, MAX_TIMEOUT_S
-from .optimizers import DEEPSPEED_ONLY_OPTIMIZERS, OPTIMIZERS, OptimizerSpec
-from .schedules import DEEPSPEED_ONLY_SCHEDULES, REQUIRED, SCHEDULES, is_number, param_problems
+from .registry import OPTIMIZERS, REQUIRED, SCHEDULES, OptimizerSpec, is_number, param_problems
 
 __all__ = [
     "BF16Config", "CheckpointConfig", "CommsConfig", "Count", "FP16Config", "NotANumber", "OffloadConfig",
@@ -124,7 +124,7 @@ class OptimizerConfig(Section):
     `params` are torch's keyword arguments, plus DeepSpeed's Adam extras `adam_w_mode` (default
     true, as in DeepSpeed: `Adam` then means decoupled weight decay, i.e. AdamW) and `torch_adam`
     (accepted; shardwise always uses torch's implementation). The names are those of
-    `shardwise.config.optimizers.OPTIMIZERS`.
+    `shardwise.config.registry.OPTIMIZERS`.
     """
 
     type: str
@@ -133,7 +133,7 @@ class OptimizerConfig(Section):
     @field_validator("type")
     @classmethod
     def _canonical_type(cls, value: str) -> str:
-        return _named(value, OPTIMIZERS, DEEPSPEED_ONLY_OPTIMIZERS, "optimizer")
+        return _named(value, OPTIMIZERS, registry.DEEPSPEED_ONLY_OPTIMIZERS, "optimizer")
 
     @model_validator(mode="after")
     def _check_params(self) -> OptimizerConfig:
@@ -168,7 +168,7 @@ class SchedulerConfig(Section):
     @field_validator("type")
     @classmethod
     def _canonical_type(cls, value: str) -> str:
-        return _named(value, SCHEDULES, DEEPSPEED_ONLY_SCHEDULES, "lr_scheduler")
+        return _named(value, SCHEDULES, registry.DEEPSPEED_ONLY_SCHEDULES, "lr_scheduler")
 
     @model_validator(mode="after")
     def _check_params(self, info: ValidationInfo) -> SchedulerConfig:
