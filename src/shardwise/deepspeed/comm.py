@@ -1,11 +1,9 @@
 """`deepspeed.comm` for client scripts: DeepSpeed's names over `torch.distributed`.
 
-Client code written against `deepspeed.comm` (`dist.get_rank()`, `dist.all_reduce(t)`,
-`dist.barrier()`) runs unchanged with `import shardwise.deepspeed.comm as dist`. Ranks and
-sizes answer 0 and 1 when no process group exists, as in a plain one-process run; collectives
-need a group (`init_distributed`). DeepSpeed's profiling keywords (`prof`, `log_name`, `debug`)
-are accepted and ignored. shardwise's own engine talks to `shardwise.comm.distributed.Comm`, not to
-this module.
+Code written against `deepspeed.comm` runs unchanged with `import shardwise.deepspeed.comm as dist`. Ranks
+and sizes answer 0 and 1 when no process group exists, as in a plain one-process run; collectives need a
+group (`init_distributed`). DeepSpeed's profiling keywords (`prof`, `log_name`, `debug`) are accepted and
+ignored. shardwise's own engine talks to `shardwise.comm.distributed.Comm`, not to this module.
 """
 
 from __future__ import annotations

@@ -133,13 +133,11 @@ def initialize(
 ) -> tuple[Engine, Any, DataLoader[Any] | None, Any]:
     """DeepSpeed's `initialize`: returns `(engine, optimizer, training_dataloader, lr_scheduler)`.
 
-    The config comes from `config` (or `config_params`) or `args.deepspeed_config`. The process
-    group is created when none exists (`dist_init_required=False` requires one). With
-    `training_data`, the third item is a DataLoader over it (:func:`training_dataloader`), else
-    None (for a multi-stage pipeline: an unshuffled, repeating loader that `train_batch()` draws from).
-    `optimizer` and `lr_scheduler` are the engine's (None when there is none). `mpu` and `mesh_param`
-    (model and sequence parallelism) are not supported. DeepSpeed's defaults apply where the config is
-    silent (:mod:`.defaults`), each said in an info line.
+    The config comes from `config` (or `config_params`) or `args.deepspeed_config`. The process group is
+    created when none exists (`dist_init_required=False` requires one). With `training_data`, the third
+    item is a DataLoader over it (:func:`training_dataloader`; for a multi-stage pipeline an unshuffled,
+    repeating loader that `train_batch()` draws from), else None. `mpu` and `mesh_param` (model and sequence
+    parallelism) are not supported. DeepSpeed's defaults apply where the config is silent (:mod:`.defaults`).
     """
     if model is None:
         raise TypeError("shardwise.deepspeed.initialize needs `model=` (a torch.nn.Module)")
