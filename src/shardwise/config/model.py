@@ -97,7 +97,7 @@ class Config(Section):
 
     def _fill(self, data: Any, source: str | None = None, prefix: tuple[str, ...] = ()) -> None:
         """Validate `data` into this instance; every problem found (policy's and pydantic's) in one ConfigError."""
-        _check_shape(data, source, prefix)
+        check_shape(data, prefix, source)
         prepared = prepare(data, Config, prefix)
         problems = list(prepared.problems)
         try:
@@ -234,13 +234,6 @@ class Config(Section):
         return resolved
 
 
-def _check_shape(data: Any, source: str | None, prefix: tuple[str, ...] = ()) -> None:
-    try:
-        check_shape(data, prefix)
-    except ConfigError as exc:
-        raise ConfigError(exc.problems, source) from None
-
-
 def _top_level_key(shown: str) -> str | None:
     """The top-level key a note at `shown` is about, when it is about a whole top-level key (else None)."""
     parts = shown.split(".")
@@ -366,7 +359,7 @@ def load_configs(path: str | os.PathLike[str] | Mapping[str, Any], *, name: str 
         data, source = dict(path), name
     else:
         data, source = read_config_file(Path(path)), str(path)
-    _check_shape(data, source)
+    check_shape(data, source=source)
     engines = data.get("engines")
     extra = [str(k)[:80] for k in data if k != "engines"]
     if not isinstance(engines, dict) or not engines or extra:
