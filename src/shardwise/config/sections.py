@@ -66,12 +66,6 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def _pending(info: ValidationInfo) -> frozenset[str]:
-    """Dotted paths whose `auto` value resolves at `initialize` (passed as validation context)."""
-    context = info.context if isinstance(info.context, dict) else {}
-    return frozenset(context.get("pending", ()))
-
-
 def _named(value: str, known: dict[str, Any], unsupported: dict[str, str], what: str) -> str:
     """The canonical name of `value`, or an error naming the DeepSpeed feature it would need."""
     lowered = {n.lower(): n for n in unsupported}
@@ -173,8 +167,9 @@ class SchedulerConfig(Section):
     @model_validator(mode="after")
     def _check_params(self, info: ValidationInfo) -> SchedulerConfig:
         known = SCHEDULES[self.type]
-        # Arguments given as `auto` resolve at initialize; they are checked then.
-        later = {p.rsplit(".", 1)[-1] for p in _pending(info) if p.startswith("scheduler.params.")}
+        # Arguments given as `auto` resolve at initialize (the context's `pending` paths); they are checked then.
+        pending = info.context.get("pending", ()) if isinstance(info.context, dict) else ()
+        later = {p.rsplit(".", 1)[-1] for p in pending if p.startswith("scheduler.params.")}
         items: list[Item] = []
         for key in self.params:
             if key not in known:
