@@ -266,11 +266,7 @@ def _add_plot(subparsers: Any) -> None:
 
 def _resolved(config: Any, world_size: int) -> dict[str, Any]:
     """``config`` as a dict with its batch sizes resolved for ``world_size`` (``auto`` where still pending)."""
-    sizes = config.batch_sizes(world_size)
-    data: dict[str, Any] = config.to_dict()
-    data["train_batch_size"] = sizes.train_batch_size
-    data["train_micro_batch_size_per_gpu"] = sizes.micro_batch_size
-    data["gradient_accumulation_steps"] = sizes.gradient_accumulation_steps
+    data: dict[str, Any] = config.to_dict() | config.batch_sizes(world_size).as_keys()
     return data
 
 
