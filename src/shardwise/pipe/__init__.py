@@ -11,9 +11,8 @@ kept) that trains at any ZeRO stage.  See ``docs/pipeline.md``.
 from __future__ import annotations
 
 from .engine import PipelineEngine
+from .layers import LayerSpec, PipelineSequential, TiedLayerSpec
 from .module import PipelineModule
-from .sequential import PipelineSequential
-from .spec import LayerSpec, TiedLayerSpec
 
 __all__ = ["LayerSpec", "PipelineEngine", "PipelineModule", "PipelineSequential", "TiedLayerSpec"]
 

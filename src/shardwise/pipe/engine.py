@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, NoReturn, Optional
 
@@ -56,10 +56,8 @@ class ScheduleTiming:
     compute: float = 0.0
 
 
-@dataclass
-class _Batch:
-    inputs: list[Any] = field(default_factory=list)
-    labels: list[Any] = field(default_factory=list)
+#: a batch's micro-batches as drawn, ``(inputs, labels)`` each (empty on the middle stages)
+_Batch = list[tuple[Any, Any]]
 
 
 class PipelineEngine(Engine):
@@ -127,7 +125,7 @@ class PipelineEngine(Engine):
         the same data on both. Without ``data_iter`` they draw from the engine's own
         (:meth:`set_dataloader`); a ``data_iter`` given becomes the engine's own, as in DeepSpeed.
         """
-        self._require_optimizer("`engine.train_batch`")
+        optimizer = self._require_optimizer("`engine.train_batch`")
         if self.config.auto_refresh_trainable and self.strategy.trainable_changed():
             self.refresh_trainable()
         steps = self.gradient_accumulation_steps()
@@ -146,7 +144,16 @@ class PipelineEngine(Engine):
         # Every bucket, reduced over the data-parallel group (launched and waited).
         self.strategy.start_backward(True)
         self.strategy.finish_backward()
-        self._apply_step(steps)
+        with self._timed("step"):
+            if optimizer.step(zero_grad=True):  # the update, then the gradients dropped: one call
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            else:
+                self.skipped_steps += 1
+            self.global_steps += 1
+            self.micro_steps += steps
+        if self.module.is_first_stage:
+            self._report()
         return self._mean_loss(losses)
 
     @collective("eval_batch")
@@ -205,7 +212,7 @@ class PipelineEngine(Engine):
                 f"`engine.{call}(data_iter)` needs an iterator of `(inputs, labels)` micro-batches, got "
                 f"`{type(data_iter).__name__}`; pass `iter(loader)` and keep it between calls"
             )
-        batch = _Batch()
+        batch: _Batch = []
         got: Optional[int] = steps
         problem = ""
         if self.module.is_first_stage or self.module.is_last_stage:
@@ -235,11 +242,11 @@ class PipelineEngine(Engine):
 
     def _forward(self, micro: int, batch: _Batch, stash: dict[int, tuple[Any, Any]], losses: list[torch.Tensor]) -> None:
         module = self.module
-        inputs = self.precision.cast_inputs(batch.inputs[micro]) if module.is_first_stage else self.channel.recv_activation()
+        inputs = self.precision.cast_inputs(batch[micro][0]) if module.is_first_stage else self.channel.recv_activation()
         started = time.perf_counter()
         outputs = module(inputs if module.is_first_stage else working_copy(inputs))
         if module.is_last_stage:
-            outputs = compute_loss(module.loss_fn, outputs, self.precision.cast_inputs(batch.labels[micro]))
+            outputs = compute_loss(module.loss_fn, outputs, self.precision.cast_inputs(batch[micro][1]))
             losses.append(outputs.detach().float().reshape(()))
         self.timing.compute += time.perf_counter() - started
         if not module.is_last_stage:
@@ -265,19 +272,6 @@ class PipelineEngine(Engine):
         self.timing.compute += time.perf_counter() - started
         if not module.is_first_stage:
             self.channel.send_grads(inputs)
-
-    def _apply_step(self, steps: int) -> None:
-        optimizer = self._require_optimizer("`engine.train_batch`")
-        with self._timed("step"):
-            if optimizer.step(zero_grad=True):  # the update, then the gradients dropped: one call
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-            else:
-                self.skipped_steps += 1
-            self.global_steps += 1
-            self.micro_steps += steps
-        if self.module.is_first_stage:
-            self._report()
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean over micro-batches and replicas, from the last stage to every rank."""
@@ -371,8 +365,7 @@ def _draw(data_iter: Any, steps: int, batch: _Batch) -> tuple[Optional[int], str
             return index, ""
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
             return None, f"micro-batch {index} is a `{type(item).__name__}`, not an `(inputs, labels)` pair"
-        batch.inputs.append(item[0])
-        batch.labels.append(item[1])
+        batch.append((item[0], item[1]))
     return steps, ""
 
 

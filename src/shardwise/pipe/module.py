@@ -27,10 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.distributed import init_distributed
-from .layers import CheckpointFn, Layer, compute_loss, default_checkpoint, run_layers
+from .layers import (CheckpointFn, Layer, LayerSpec, PipelineSequential, TiedLayerSpec, build_on_meta, compute_loss,
+                     default_checkpoint, layer_name, run_layers)
 from .partition import partition
-from .sequential import PipelineSequential
-from .spec import LayerSpec, TiedLayerSpec, build_on_meta, layer_name
 from .topology import PipeTopology
 
 __all__ = ["PipelineModule", "TIED_PREFIX"]
@@ -47,7 +46,6 @@ LayerEntry = Union[LayerSpec, nn.Module, Callable[[Any], Any]]
 class _Tie:
     """Where one tied key occurs, and what is kept equal across stages."""
 
-    key: str
     indices: tuple[int, ...]
     attrs: tuple[str, ...]
 
@@ -103,9 +101,9 @@ class PipelineModule(nn.Module):
         self.num_stages, self.topology, self.stage_id = _placement(num_stages)
         names = [layer_name(layer) for layer in self._layers]
         self.parts = partition(names, self._weight, self.num_stages, partition_method)
-        self._meta.clear()  # only needed for planning
         self._check_shared_instances()
         self._loose = self._untied_across_stages()
+        self._meta.clear()  # only needed for planning
         self._steps: list[Layer] = self._build()
 
     # ------------------------------------------------------------ planning
@@ -129,25 +127,17 @@ class PipelineModule(nn.Module):
 
     def _check_ties(self) -> dict[str, _Tie]:
         """Every occurrence of a key builds the same class with the same tied shapes."""
-        where: dict[str, list[int]] = {}
+        where: dict[str, list[tuple[int, TiedLayerSpec]]] = {}
         for index, layer in enumerate(self._layers):
             if isinstance(layer, TiedLayerSpec):
-                where.setdefault(layer.key, []).append(index)
-        ties = {}
-        for key, indices in where.items():
-            first = self._layers[indices[0]]
-            assert isinstance(first, TiedLayerSpec)
-            expected = self._tied_shapes(key, indices[0])
-            for index in indices[1:]:
-                other = self._layers[index]
-                assert isinstance(other, TiedLayerSpec)
-                _same_tie(key, (indices[0], first), (index, other), expected, self._tied_shapes(key, index))
-            ties[key] = _Tie(key, tuple(indices), tuple(first.tied_weight_attr))
-        return ties
+                where.setdefault(layer.key, []).append((index, layer))
+        for key, found in where.items():
+            expected = self._tied_shapes(*found[0])
+            for other in found[1:]:
+                _same_tie(key, found[0], other, expected, self._tied_shapes(*other))
+        return {key: _Tie(tuple(i for i, _ in found), tuple(found[0][1].tied_weight_attr)) for key, found in where.items()}
 
-    def _tied_shapes(self, key: str, index: int) -> dict[str, tuple[int, ...]]:
-        spec = self._layers[index]
-        assert isinstance(spec, TiedLayerSpec)
+    def _tied_shapes(self, index: int, spec: TiedLayerSpec) -> dict[str, tuple[int, ...]]:
         module = self._meta_of(index)
         shapes = {}
         for attr in spec.tied_weight_attr:
@@ -155,7 +145,7 @@ class PipelineModule(nn.Module):
                 shapes[attr] = tuple(module.get_parameter(attr).shape)
             except AttributeError:
                 raise ValueError(
-                    f"TiedLayerSpec `{key}` (layer {index}): `{spec.name}` has no parameter `{attr}`; "
+                    f"TiedLayerSpec `{spec.key}` (layer {index}): `{spec.name}` has no parameter `{attr}`; "
                     f"tied_weight_attr must name parameters of the module, e.g. one of "
                     f"{[n for n, _ in module.named_parameters()][:8]}"
                 ) from None
@@ -182,16 +172,11 @@ class PipelineModule(nn.Module):
         loose = []
         for key, tie in self._ties.items():
             if len(self.stages_of_tie(key)) > 1:
-                module = build_on_meta(self._spec_of(key))
+                module = self._meta_of(tie.indices[0])
                 loose += [(key, n) for n, _ in module.named_parameters() if n not in tie.attrs]
         return loose
 
     # ------------------------------------------------------------ building
-    def _spec_of(self, key: str) -> TiedLayerSpec:
-        spec = self._layers[self._ties[key].indices[0]]
-        assert isinstance(spec, TiedLayerSpec)
-        return spec
-
     def _construct(self, index: int, spec: LayerSpec) -> nn.Module:
         if not self.seed_layers:
             return spec.build()
@@ -212,20 +197,16 @@ class PipelineModule(nn.Module):
                 module = built[layer.key]
                 # partial binds this module now: no late-binding closure over the loop variable
                 steps.append(module if layer.forward_fn is None else functools.partial(layer.forward_fn, module))
-            elif isinstance(layer, LayerSpec):
-                steps.append(self._register(index, self._construct(index, layer)))
-            elif isinstance(layer, nn.Module):
-                steps.append(self._register(index, layer))
+            elif isinstance(layer, (LayerSpec, nn.Module)):
+                module = self._construct(index, layer) if isinstance(layer, LayerSpec) else layer
+                self.add_module(str(index), module)
+                steps.append(module)
             else:
                 steps.append(layer)
         for key in self._ties:  # registration in the model's key order, whatever the stage
             if key in built:
                 self.tied_modules[key] = built[key]
         return steps
-
-    def _register(self, index: int, module: nn.Module) -> nn.Module:
-        self.add_module(str(index), module)
-        return module
 
     # ------------------------------------------------------------ queries
     @property

@@ -85,6 +85,13 @@ def _wire(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
 
 
+def _recv(comm: Comm, shape: Any, dtype: torch.dtype, src: int, device: torch.device) -> torch.Tensor:
+    """The tensor :func:`_wire` sent from ``src``."""
+    wire = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=device)
+    comm.recv(wire, src)
+    return wire.view(torch.bool) if dtype == torch.bool else wire
+
+
 def working_copy(received: Any) -> Any:
     """What a stage computes on: each received tensor that needs a gradient, cloned.
 
@@ -126,12 +133,8 @@ class Channel:
         header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
         self.comm.recv(header, self.stage - 1)
         packed, metas = _decode(header)
-        tensors = []
-        for dtype, grad, shape in metas:
-            wire = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=self.device)
-            self.comm.recv(wire, self.stage - 1)
-            tensor = wire.view(torch.bool) if dtype == torch.bool else wire
-            tensors.append(tensor.requires_grad_(grad))
+        tensors = [_recv(self.comm, shape, dtype, self.stage - 1, self.device).requires_grad_(grad)
+                   for dtype, grad, shape in metas]
         return tuple(tensors) if packed else tensors[0]
 
     def send_grads(self, inputs: Any) -> None:
@@ -143,12 +146,7 @@ class Channel:
     def recv_grads(self, outputs: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``(outputs that need a gradient, their gradients)`` from the next stage."""
         wanting = [t for t in _tensors(outputs, "stage output")[1] if _needs_grad(t)]
-        grads = []
-        for tensor in wanting:
-            grad = torch.empty_like(tensor)
-            self.comm.recv(grad, self.stage + 1)
-            grads.append(grad)
-        return wanting, grads
+        return wanting, [_recv(self.comm, t.shape, t.dtype, self.stage + 1, t.device) for t in wanting]
 
     def flush(self) -> None:
         """Wait for every send in flight (their tensors may then be freed)."""
@@ -175,8 +173,5 @@ def gather_to_first(p2p: Comm, pipe: Comm, tensors: dict[str, torch.Tensor],
     home = next(iter(tensors.values())).device if tensors else torch.device("cpu")
     for stage, entries in enumerate(everyone[1:], start=1):
         for name, shape, code in entries:
-            dtype = _DTYPES[code]
-            wire = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=device)
-            p2p.recv(wire, stage)
-            merged.setdefault(name, (wire.view(torch.bool) if dtype == torch.bool else wire).to(home))
+            merged.setdefault(name, _recv(p2p, shape, _DTYPES[code], stage, device).to(home))
     return merged

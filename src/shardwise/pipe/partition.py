@@ -21,13 +21,9 @@ from typing import Any, Callable, Sequence
 
 from .spread import least_spread
 
-__all__ = ["balanced", "describe_method", "partition", "uniform"]
+__all__ = ["balanced", "partition", "uniform"]
 
 Weigh = Callable[[int], int]
-
-
-def describe_method(method: Any) -> str:
-    return f"`{method}`" if isinstance(method, str) else repr(method)
 
 
 def partition(names: Sequence[str], weigh: Weigh, num_stages: int, method: Any) -> list[int]:
@@ -44,23 +40,17 @@ def partition(names: Sequence[str], weigh: Weigh, num_stages: int, method: Any) 
         )
     if isinstance(method, (list, tuple)):
         return _explicit(list(method), count, num_stages)
-    if not isinstance(method, str):
-        raise ValueError(_unknown(method))
-    lowered = method.lower()
+    lowered = method.lower() if isinstance(method, str) else None
     if lowered == "uniform":
         return uniform(count, num_stages)
     if lowered == "parameters":
         weights = [weigh(i) for i in range(count)]
         return least_spread(weights, num_stages) if count > num_stages else uniform(count, num_stages)
-    if lowered.startswith("type:"):
+    if lowered is not None and lowered.startswith("type:"):
         return balanced(_type_weights(names, method[len("type:") :]), num_stages)
-    raise ValueError(_unknown(method))
-
-
-def _unknown(method: Any) -> str:
-    return (
-        f"unknown partition_method {describe_method(method)}; expected `parameters`, `uniform`, "
-        "`type:REGEX` (e.g. `type:Block`) or a list of layer boundaries `[0, ..., num_layers]`"
+    raise ValueError(
+        f"unknown partition_method {f'`{method}`' if isinstance(method, str) else repr(method)}; expected "
+        "`parameters`, `uniform`, `type:REGEX` (e.g. `type:Block`) or a list of layer boundaries `[0, ..., num_layers]`"
     )
 
 
@@ -98,10 +88,7 @@ def _explicit(bounds: list[Any], count: int, num_stages: int) -> list[int]:
 def uniform(count: int, parts: int) -> list[int]:
     """Boundaries giving each part ``count // parts`` layers, the first ``count % parts`` parts one more."""
     size, extra = divmod(count, parts)
-    bounds = [0]
-    for part in range(parts):
-        bounds.append(bounds[-1] + size + (1 if part < extra else 0))
-    return bounds
+    return [part * size + min(part, extra) for part in range(parts + 1)]
 
 
 def balanced(weights: Sequence[int], parts: int) -> list[int]:

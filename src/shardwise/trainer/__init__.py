@@ -8,12 +8,10 @@ collective checkpoints it can resume from exactly.
 from __future__ import annotations
 
 from .batch import BatchError
-from .callbacks import Callback, EarlyStopping, TensorBoardCallback
+from .callbacks import CSVLogger, Callback, EarlyStopping, MLflowCallback, TensorBoardCallback, WandbCallback
 from .checkpoints import ResumeError
-from .loggers import CSVLogger, MLflowCallback, WandbCallback
 from .loop import FitSummary, StepResult, Trainer
-from .metrics import read_metrics
-from .plot import plot_metrics
+from .metrics import plot_metrics, read_metrics
 
 __all__ = [
     "BatchError",

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["BatchError", "LossFn", "Size", "compute_loss", "describe", "forward", "measure", "positional_arity",
-           "to_device"]
+__all__ = ["BatchError", "LossFn", "compute_loss", "describe", "forward", "measure", "positional_arity", "to_device"]
 
 #: ``loss_fn(output, batch) -> scalar loss tensor``
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -105,21 +103,13 @@ def compute_loss(output: Any, batch: Any, loss_fn: Optional[LossFn]) -> torch.Te
     return loss.reshape(())
 
 
-@dataclass(frozen=True)
-class Size:
-    """How much data a batch holds: samples, and tokens when it is token ids (None otherwise)."""
-
-    samples: int
-    tokens: Optional[int]
-
-
-def measure(batch: Any) -> Size:
-    """Samples (first dim of the first tensor) and tokens (its elements, when it holds integer ids of rank >= 2)."""
+def measure(batch: Any) -> tuple[int, Optional[int]]:
+    """How much data a batch holds: ``(samples, tokens)``, the first dim of its first tensor and, when that
+    holds integer ids of rank >= 2, its elements (None otherwise)."""
     first = _first_tensor(batch)
     if first is None or first.dim() == 0:
-        return Size(1, None)
-    tokens = first.numel() if first.dim() >= 2 and not first.is_floating_point() else None
-    return Size(first.shape[0], tokens)
+        return 1, None
+    return first.shape[0], first.numel() if first.dim() >= 2 and not first.is_floating_point() else None
 
 
 def _first_tensor(batch: Any) -> Optional[torch.Tensor]:

@@ -18,7 +18,7 @@ from ..comm.distributed import init_distributed
 from ..config import Config
 from ..engine.initialization import initialize
 
-__all__ = ["TOTAL_STEPS", "build_engine", "planned_steps"]
+__all__ = ["TOTAL_STEPS", "build_engine", "planned_steps", "steps_to_run"]
 
 #: the config path a Trainer settles when it is ``auto``
 TOTAL_STEPS = "scheduler.params.total_num_steps"
@@ -50,14 +50,20 @@ def build_engine(model_or_engine: Any, config: Any, train_data: Any, max_steps: 
 def planned_steps(data: Any, config: Config, world: int, max_steps: Optional[int], epochs: Optional[int]) -> int:
     """The optimizer steps a Trainer will run, known before it starts; an error says when it cannot be."""
     sizes = config.batch_sizes(world)
-    per_epoch = _steps_per_epoch(data, sizes.micro_batch_size, sizes.gradient_accumulation_steps, world)
-    by_epochs = epochs * per_epoch if epochs is not None and per_epoch is not None else None
-    candidates = [steps for steps in (max_steps, by_epochs) if steps is not None]
-    if not candidates:
+    total = steps_to_run(max_steps, epochs,
+                         _steps_per_epoch(data, sizes.micro_batch_size, sizes.gradient_accumulation_steps, world))
+    if total is None:
         raise ValueError(
             f"`{TOTAL_STEPS}` is `auto`, and `train_data` ({type(data).__name__}) has no length, so `epochs={epochs}` "
             "gives no step count: pass `max_steps=N` too, or set the scheduler's `total_num_steps` to a number")
-    return max(min(candidates), 1)
+    return max(total, 1)
+
+
+def steps_to_run(max_steps: Optional[int], epochs: Optional[int], per_epoch: Optional[int]) -> Optional[int]:
+    """``max_steps`` or ``epochs`` x ``per_epoch``, whichever ends first (None when neither is known)."""
+    by_epochs = epochs * per_epoch if epochs is not None and per_epoch is not None else None
+    candidates = [steps for steps in (max_steps, by_epochs) if steps is not None]
+    return min(candidates) if candidates else None
 
 
 def _steps_per_epoch(data: Any, micro: Optional[int], accumulation: int, world: int) -> Optional[int]:
