@@ -90,10 +90,9 @@ class GlobalModule(nn.Module):
             for entry in table:
                 info.setdefault(entry[0], entry)
                 self.first_stage.setdefault(entry[0], stage)
-        self.entries = {}
-        for name in global_order([[e[0] for e in table] for table in tables], tied_keys):
-            _, shape, dtype = info[name]
-            self.entries[name] = local[name] if name in local else torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+        self.entries = {
+            name: local[name] if name in local else torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+            for name, shape, dtype in (info[n] for n in global_order([[e[0] for e in t] for t in tables], tied_keys))}
 
     def describe(self) -> list[Entry]:
         """This stage's entries, to exchange with the other stages."""

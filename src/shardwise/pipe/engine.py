@@ -194,8 +194,7 @@ class PipelineEngine(Engine):
             f"`{call}` is not available on a pipeline engine: this rank holds only stage {module.stage_id} of "
             f"{module.num_stages}, and forward, backward and step run together over all stages. Call "
             "`engine.train_batch(data_iter)` to train (it runs `gradient_accumulation_steps` micro-batches and "
-            "steps), or `engine.eval_batch(data_iter)` to evaluate"
-        )
+            "steps), or `engine.eval_batch(data_iter)` to evaluate")
 
     # ------------------------------------------------------------ data
     def _take(self, data_iter: Any, steps: int, call: str) -> _Batch:
@@ -205,13 +204,11 @@ class PipelineEngine(Engine):
             raise TypeError(
                 f"rank {self.groups.world.rank}: `engine.{call}()` got no data_iter and the engine has none of its "
                 f"own; pass `engine.{call}(iter(loader))`, or `training_data=` to `shardwise.deepspeed.initialize` "
-                "(or call `engine.set_dataloader(loader)`) to draw from a loader without passing it"
-            )
+                "(or call `engine.set_dataloader(loader)`) to draw from a loader without passing it")
         if not hasattr(data_iter, "__next__"):
             raise TypeError(
                 f"`engine.{call}(data_iter)` needs an iterator of `(inputs, labels)` micro-batches, got "
-                f"`{type(data_iter).__name__}`; pass `iter(loader)` and keep it between calls"
-            )
+                f"`{type(data_iter).__name__}`; pass `iter(loader)` and keep it between calls")
         batch: _Batch = []
         got: Optional[int] = steps
         problem = ""
@@ -311,8 +308,7 @@ class PipelineEngine(Engine):
         module = self.module
         return (
             f"PipelineEngine(stage={module.stage_id}/{module.num_stages}, replicas={self.groups.topology.replicas}, "
-            f"zero={self.strategy.stage}, dtype={self.precision.dtype})"
-        )
+            f"zero={self.strategy.stage}, dtype={self.precision.dtype})")
 
 
 def _check_pipeline_config(module: PipelineModule, config: Config, process_group: Any) -> None:
@@ -322,13 +318,11 @@ def _check_pipeline_config(module: PipelineModule, config: Config, process_group
             f"`zero_optimization.stage` {stage} with a {module.num_stages}-stage pipeline: ZeRO-2/3 shard gradients"
             f"{' and parameters' if stage == 3 else ''} across replicas at every backward, which a pipeline's "
             "micro-batch backwards cannot do (DeepSpeed refuses it too). Use stage 0 or 1 with the pipeline, or "
-            "train the same layers as one module at ZeRO-2/3: `PipelineModule(layers, num_stages=1).to_sequential()`"
-        )
+            "train the same layers as one module at ZeRO-2/3: `PipelineModule(layers, num_stages=1).to_sequential()`")
     if process_group is not None:
         raise ValueError(
             "`process_group` was passed with a multi-stage PipelineModule: a pipeline spans the default process "
-            "group it was built in (stages × replicas); leave `process_group` out"
-        )
+            "group it was built in (stages × replicas); leave `process_group` out")
 
 
 def _agree_on_construction(module: PipelineModule, config: Config, name: Optional[str]) -> None:
@@ -376,5 +370,4 @@ def _data_error(call: str, steps: int, short: dict[int, int], rank: int, problem
     return (
         f"rank {rank}: `engine.{call}` needs {steps} micro-batches (`gradient_accumulation_steps`) from data_iter on "
         f"the first and last stage, but data_iter ran out mid-batch ({detail}); nothing was trained. Give every "
-        f"rank the same number of micro-batches, a multiple of {steps}, or stop when it runs out"
-    )
+        f"rank the same number of micro-batches, a multiple of {steps}, or stop when it runs out")

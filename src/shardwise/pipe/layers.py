@@ -71,8 +71,7 @@ def compute_loss(loss_fn: Optional[Callable[[Any, Any], torch.Tensor]], outputs:
             return outputs
         raise ValueError(
             "the pipeline has no `loss_fn` and its last layer's output is not a scalar loss; pass "
-            "`PipelineModule(..., loss_fn=fn)` with `fn(outputs, labels) -> loss`"
-        )
+            "`PipelineModule(..., loss_fn=fn)` with `fn(outputs, labels) -> loss`")
     return loss_fn(outputs, labels)
 
 
@@ -116,8 +115,7 @@ class LayerSpec:
         if not callable(cls):
             raise TypeError(
                 f"LayerSpec needs a module class (or a callable returning a module) as its first argument, "
-                f"got a `{type(cls).__name__}`; write `LayerSpec(nn.Linear, 4, 4)`"
-            )
+                f"got a `{type(cls).__name__}`; write `LayerSpec(nn.Linear, 4, 4)`")
         self.cls = cls
         self.args = args
         self.kwargs = kwargs
@@ -133,8 +131,7 @@ class LayerSpec:
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"{self!r} built a `{type(module).__name__}`, not an `nn.Module`; a LayerSpec must build a "
-                "module (pass plain functions in `layers` directly, without a spec)"
-            )
+                "module (pass plain functions in `layers` directly, without a spec)")
         return module
 
     def __repr__(self) -> str:
@@ -166,8 +163,7 @@ class TiedLayerSpec(LayerSpec):
         if not isinstance(key, str) or not key or "." in key:
             raise ValueError(
                 f"TiedLayerSpec key {key!r} must be a non-empty string without `.` (it names a submodule, "
-                "`tied_modules.<key>`); use e.g. `'embed'`"
-            )
+                "`tied_modules.<key>`); use e.g. `'embed'`")
         if forward_fn is not None and not callable(forward_fn):
             raise TypeError(f"TiedLayerSpec `{key}`: forward_fn must be callable `(module, x) -> y`, got {forward_fn!r}")
         self.key = key
@@ -176,8 +172,7 @@ class TiedLayerSpec(LayerSpec):
         if not attrs or not all(isinstance(a, str) and a for a in attrs):
             raise ValueError(
                 f"TiedLayerSpec `{key}`: tied_weight_attr {tied_weight_attr!r} must be a parameter name or a "
-                "non-empty list of them, e.g. `'weight'` or `['weight', 'bias']`"
-            )
+                "non-empty list of them, e.g. `'weight'` or `['weight', 'bias']`")
         self.tied_weight_attr = attrs
 
     def __repr__(self) -> str:

@@ -27,8 +27,18 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.distributed import init_distributed
-from .layers import (CheckpointFn, Layer, LayerSpec, PipelineSequential, TiedLayerSpec, build_on_meta, compute_loss,
-                     default_checkpoint, layer_name, run_layers)
+from .layers import (
+    CheckpointFn,
+    Layer,
+    LayerSpec,
+    PipelineSequential,
+    TiedLayerSpec,
+    build_on_meta,
+    compute_loss,
+    default_checkpoint,
+    layer_name,
+    run_layers,
+)
 from .partition import partition
 from .topology import PipeTopology
 
@@ -91,8 +101,7 @@ class PipelineModule(nn.Module):
         if activation_checkpoint_func is not None and not callable(activation_checkpoint_func):
             raise TypeError(
                 f"activation_checkpoint_func must be callable `(function, *args) -> output`, got "
-                f"{activation_checkpoint_func!r}"
-            )
+                f"{activation_checkpoint_func!r}")
         self.activation_checkpoint_func = activation_checkpoint_func or default_checkpoint
         self.seed_layers = seed_layers
         self.base_seed = base_seed
@@ -147,8 +156,7 @@ class PipelineModule(nn.Module):
                 raise ValueError(
                     f"TiedLayerSpec `{spec.key}` (layer {index}): `{spec.name}` has no parameter `{attr}`; "
                     f"tied_weight_attr must name parameters of the module, e.g. one of "
-                    f"{[n for n, _ in module.named_parameters()][:8]}"
-                ) from None
+                    f"{[n for n, _ in module.named_parameters()][:8]}") from None
         return shapes
 
     def _check_shared_instances(self) -> None:
@@ -162,8 +170,7 @@ class PipelineModule(nn.Module):
                 raise ValueError(
                     f"layer {index} (`{type(layer).__name__}`) is one module object used on stages "
                     f"{sorted(stages[id(layer)])}: each stage would train its own copy. Share it with "
-                    f"`TiedLayerSpec(key, {type(layer).__name__}, ...)` instead"
-                )
+                    f"`TiedLayerSpec(key, {type(layer).__name__}, ...)` instead")
 
     def _untied_across_stages(self) -> list[tuple[str, str]]:
         """``(key, parameter name)`` of the parameters of tied modules on several stages that are *not*
@@ -266,8 +273,7 @@ class PipelineModule(nn.Module):
         if not self.is_last_stage:
             raise RuntimeError(
                 f"labels were passed to stage {self.stage_id} of {self.num_stages}: only the last stage computes "
-                "the loss; train a multi-stage pipeline with `engine.train_batch(data_iter)`"
-            )
+                "the loss; train a multi-stage pipeline with `engine.train_batch(data_iter)`")
         return compute_loss(self.loss_fn, outputs, labels)
 
     def to_sequential(self) -> nn.Module:
@@ -284,8 +290,7 @@ class PipelineModule(nn.Module):
                 f"to_sequential() on stage {self.stage_id} of a {self.num_stages}-stage pipeline: this rank holds "
                 f"only layers [{self.parts[self.stage_id]}, {self.parts[self.stage_id + 1]}) of {self.num_layers}. "
                 "Build the model whole with `PipelineModule(layers, num_stages=1).to_sequential()`; a pipeline "
-                "checkpoint loads into it by name"
-            )
+                "checkpoint loads into it by name")
         children = [(name, child) for name, child in self.named_children() if child is not self.loss_fn]
         return PipelineSequential(children, self._steps, self.loss_fn, self.activation_checkpoint_interval,
                                   self.activation_checkpoint_func)
@@ -298,8 +303,7 @@ def _checked_layers(layers: Sequence[LayerEntry]) -> list[LayerEntry]:
     if isinstance(layers, nn.Module) or not hasattr(layers, "__iter__"):
         raise TypeError(
             f"`layers` must be a list of LayerSpec / nn.Module / callables, got a `{type(layers).__name__}`; "
-            "for an nn.Sequential pass `list(seq)`"
-        )
+            "for an nn.Sequential pass `list(seq)`")
     checked = list(layers)
     for index, layer in enumerate(checked):
         if isinstance(layer, PipelineModule):
@@ -307,8 +311,7 @@ def _checked_layers(layers: Sequence[LayerEntry]) -> list[LayerEntry]:
         if not (isinstance(layer, LayerSpec) or callable(layer)):
             raise TypeError(
                 f"layer {index} is a `{type(layer).__name__}`, which is neither a LayerSpec, an nn.Module nor "
-                "callable; every layer must map the previous output to the next"
-            )
+                "callable; every layer must map the previous output to the next")
     if not checked:
         raise ValueError("`layers` is empty; a PipelineModule needs at least one layer")
     return checked
@@ -318,8 +321,7 @@ def _checked_interval(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(
             f"activation_checkpoint_interval={value!r}: expected an integer >= 0 (0 turns checkpointing off, "
-            "k recomputes every k layers in backward)"
-        )
+            "k recomputes every k layers in backward)")
     return value
 
 
@@ -335,18 +337,15 @@ def _same_tie(
         raise ValueError(
             f"TiedLayerSpec key `{key}`: layer {i} builds `{a.name}` but layer {j} builds `{b.name}`; every "
             f"occurrence of a key shares one module, so they must build the same class (use another key for a "
-            "different module)"
-        )
+            "different module)")
     if a.tied_weight_attr != b.tied_weight_attr:
         raise ValueError(
             f"TiedLayerSpec key `{key}`: layer {i} ties {a.tied_weight_attr} but layer {j} ties "
-            f"{b.tied_weight_attr}; give every occurrence the same `tied_weight_attr`"
-        )
+            f"{b.tied_weight_attr}; give every occurrence the same `tied_weight_attr`")
     if expected != found:
         raise ValueError(
             f"TiedLayerSpec key `{key}`: layer {i} builds tied weights of shapes {expected} but layer {j} of "
-            f"{found}; every occurrence shares one module, so build them with the same arguments"
-        )
+            f"{found}; every occurrence shares one module, so build them with the same arguments")
 
 
 def _placement(num_stages: Optional[int]) -> tuple[int, Optional[PipeTopology], int]:

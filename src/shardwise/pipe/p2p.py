@@ -43,8 +43,7 @@ def _tensors(value: Any, what: str) -> tuple[bool, list[torch.Tensor]]:
             where = f"element {index} of the {what}" if packed else f"the {what}"
             raise TypeError(
                 f"{where} is a `{type(item).__name__}`: what passes between pipeline stages must be a tensor or "
-                "a tuple of tensors; turn other values into tensors (or recompute them on the next stage)"
-            )
+                "a tuple of tensors; turn other values into tensors (or recompute them on the next stage)")
         if item.dtype not in _CODE:
             raise TypeError(f"the {what} holds a `{item.dtype}` tensor, which cannot cross stages; supported: {_DTYPES}")
     return packed, items
@@ -61,8 +60,7 @@ def _encode(packed: bool, tensors: list[torch.Tensor]) -> torch.Tensor:
     if len(slots) > HEADER_SLOTS:
         raise ValueError(
             f"an activation of {len(tensors)} tensors with {sum(t.dim() for t in tensors)} dimensions in all does "
-            f"not fit the {HEADER_SLOTS}-entry stage header; pass fewer or flatter tensors between stages"
-        )
+            f"not fit the {HEADER_SLOTS}-entry stage header; pass fewer or flatter tensors between stages")
     header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
     header[: len(slots)] = torch.tensor(slots, dtype=torch.int64)
     return header

@@ -36,8 +36,7 @@ def partition(names: Sequence[str], weigh: Weigh, num_stages: int, method: Any) 
     if count < num_stages:
         raise ValueError(
             f"{count} layer(s) cannot fill {num_stages} pipeline stages: every stage needs at least one "
-            f"layer; pass `num_stages` <= {count} or split the model into more layers"
-        )
+            f"layer; pass `num_stages` <= {count} or split the model into more layers")
     if isinstance(method, (list, tuple)):
         return _explicit(list(method), count, num_stages)
     lowered = method.lower() if isinstance(method, str) else None
@@ -63,8 +62,7 @@ def _type_weights(names: Sequence[str], pattern: str) -> list[int]:
     if not any(weights):
         raise ValueError(
             f"partition_method `type:{pattern}` matches no layer; the layers' class names are "
-            f"{sorted(set(names))}"
-        )
+            f"{sorted(set(names))}")
     return weights
 
 
@@ -80,8 +78,7 @@ def _explicit(bounds: list[Any], count: int, num_stages: int) -> list[int]:
         raise ValueError(
             f"partition_method {bounds!r} is not a valid list of boundaries: expected {num_stages + 1} "
             f"increasing integers from 0 to {count} (stage s runs layers [b[s], b[s+1])), e.g. "
-            f"{uniform(count, num_stages)}"
-        )
+            f"{uniform(count, num_stages)}")
     return bounds
 
 

@@ -76,8 +76,7 @@ class TiedWeights:
                 f"rank {self.pipe.rank}: {twice} got a gradient on {int(max(trained.tolist()))} pipeline stages, but "
                 "only a TiedLayerSpec's `tied_weight_attr` is kept equal across stages: each stage would train its "
                 "own copy and they would drift apart; nothing was trained. Add them to `tied_weight_attr`, or use "
-                "them on one stage only (e.g. in a `forward_fn` that reads only the tied weight)"
-            )
+                "them on one stage only (e.g. in a `forward_fn` that reads only the tied weight)")
 
     def copies(self) -> frozenset[str]:
         """Names of the tied parameters whose first holder is another stage: counted there, not here."""

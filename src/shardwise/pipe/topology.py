@@ -33,8 +33,7 @@ class PipeTopology:
             raise ValueError(
                 f"the world size {world_size} is not divisible by num_stages={num_stages}: every stage needs "
                 f"the same number of data-parallel replicas; launch a multiple of {num_stages} ranks or pass "
-                f"a `num_stages` that divides {world_size}"
-            )
+                f"a `num_stages` that divides {world_size}")
         return cls(num_stages, world_size // num_stages)
 
     def stage_of(self, rank: int) -> int:

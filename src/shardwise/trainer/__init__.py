@@ -8,7 +8,7 @@ collective checkpoints it can resume from exactly.
 from __future__ import annotations
 
 from .batch import BatchError
-from .callbacks import CSVLogger, Callback, EarlyStopping, MLflowCallback, TensorBoardCallback, WandbCallback
+from .callbacks import Callback, CSVLogger, EarlyStopping, MLflowCallback, TensorBoardCallback, WandbCallback
 from .checkpoints import ResumeError
 from .loop import FitSummary, StepResult, Trainer
 from .metrics import plot_metrics, read_metrics

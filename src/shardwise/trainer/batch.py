@@ -79,8 +79,7 @@ def forward(engine: Any, batch: Any, arity: Optional[int] = None) -> Any:
         raise BatchError(
             f"the model's forward failed on a batch {describe(batch)}, called as `{how}`: "
             f"{type(error).__name__}: {error}. A tuple/list batch is passed as positional arguments, a dict as "
-            "keyword arguments: shape the batch for the model's `forward` (e.g. with `collate_fn=`)"
-        ) from error
+            "keyword arguments: shape the batch for the model's `forward` (e.g. with `collate_fn=`)") from error
 
 
 def compute_loss(output: Any, batch: Any, loss_fn: Optional[LossFn]) -> torch.Tensor:
@@ -98,8 +97,7 @@ def compute_loss(output: Any, batch: Any, loss_fn: Optional[LossFn]) -> torch.Te
         raise BatchError(
             f"no scalar loss in the model's output {describe(output)} (batch {describe(batch)}): the trainer "
             "takes the output itself, `output['loss']` or `output.loss`; pass `loss_fn=lambda output, batch: ...` "
-            "to compute it"
-        )
+            "to compute it")
     return loss.reshape(())
 
 

@@ -100,8 +100,7 @@ def _summary_writer(log_dir: Optional[str]) -> Any:
     except ImportError as error:
         raise ImportError(
             f"`TensorBoardCallback` needs the `tensorboard` package ({error}); install it with "
-            "`pip install 'shardwise[tensorboard]'`, or pass `writer=` an object with `add_scalar`"
-        ) from error
+            "`pip install 'shardwise[tensorboard]'`, or pass `writer=` an object with `add_scalar`") from error
     return SummaryWriter(log_dir=log_dir)
 
 
@@ -139,8 +138,7 @@ def _import(module: str, extra: str) -> Any:
     except ImportError as error:
         raise ImportError(
             f"this callback needs the `{module}` package ({error}); install it with `pip install {extra}`, "
-            "or drop the callback"
-        ) from error
+            "or drop the callback") from error
 
 
 class CSVLogger(Callback):

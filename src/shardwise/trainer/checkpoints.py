@@ -95,8 +95,7 @@ class Checkpoints:
             raise ResumeError(
                 f"cannot resume from `checkpoint_dir` {self.directory}: {error}. That directory holds a checkpoint "
                 "of another model or setup: give this run a new `checkpoint_dir`, or pass `resume=False` "
-                "(and a new directory) to start fresh"
-            ) from error
+                "(and a new directory) to start fresh") from error
         if path is None:
             return None
         self.last_step, self.last_path = self.engine.global_steps, str(path)

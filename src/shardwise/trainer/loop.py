@@ -91,12 +91,6 @@ def _micro_batch(engine: Any) -> Optional[int]:
         return None
 
 
-def _device(engine: Any) -> torch.device:
-    for param in engine.module.parameters():
-        return param.device
-    return torch.device("cpu")
-
-
 class Trainer:
     """Trains ``engine`` on ``train_data``; see ``docs/trainer.md``.
 
@@ -153,7 +147,7 @@ class Trainer:
         self.loss_fn = loss_fn
         self.seed = seed
         self.rank, self.world_size = engine.comm.rank, engine.comm.world_size
-        self.device = _device(engine)
+        self.device = next((p.device for p in engine.module.parameters()), torch.device("cpu"))
         # With a loss_fn, trailing tuple items the forward cannot take are its targets (see batch.py).
         self.arity = positional_arity(engine.module) if loss_fn is not None else None
         self.compute_metrics = compute_metrics
@@ -206,13 +200,11 @@ class Trainer:
             raise ValueError(
                 f"`train_data` has {samples} samples, fewer than one global batch: `train_batch_size` = micro batch "
                 f"{self.micro} x accumulation {self.accumulation} x {self.world_size} rank(s) = {self._global_batch()} "
-                "(per epoch, each rank drops what does not fill a whole step); use more data or a smaller batch"
-            )
+                "(per epoch, each rank drops what does not fill a whole step); use more data or a smaller batch")
         raise ValueError(
             f"`train_data` gives rank {self.rank} {batches} micro-batches per epoch, fewer than the "
             f"{self.accumulation} one optimizer step needs (`gradient_accumulation_steps`); use more data or "
-            "a smaller batch"
-        )
+            "a smaller batch")
 
     # ------------------------------------------------------------ the loop
     def fit(self) -> FitSummary:
@@ -299,15 +291,16 @@ class Trainer:
             [result.loss_sum, result.micro_batches, result.samples, result.tokens])
         self.last_loss = loss_sum / micro
         rates = meter.add(int(samples), int(tokens))
-        metrics = {"step": self.global_step, "epoch": self.epoch, "loss": self.last_loss, "lr": self._lr()}
+        metrics = self._step_metrics()
         self.progress.step({**metrics, **rates})
         if self.global_step % self.log_every == 0:
             self._log(metrics, meter)
         return metrics
 
-    def _lr(self) -> float:
+    def _step_metrics(self) -> dict[str, Any]:
         lrs = self.engine.get_lr()
-        return float(lrs[0]) if lrs else math.nan
+        return {"step": self.global_step, "epoch": self.epoch, "loss": self.last_loss,
+                "lr": float(lrs[0]) if lrs else math.nan}
 
     def _log(self, metrics: dict[str, Any], meter: Meter) -> None:
         memory = self.agreement.gather(self.engine.memory_breakdown())  # collective: every rank logs this step
@@ -374,8 +367,7 @@ class Trainer:
             if starved:
                 raise ValueError(
                     f"`eval_data` gives some rank no batch at all while others have some ({self.world_size} ranks); "
-                    "use an eval set of at least one micro-batch per rank"
-                )
+                    "use an eval set of at least one micro-batch per rank")
             weight = 1.0 if batch is not None else 0.0
             batch = to_device(batch if batch is not None else last, self.device)
             output = forward(self.engine, batch, self.arity)
@@ -454,7 +446,7 @@ class Trainer:
     # ------------------------------------------------------------ the end
     def _finish(self, meter: Meter, decision: Decision) -> FitSummary:
         if meter.steps and self._logged_at != self.global_step:
-            self._log({"step": self.global_step, "epoch": self.epoch, "loss": self.last_loss, "lr": self._lr()}, meter)
+            self._log(self._step_metrics(), meter)
         self.save()
         if self.eval_source is not None and self._evaluated_at != self.global_step:
             self.evaluate()

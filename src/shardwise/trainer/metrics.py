@@ -158,8 +158,7 @@ def plot_metrics(metrics_file: Any, out: Any) -> Path:
         from matplotlib.figure import Figure
     except ImportError as error:
         raise ImportError(
-            f"plotting needs matplotlib ({error}); install it with `pip install 'shardwise[plot]'`"
-        ) from error
+            f"plotting needs matplotlib ({error}); install it with `pip install 'shardwise[plot]'`") from error
     records = read_metrics(metrics_file)
     steps, losses = _series(records, "loss")
     if not steps:
