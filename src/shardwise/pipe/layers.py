@@ -1,20 +1,16 @@
 """A pipeline's layers: specs built only where they run, and running a list of layers.
 
-A layer is any callable taking one value (a tensor or a tuple of tensors) and
-returning the next: a module, a function, a lambda, a bound method, a
-``functools.partial``, or a :class:`LayerSpec`, a recipe ``cls(*args, **kwargs)``
-that a pipeline rank builds only when the layer is on its own stage, so a model
-too big for one rank never exists whole anywhere.  A :class:`TiedLayerSpec`
-adds a key: every occurrence of the key on a stage is one module instance (a
-token embedding reused as the output head), and across stages the tied
-parameters are kept equal by the pipeline engine.  Partitioning needs each
-layer's size and the tie check needs the tied parameters' shapes before
-anything is built for real: :func:`build_on_meta` builds a spec on the ``meta``
+A layer is any callable taking one value (a tensor or a tuple of tensors) and returning the next: a module, a
+function, a lambda, a bound method, a ``functools.partial``, or a :class:`LayerSpec`, a recipe ``cls(*args,
+**kwargs)`` that a pipeline rank builds only when the layer is on its own stage, so a model too big for one
+rank never exists whole anywhere.  A :class:`TiedLayerSpec` adds a key: every occurrence of the key on a stage
+is one module instance (a token embedding reused as the output head), and across stages the tied parameters
+are kept equal by the pipeline engine.  Partitioning needs each layer's size and the tie check needs the tied
+parameters' shapes before anything is built for real: :func:`build_on_meta` builds a spec on the ``meta``
 device, which allocates no memory.
 
-:class:`~.module.PipelineModule` (one stage) and :class:`PipelineSequential`
-(what ``to_sequential()`` returns) run their layers through :func:`run_layers`,
-so both checkpoint the same way.
+:class:`~.module.PipelineModule` (one stage) and :class:`PipelineSequential` (what ``to_sequential()``
+returns) run their layers through :func:`run_layers`, so both checkpoint the same way.
 """
 
 from __future__ import annotations
@@ -78,13 +74,11 @@ def compute_loss(loss_fn: Optional[Callable[[Any, Any], torch.Tensor]], outputs:
 class PipelineSequential(nn.Module):
     """Every layer of a ``PipelineModule``, in order, as an ordinary module.
 
-    It shares the pipeline module's layer objects: ``tied_modules.<key>`` once
-    per key, ``"<index>"`` for every other module layer (``children``, in the
-    pipeline module's order), so the state-dict names are the pipeline's (a
-    checkpoint of either loads into the other).  ``forward(inputs)`` returns
-    the last layer's output; ``forward(inputs, labels)`` returns
-    ``loss_fn(outputs, labels)``.  It needs no process group and trains under
-    ``shardwise.initialize`` at any ZeRO stage.
+    It shares the pipeline module's layer objects: ``tied_modules.<key>`` once per key, ``"<index>"`` for
+    every other module layer (``children``, in the pipeline module's order), so the state-dict names are the
+    pipeline's (a checkpoint of either loads into the other).  ``forward(inputs)`` returns the last layer's
+    output; ``forward(inputs, labels)`` returns ``loss_fn(outputs, labels)``.  It needs no process group and
+    trains under ``shardwise.initialize`` at any ZeRO stage.
     """
 
     def __init__(self, children: Iterable[tuple[str, nn.Module]], steps: list[Layer], loss_fn: Optional[Any],
@@ -142,12 +136,10 @@ class LayerSpec:
 class TiedLayerSpec(LayerSpec):
     """A layer whose module is shared by every occurrence of ``key``.
 
-    On one stage all occurrences of ``key`` are one module instance, built from
-    the first occurrence.  ``forward_fn(module, x)``, when given, replaces the
-    module's forward for this occurrence (a tied head: ``F.linear(x,
-    module.weight)``).  ``tied_weight_attr`` names the parameter(s) kept equal
-    across the stages that hold the key (dotted names reach into submodules);
-    their shapes must agree between occurrences.
+    On one stage all occurrences of ``key`` are one module instance, built from the first occurrence.
+    ``forward_fn(module, x)``, when given, replaces the module's forward for this occurrence (a tied head:
+    ``F.linear(x, module.weight)``).  ``tied_weight_attr`` names the parameter(s) kept equal across the stages
+    that hold the key (dotted names reach into submodules); their shapes must agree between occurrences.
     """
 
     def __init__(

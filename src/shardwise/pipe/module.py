@@ -1,7 +1,6 @@
 """``PipelineModule``: one model definition, as a list of layers, cut into stages.
 
-Names follow DeepSpeed's, so a state dict reads the same whichever way the
-model runs:
+Names follow DeepSpeed's, so a state dict reads the same whichever way the model runs:
 
 * a layer built from a :class:`LayerSpec` or given as an ``nn.Module`` is the
   submodule ``"<index>"`` (its position in ``layers``): ``"3.weight"``;
@@ -9,10 +8,9 @@ model runs:
   number of its occurrences: ``"tied_modules.embed.weight"``;
 * functions, lambdas and other callables hold no state and have no name.
 
-A rank of a multi-stage pipeline builds and registers only the layers of its
-own stage, under those same global names.  With one stage (``num_stages``
-1 or None, or a single process) the module holds every layer and is an
-ordinary ``nn.Module``.
+A rank of a multi-stage pipeline builds and registers only the layers of its own stage, under those same
+global names.  With one stage (``num_stages`` 1 or None, or a single process) the module holds every layer and
+is an ordinary ``nn.Module``.
 """
 
 from __future__ import annotations
@@ -63,22 +61,18 @@ class _Tie:
 class PipelineModule(nn.Module):
     """A model given as a list of layers, trained pipelined or as a plain module.
 
-    ``layers`` holds :class:`LayerSpec`, :class:`TiedLayerSpec`, ``nn.Module``
-    instances and any callable (function, lambda, bound method,
-    ``functools.partial``); each layer takes the previous one's output (a
-    tensor or a tuple of tensors).  ``num_stages`` cuts them into pipeline
-    stages by ``partition_method`` (see :mod:`.partition`); ``None`` means
-    one stage.  ``loss_fn(outputs, labels)`` is what the last stage computes.
-    ``activation_checkpoint_interval > 0`` recomputes every run of that many
-    layers in backward, through ``activation_checkpoint_func(fn, *args)``
-    (default: torch's non-reentrant checkpoint).  ``seed_layers`` seeds each
-    layer's construction with ``base_seed + index``, so a layer starts the same
+    ``layers`` holds :class:`LayerSpec`, :class:`TiedLayerSpec`, ``nn.Module`` instances and any callable
+    (function, lambda, bound method, ``functools.partial``); each layer takes the previous one's output (a
+    tensor or a tuple of tensors).  ``num_stages`` cuts them into pipeline stages by ``partition_method`` (see
+    :mod:`.partition`); ``None`` means one stage.  ``loss_fn(outputs, labels)`` is what the last stage
+    computes. ``activation_checkpoint_interval > 0`` recomputes every run of that many layers in backward,
+    through ``activation_checkpoint_func(fn, *args)`` (default: torch's non-reentrant checkpoint).
+    ``seed_layers`` seeds each layer's construction with ``base_seed + index``, so a layer starts the same
     whichever rank builds it.
 
-    With more than one stage (and more than one rank), construction needs the
-    default process group (created from torchrun's environment if absent)
-    and builds only this rank's stage; ``shardwise.initialize`` then returns a
-    pipeline engine.
+    With more than one stage (and more than one rank), construction needs the default process group (created
+    from torchrun's environment if absent) and builds only this rank's stage; ``shardwise.initialize`` then
+    returns a pipeline engine.
     """
 
     def __init__(
@@ -248,11 +242,8 @@ class PipelineModule(nn.Module):
         """``(key, name, parameter or None)`` for every parameter of a tied module spanning stages that
         is not in ``tied_weight_attr``, in the same order on every rank; the parameter is None on a
         stage that does not hold the key."""
-        found = []
-        for key, name in self._loose:
-            held = self.tied_modules[key] if key in self.tied_modules else None
-            found.append((key, name, held.get_parameter(name) if held is not None else None))
-        return found
+        return [(key, name, self.tied_modules[key].get_parameter(name) if key in self.tied_modules else None)
+                for key, name in self._loose]
 
     def tied_parameters(self) -> Iterator[tuple[str, tuple[int, ...], list[tuple[str, nn.Parameter]]]]:
         """For each key this stage shares with other stages: ``(key, its stages, [(name, parameter)])``
@@ -279,11 +270,10 @@ class PipelineModule(nn.Module):
     def to_sequential(self) -> nn.Module:
         """A plain ``nn.Module`` running every layer in order, sharing this module's layers.
 
-        Tied keys stay one module (one Parameter, whose gradient sums every use),
-        ``forward_fn``s stay bound to it, callables are kept, and activation
-        checkpointing runs at the same interval.  State-dict names are the same
-        as this module's.  Needs no process group; only a module holding every
-        layer (one stage) can be exported.
+        Tied keys stay one module (one Parameter, whose gradient sums every use), ``forward_fn``s stay bound
+        to it, callables are kept, and activation checkpointing runs at the same interval.  State-dict names
+        are the same as this module's.  Needs no process group; only a module holding every layer (one stage)
+        can be exported.
         """
         if self.num_stages > 1:
             raise RuntimeError(

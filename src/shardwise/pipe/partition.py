@@ -5,13 +5,11 @@
 * ``"uniform"``: balance the number of layers;
 * ``"type:REGEX"``: balance the number of layers whose class name matches
   ``REGEX`` (case-insensitive), e.g. ``"type:Block"`` for transformer blocks;
-* a list ``[0, b1, ..., L]``: explicit boundaries, stage ``s`` runs layers
-  ``[b_s, b_{s+1})``.
+* a list ``[0, b1, ..., L]``: explicit boundaries, stage ``s`` runs layers ``[b_s, b_{s+1})``.
 
-The result is always a list of ``num_stages + 1`` boundaries and every stage
-gets at least one layer.  ``type:`` balancing minimises the heaviest stage
-first and then, among those partitions, the longest stage, so layers that
-weigh nothing (functions, activations) spread instead of piling up on one stage.
+The result is always a list of ``num_stages + 1`` boundaries and every stage gets at least one layer.
+``type:`` balancing minimises the heaviest stage first and then, among those partitions, the longest stage, so
+layers that weigh nothing (functions, activations) spread instead of piling up on one stage.
 """
 
 from __future__ import annotations

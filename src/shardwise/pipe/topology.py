@@ -1,11 +1,9 @@
 """Stages × data-parallel replicas: which rank is which, and the process groups.
 
-Ranks are laid out stage-major, as DeepSpeed's ``PipeDataParallelTopology``:
-rank ``= stage × replicas + replica``, so the replicas of one stage are
-neighbours (their gradient reductions are the heavy traffic).  Every rank
-creates every group in the same order, as ``torch.distributed.new_group``
-requires, and keeps a :class:`~shardwise.comm.distributed.Comm` for the ones it
-belongs to.
+Ranks are laid out stage-major, as DeepSpeed's ``PipeDataParallelTopology``: rank ``= stage × replicas +
+replica``, so the replicas of one stage are neighbours (their gradient reductions are the heavy traffic).
+Every rank creates every group in the same order, as ``torch.distributed.new_group`` requires, and keeps a
+:class:`~shardwise.comm.distributed.Comm` for the ones it belongs to.
 """
 
 from __future__ import annotations
@@ -48,11 +46,10 @@ class PipeTopology:
 class PipeGroups:
     """This rank's communicators.
 
-    ``pipe``: the stages of this replica (norm and loss collectives);
-    ``p2p``: the same ranks, used only for activations and gradients (a group
-    of their own, so point-to-point tags never meet collective ones);
-    ``data``: this stage's replicas (gradient averaging, ZeRO-1);
-    ``ties``: per set of stages sharing a tied key, those stages of this replica.
+    ``pipe``: the stages of this replica (norm and loss collectives); ``p2p``: the same ranks, used only for
+    activations and gradients (a group of their own, so point-to-point tags never meet collective ones);
+    ``data``: this stage's replicas (gradient averaging, ZeRO-1); ``ties``: per set of stages sharing a tied
+    key, those stages of this replica.
     """
 
     topology: PipeTopology

@@ -1,8 +1,7 @@
 """The training loop on top of the engine: :class:`Trainer` (see ``docs/trainer.md``).
 
-``shardwise.Trainer(engine, train_data, max_steps=...).fit()`` batches and
-shards the data, runs the steps, evaluates, logs, shows progress, and saves
-collective checkpoints it can resume from exactly.
+``shardwise.Trainer(engine, train_data, max_steps=...).fit()`` batches and shards the data, runs the steps,
+evaluates, logs, shows progress, and saves collective checkpoints it can resume from exactly.
 """
 
 from __future__ import annotations

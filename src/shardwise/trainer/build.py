@@ -1,8 +1,7 @@
 """The engine a ``Trainer`` trains: the one it was given, or one it builds from a model and a config.
 
-Built here, a scheduler's ``total_num_steps: auto`` resolves to the steps the
-Trainer will run (``max_steps``, or ``epochs`` x the steps in one epoch,
-whichever ends first), as Hugging Face's Trainer resolves it.
+Built here, a scheduler's ``total_num_steps: auto`` resolves to the steps the Trainer will run (``max_steps``,
+or ``epochs`` x the steps in one epoch, whichever ends first), as Hugging Face's Trainer resolves it.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """Callbacks: objects with any of ``on_train_start``, ``on_step_end``, ``on_log``, ``on_eval_end``, ``on_save``,
 ``on_train_end``.
 
-Every hook runs on every rank and receives the trainer first.  A callback
-that wants a checkpoint now or the run to end calls ``trainer.request_save()``
-or ``trainer.request_stop(reason)``; the trainer turns that into a decision all
-ranks take together at the end of the step (no rank saves alone; a stop asked
-on one rank stops all).  Subclassing :class:`Callback` is optional: any object
-with some of the hooks works: the loop calls them by name (:class:`.control.CallbackList`)
-and knows nothing of this module.
+Every hook runs on every rank and receives the trainer first.  A callback that wants a checkpoint now or the
+run to end calls ``trainer.request_save()`` or ``trainer.request_stop(reason)``; the trainer turns that into a
+decision all ranks take together at the end of the step (no rank saves alone; a stop asked on one rank stops
+all).  Subclassing :class:`Callback` is optional: any object with some of the hooks works: the loop calls them
+by name (:class:`.control.CallbackList`) and knows nothing of this module.
 
-The loggers (TensorBoard, CSV, Weights & Biases, MLflow) write on rank 0 only.
-Except TensorBoard's, they write from ``on_log``, so they see exactly the
-records the metrics file gets (every ``log_every`` steps, and every
-evaluation); the per-rank ``memory`` breakdown stays in that file, they get
-scalars.  TensorBoard, W&B and MLflow are imported when training starts, not
-before: shardwise does not depend on them, and an error says how to install them.
+The loggers (TensorBoard, CSV, Weights & Biases, MLflow) write on rank 0 only. Except TensorBoard's, they
+write from ``on_log``, so they see exactly the records the metrics file gets (every ``log_every`` steps, and
+every evaluation); the per-rank ``memory`` breakdown stays in that file, they get scalars.  TensorBoard, W&B
+and MLflow are imported when training starts, not before: shardwise does not depend on them, and an error says
+how to install them.
 """
 
 from __future__ import annotations
@@ -58,10 +55,8 @@ class Callback:
 class TensorBoardCallback(Callback):
     """Writes the step and eval metrics as TensorBoard scalars on rank 0 (``pip install 'shardwise[tensorboard]'``).
 
-    ``writer`` may be any object with ``add_scalar(tag, value, step)`` (and
-    optionally ``flush``/``close``); by default a
-    ``torch.utils.tensorboard.SummaryWriter(log_dir)`` is made on rank 0 when
-    training starts.
+    ``writer`` may be any object with ``add_scalar(tag, value, step)`` (and optionally ``flush``/``close``);
+    by default a ``torch.utils.tensorboard.SummaryWriter(log_dir)`` is made on rank 0 when training starts.
     """
 
     SCALARS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "samples_per_s", "eval_loss")

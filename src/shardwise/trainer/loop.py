@@ -1,12 +1,10 @@
 """``Trainer``: the training loop on top of an :class:`~shardwise.Engine`.
 
-Per step: ``gradient_accumulation_steps`` micro-batches through
-``engine(...)``, ``engine.backward`` and ``engine.step`` (:meth:`Trainer.train_step`,
-the one method a pipeline variant would override), then one all-reduce of the
-step's loss and data counts, evaluation when due, the callbacks, and one
-all-reduce of the callbacks' stop/save requests.  Saves happen on every rank
-at the same step by construction.  The data position (epoch, step within it)
-travels in the checkpoint's ``client_state``, so a resumed run continues with
+Per step: ``gradient_accumulation_steps`` micro-batches through ``engine(...)``, ``engine.backward`` and
+``engine.step`` (:meth:`Trainer.train_step`, the one method a pipeline variant would override), then one
+all-reduce of the step's loss and data counts, evaluation when due, the callbacks, and one all-reduce of the
+callbacks' stop/save requests.  Saves happen on every rank at the same step by construction.  The data
+position (epoch, step within it) travels in the checkpoint's ``client_state``, so a resumed run continues with
 the very next batch and ends bit-for-bit where an uninterrupted run ends.
 """
 
@@ -94,21 +92,18 @@ def _micro_batch(engine: Any) -> Optional[int]:
 class Trainer:
     """Trains ``engine`` on ``train_data``; see ``docs/trainer.md``.
 
-    ``train_data`` (and ``eval_data``) is a map-style ``Dataset`` (sharded over
-    the ranks like ``DistributedSampler``, shuffled with ``seed + epoch``, in
-    batches of ``train_micro_batch_size_per_gpu``), an ``IterableDataset``, or a
-    ``DataLoader`` you built.  Training runs ``max_steps`` optimizer steps or
-    ``epochs`` epochs, whichever ends first.  With ``checkpoint_dir`` it saves
-    every ``save_every`` steps and at the end (keeping the last ``keep_last``),
-    and with ``resume`` it first continues from the newest checkpoint there.
+    ``train_data`` (and ``eval_data``) is a map-style ``Dataset`` (sharded over the ranks like
+    ``DistributedSampler``, shuffled with ``seed + epoch``, in batches of ``train_micro_batch_size_per_gpu``),
+    an ``IterableDataset``, or a ``DataLoader`` you built.  Training runs ``max_steps`` optimizer steps or
+    ``epochs`` epochs, whichever ends first.  With ``checkpoint_dir`` it saves every ``save_every`` steps and
+    at the end (keeping the last ``keep_last``), and with ``resume`` it first continues from the newest
+    checkpoint there.
 
-    ``model_or_engine`` is an engine from ``shardwise.initialize``, or a model:
-    then ``config`` is required and the Trainer builds the engine (a scheduler's
-    ``total_num_steps: auto`` becomes the steps this run will take).  With
-    ``compute_metrics(predictions, labels)`` each evaluation also reports its
-    results as ``eval_<name>``; with ``best_metric`` (``"loss"``, ``"eval_loss"``,
-    or one of those names) the best checkpoint is kept besides the last
-    ``keep_last`` and named in ``checkpoint_dir/best``.
+    ``model_or_engine`` is an engine from ``shardwise.initialize``, or a model: then ``config`` is required
+    and the Trainer builds the engine (a scheduler's ``total_num_steps: auto`` becomes the steps this run will
+    take).  With ``compute_metrics(predictions, labels)`` each evaluation also reports its results as
+    ``eval_<name>``; with ``best_metric`` (``"loss"``, ``"eval_loss"``, or one of those names) the best
+    checkpoint is kept besides the last ``keep_last`` and named in ``checkpoint_dir/best``.
     """
 
     def __init__(

@@ -1,18 +1,15 @@
 """What rank 0 shows while training: a tqdm bar on a terminal, plain log lines otherwise.
 
-Other ranks show nothing.  The bar carries loss, lr, tokens/s (or
-samples/s, smoothed over the last steps) and tqdm's ETA, updated every step;
-the lines, printed every ``log_every`` steps, carry the same and an ETA from
-the measured step time.  A terminal that reports 0 columns (some ptys, CI
-consoles) gets the lines: a bar there would draw nothing at all.
+Other ranks show nothing.  The bar carries loss, lr, tokens/s (or samples/s, smoothed over the last steps) and
+tqdm's ETA, updated every step; the lines, printed every ``log_every`` steps, carry the same and an ETA from
+the measured step time.  A terminal that reports 0 columns (some ptys, CI consoles) gets the lines: a bar
+there would draw nothing at all.
 
-The engine logs ``step N: lr=... grad_norm=...`` every ``steps_per_print``
-steps.  Under a Trainer those numbers are already in the display and the
-metrics file, and a line printed straight to the terminal would break into
-the progress bar (and leave pieces of old bars).  So while ``fit()`` runs
-(:func:`routed_logs`), a filter on the console handlers that print
-``shardwise`` records drops the engine's step lines and hands every other
-line to the display (``tqdm.write`` above a bar).
+The engine logs ``step N: lr=... grad_norm=...`` every ``steps_per_print`` steps.  Under a Trainer those
+numbers are already in the display and the metrics file, and a line printed straight to the terminal would
+break into the progress bar (and leave pieces of old bars).  So while ``fit()`` runs (:func:`routed_logs`), a
+filter on the console handlers that print ``shardwise`` records drops the engine's step lines and hands every
+other line to the display (``tqdm.write`` above a bar).
 """
 
 from __future__ import annotations
@@ -112,20 +109,16 @@ class Bar(Progress):
                         desc="train", smoothing=0.1)
 
     def step(self, metrics: dict[str, Any]) -> None:
+        for key in ("tokens_per_s", "samples_per_s"):
+            value, old = metrics.get(key), self.smoothed.get(key)
+            if isinstance(value, (int, float)):
+                self.smoothed[key] = value if old is None else old + _SMOOTHING * (value - old)
         postfix = {"loss": f"{metrics['loss']:.4f}", "lr": f"{metrics['lr']:.2e}"}
-        self._smooth(metrics)
         rate = _rate(self.smoothed) or self.rate
         if rate:
             postfix["speed"] = rate
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
-
-    def _smooth(self, metrics: dict[str, Any]) -> None:
-        for key in ("tokens_per_s", "samples_per_s"):
-            value = metrics.get(key)
-            if isinstance(value, (int, float)):
-                old = self.smoothed.get(key)
-                self.smoothed[key] = value if old is None else old + _SMOOTHING * (value - old)
 
     def log(self, record: dict[str, Any]) -> None:
         self.rate = _rate(record)
