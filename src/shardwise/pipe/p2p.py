@@ -1,14 +1,11 @@
-"""Activations forward and their gradients back, between neighbouring stages.
+"""Activations forward and their gradients back, between neighbouring stages (docs/pipeline.md,
+"Activations between stages").
 
-An activation is a tensor or a tuple of tensors, of any shapes and dtypes, which may change from one
-micro-batch to the next: each one is preceded by a small header (dtype, whether it needs a gradient, shape,
-per tensor).  Only floating tensors that require grad get a gradient back, in the same order, so the receiving
-side knows every shape without another header.
-
-Sends are asynchronous (``isend``) and waited on at the end of the schedule; receives block.  Messages between
-two ranks arrive in the order they were sent, and activations and gradients travel in opposite directions, so
-neither needs a tag.  All traffic goes through :class:`~shardwise.comm.distributed.Comm`, which counts the
-bytes.
+Each activation is preceded by a small header (dtype, whether it needs a gradient, shape, per tensor), so
+shapes and dtypes may change from one micro-batch to the next; gradients come back only for floating tensors
+that needed one, in the same order, so they need no header.  Messages between two ranks arrive in the order
+they were sent, and activations and gradients travel in opposite directions, so neither needs a tag.  All
+traffic goes through :class:`~shardwise.comm.distributed.Comm`, which counts the bytes.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Pipeline schedules as data: per stage, a list of actions (forward or backward, micro-batch).
 
-The engine executes such a list with a small loop (receive what the action needs, compute, send what it
-produced), as ``torch.distributed.pipelining`` does; nothing about the order is hidden in control flow.
-
-1F1B (one forward, one backward): stage ``s`` of ``S`` first runs ``S - s - 1`` forwards (the warm-up that
-fills the pipe), then alternates one forward and one backward, then drains the remaining backwards.  A stage
-holds at most ``S - s`` micro-batches' activations at once, whatever the number of micro-batches ``M``; with
-equal stage times the idle share of each stage is ``(S - 1) / (M + S - 1)`` (``tests/test_pipe_module.py``
-replays the schedules to check it).
+The engine executes such a list with a small loop, as ``torch.distributed.pipelining`` does; nothing about
+the order is hidden in control flow.  1F1B: stage ``s`` of ``S`` runs ``S - s - 1`` warm-up forwards, then
+alternates one forward and one backward, then drains the remaining backwards, so it holds at most ``S - s``
+micro-batches' activations (docs/pipeline.md, "The schedule").
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Stages × data-parallel replicas: which rank is which, and the process groups.
 
-Ranks are laid out stage-major, as DeepSpeed's ``PipeDataParallelTopology``: rank ``= stage × replicas +
-replica``, so the replicas of one stage are neighbours (their gradient reductions are the heavy traffic).
-Every rank creates every group in the same order, as ``torch.distributed.new_group`` requires, and keeps a
-:class:`~shardwise.comm.distributed.Comm` for the ones it belongs to.
+Ranks are laid out stage-major, as DeepSpeed's ``PipeDataParallelTopology`` (rank ``= stage × replicas +
+replica``), so the replicas of one stage, whose gradient reductions are the heavy traffic, are neighbours.
+Every rank creates every group in the same order, as ``torch.distributed.new_group`` requires.
 """
 
 from __future__ import annotations
