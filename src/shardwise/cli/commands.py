@@ -30,7 +30,7 @@ from .._version import __version__
 from ..comm.placement import plan_placement, visible_gpus
 from ..config import Config, ConfigError, load_configs, read_config_file
 from ..model_io.generate import ModelSpecError, generate_text, load_model
-from ..trainer.plot import plot_metrics
+from ..trainer.metrics import plot_metrics
 from .env import describe_environment
 
 __all__ = ["COMMANDS", "build_parser", "command", "launch", "main", "torchrun_args"]
