@@ -30,18 +30,15 @@ __all__ = [
     "save_checkpoints",
 ]
 
-_WHERE = {
-    "CheckpointError": ".errors",
-    "consolidate": ".consolidation",
-    "consolidated_client_state": ".consolidation",
-    "consolidated_state_dict": ".consolidation",
-    "describe": ".consolidation",
-    "load_consolidated": ".consolidation",
-    "load_checkpoint": ".entry",
-    "load_checkpoints": ".group",
-    "save_checkpoint": ".entry",
-    "save_checkpoints": ".group",
+_MODULES = {
+    ".files": ["CheckpointError"],
+    ".consolidation": [
+        "consolidate", "consolidated_client_state", "consolidated_state_dict", "describe", "load_consolidated",
+    ],
+    ".group": ["load_checkpoints", "save_checkpoint", "save_checkpoints"],
+    ".load": ["load_checkpoint"],
 }
+_WHERE = {name: module for module, names in _MODULES.items() for name in names}
 
 if TYPE_CHECKING:
     from .consolidation import (
@@ -51,9 +48,9 @@ if TYPE_CHECKING:
         describe,
         load_consolidated,
     )
-    from .entry import load_checkpoint, save_checkpoint
-    from .errors import CheckpointError
-    from .group import load_checkpoints, save_checkpoints
+    from .files import CheckpointError
+    from .group import load_checkpoints, save_checkpoint, save_checkpoints
+    from .load import load_checkpoint
 
 
 def __getattr__(name: str) -> Any:

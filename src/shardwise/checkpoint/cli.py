@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from .errors import CheckpointError
+from .files import CheckpointError
 
 __all__ = ["add_checkpoint_commands"]
 

@@ -28,20 +28,34 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..model_io.export import ALIASES_KEY, KEYS_KEY, save_state_dict, tied_aliases
-from .codec import Decoder, refuse_pickles, tensor_refs
+from .codec import TENSOR_DTYPES, Decoder, refuse_pickles, tensor_refs
 from .deepspeed_files import find_deepspeed
 from .deepspeed_format import read_deepspeed
 from .digests import expected_digests
-from .encoded import TENSOR_DTYPES
-from .errors import CheckpointError
-from .formats import foreign_format
-from .layout import GROUP_MANIFEST, MANIFEST, list_checkpoints, member_path, read_group, read_latest, resolve
+from .files import CheckpointError, check_views, record_is_stored
+from .layout import (
+    GROUP_MANIFEST,
+    MANIFEST,
+    foreign_format,
+    list_checkpoints,
+    member_path,
+    read_group,
+    read_latest,
+    resolve,
+)
 from .stateful import TensorState
-from .storage import LoadPlanner, SafeReader, dcp_errors, record_is_stored
-from .torch_files import check_views
+from .storage import LoadPlanner, SafeReader, dcp_errors
 from .verify import check_complete
 
 __all__ = ["consolidate", "consolidated_client_state", "consolidated_state_dict", "describe", "load_consolidated"]
+
+
+def _read(path: Path, manifest: dict[str, Any], name: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill ``tensors`` (the Stateful ``name``'s) from the checkpoint in ``path``, in this process alone."""
+    with warnings.catch_warnings(), dcp_errors(path):
+        warnings.simplefilter("ignore")  # DCP warns that no process group exists: that is the point here
+        reader = SafeReader(path, expected_digests(manifest, path / MANIFEST))
+        dcp.load({name: TensorState(tensors)}, storage_reader=reader, planner=LoadPlanner(), no_dist=True)
 
 def _checkpoint(ckpt_dir: Any, tag: Optional[str], engine: Optional[str]) -> tuple[Path, dict[str, Any]]:
     path = resolve(ckpt_dir, tag)
@@ -68,10 +82,7 @@ def consolidated_state_dict(ckpt_dir: Any, tag: Optional[str] = None, engine: Op
         values[name] = tensors[f"master/{name}"] = torch.empty(math.prod(info["shape"]), dtype=torch.float32)
     for name, info in manifest["module"].items():
         values[name] = tensors[f"module/{name}"] = torch.empty(info["shape"], dtype=TENSOR_DTYPES[info["dtype"]])
-    with warnings.catch_warnings(), dcp_errors(path):
-        warnings.simplefilter("ignore")  # DCP warns that no process group exists: that is the point here
-        reader = SafeReader(path, expected_digests(manifest, path / MANIFEST))
-        dcp.load({"model": TensorState(tensors)}, storage_reader=reader, planner=LoadPlanner(), no_dist=True)
+    _read(path, manifest, "model", tensors)
     for name, info in manifest["params"].items():
         values[name] = values[name].view(info["shape"])
     for name, value in values.items():
@@ -92,10 +103,7 @@ def consolidated_client_state(ckpt_dir: Any, tag: Optional[str] = None, engine: 
     tensors = {ref["__tensor__"]: torch.empty(ref["shape"], dtype=getattr(torch, ref["dtype"]))
                for ref in tensor_refs(encoded)}
     if tensors:
-        with warnings.catch_warnings(), dcp_errors(path):
-            warnings.simplefilter("ignore")  # DCP warns that no process group exists: that is the point here
-            reader = SafeReader(path, expected_digests(manifest, path / MANIFEST))
-            dcp.load({"extra": TensorState(tensors)}, storage_reader=reader, planner=LoadPlanner(), no_dist=True)
+        _read(path, manifest, "extra", tensors)
     state = Decoder(tensors, allow_pickle).decode(encoded, "client_state")
     return state if isinstance(state, dict) else {}
 
@@ -150,7 +158,7 @@ def describe(save_dir: Any) -> str:
     """A human-readable summary of every checkpoint in ``save_dir`` (or of one checkpoint directory)."""
     root = Path(save_dir)
     latest: Optional[str] = root.name
-    if (root / "shardwise.json").is_file():
+    if (root / MANIFEST).is_file():
         entries = [(root.name, root, True)]
     else:
         entries = list_checkpoints(root)

@@ -28,9 +28,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .deepspeed_files import DeepSpeedFiles, DeepSpeedRecord, read_pickle
-from .deepspeed_model import ModelShapes, as_size
-from .errors import CheckpointError
+from .deepspeed_files import DeepSpeedFiles, DeepSpeedRecord, ModelShapes, as_size, read_pickle
+from .files import CheckpointError
 
 __all__ = ["DeepSpeedCheckpoint", "DeepSpeedParam", "read_deepspeed"]
 

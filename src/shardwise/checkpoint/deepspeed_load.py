@@ -25,9 +25,9 @@ import torch
 
 from ..comm.agreement import Session
 from ..optim.param_state import ParamShard
+from .deepspeed_files import ModelShapes
 from .deepspeed_format import DeepSpeedCheckpoint, DeepSpeedParam, read_deepspeed
-from .deepspeed_model import ModelShapes
-from .errors import CheckpointError
+from .files import CheckpointError
 from .protocol import Checkpointable
 
 __all__ = ["load_deepspeed"]

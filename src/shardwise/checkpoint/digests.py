@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, NoReturn
 
-from .errors import CheckpointError
+from .files import CheckpointError
 
 __all__ = ["digest", "digests", "expected_digests", "require_listed", "verify"]
 

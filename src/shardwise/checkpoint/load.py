@@ -25,17 +25,15 @@ import torch.distributed.checkpoint as dcp
 from ..comm.agreement import Session, join
 from ..optim.param_state import ParamShard
 from .codec import Decoder, refuse_pickles, tensor_refs
-from .conform import conform
 from .deepspeed_files import find_deepspeed
 from .deepspeed_load import load_deepspeed
 from .digests import expected_digests
-from .errors import CheckpointError
-from .formats import foreign_format
-from .layout import GROUP_MANIFEST, LATEST, MANIFEST, list_checkpoints, member_path, rank_file, resolve
+from .files import CheckpointError
+from .layout import GROUP_MANIFEST, LATEST, MANIFEST, foreign_format, list_checkpoints, member_path, rank_file, resolve
 from .protocol import Apply, Checkpointable
-from .rng import capture_rng, restore_rng
-from .stateful import ModelNames, ModelState, OptimizerState, Sources, TensorState, dtype_name
+from .stateful import ModelNames, ModelState, OptimizerState, Sources, TensorState, capture_rng, dtype_name, restore_rng
 from .storage import LoadPlanner, SafeReader, dcp_errors
+from .validate import conform
 from .verify import check_complete, read_rank_file
 
 __all__ = ["load_checkpoint"]

@@ -16,11 +16,15 @@ checkpoint reshardable):
   parameter), full, in the module's dtype, written by one rank;
 * ``optim/NAME/KEY``: optimizer state KEY of NAME (``exp_avg``...), chunked
   like the master when it is per-element, else one replicated tensor (``step``).
+
+Each rank's RNG states (:func:`capture_rng`) go to its ``rankR.json``.
 """
 
 from __future__ import annotations
 
 import math
+import random
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -29,11 +33,12 @@ from torch import nn
 
 from ..optim.param_state import ParamShard, is_per_element
 from .codec import Decoder, Encoder
-from .errors import CheckpointError
+from .files import CheckpointError
 from .storage import FlatChunks
 
 __all__ = [
-    "ModelNames", "ModelState", "OptimizerState", "Sources", "TensorState", "describe_shards", "group_shards",
+    "ModelNames", "ModelState", "OptimizerState", "Sources", "TensorState", "capture_rng", "describe_shards",
+    "group_shards", "restore_rng",
 ]
 
 Action = Callable[[], None]
@@ -330,3 +335,30 @@ class OptimizerState(TensorState):
             shard.state.set({k: (v.clone() if k in shared else v) for k, v in values.items()})
 
         self.actions.append(install)
+
+
+# -------------------------------------------------------------------- RNG
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states, as plain values and tensors."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:  # only if the program uses numpy: never import it for this
+        state["numpy"] = numpy.random.get_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Set the RNG states :func:`capture_rng` returned (the parts this process has)."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    numpy = sys.modules.get("numpy")
+    if "numpy" in state and numpy is not None:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        numpy.random.set_state((name, numpy.asarray(keys, dtype=numpy.uint32), pos, has_gauss, cached))

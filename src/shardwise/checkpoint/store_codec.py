@@ -29,9 +29,8 @@ from typing import Any, Union
 
 import torch
 
-from .encoded import DTYPES
-from .errors import StoreValueError
-from .limits import MAX_DEPTH, MAX_STORE_VALUE_BYTES
+from .codec import DTYPES
+from .files import MAX_DEPTH, MAX_STORE_VALUE_BYTES, StoreValueError
 
 __all__ = ["dumps", "encode", "loads", "malformed", "restore"]
 
@@ -117,11 +116,11 @@ def encode(value: Any) -> Any:
 
 def dumps(value: Any, tagged: bool = True) -> str:
     """``value`` as the JSON text one store key holds (``tagged``: through :func:`encode`, else plain JSON);
-    raises ``ValueError`` above :data:`~.limits.MAX_STORE_VALUE_BYTES`."""
+    raises ``ValueError`` above :data:`~.files.MAX_STORE_VALUE_BYTES`."""
     text = json.dumps(encode(value) if tagged else value, separators=(",", ":"))
     if len(text) > MAX_STORE_VALUE_BYTES:
         raise ValueError(f"the value is {len(text):,} bytes of JSON, above the store's bound of "
-                         f"{MAX_STORE_VALUE_BYTES:,} (`shardwise.checkpoint.limits.MAX_STORE_VALUE_BYTES`)")
+                         f"{MAX_STORE_VALUE_BYTES:,} (`shardwise.checkpoint.files.MAX_STORE_VALUE_BYTES`)")
     return text
 
 

@@ -1,4 +1,4 @@
-"""Checks of a checkpoint's manifest and rank files, and of their agreement with the tensor index.
+"""Checks of a checkpoint's manifest and rank files, of their agreement with the tensor index, and of decoded values.
 
 Nothing a checkpoint says is used before it passes here: field types
 (pydantic, strict: ``1`` is not ``true``, ``"3"`` is not ``3``), names that
@@ -6,8 +6,14 @@ must resolve (aliases, ``state_dict`` keys, optimizer state), encoded values
 (``client_state``, scheduler, loss-scaler and RNG state) that must decode,
 and every shape the load will allocate from, which must equal the size of
 the same tensor in the index (itself bounded by the bytes on disk, see
-``validate_index.py``).  Each refusal is a :class:`CheckpointError` that
-names the file and the field.  All of it is O(size of the metadata).
+``storage.py``).  Each refusal is a :class:`CheckpointError` that names the
+file and the field.  All of it is O(size of the metadata).
+
+Decoded scheduler, loss-scaler, counter, param-group and RNG states are then
+checked by :func:`conform` against the live object's current state (the
+*template*) before anything is applied: a crafted checkpoint can change a
+number, never add an attribute, turn a number into a callable, or swap a
+tensor for one of another shape.
 """
 
 from __future__ import annotations
@@ -20,13 +26,10 @@ from typing import Annotated, Any, Literal, NoReturn, Optional
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .codec import Decoder
-from .encoded import TENSOR_DTYPES, check_encoded
-from .errors import CheckpointError
-from .limits import MAX_DIMS, MAX_WORLD_SIZE
-from .validate_index import HINT
+from .codec import TENSOR_DTYPES, Decoder, check_encoded
+from .files import HINT, MAX_DIMS, MAX_WORLD_SIZE, CheckpointError
 
-__all__ = ["check_rank_file", "check_manifest", "check_against_index"]
+__all__ = ["check_against_index", "check_manifest", "check_rank_file", "conform"]
 
 
 def _tensor_dtype(name: str) -> str:
@@ -252,3 +255,66 @@ class _Expect:
             _fail(self.file, key, f"has shape {list(shape)!s:.80} here but {list(entry.size)} in the tensor index")
         if dtype is not None and entry.properties.dtype != TENSOR_DTYPES[dtype]:
             _fail(self.file, key, f"has dtype {dtype} here but {entry.properties.dtype} in the tensor index")
+
+
+# ------------------------------------------------------------ decoded values
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _kind(value: Any) -> str:
+    return "a number or null" if value is None or _is_number(value) else f"a {type(value).__name__}"
+
+
+def conform(loaded: Any, template: Any, where: str) -> Any:
+    """``loaded`` if it has the structure of ``template``; else a :class:`CheckpointError` naming ``where``.
+
+    An integer must stay an integer; a float or None (an optional setting) may be any number or None; dicts
+    may omit keys but not add any; sequences match element by element when their lengths agree, else every
+    element matches the template's first.
+    """
+    if isinstance(template, dict):
+        return _conform_dict(loaded, template, where)
+    if isinstance(template, (list, tuple)):
+        return _conform_sequence(loaded, template, where)
+    if isinstance(template, torch.Tensor):
+        ok = isinstance(loaded, torch.Tensor) and loaded.dtype == template.dtype and loaded.shape == template.shape
+        if not ok:
+            got = f"{loaded.dtype} {tuple(loaded.shape)}" if isinstance(loaded, torch.Tensor) else _kind(loaded)
+            _refuse(where, f"a {template.dtype} tensor of shape {tuple(template.shape)}", got)
+        return loaded
+    if isinstance(template, int) and not isinstance(template, bool):
+        if isinstance(loaded, bool) or not isinstance(loaded, int):
+            _refuse(where, "an integer", _kind(loaded))
+        return loaded
+    if template is None or isinstance(template, float):
+        if loaded is not None and not _is_number(loaded):
+            _refuse(where, "a number or null", _kind(loaded))
+        return loaded
+    if type(loaded) is not type(template):
+        _refuse(where, _kind(template), _kind(loaded))
+    return loaded
+
+
+def _conform_dict(loaded: Any, template: dict[Any, Any], where: str) -> dict[Any, Any]:
+    if not isinstance(loaded, dict):
+        _refuse(where, "a mapping", _kind(loaded))
+    unknown = [k for k in loaded if k not in template]
+    if unknown:
+        _refuse(where, f"only the keys {sorted(map(str, template))}", f"unknown key(s) {sorted(map(str, unknown))}")
+    return {k: conform(v, template[k], f"{where}[{k!r}]") for k, v in loaded.items()}
+
+
+def _conform_sequence(loaded: Any, template: Any, where: str) -> Any:
+    if not isinstance(loaded, (list, tuple)):
+        _refuse(where, f"a {type(template).__name__}", _kind(loaded))
+    templates = template if len(loaded) == len(template) else [template[0] if template else None] * len(loaded)
+    return type(loaded)(conform(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(loaded, templates)))
+
+
+def _refuse(where: str, expected: str, got: str) -> NoReturn:
+    raise CheckpointError(
+        f"`{where}` in the checkpoint is {got}, but this engine's value there is {expected}; the checkpoint "
+        "was damaged or crafted, or written by another program: refusing it (nothing was changed)"
+    )
