@@ -32,8 +32,8 @@ import torch
 from .files import MAX_DEPTH, MAX_DIMS, CheckpointError
 
 __all__ = [
-    "DTYPES", "NUMPY_DTYPES", "TENSOR_DTYPES", "Decoder", "Encoder", "check_encoded", "is_count", "refuse_pickles",
-    "tensor_refs",
+    "DTYPES", "NUMPY_DTYPES", "TENSOR_DTYPES", "Decoder", "Encoder", "check_encoded", "dtype_name", "empty_tensors", "is_count",
+    "refuse_pickles", "tensor_refs",
 ]
 
 # The names `__dtype__` may carry: torch dtypes and nothing else (an allow-list, never `getattr(torch, name)`).
@@ -57,16 +57,11 @@ NUMPY_DTYPES = frozenset(
 )
 
 
-# tag -> (required keys, optional keys) of a tagged dict
-_TAGS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    "__tensor__": (frozenset({"__tensor__", "shape", "dtype"}), frozenset()),
-    "__tuple__": (frozenset({"__tuple__"}), frozenset()),
-    "__dict__": (frozenset({"__dict__"}), frozenset()),
-    "__float__": (frozenset({"__float__"}), frozenset()),
-    "__bytes__": (frozenset({"__bytes__"}), frozenset()),
-    "__dtype__": (frozenset({"__dtype__"}), frozenset()),
-    "__ndarray__": (frozenset({"__ndarray__", "dtype"}), frozenset()),
-    "__pickle__": (frozenset({"__pickle__"}), frozenset({"type"})),
+# tag -> (its other required keys, optional keys) of a tagged dict
+_TAGS: dict[str, tuple[set[str], set[str]]] = {
+    "__tensor__": ({"shape", "dtype"}, set()), "__tuple__": (set(), set()), "__dict__": (set(), set()),
+    "__float__": (set(), set()), "__bytes__": (set(), set()), "__dtype__": (set(), set()),
+    "__ndarray__": ({"dtype"}, set()), "__pickle__": (set(), {"type"}),
 }
 _CONTAINERS = ("__tuple__", "__dict__")
 _NON_FINITE = frozenset({"nan", "inf", "-inf"})
@@ -88,7 +83,7 @@ def _tag(data: dict[Any, Any]) -> Optional[str]:
         return None
     tags = [k for k in data if k in _TAGS]
     if len(tags) == 1:
-        required, optional = _TAGS[tags[0]]
+        required, optional = {tags[0], *_TAGS[tags[0]][0]}, _TAGS[tags[0]][1]
         if required <= data.keys() <= required | optional:
             return tags[0]
     keys = sorted(str(k)[:40] for k in data)[:8]
@@ -257,10 +252,13 @@ def tensor_refs(data: Any) -> Iterator[dict[str, Any]]:
             yield value
 
 
-_PICKLE_HINT = (
-    "set `checkpoint.allow_pickle: true` in the config only if you trust this checkpoint "
-    "(unpickling can run arbitrary code)"
-)
+def empty_tensors(data: Any) -> dict[str, torch.Tensor]:
+    """A fresh tensor to read each tensor that encoded ``data`` refers to into, by key."""
+    return {ref["__tensor__"]: torch.empty(ref["shape"], dtype=getattr(torch, ref["dtype"])) for ref in tensor_refs(data)}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 @dataclass
@@ -297,10 +295,10 @@ class Encoder:
     def _tensor(self, value: torch.Tensor) -> dict[str, Any]:
         key = f"{self.prefix}/{len(self.tensors)}"
         self.tensors[key] = value.detach()
-        return {"__tensor__": key, "shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
+        return {"__tensor__": key, "shape": list(value.shape), "dtype": dtype_name(value.dtype)}
 
     def _dtype(self, value: torch.dtype, where: str) -> dict[str, Any]:
-        name = str(value).replace("torch.", "")
+        name = dtype_name(value)
         if name not in DTYPES:
             raise CheckpointError(f"`{where}` holds `{value}`, a dtype shardwise checkpoints do not store")
         return {"__dtype__": name}
@@ -326,11 +324,9 @@ class Encoder:
 class Decoder:
     """Decodes :class:`Encoder` output; ``tensors`` holds the loaded referenced tensors.
 
-    Decoding walks the data with an explicit stack (no recursion, nesting at
-    most ``MAX_DEPTH``), and a malformed value is a :class:`CheckpointError`
-    naming where it is: what a checkpoint holds never reaches Python as
-    anything but plain values, tensors it references, torch dtypes and numpy
-    arrays of plain numbers (and, only with ``allow_pickle``, unpickled objects).
+    A malformed value is a :class:`CheckpointError` naming where it is: what a checkpoint holds never reaches
+    Python as anything but plain values, tensors it references, torch dtypes and numpy arrays of plain numbers
+    (and, only with ``allow_pickle``, unpickled objects).
     """
 
     tensors: dict[str, torch.Tensor]
@@ -379,7 +375,8 @@ class Decoder:
         if not self.allow_pickle:
             raise CheckpointError(
                 f"`{where}` in this checkpoint is a pickled `{data.get('type', '?')}` and loading it needs "
-                f"arbitrary unpickling, which is off by default: {_PICKLE_HINT}"
+                "arbitrary unpickling, which is off by default: set `checkpoint.allow_pickle: true` in the config "
+                "only if you trust this checkpoint (unpickling can run arbitrary code)"
             )
         return pickle.loads(base64.b64decode(data["__pickle__"]))
 
@@ -396,10 +393,8 @@ def _ndarray(data: dict[str, Any], where: str) -> Any:
 
 
 def refuse_pickles(data: Any, where: str, allow_pickle: bool) -> None:
-    """Raise (as decoding would) if encoded ``data`` holds a pickle and ``allow_pickle`` is off.
-
-    Lets a load refuse before it has changed anything.
-    """
+    """Raise (as decoding would) if encoded ``data`` holds a pickle and ``allow_pickle`` is off: a load
+    refuses before it has changed anything."""
     if allow_pickle:
         return
     for node, i in walk(data, where):

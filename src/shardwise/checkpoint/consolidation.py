@@ -28,14 +28,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..model_io.export import ALIASES_KEY, KEYS_KEY, save_state_dict, tied_aliases
-from .codec import TENSOR_DTYPES, Decoder, refuse_pickles, tensor_refs
-from .deepspeed_files import find_deepspeed
+from .codec import TENSOR_DTYPES, Decoder, empty_tensors, refuse_pickles
 from .deepspeed_format import read_deepspeed
 from .digests import expected_digests
 from .files import CheckpointError, check_views, record_is_stored
 from .layout import (
     GROUP_MANIFEST,
     MANIFEST,
+    find_deepspeed,
     foreign_format,
     list_checkpoints,
     member_path,
@@ -100,8 +100,7 @@ def consolidated_client_state(ckpt_dir: Any, tag: Optional[str] = None, engine: 
     path, manifest = _checkpoint(ckpt_dir, tag, engine)
     encoded = manifest["client_state"]
     refuse_pickles(encoded, "client_state", allow_pickle)
-    tensors = {ref["__tensor__"]: torch.empty(ref["shape"], dtype=getattr(torch, ref["dtype"]))
-               for ref in tensor_refs(encoded)}
+    tensors = empty_tensors(encoded)
     if tensors:
         _read(path, manifest, "extra", tensors)
     state = Decoder(tensors, allow_pickle).decode(encoded, "client_state")

@@ -1,4 +1,4 @@
-"""Finding and unpickling the files of a DeepSpeed checkpoint, allowing only the classes DeepSpeed stores.
+"""Unpickling the files of a DeepSpeed checkpoint, allowing only the classes DeepSpeed stores.
 
 DeepSpeed writes ``torch.save`` pickles.  They are read with
 ``torch.load(weights_only=True)``, which builds tensors, containers and plain
@@ -35,25 +35,11 @@ from typing import Any, Optional
 import torch
 from torch.serialization import safe_globals
 
-from .files import (
-    MAX_DIMS,
-    MAX_LATEST_BYTES,
-    MAX_TAG_LENGTH,
-    CheckpointError,
-    check_records,
-    check_views,
-    is_real_dir,
-    open_regular,
-    read_limited,
-    regular_size,
-)
+from .files import MAX_DIMS, CheckpointError, check_records, check_views, open_regular, regular_size
+from .layout import MODEL_STATES
 
-__all__ = [
-    "BYTES_PER_ELEMENT", "SLACK_BYTES", "DeepSpeedFiles", "ModelShapes", "as_size", "find_deepspeed",
-    "is_deepspeed_tag_dir", "read_pickle",
-]
+__all__ = ["BYTES_PER_ELEMENT", "SLACK_BYTES", "DeepSpeedFiles", "ModelShapes", "as_size", "read_pickle"]
 
-MODEL_STATES = "mp_rank_00_model_states.pt"
 _RANKED = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_(optim|model)_states\.pt")
 
 
@@ -156,38 +142,6 @@ class DeepSpeedFiles:
             f"{self.path} holds no DeepSpeed model states (`{MODEL_STATES}` or `zero_pp_rank_0_mp_rank_00_model_states.pt`); "
             "pass the directory `save_checkpoint` wrote (with `latest`) or one tag directory in it"
         )
-
-
-def is_deepspeed_tag_dir(path: Path) -> bool:
-    """``path`` is one DeepSpeed checkpoint (a tag directory) and no shardwise one."""
-    if not is_real_dir(path) or (path / "shardwise.json").exists():
-        return False
-    return (path / MODEL_STATES).is_file() or (path / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file()
-
-
-def _latest_tag(load_dir: Path) -> Optional[str]:
-    if not is_real_dir(load_dir):
-        return None
-    try:
-        return read_limited(load_dir / "latest", MAX_LATEST_BYTES).decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError, CheckpointError):
-        return None
-
-
-def find_deepspeed(load_dir: Path, tag: Optional[str]) -> Optional[Path]:
-    """The DeepSpeed tag directory that ``load_dir`` (and ``tag``, else its ``latest``) names; None if not one.
-
-    Conservative: anything else (a bad tag included) is left to the shardwise load, which says what is wrong.
-    """
-    if tag is None and is_deepspeed_tag_dir(load_dir):
-        return load_dir
-    tag = tag if tag is not None else _latest_tag(load_dir)
-    if tag is None:
-        return None
-    if "/" in tag or "\\" in tag or tag in ("", ".", "..") or len(tag) > MAX_TAG_LENGTH:
-        return None
-    inner = load_dir / tag
-    return inner if is_deepspeed_tag_dir(inner) else None
 
 
 # ------------------------------------------------------------ the model it is loaded into

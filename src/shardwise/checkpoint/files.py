@@ -28,14 +28,14 @@ import os
 import stat
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO, Optional
+from typing import Any, BinaryIO, NoReturn, Optional
 
 import torch
 
 __all__ = [
     "HINT", "MAX_DEPTH", "MAX_DIMS", "MAX_INDEX_BYTES", "MAX_LATEST_BYTES", "MAX_MANIFEST_BYTES", "MAX_RANK_FILE_BYTES",
     "MAX_STORE_VALUE_BYTES", "MAX_TAG_LENGTH", "MAX_WORLD_SIZE", "CheckpointError", "StoreValueError", "check_records",
-    "check_views", "is_real_dir", "open_regular", "read_json", "read_limited", "record_is_stored", "regular_size",
+    "check_views", "fail", "is_real_dir", "open_regular", "read_json", "read_limited", "record_is_stored", "regular_size",
 ]
 
 
@@ -66,6 +66,11 @@ MAX_DIMS = 64  # dimensions of one tensor
 MAX_DEPTH = 100  # nesting of JSON-encoded values (`client_state`, scheduler state...)
 
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def fail(file: Path, field: str, problem: str) -> NoReturn:
+    """Refuse ``file``, whose ``field`` has ``problem``."""
+    raise CheckpointError(f"{file}: `{field}` {problem}; {HINT}")
 
 
 def _not_regular(path: Path, mode: int) -> CheckpointError:

@@ -39,7 +39,7 @@ from .files import MAX_LATEST_BYTES, MAX_TAG_LENGTH, CheckpointError, is_real_di
 
 __all__ = [
     "FORMAT", "GROUP_FORMAT", "GROUP_MANIFEST", "INDEX", "LATEST", "MANIFEST", "TEMP_PREFIX", "VERSION",
-    "foreign_format", "list_checkpoints", "member_path", "rank_file", "read_group", "read_latest", "resolve", "tags",
+    "MODEL_STATES", "find_deepspeed", "foreign_format", "holds_none", "list_checkpoints", "member_path", "rank_file", "read_group", "read_latest", "resolve", "tags",
     "temp_dir", "validate_tag",
 ]
 
@@ -50,6 +50,7 @@ _MAX_GROUP_BYTES = 1 << 20
 LATEST = "latest"
 TEMP_PREFIX = ".tmp-"
 INDEX = ".metadata"
+MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's model states at stages 0-2 (stage 3: one per rank)
 FORMAT = "shardwise.checkpoint"
 VERSION = 1
 
@@ -140,6 +141,14 @@ def resolve(load_dir: str | os.PathLike[str], tag: Optional[str]) -> Path:
         f"{root} has no `{LATEST}` file, so there is no complete checkpoint to pick (tags found: {tags(root)}); "
         "pass `tag=` to load a specific one"
     )
+
+
+def holds_none(load_dir: Path) -> bool:
+    """``load_dir`` has neither `latest` nor any complete checkpoint (nor one of another kind: the load names it)."""
+    if (load_dir / LATEST).is_file() or (load_dir / MANIFEST).is_file() or (load_dir / GROUP_MANIFEST).is_file() \
+            or foreign_format(load_dir) is not None:
+        return False
+    return not any(committed for _, _, committed in list_checkpoints(load_dir))
 
 
 def list_checkpoints(save_dir: Path) -> list[tuple[str, Path, bool]]:
@@ -235,17 +244,44 @@ def _deepspeed_file(path: Path, names: set[str]) -> Optional[str]:
     found = sorted(n for n in names if _DEEPSPEED.fullmatch(n))
     if found:
         return found[0]
-    if LATEST not in names:
-        return None
-    try:
-        tag = read_limited(path / LATEST, MAX_LATEST_BYTES).decode("utf-8").strip()
-    except (OSError, CheckpointError, UnicodeDecodeError):
+    tag = _latest_tag(path) if LATEST in names else None
+    if tag is None or "/" in tag or tag in ("", ".", "..") or not is_real_dir(path / tag):
         return None
     inner = path / tag
-    if "/" in tag or tag in ("", ".", "..") or not is_real_dir(inner):
-        return None
     found = sorted(n for n in _names(inner) if _DEEPSPEED.fullmatch(n))
     return f"{tag}/{found[0]}" if found else None
+
+
+def is_deepspeed_tag_dir(path: Path) -> bool:
+    """``path`` is one DeepSpeed checkpoint (a tag directory) and no shardwise one."""
+    if not is_real_dir(path) or (path / MANIFEST).exists():
+        return False
+    return (path / MODEL_STATES).is_file() or (path / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file()
+
+
+def _latest_tag(load_dir: Path) -> Optional[str]:
+    if not is_real_dir(load_dir):
+        return None
+    try:
+        return read_limited(load_dir / LATEST, MAX_LATEST_BYTES).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError, CheckpointError):
+        return None
+
+
+def find_deepspeed(load_dir: Path, tag: Optional[str]) -> Optional[Path]:
+    """The DeepSpeed tag directory that ``load_dir`` (and ``tag``, else its ``latest``) names; None if not one.
+
+    Conservative: anything else (a bad tag included) is left to the shardwise load, which says what is wrong.
+    """
+    if tag is None and is_deepspeed_tag_dir(load_dir):
+        return load_dir
+    tag = tag if tag is not None else _latest_tag(load_dir)
+    if tag is None:
+        return None
+    if "/" in tag or "\\" in tag or tag in ("", ".", "..") or len(tag) > MAX_TAG_LENGTH:
+        return None
+    inner = load_dir / tag
+    return inner if is_deepspeed_tag_dir(inner) else None
 
 
 def _file_format(path: Path) -> str:

@@ -32,16 +32,14 @@ import torch
 from torch import nn
 
 from ..optim.param_state import ParamShard, is_per_element
-from .codec import Decoder, Encoder
+from .codec import Decoder, Encoder, dtype_name
 from .files import CheckpointError
 from .storage import FlatChunks
 
 __all__ = [
     "ModelNames", "ModelState", "OptimizerState", "Sources", "TensorState", "capture_rng", "describe_shards",
-    "group_shards", "restore_rng",
+    "restore_rng",
 ]
-
-Action = Callable[[], None]
 
 
 class TensorState:
@@ -50,7 +48,7 @@ class TensorState:
     def __init__(self, tensors: Optional[dict[str, Any]] = None) -> None:
         self.tensors: dict[str, Any] = tensors if tensors is not None else {}
         #: local work that puts loaded values in place, run by the load after validation
-        self.actions: list[Action] = []
+        self.actions: list[Callable[[], None]] = []
 
     def state_dict(self) -> dict[str, Any]:
         return self.tensors
@@ -87,35 +85,19 @@ class ModelNames:
                 first[id(tensor)] = name
         return cls(list(state), aliases, {n: t for n, t in state.items() if n not in aliases})
 
-    @property
-    def canonical(self) -> list[str]:
-        return [k for k in self.keys if k not in self.aliases]
-
     def others(self, with_master: set[str]) -> list[str]:
         """Canonical names that have no master (buffers, frozen parameters without kept state)."""
-        return [k for k in self.canonical if k not in with_master]
+        return [k for k in self.keys if k not in self.aliases and k not in with_master]
 
     def live(self, names: list[str]) -> dict[str, torch.Tensor]:
         return {n: self.tensors[n] for n in names}
 
 
-def group_shards(shards: list[ParamShard]) -> dict[str, list[ParamShard]]:
+def _by_name(shards: list[ParamShard]) -> dict[str, list[ParamShard]]:
     grouped: dict[str, list[ParamShard]] = {}
     for shard in shards:
         grouped.setdefault(shard.name, []).append(shard)
     return grouped
-
-
-def _numel(shape: Any) -> int:
-    return math.prod(shape)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _master_chunks(pieces: list[ParamShard]) -> FlatChunks:
-    return FlatChunks(_numel(pieces[0].shape), [(s.start, s.master.reshape(-1)) for s in pieces])
 
 
 def _state_entry(value: Any, shard: ParamShard) -> dict[str, Any]:
@@ -136,13 +118,8 @@ def _state_entry(value: Any, shard: ParamShard) -> dict[str, Any]:
 
 def describe_shards(shards: list[ParamShard]) -> dict[str, Any]:
     """What this rank holds of each parameter with a master, and of its optimizer state (JSON)."""
-    params: dict[str, Any] = {}
-    state: dict[str, Any] = {}
-    for shard in shards:
-        params[shard.name] = {"shape": list(shard.shape), "group": shard.group}
-        entries = shard.state.get()
-        if entries:
-            state[shard.name] = {k: _state_entry(v, shard) for k, v in entries.items()}
+    params = {shard.name: {"shape": list(shard.shape), "group": shard.group} for shard in shards}
+    state = {s.name: {k: _state_entry(v, s) for k, v in entries.items()} for s in shards if (entries := s.state.get())}
     return {"params": params, "state": state}
 
 
@@ -156,33 +133,30 @@ class ModelState(TensorState):
     def saving(cls, shards: list[ParamShard], entries: dict[str, torch.Tensor]) -> "ModelState":
         """``entries``: the full module values this rank writes (from the engine's ``save_entries``)."""
         state = cls()
-        for name, pieces in group_shards(shards).items():
-            state.tensors[f"master/{name}"] = _master_chunks(pieces)
-        for name, value in entries.items():
-            state.tensors[f"module/{name}"] = value
+        for name, pieces in _by_name(shards).items():
+            chunks = [(s.start, s.master.reshape(-1)) for s in pieces]
+            state.tensors[f"master/{name}"] = FlatChunks(math.prod(pieces[0].shape), chunks)
+        state.tensors.update({f"module/{name}": value for name, value in entries.items()})
         return state
 
     @classmethod
-    def loading(
-        cls, shards: list[ParamShard], sources: "Sources", buffers: dict[str, torch.Tensor]
-    ) -> "ModelState":
+    def loading(cls, shards: list[ParamShard], sources: Sources, buffers: dict[str, torch.Tensor]) -> ModelState:
         """Read every entry, by name, into fresh tensors; ``buffers`` are the engine's module-entry
         targets (from ``load_entries``), filled here and applied by the engine."""
         state = cls()
-        for name, pieces in group_shards(shards).items():
+        for name, pieces in _by_name(shards).items():
             state._into_master(pieces, sources, sources.find(name))
         for name, buffer in buffers.items():
             state._into_entry(buffer, sources.find(name), sources)
         return state
 
     @classmethod
-    def whole(cls, manifest: dict[str, Any]) -> tuple["ModelState", dict[str, torch.Tensor]]:
+    def whole(cls, manifest: dict[str, Any]) -> tuple[ModelState, dict[str, torch.Tensor]]:
         """The whole saved ``state_dict`` (for ``module_load_fn``), tied names sharing one tensor."""
         state = cls()
         full: dict[str, torch.Tensor] = {}
-        params = manifest["params"]
-        for name, info in params.items():
-            state.tensors[f"master/{name}"] = torch.empty(_numel(info["shape"]), dtype=torch.float32)
+        for name, info in manifest["params"].items():
+            state.tensors[f"master/{name}"] = torch.empty(math.prod(info["shape"]), dtype=torch.float32)
             full[name] = state.tensors[f"master/{name}"].view(info["shape"])
         for name, info in manifest["module"].items():
             full[name] = state.tensors[f"module/{name}"] = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
@@ -197,13 +171,13 @@ class ModelState(TensorState):
             )
         self.tensors[key] = value
 
-    def _into_master(self, pieces: list[ParamShard], sources: "Sources", source: Optional[tuple[str, str]]) -> None:
+    def _into_master(self, pieces: list[ParamShard], sources: Sources, source: Optional[tuple[str, str]]) -> None:
         if source is None:
             return  # reported as missing by `Sources.report`
         kind, saved = source
         if kind == "master":
             read = [torch.empty(s.numel, dtype=torch.float32, device=s.master.device) for s in pieces]
-            self._reserve(f"master/{saved}", FlatChunks(_numel(pieces[0].shape), [(s.start, r) for s, r in zip(pieces, read)]))
+            self._reserve(f"master/{saved}", FlatChunks(math.prod(pieces[0].shape), [(s.start, r) for s, r in zip(pieces, read)]))
 
             def copy_masters() -> None:
                 for shard, values in zip(pieces, read):
@@ -222,7 +196,7 @@ class ModelState(TensorState):
 
         self.actions.append(copy)
 
-    def _into_entry(self, buffer: torch.Tensor, source: Optional[tuple[str, str]], sources: "Sources") -> None:
+    def _into_entry(self, buffer: torch.Tensor, source: Optional[tuple[str, str]], sources: Sources) -> None:
         if source is None:
             return
         kind, saved = source
@@ -242,9 +216,7 @@ class Sources:
     """Where each entry of the current model comes from in a checkpoint (tied names resolved)."""
 
     def __init__(self, manifest: dict[str, Any]) -> None:
-        self.params = manifest["params"]
-        self.module = manifest["module"]
-        self.aliases = manifest["aliases"]
+        self.params, self.module, self.aliases = manifest["params"], manifest["module"], manifest["aliases"]
 
     def find(self, name: str) -> Optional[tuple[str, str]]:
         saved = self.aliases.get(name, name)
@@ -283,10 +255,10 @@ class OptimizerState(TensorState):
     """Per-parameter optimizer state (Adam's moments and step, SGD's momentum, ...)."""
 
     @classmethod
-    def saving(cls, shards: list[ParamShard]) -> "OptimizerState":
+    def saving(cls, shards: list[ParamShard]) -> OptimizerState:
         state = cls()
-        for name, pieces in group_shards(shards).items():
-            numel = _numel(pieces[0].shape)
+        for name, pieces in _by_name(shards).items():
+            numel = math.prod(pieces[0].shape)
             for shard in pieces:
                 for key, value in shard.state.get().items():
                     fqn = f"{name}/{key}"
@@ -298,22 +270,21 @@ class OptimizerState(TensorState):
         return state
 
     @classmethod
-    def loading(cls, shards: list[ParamShard], saved_state: dict[str, Any], aliases: dict[str, str]) -> "OptimizerState":
+    def loading(cls, shards: list[ParamShard], saved_state: dict[str, Any], aliases: dict[str, str]) -> OptimizerState:
         """Fresh tensors for every saved entry, installed through each shard's slot when applied.
 
         Pieces whose parameter has no saved state (the optimizer had not stepped
         it) end up with empty state, as in a fresh optimizer.
         """
         state = cls()
-        for name, pieces in group_shards(shards).items():
+        for name, pieces in _by_name(shards).items():
             saved = aliases.get(name, name)
             for shard in pieces:
-                entries = saved_state.get(saved) or {}
-                state._plan(saved, shard, entries)
+                state._plan(saved, shard, saved_state.get(saved) or {})
         return state
 
     def _plan(self, saved: str, shard: ParamShard, entries: dict[str, Any]) -> None:
-        numel = _numel(shard.shape)
+        numel = math.prod(shard.shape)
         values: dict[str, Any] = {}
         shared: set[str] = set()
         for key, entry in entries.items():

@@ -41,7 +41,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, NoReturn, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from .codec import TENSOR_DTYPES, is_count
 from .digests import verify
-from .files import HINT, MAX_DIMS, MAX_INDEX_BYTES, CheckpointError, read_limited, record_is_stored, regular_size
+from .files import HINT, MAX_DIMS, MAX_INDEX_BYTES, CheckpointError, fail, read_limited, record_is_stored, regular_size
 from .layout import INDEX
 
 __all__ = [
@@ -104,6 +104,11 @@ def flatten(state_dict: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
+def _lookup(state_dict: dict[str, Any], index: MetadataIndex) -> Any:
+    obj = state_dict[index.fqn]
+    return obj.piece_at((index.offset or torch.Size([0]))[0]) if isinstance(obj, FlatChunks) else obj
+
+
 def _write_item(fqn: str, tensor: torch.Tensor, offsets: torch.Size, size: torch.Size) -> WriteItem:
     chunk = ChunkStorageMetadata(offsets=offsets, sizes=tensor.size())
     return WriteItem(
@@ -135,8 +140,7 @@ class SavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        obj = self.state_dict[index.fqn]
-        return obj.piece_at((index.offset or torch.Size([0]))[0]) if isinstance(obj, FlatChunks) else obj
+        return _lookup(self.state_dict, index)
 
 
 class LoadPlanner(DefaultLoadPlanner):
@@ -168,16 +172,12 @@ class LoadPlanner(DefaultLoadPlanner):
                 )
             if md.size != obj.size():
                 raise CheckpointError(f"`{fqn}` has {tuple(md.size)} elements in the checkpoint but {tuple(obj.size())} here")
-            if isinstance(obj, FlatChunks):
-                wanted = obj.chunks()
-            else:
-                wanted = [ChunkStorageMetadata(torch.Size([0] * obj.dim()), obj.size())]
+            wanted = obj.chunks() if isinstance(obj, FlatChunks) else [ChunkStorageMetadata(torch.Size([0] * obj.dim()), obj.size())]
             requests += create_read_items_for_chunk_list(fqn, md, wanted)
         return LoadPlan(requests)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        obj = self.state_dict[index.fqn]
-        return obj.piece_at((index.offset or torch.Size([0]))[0]) if isinstance(obj, FlatChunks) else obj
+        return _lookup(self.state_dict, index)
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         raise CheckpointError(f"`{read_item.dest_index.fqn}` is a pickled object; shardwise never reads those")
@@ -195,12 +195,8 @@ _ALLOWED = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
     ("collections", "OrderedDict"),
-}
+} | {("pathlib", name) for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -219,7 +215,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_metadata(path: Path) -> Metadata:
     """DCP's ``.metadata`` index of the checkpoint in ``path``, unpickled safely and checked
-    (:func:`~.validate_index.check_index`) before anything is read through it.
+    (:func:`check_index`) before anything is read through it.
 
     A load reads the index twice (to check the checkpoint, then in DCP); the
     second time the same, unchanged file (same inode, size and mtime) is not
@@ -301,39 +297,35 @@ class SafeReader(FileSystemReader):
 # --------------------------------------------------------------- index checks
 
 
-def _fail(file: Path, field: str, problem: str) -> NoReturn:
-    raise CheckpointError(f"{file}: `{field}` {problem}; {HINT}")
-
-
 def _attr(obj: Any, name: str, kind: Any, file: Path, field: str) -> Any:
     value = getattr(obj, name, _MISSING)
     if not isinstance(value, kind):
         found = "missing" if value is _MISSING else f"a {type(value).__name__}"
-        _fail(file, f"{field}.{name}", f"is {found}, expected {getattr(kind, '__name__', kind)}")
+        fail(file, f"{field}.{name}", f"is {found}, expected {getattr(kind, '__name__', kind)}")
     return value
 
 
 def _size(value: Any, file: Path, field: str, dims: Optional[int] = None) -> tuple[int, ...]:
     if not isinstance(value, torch.Size) or len(value) > MAX_DIMS or not all(is_count(n) for n in value):
-        _fail(file, field, f"is {value!r:.80}, expected a size of at most {MAX_DIMS} non-negative ints")
+        fail(file, field, f"is {value!r:.80}, expected a size of at most {MAX_DIMS} non-negative ints")
     if dims is not None and len(value) != dims:
-        _fail(file, field, f"has {len(value)} dimensions, the tensor {dims}")
+        fail(file, field, f"has {len(value)} dimensions, the tensor {dims}")
     return tuple(value)
 
 
 def check_index(metadata: Any, file: Path) -> Metadata:
     """``metadata`` (an unpickled ``.metadata`` file) if it is safe to read through; raises otherwise."""
     if not isinstance(metadata, Metadata):
-        _fail(file, "index", f"is a {type(metadata).__name__}, expected a DCP `Metadata`")
+        fail(file, "index", f"is a {type(metadata).__name__}, expected a DCP `Metadata`")
     storage_meta = getattr(metadata, "storage_meta", None)
     if storage_meta is not None and not isinstance(storage_meta, StorageMeta):
-        _fail(file, "storage_meta", f"is a {type(storage_meta).__name__}")
+        fail(file, "storage_meta", f"is a {type(storage_meta).__name__}")
     storage = _attr(metadata, "storage_data", dict, file, "index")
     record_ends(storage, file)
     tensors = _attr(metadata, "state_dict_metadata", dict, file, "index")
     for fqn, entry in tensors.items():
         if not isinstance(fqn, str):
-            _fail(file, "state_dict_metadata", f"has a key of type {type(fqn).__name__}")
+            fail(file, "state_dict_metadata", f"has a key of type {type(fqn).__name__}")
         _check_tensor(fqn, entry, storage, file)
     return metadata
 
@@ -345,17 +337,17 @@ def _check_tensor(fqn: str, entry: Any, storage: dict[Any, Any], file: Path) -> 
             f"{HINT}"
         )
     if not isinstance(entry, TensorStorageMetadata):
-        _fail(file, fqn, f"is a {type(entry).__name__}, expected tensor metadata")
+        fail(file, fqn, f"is a {type(entry).__name__}, expected tensor metadata")
     properties = _attr(entry, "properties", TensorProperties, file, fqn)
     dtype = getattr(properties, "dtype", None)
     if not isinstance(dtype, torch.dtype) or dtype not in TENSOR_DTYPES.values():
-        _fail(file, f"{fqn}.dtype", f"is {dtype!r:.40}, not a tensor dtype shardwise stores")
+        fail(file, f"{fqn}.dtype", f"is {dtype!r:.40}, not a tensor dtype shardwise stores")
     size = _size(getattr(entry, "size", None), file, f"{fqn}.size")
     chunks = _attr(entry, "chunks", list, file, fqn)
     spans = []
     for i, chunk in enumerate(chunks):
         if not isinstance(chunk, ChunkStorageMetadata):
-            _fail(file, f"{fqn}.chunks[{i}]", f"is a {type(chunk).__name__}")
+            fail(file, f"{fqn}.chunks[{i}]", f"is a {type(chunk).__name__}")
         offsets = _size(getattr(chunk, "offsets", None), file, f"{fqn}.chunks[{i}].offsets", len(size))
         sizes = _size(getattr(chunk, "sizes", None), file, f"{fqn}.chunks[{i}].sizes", len(size))
         spans.append((offsets, sizes))
@@ -364,31 +356,28 @@ def _check_tensor(fqn: str, entry: Any, storage: dict[Any, Any], file: Path) -> 
 
 
 def _check_cover(fqn: str, size: tuple[int, ...], spans: list[tuple[tuple[int, ...], tuple[int, ...]]], file: Path) -> None:
-    """Chunks cover every element exactly once.
-
-    shardwise writes 1-D tensors (flattened masters, per-element optimizer
-    state) as any set of ranges, everything else as one whole chunk.
-    """
+    """Chunks cover every element exactly once: shardwise writes 1-D tensors (flattened masters, per-element
+    optimizer state) as any set of ranges, everything else as one whole chunk."""
     if len(size) != 1:
         if len(spans) != 1 or any(spans[0][0]) or spans[0][1] != size:
-            _fail(file, f"{fqn}.chunks", f"are {spans!r:.120}, expected one chunk covering the whole size {size}")
+            fail(file, f"{fqn}.chunks", f"are {spans!r:.120}, expected one chunk covering the whole size {size}")
         return
     end = 0
     for (start,), (length,) in sorted(spans):
         if start != end:
             what = "overlap" if start < end else "leave a gap"
-            _fail(file, f"{fqn}.chunks", f"{what} at element {min(start, end)} of {size[0]}; each element must be saved once")
+            fail(file, f"{fqn}.chunks", f"{what} at element {min(start, end)} of {size[0]}; each element must be saved once")
         end = start + length
     if end != size[0]:
-        _fail(file, f"{fqn}.chunks", f"cover elements [0, {end}) of {size[0]}")
+        fail(file, f"{fqn}.chunks", f"cover elements [0, {end}) of {size[0]}")
 
 
 def _check_record(fqn: str, offsets: tuple[int, ...], nbytes: int, storage: dict[Any, Any], file: Path) -> None:
     info = storage.get(MetadataIndex(fqn, offsets))
     if info is None:
-        _fail(file, f"{fqn}.chunks", f"include offset {offsets} with no storage record")
+        fail(file, f"{fqn}.chunks", f"include offset {offsets} with no storage record")
     if info.length < nbytes:
-        _fail(file, f"storage_data[{fqn}@{offsets}].length", f"is {info.length} bytes, less than the {nbytes} its chunk holds")
+        fail(file, f"storage_data[{fqn}@{offsets}].length", f"is {info.length} bytes, less than the {nbytes} its chunk holds")
 
 
 def record_ends(storage: dict[Any, Any], file: Path) -> dict[str, int]:
@@ -398,21 +387,21 @@ def record_ends(storage: dict[Any, Any], file: Path) -> dict[str, int]:
     for key, info in storage.items():
         where = f"storage_data[{getattr(key, 'fqn', key)!r:.80}]"
         if not isinstance(key, MetadataIndex):
-            _fail(file, where, f"has a key of type {type(key).__name__}")
+            fail(file, where, f"has a key of type {type(key).__name__}")
         path = getattr(info, "relative_path", None)
         if not isinstance(path, str) or not _DATA_FILE.fullmatch(path):
-            _fail(file, f"{where}.relative_path", f"is {path!r:.80}, expected a file name `__R_N.distcp` inside the checkpoint")
+            fail(file, f"{where}.relative_path", f"is {path!r:.80}, expected a file name `__R_N.distcp` inside the checkpoint")
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if not (isinstance(offset, int) and isinstance(length, int) and is_count(offset) and is_count(length)):
-            _fail(file, where, f"has offset {offset!r:.40} and length {length!r:.40}, expected non-negative ints")
+        if not (is_count(offset) and is_count(length)):
+            fail(file, where, f"has offset {offset!r:.40} and length {length!r:.40}, expected non-negative ints")
         if getattr(info, "transform_descriptors", None):
-            _fail(file, f"{where}.transform_descriptors", "name stream transforms, which shardwise never writes")
+            fail(file, f"{where}.transform_descriptors", "name stream transforms, which shardwise never writes")
         ranges.setdefault(path, []).append((offset, offset + length))
     ends = {}
     for path, spans in ranges.items():
         spans.sort()
         for (_, end), (start, _) in zip(spans, spans[1:]):
             if start < end:
-                _fail(file, f"storage_data ({path})", f"has records that overlap at byte {start}")
+                fail(file, f"storage_data ({path})", f"has records that overlap at byte {start}")
         ends[path] = spans[-1][1]
     return ends

@@ -27,7 +27,7 @@ import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .codec import TENSOR_DTYPES, Decoder, check_encoded
-from .files import HINT, MAX_DIMS, MAX_WORLD_SIZE, CheckpointError
+from .files import HINT, MAX_DIMS, MAX_WORLD_SIZE, CheckpointError, fail
 
 __all__ = ["check_against_index", "check_manifest", "check_rank_file", "conform"]
 
@@ -109,10 +109,6 @@ class _RankFile(_Strict):
     rng: Optional[dict[str, Any]] = None
 
 
-def _fail(file: Path, field: str, problem: str) -> NoReturn:
-    raise CheckpointError(f"{file}: `{field}` {problem}; {HINT}")
-
-
 def _schema(model: type[BaseModel], data: Any, file: Path) -> None:
     try:
         model.model_validate(data)
@@ -120,7 +116,7 @@ def _schema(model: type[BaseModel], data: Any, file: Path) -> None:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "the file"
         more = f" (and {exc.error_count() - 1} more problem(s))" if exc.error_count() > 1 else ""
-        _fail(file, field, f"{first['msg'][0].lower()}{first['msg'][1:]}, found {first.get('input')!r:.80}{more}")
+        fail(file, field, f"{first['msg'][0].lower()}{first['msg'][1:]}, found {first.get('input')!r:.80}{more}")
 
 
 def _encoded(data: Any, field: str, file: Path) -> list[dict[str, Any]]:
@@ -137,10 +133,10 @@ def check_manifest(manifest: Any, file: Path) -> list[dict[str, Any]]:
     names = manifest["params"].keys() | manifest["module"].keys()
     for alias, target in manifest["aliases"].items():
         if target not in names:
-            _fail(file, f"aliases.{alias}", f"names `{target:.80}`, which is neither a parameter nor a module entry")
+            fail(file, f"aliases.{alias}", f"names `{target:.80}`, which is neither a parameter nor a module entry")
     for key in manifest["state_dict_keys"]:
         if manifest["aliases"].get(key, key) not in names:
-            _fail(file, "state_dict_keys", f"lists `{key:.80}`, which has no entry in `params` or `module`")
+            fail(file, "state_dict_keys", f"lists `{key:.80}`, which has no entry in `params` or `module`")
     refs = []
     for part in ("client_state", "scheduler", "precision"):
         refs += _encoded(manifest.get(part), part, file)
@@ -149,7 +145,7 @@ def check_manifest(manifest: Any, file: Path) -> list[dict[str, Any]]:
         refs += _check_optimizer(optimizer, manifest["params"], file)
     for ref in refs:
         if not ref["__tensor__"].startswith("extra/"):
-            _fail(file, "tensor reference", f"`{ref['__tensor__']:.80}` is not an `extra/N` key")
+            fail(file, "tensor reference", f"`{ref['__tensor__']:.80}` is not an `extra/N` key")
     return refs
 
 
@@ -157,13 +153,13 @@ def _check_optimizer(optimizer: dict[str, Any], params: dict[str, Any], file: Pa
     groups = optimizer.get("param_groups")
     refs = _encoded(groups, "optimizer.param_groups", file)
     if groups is not None and not all(isinstance(g, dict) for g in groups):
-        _fail(file, "optimizer.param_groups", "must be a list of dicts (one per param group)")
+        fail(file, "optimizer.param_groups", "must be a list of dicts (one per param group)")
     for name, entries in optimizer["state"].items():
         if name not in params:
-            _fail(file, f"optimizer.state.{name}", "is state of a name that is not a trainable parameter")
+            fail(file, f"optimizer.state.{name}", "is state of a name that is not a trainable parameter")
         for key, entry in entries.items():
             if entry["kind"] == "value" and _encoded(entry["value"], f"optimizer.state.{name}.{key}", file):
-                _fail(file, f"optimizer.state.{name}.{key}", "is a plain value that holds tensors")
+                fail(file, f"optimizer.state.{name}.{key}", "is a plain value that holds tensors")
     return refs
 
 
@@ -172,14 +168,14 @@ def check_rank_file(info: Any, rank: int, world_size: int, tensors: dict[str, An
     those sizes in the index ``tensors``, and its RNG state can be set."""
     _schema(_RankFile, info, file)
     if info["rank"] != rank or info["world_size"] != world_size:
-        _fail(file, "rank", f"says rank {info['rank']} of {info['world_size']}, expected rank {rank} of {world_size}")
+        fail(file, "rank", f"says rank {info['rank']} of {info['world_size']}, expected rank {rank} of {world_size}")
     rng = info.get("rng")
     if rng is None:
         return
     refs = _encoded(rng, "rng", file)
     for ref in refs:
         if not ref["__tensor__"].startswith(f"rng/{rank}/"):
-            _fail(file, "rng", f"refers to tensor `{ref['__tensor__']:.80}`, not one of rank {rank}'s")
+            fail(file, "rng", f"refers to tensor `{ref['__tensor__']:.80}`, not one of rank {rank}'s")
     check_against_index({"params": {}, "module": {}}, refs, tensors, file)
     # Shapes are now bounded by the index; meta tensors stand in for the data, which is read later.
     meta = {r["__tensor__"]: torch.empty(r["shape"], dtype=TENSOR_DTYPES[r["dtype"]], device="meta") for r in refs}
@@ -190,20 +186,20 @@ def _check_rng(state: Any, file: Path) -> None:
     """Set each RNG state on a scratch generator: what fails there would fail in ``restore_rng``."""
     known = {"python", "torch", "cuda", "numpy"}
     if not isinstance(state, dict) or not set(state) <= known or "python" not in state or "torch" not in state:
-        _fail(file, "rng", f"has parts {sorted(map(str, state)) if isinstance(state, dict) else state!r:.80}, expected python, torch[, cuda, numpy]")
+        fail(file, "rng", f"has parts {sorted(map(str, state)) if isinstance(state, dict) else state!r:.80}, expected python, torch[, cuda, numpy]")
     try:
         version, internal, gauss = state["python"]
         random.Random().setstate((version, tuple(internal), gauss))
     except (TypeError, ValueError, OverflowError) as exc:
-        _fail(file, "rng.python", f"is not a Python RNG state ({exc})")
+        fail(file, "rng.python", f"is not a Python RNG state ({exc})")
     expected = torch.get_rng_state()
     got = state["torch"]
     if not isinstance(got, torch.Tensor) or got.dtype != expected.dtype or got.shape != expected.shape:
         found = f"{got.dtype}{list(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
-        _fail(file, "rng.torch", f"is {found}, expected a {expected.dtype} tensor of shape {list(expected.shape)}")
+        fail(file, "rng.torch", f"is {found}, expected a {expected.dtype} tensor of shape {list(expected.shape)}")
     cuda = state.get("cuda", [])
     if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in cuda):
-        _fail(file, "rng.cuda", "is not a list of uint8 vectors")
+        fail(file, "rng.cuda", "is not a list of uint8 vectors")
     if "numpy" in state:
         _check_numpy_rng(state["numpy"], file)
 
@@ -214,7 +210,7 @@ def _check_numpy_rng(state: Any, file: Path) -> None:
     try:
         numpy.random.RandomState().set_state(state)
     except (TypeError, ValueError, OverflowError) as exc:
-        _fail(file, "rng.numpy", f"is not a numpy RNG state ({exc})")
+        fail(file, "rng.numpy", f"is not a numpy RNG state ({exc})")
 
 
 def check_against_index(manifest: dict[str, Any], refs: list[dict[str, Any]], tensors: dict[str, Any], file: Path) -> None:
@@ -250,11 +246,11 @@ class _Expect:
         if entry is None:
             if math.prod(shape) == 0:
                 return  # an empty tensor has no chunk to save
-            _fail(self.file, key, f"is described with shape {shape} but the tensor index (`.metadata`) has no such entry")
+            fail(self.file, key, f"is described with shape {shape} but the tensor index (`.metadata`) has no such entry")
         if list(entry.size) != list(shape):
-            _fail(self.file, key, f"has shape {list(shape)!s:.80} here but {list(entry.size)} in the tensor index")
+            fail(self.file, key, f"has shape {list(shape)!s:.80} here but {list(entry.size)} in the tensor index")
         if dtype is not None and entry.properties.dtype != TENSOR_DTYPES[dtype]:
-            _fail(self.file, key, f"has dtype {dtype} here but {entry.properties.dtype} in the tensor index")
+            fail(self.file, key, f"has dtype {dtype} here but {entry.properties.dtype} in the tensor index")
 
 
 # ------------------------------------------------------------ decoded values
