@@ -1,15 +1,10 @@
 """Sharded, atomic, reshardable checkpoints (see ``docs/checkpoints.md``).
 
-``engine.save_checkpoint`` / ``engine.load_checkpoint`` call
-:func:`save_checkpoint` / :func:`load_checkpoint` here.  Without a cluster,
-:func:`consolidate` turns a checkpoint into one ``.safetensors``/``.pt`` file
-of full weights, :func:`load_consolidated` reads it back as a ``state_dict``,
-and :func:`describe` summarises a checkpoint directory
-(``shardwise checkpoint consolidate|inspect`` on the command line).
-
-Names are imported on first use: ``torch.distributed.checkpoint`` takes
-seconds to import, which the ``shardwise`` command should not pay for
-``shardwise run``.
+``engine.save_checkpoint`` / ``engine.load_checkpoint`` call :func:`save_checkpoint` / :func:`load_checkpoint`.
+Without a cluster, :func:`consolidate` writes a checkpoint's full weights to one ``.safetensors``/``.pt`` file,
+:func:`load_consolidated` reads it back as a ``state_dict``, and :func:`describe` summarises a checkpoint
+directory (``shardwise checkpoint consolidate|inspect``).  Names are imported on first use: DCP takes seconds to
+import, which ``shardwise run`` should not pay for.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """Plain Python values <-> JSON, with tensors kept aside for the tensor store, walked without recursion.
 
-``client_state``, the scheduler's and loss scaler's ``state_dict``, optimizer
-hyperparameters and RNG states are mostly plain values.  They are written as
-JSON, so reading a checkpoint never unpickles them; each tensor inside becomes
-a reference ``{"__tensor__": key, "shape": ..., "dtype": ...}`` and the tensor
-itself goes to the sharded tensor files.  Python types JSON lacks are tagged
-(``__tuple__``, ``__bytes__``, ``__float__`` for nan/inf, ``__dict__`` for
-non-string keys, ``__dtype__``, ``__ndarray__``).
+``client_state``, scheduler, loss-scaler and RNG states and optimizer hyperparameters are written as JSON, so
+reading a checkpoint never unpickles them: a tensor inside becomes ``{"__tensor__": key, "shape", "dtype"}``
+(the tensor goes to the tensor files), and types JSON lacks are tagged (``__tuple__``, ``__bytes__``,
+``__float__`` for nan/inf, ``__dict__`` for non-string keys, ``__dtype__``, ``__ndarray__``).  Anything else
+needs pickle, which saving and loading both refuse unless ``checkpoint.allow_pickle`` says so.
 
-Anything else (an arbitrary object) would need pickle.  Saving it requires
-``checkpoint.allow_pickle``; loading it requires it too, so a checkpoint from
-someone else cannot run code in this process unless the user says so.
-
-Every reader walks the data with an explicit stack, nesting bounded by
-``MAX_DEPTH``.  Where a value sits (``client_state['a'][3]``) is rendered only
-for an error: each open container keeps its parent and its position, so a
-long list deep inside costs no string per element.
+Readers walk the data with an explicit stack, nesting bounded by ``MAX_DEPTH``; where a value sits
+(``client_state['a'][3]``) is rendered only for an error, from each open container's parent and position.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """Writing a checkpoint: atomic files, the atomic commit, and a failed write said in words.
 
-Every rank writes into ``.tmp-TAG-NONCE/`` and flushes (``fsync``) its files.
-Only after every rank has finished does rank 0 (the only rank that renames)
-
-1. fsync the temporary directory, so its entries are durable;
-2. rename it to ``TAG`` (``rename`` is atomic on POSIX file systems);
-3. fsync ``SAVE_DIR`` and replace ``latest`` through a temporary file and
-   ``os.replace``, then fsync ``SAVE_DIR`` again.
-
-Every file written here goes through :func:`write_atomic`: a new file under a
-random name, created exclusively and never through a symlink, then renamed
-into place, so links planted in ``SAVE_DIR`` cannot redirect a write.
-
-A crash before step 2 leaves only a ``.tmp-*`` directory, which ``latest``
-never names; a crash between 2 and 3 leaves the new checkpoint complete but
-``latest`` still naming the previous one.  Overwriting an existing tag moves
-the old directory aside first and deletes it after the rename.
+Every rank writes into ``.tmp-TAG-NONCE/`` and fsyncs its files.  Once all are done, rank 0 (the only rank
+that renames) fsyncs that directory, renames it to ``TAG`` (atomic on POSIX), fsyncs ``SAVE_DIR`` and replaces
+``latest`` through :func:`write_atomic`: a new file under a random name, created exclusively and never
+through a symlink, renamed into place (so links planted in ``SAVE_DIR`` cannot redirect a write).  A crash
+before the rename leaves only a ``.tmp-*`` directory, which ``latest`` never names; one after it leaves the
+new checkpoint complete, ``latest`` naming the previous one.  An overwritten tag is moved aside first and
+deleted after the rename.
 """
 
 from __future__ import annotations

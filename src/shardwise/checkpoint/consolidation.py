@@ -1,15 +1,9 @@
 """Full weights from a sharded checkpoint in one CPU process, with no process group.
 
-``consolidated_state_dict`` reads every parameter's master chunks (DCP puts
-them together) and every non-trainable entry, and returns the model's full
-``state_dict`` in fp32, the same as ``engine.full_state_dict()`` would have
-at save time: tied names share one tensor.
-
-``.pt`` files keep that sharing as is.  safetensors refuses shared tensors,
-so a ``.safetensors`` file stores each tensor once and records the other
-names in its metadata (``shardwise_aliases``); :func:`load_consolidated`
-puts them back, so ``model.load_state_dict(load_consolidated(path))`` works
-for either format (``safetensors.torch.load_model`` works too).
+:func:`consolidated_state_dict` returns the model's full fp32 ``state_dict``, as ``engine.full_state_dict()``
+would have at save time: tied names share one tensor.  safetensors refuses shared tensors, so a
+``.safetensors`` file stores each once and names the others in its metadata (``shardwise_aliases``);
+:func:`load_consolidated` puts them back, for either format.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """Unpickling the files of a DeepSpeed checkpoint, allowing only the classes DeepSpeed stores.
 
-DeepSpeed writes ``torch.save`` pickles.  They are read with
-``torch.load(weights_only=True)``, which builds tensors, containers and plain
-values only, plus the few DeepSpeed classes below, each replaced by a stand-in
-that merely records its fields (nothing of DeepSpeed is imported or run).  A
-file that needs any other class is refused, naming the class.  The files carry
-no checksums (DeepSpeed writes none): a damaged file is caught only by the
-unpickler and by the shape checks.
-
-A DeepSpeed file states its own shapes (``param_shapes``, the tensors of
-``module``), and a crafted one can state anything.  Loading into an engine,
-shardwise knows the model (:class:`ModelShapes`), so every file is bounded by
-it before it is read (its records at most :data:`BYTES_PER_ELEMENT` per
-element of the model, plus :data:`SLACK_BYTES`), and every shape the file
-states is compared with the model's before any value is put together: a
-mismatch names the parameter, both shapes, and which of the file's own fields
-disagree.
-
-Layout (DeepSpeed 0.14-0.19): ``DIR/latest`` names a tag; ``DIR/TAG/`` holds
-``mp_rank_00_model_states.pt`` (stages 0-2) or one
-``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank (stage 3), and at
-stages 1-3 one ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank.
+DeepSpeed writes ``torch.save`` pickles (0.14-0.19: ``TAG/mp_rank_00_model_states.pt`` at stages 0-2, one
+``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank at stage 3, and at stages 1-3 one
+``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank).  They are read with
+``torch.load(weights_only=True)`` plus the few DeepSpeed classes below, each a stand-in that only records its
+fields (nothing of DeepSpeed is imported or run); a file that needs another class is refused, naming it.  They
+carry no checksums: a damaged file shows only in the unpickler and in the shape checks.  A crafted file can
+state any shape, so loading into an engine, every file is bounded by the model (:class:`ModelShapes`: at most
+:data:`BYTES_PER_ELEMENT` per element, plus :data:`SLACK_BYTES`) and every shape it states is compared with
+the model's before any value is put together.
 """
 
 from __future__ import annotations

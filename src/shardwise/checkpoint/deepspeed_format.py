@@ -1,21 +1,13 @@
 """A DeepSpeed checkpoint put together: full fp32 weights and full optimizer state per parameter.
 
-DeepSpeed keeps, per param group, one flat fp32 vector split across the ranks:
-
-* stages 1 and 2 (``single_partition_of_fp32_groups``): the group's
-  parameters one after the other (each followed by its alignment padding,
-  ``param_alignment_paddings``), the vector cut into ``world_size``
-  consecutive pieces; the padding at the end of the last piece is not stored.
-* stage 3 (``fp32_flat_groups``): every parameter is cut into ``world_size``
-  equal pieces (the last padded); a rank's vector is its piece of each
-  parameter, one after the other, over all groups.
-
-The optimizer's per-element state (Adam's ``exp_avg``, ``exp_avg_sq``) is laid
-out like the fp32 vector; ``step`` is one value per group.  At stage 0 the
-model states file holds the torch optimizer's ``state_dict`` (per parameter,
-by index: the names are matched to the engine's parameters on load) and, in
-16-bit, the fp32 masters (``fp32_groups``).  Reading everything makes each
-rank hold the full model once in fp32 (plus its optimizer state).
+DeepSpeed keeps, per param group, one flat fp32 vector split across the ranks.  At stages 1 and 2
+(``single_partition_of_fp32_groups``) it holds the group's parameters one after the other, each followed by
+its alignment padding (``param_alignment_paddings``), cut into ``world_size`` consecutive pieces (the last
+piece's end padding is not stored).  At stage 3 (``fp32_flat_groups``) every parameter is cut into
+``world_size`` equal pieces (the last padded), and a rank's vector is its piece of each parameter, over all
+groups.  Per-element optimizer state (Adam's moments) is laid out like the fp32 vector; ``step`` is one
+value per group.  At stage 0 the model states file holds the torch optimizer's ``state_dict`` (by index, matched
+to the engine's parameters on load) and, in 16-bit, the fp32 masters (``fp32_groups``).
 """
 
 from __future__ import annotations
@@ -149,9 +141,6 @@ def _accumulation(config: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
-# ------------------------------------------------------------- reading
-
-
 def _optimizer_dict(states: dict[str, Any], path: Path) -> dict[str, Any]:
     value = states.get("optimizer_state_dict")
     if not isinstance(value, dict):
@@ -198,9 +187,6 @@ def _hyper(group: Any) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"} if isinstance(group, dict) else {}
 
 
-# ------------------------------------------------------------- stage 0
-
-
 def _stage0(states: dict[str, Any], module: dict[str, torch.Tensor],
             path: Path) -> tuple[list[list[DeepSpeedParam]], list[dict[str, Any]], Optional[dict[str, Any]]]:
     saved = states.get("optimizer")
@@ -221,9 +207,6 @@ def _stage0(states: dict[str, Any], module: dict[str, torch.Tensor],
         hyper.append(_hyper(group))
     scaler = {k: saved[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter") if k in saved} if wrapped else None
     return groups, hyper, scaler
-
-
-# ---------------------------------------------------------- stages 1, 2
 
 
 def _stage12(states: dict[str, Any], optim: list[dict[str, Any]],
@@ -284,9 +267,6 @@ def _walk_consecutive(shapes: list[tuple[str, torch.Size]], paddings: list[int],
 def _slice_state(state: dict[str, Any], start: int, numel: int) -> dict[str, Any]:
     return {k: (v[start : start + numel].clone() if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
             for k, v in state.items()}
-
-
-# ------------------------------------------------------------- stage 3
 
 
 def _stage3(states: dict[str, Any], optim: list[dict[str, Any]],

@@ -1,22 +1,14 @@
 """The bottom layer: the checkpoint error, the bounds on what a checkpoint may ask, and reading its files.
 
-A checkpoint directory may come from someone else, so its files are untrusted
-input.  Each small file is opened with ``O_NOFOLLOW`` (a symlink planted in
-its place could point at any file of the user) and ``O_NONBLOCK`` (a planted
-FIFO would block the open forever), must be a regular file, and is read only
-up to its limit.  Nothing is allocated from a size a file claims until that
-size has been checked against the tensor index and the bytes on disk.  The
-limits are far above what a real checkpoint needs; they only stop a crafted
-file from making a load read or parse gigabytes of metadata.
+A checkpoint may come from someone else.  Each small file is opened with ``O_NOFOLLOW`` (a planted symlink
+could point at any file of the user) and ``O_NONBLOCK`` (a planted FIFO would block forever), must be a
+regular file, and is read only up to its limit; the limits are far above what a real checkpoint needs.
 
-A ``torch.save`` file is a zip: one pickle and one record per storage.
-``torch.load`` allocates each storage at the size its record declares and
-inflates a deflated record in full; a tensor is then a view with any size and
-stride the pickle chose.  So before a load every record must be stored
-uncompressed (``torch.save`` never compresses), the records no longer than
-the file (stored records do not overlap) and than the caller's budget; after
-it, no tensor may cover more elements than its storage (a stride-0 view of
-``2**40`` elements over 4 bytes costs its full size in the first copy).
+``torch.load`` of a ``torch.save`` zip allocates each storage at the size its record declares and inflates a
+deflated record in full; a tensor is then a view with any size and stride.  So before a load every record
+must be stored (``torch.save`` never compresses), the records no longer than the file and the caller's
+budget; after it, no tensor may cover more elements than its storage (a stride-0 view of ``2**40`` elements
+over 4 bytes costs its full size in the first copy).
 """
 
 from __future__ import annotations

@@ -2,25 +2,14 @@
 
 ::
 
-    SAVE_DIR/
-      latest                    the tag of the newest complete checkpoint
-      TAG/
-        engines.json            {"format": "shardwise.engine.multi", "engines": ["student", "teacher"], ...}
-        student/                a complete checkpoint of one engine (see layout.py)
-        teacher/
+    SAVE_DIR/latest, SAVE_DIR/TAG/engines.json  {"format": "shardwise.engine.multi", "engines": [...], ...}
+    SAVE_DIR/TAG/<name>/                        a complete checkpoint of one engine (see layout.py)
 
-:func:`save_checkpoints` writes every engine into one temporary directory and
-commits it once, so the tag appears with all of its engines or not at all.
-It is collective over every rank of the default process group (each engine's
-own files are written by the ranks of that engine's group).  A named engine's
-own ``save_checkpoint`` writes the same layout for itself: into a new tag, or
-added to an existing tag of other engines (its subdirectory replaced, the
-others kept), so two named engines saving into one directory never overwrite
-each other.  :func:`load_checkpoints` restores each engine from its
-subdirectory; a named engine's ``load_checkpoint`` finds its own
-(``layout.member_path``).  An engine without a name owns ``TAG/`` (``save.py``).
-Choosing here keeps the layers one-way: this module imports save.py and
-load.py, and neither imports it.
+:func:`save_checkpoints` writes every engine into one temporary directory and commits it once, collectively
+over the default process group.  A named engine's ``save_checkpoint`` writes the same layout for itself, into
+a new tag or beside the other engines of an existing one, so named engines saving into one directory never
+overwrite each other; an engine without a name owns ``TAG/`` (``save.py``).  Choosing here keeps the layers
+one-way: this module imports save.py and load.py, and neither imports it.
 """
 
 from __future__ import annotations

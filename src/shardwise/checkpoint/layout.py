@@ -4,27 +4,16 @@
 
     SAVE_DIR/
       latest                    the tag of the newest complete checkpoint (replaced atomically)
-      TAG/                      one complete checkpoint (a directory appears under its tag only
-        shardwise.json            once every rank's files are flushed: see commit.py)
-        rank0.json ... rankN-1.json
-        __0_0.distcp ... __N-1_0.distcp
-        .metadata
+      TAG/                      appears only once every rank's files are flushed (commit.py)
+        shardwise.json          the manifest (rank 0): the run, shapes, aliases, optimizer layout, encoded state
+        rankR.json              rank R's RNG state, written right after its tensor file is flushed
+        __R_0.distcp            rank R's tensor file
+        .metadata               DCP's index of every chunk, written by rank 0 once all ranks are done
       .tmp-TAG-NONCE/           a save in progress, or what a crash left: never used by `latest`
 
-``shardwise.json`` (the manifest, written by rank 0) describes the run: world
-size, ZeRO stage, dtype, step counters, every parameter's shape, tied-weight
-aliases, optimizer hyperparameters and state layout, scheduler and loss-scaler
-state and ``client_state``, all as JSON.  ``__R_0.distcp`` is rank ``R``'s
-tensor file; ``rankR.json`` (RNG state, and the world size) is written right
-after it is flushed, so it marks that rank's file complete; ``.metadata`` is
-the DCP index of every tensor chunk, written by rank 0 once all ranks are done.
-A checkpoint of several engines is ``TAG/engines.json`` (their names) and one
-such directory per engine, ``TAG/<name>/`` (written by ``group.py``).
-
-Without :func:`foreign_format`, a DeepSpeed directory or a plain DCP one would
-look like a shardwise save that never finished, and a ``torch.save`` file like
-a directory that does not exist; it looks only at names and a few magic bytes.
-Whether a checkpoint found here is complete and intact is checked in ``verify.py``.
+A checkpoint of several engines is ``TAG/engines.json`` and one such directory per engine (``group.py``).
+:func:`foreign_format` names a DeepSpeed, plain DCP, Hugging Face or ``torch.save`` path (by names and magic
+bytes only), which would otherwise look like an unfinished save or a missing directory.
 """
 
 from __future__ import annotations
@@ -38,9 +27,9 @@ from typing import Any, Optional
 from .files import MAX_LATEST_BYTES, MAX_TAG_LENGTH, CheckpointError, is_real_dir, read_json, read_limited
 
 __all__ = [
-    "FORMAT", "GROUP_FORMAT", "GROUP_MANIFEST", "INDEX", "LATEST", "MANIFEST", "TEMP_PREFIX", "VERSION",
-    "MODEL_STATES", "find_deepspeed", "foreign_format", "holds_none", "list_checkpoints", "member_path", "rank_file", "read_group", "read_latest", "resolve", "tags",
-    "temp_dir", "validate_tag",
+    "FORMAT", "GROUP_FORMAT", "GROUP_MANIFEST", "INDEX", "LATEST", "MANIFEST", "MODEL_STATES", "TEMP_PREFIX", "VERSION",
+    "find_deepspeed", "foreign_format", "holds_none", "list_checkpoints", "member_path", "rank_file", "read_group",
+    "read_latest", "resolve", "tags", "temp_dir", "validate_tag",
 ]
 
 MANIFEST = "shardwise.json"

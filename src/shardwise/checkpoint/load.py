@@ -1,15 +1,10 @@
 """``load_checkpoint``: restore an engine from a checkpoint of any world size and ZeRO stage.
 
-Each rank asks DCP for exactly the element ranges it owns *now* (its master
-pieces, its optimizer-state pieces); DCP reads the overlap with whatever
-ranges were saved.  Module entries (buffers, frozen parameters) are read whole.
-Everything is read into fresh tensors, and every value is decoded and checked
-before the first one is applied, so a refused checkpoint leaves the engine as
-it was.  Steps, each timeout-bounded and raised on every rank if any rank
-fails: join (store) → read the manifest → plan → read (DCP), decode and
-validate → apply (module entries, collective where partitioned; masters,
-optimizer state, hyperparameters, scheduler, loss scaler, counters, RNG) →
-re-gather parameters from the masters (collective).
+Each rank asks DCP for the element ranges it owns *now*; DCP reads the overlap with whatever ranges were
+saved.  Everything is read into fresh tensors, and every value is decoded and checked before the first one is
+applied, so a refused checkpoint leaves the engine as it was.  Steps, each timeout-bounded and raised on every
+rank: join → read the manifest → plan → read (DCP), decode and check → apply (module entries, collective where
+partitioned; masters, optimizer state, hyperparameters, scheduler, loss scaler, counters, RNG) → re-gather.
 """
 
 from __future__ import annotations
@@ -176,7 +171,6 @@ class _Load:
         self._apply_decoded()
         return str(self.path), self.decoded.client_state
 
-    # ------------------------------------------------------------ steps
     def _read_manifest(self) -> dict[str, Any]:
         self.path = _find(self.load_dir, self.tag, self.member).absolute()
         self.manifest = check_complete(self.path)
@@ -235,7 +229,6 @@ class _Load:
             dcp.load(states, storage_reader=reader, planner=LoadPlanner(), no_dist=True)
         self._decode()
 
-    # ------------------------------------------------------------ checks
     def _check_keys(self, names: ModelNames, with_master: dict[str, list[int]]) -> None:
         missing, unexpected, mismatched = Sources(self.manifest).report(names, with_master)
         if mismatched:
@@ -273,7 +266,6 @@ class _Load:
             return None
         return encoded, empty_tensors(encoded)
 
-    # ----------------------------------------------------- decode, check
     def _decode(self) -> None:
         """Decode every plain-data part and check it against what it will replace; apply nothing."""
         decoder = Decoder(self.extra, self.allow_pickle)
@@ -332,7 +324,6 @@ class _Load:
                 stacklevel=6,
             )
 
-    # ------------------------------------------------------------- apply
     def _apply_decoded(self) -> None:
         decoded, extras = self.decoded, self.engine.extras()
         optimizer = self.engine.optimizer

@@ -1,32 +1,20 @@
 """``save_checkpoint``: every rank writes its own shard; visible only once all are on disk.
 
-Steps (each one timeout-bounded, a failure anywhere raised on every rank):
+Steps, each timeout-bounded, a failure anywhere raised on every rank:
 
-1. *join* through the c10d store: every rank called, with the same tag and
-   directory (:mod:`..comm.agreement`); no collective on the training group before;
-2. *describe*: ranks exchange (through the store) which parameters and
-   optimizer state they hold, so rank 0 can write a complete manifest;
-3. *prepare*: the engine hands over the full values of module entries
-   (gathered where partitioned); each rank lays out its tensors as
-   ``Stateful`` objects and captures its RNG state; rank 0 encodes
-   ``client_state``, scheduler, loss-scaler and counter state (refusing what
-   would need pickle, unless allowed);
-4. *write*: DCP's planner and writer run in the order ``dcp.save`` runs them,
-   but each exchange (local plans to rank 0, its global plan back, write
-   results to rank 0) is a store step instead of a collective on the training
-   group, where a rank that died inside DCP would leave the others waiting
-   until the group's timeout (30 minutes by default): here they raise within
-   a heartbeat or ``checkpoint.timeout``.  Each rank writes ``__R_0.distcp``,
-   fsyncs it, then writes ``rankR.json`` (its "done" marker, with its RNG
-   state) and hashes both (:mod:`.digests`);
-5. *commit*: rank 0 writes the ``.metadata`` index and the manifest (with
-   every file's size and SHA-256), checks every file is there, renames the
-   directory to its tag and replaces ``latest`` (:mod:`.commit`).
+1. *join* through the c10d store (same call, tag and directory); no collective on the training group before;
+2. *describe*: ranks exchange which parameters and optimizer state they hold, for rank 0's manifest;
+3. *prepare*: the engine hands over the full module entries (gathered where partitioned); each rank lays out
+   its tensors and RNG state; rank 0 encodes ``client_state``, scheduler, loss-scaler and counter state;
+4. *write*: DCP's planner and writer run as ``dcp.save`` runs them, but each exchange is a store step, not a
+   collective on the training group, where a rank that died inside DCP would leave the others waiting for the
+   group's timeout (30 minutes by default).  Each rank writes and fsyncs ``__R_0.distcp``, then writes
+   ``rankR.json`` (its "done" marker) and hashes both;
+5. *commit*: rank 0 writes the ``.metadata`` index and the manifest (with every file's checksum), checks every
+   file is there, renames the directory to its tag and replaces ``latest`` (:mod:`.commit`).
 
-A failure in any step (a full disk, a directory that cannot be written) is
-raised on every rank, names the directory and the cause, and leaves the
-previous checkpoint and ``latest`` as they were: only the new temporary
-directory is removed.
+A failure (a full disk, a directory that cannot be written) names the directory and the cause, and leaves the
+previous checkpoint and ``latest`` as they were: only the new temporary directory is removed.
 """
 
 from __future__ import annotations

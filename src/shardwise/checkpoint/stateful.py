@@ -1,23 +1,12 @@
-"""The engine's state as torch ``Stateful`` objects that DCP saves and loads.
+"""The engine's state as torch ``Stateful`` objects that DCP saves and loads, and each rank's RNG states.
 
-Each object's ``state_dict()`` is a flat dict of what goes to the tensor files
-(:class:`~.storage.FlatChunks` for a parameter's elements this rank owns,
-plain tensors otherwise).  Loading reads into *fresh* tensors only; what to do
-with them is kept in ``actions`` and run by the load once every rank has read
-and validated everything, so a refused checkpoint leaves the engine untouched.
+A ``state_dict()`` is a flat dict of what goes to the tensor files.  Loading reads into *fresh* tensors only;
+what to do with them is kept in ``actions``, run by the load once every rank has read and checked everything.
+Keys are independent of world size and stage (that is what makes a checkpoint reshardable):
 
-Keys, all independent of world size and stage (that is what makes a
-checkpoint reshardable):
-
-* ``model/master/NAME``: fp32 master value of parameter NAME (trainable, or
-  frozen with kept state), flattened to 1-D; each rank writes the
-  ``[start, end)`` ranges it owns;
-* ``model/module/NAME``: any other entry of the module (buffer, frozen
-  parameter), full, in the module's dtype, written by one rank;
-* ``optim/NAME/KEY``: optimizer state KEY of NAME (``exp_avg``...), chunked
-  like the master when it is per-element, else one replicated tensor (``step``).
-
-Each rank's RNG states (:func:`capture_rng`) go to its ``rankR.json``.
+* ``model/master/NAME``: the fp32 master of NAME flattened to 1-D, as the ``[start, end)`` ranges each rank owns;
+* ``model/module/NAME``: any other module entry (buffer, frozen parameter), full, in its dtype, from one rank;
+* ``optim/NAME/KEY``: optimizer state, chunked like the master when per-element, else one tensor (``step``).
 """
 
 from __future__ import annotations
@@ -121,9 +110,6 @@ def describe_shards(shards: list[ParamShard]) -> dict[str, Any]:
     params = {shard.name: {"shape": list(shard.shape), "group": shard.group} for shard in shards}
     state = {s.name: {k: _state_entry(v, s) for k, v in entries.items()} for s in shards if (entries := s.state.get())}
     return {"params": params, "state": state}
-
-
-# ------------------------------------------------------------------ model
 
 
 class ModelState(TensorState):
@@ -246,9 +232,6 @@ class Sources:
                 mismatched.append(f"{name}: checkpoint {tuple(self.shape(source))}, model {tuple(shape)}")
         unexpected = sorted((set(self.params) | set(self.module)) - used)
         return sorted(missing), unexpected, mismatched
-
-
-# -------------------------------------------------------------- optimizer
 
 
 class OptimizerState(TensorState):

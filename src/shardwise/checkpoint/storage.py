@@ -1,34 +1,18 @@
 """``torch.distributed.checkpoint`` (DCP) as the storage and resharding layer, and its index read safely.
 
-DCP stores each tensor as *chunks* (offsets and sizes inside the global
-tensor) and, on load, reads the overlap of whatever chunks were saved with
-whatever chunks each rank asks for.  That is exactly resharding, provided a
-rank can describe "elements ``[start, end)`` of this flattened parameter".
-DTensor cannot (its uneven shards still follow a fixed chunking rule) and
-ShardedTensor needs a collective to build its global metadata, so this module
-adds :class:`FlatChunks` (any set of 1-D pieces of a 1-D tensor) and two
-planners that understand it.  Replicated pieces (stage 0, or scalars such as
-Adam's ``step``) are written once: DCP drops chunks with the same index.
+DCP stores each tensor as chunks and, on load, reads the overlap of the chunks saved with those each rank asks
+for: resharding, provided a rank can say "elements ``[start, end)`` of this flattened parameter".  DTensor
+cannot (its uneven shards follow a fixed rule) and ShardedTensor needs a collective, so :class:`FlatChunks`
+(any 1-D pieces of a 1-D tensor) and two planners that understand it are here.  Replicated pieces are written
+once: DCP drops chunks with the same index.
 
-Safety: the planners never write pickled objects (``BYTE_IO`` items) and refuse
-to read them; tensors are read with ``torch.load(weights_only=True)`` by DCP,
-each record first checked to be an uncompressed zip; the pickled
-``.metadata`` file is read with an unpickler that only builds DCP's metadata
-classes, torch dtypes/sizes and paths, then checked (:func:`check_index`)
-before DCP plans anything with it.  DCP wraps every error in its own
-``CheckpointException`` (a ``BaseException``); :func:`dcp_errors` turns it
-back into a :class:`CheckpointError`.
-
-The index says, for every tensor, its size and dtype, which chunks of it were
-saved, and where each chunk's record lies (file, offset, length).  A crafted
-index could make a load read another directory's files, allocate far more
-than the checkpoint holds, or leave parts of a tensor unwritten (process heap
-in the output).  So, before DCP sees it: every data file is a bare
-``__R_N.distcp`` name inside the checkpoint; records do not overlap, and each
-holds at least its chunk's bytes, so the elements the index claims never
-exceed the bytes on disk; every tensor's chunks cover it exactly once; no
-record needs a stream transform (decompression), which could expand a small
-file into gigabytes.  All of it is O(number of chunks).
+The planners never write or read pickled objects; each tensor record is checked to be stored uncompressed
+before DCP reads it.  The ``.metadata`` index is unpickled building only DCP's metadata classes, torch
+dtypes/sizes and paths, then checked (:func:`check_index`) before DCP plans with it, since a crafted index
+could point at other files, claim more elements than the bytes on disk, leave tensor parts unwritten (heap in
+the output) or ask for decompression: data files must be bare ``__R_N.distcp`` names, records must not
+overlap and hold their chunk's bytes, chunks must cover each tensor exactly once.  DCP wraps every error in
+``CheckpointException`` (a ``BaseException``); :func:`dcp_errors` makes it a :class:`CheckpointError`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Telling a complete, intact checkpoint from a broken one, before anything in it is used.
 
-:func:`check_complete` checks a checkpoint directory (see ``layout.py`` for
-where its files live): every file the manifest and the DCP index name is
-there, whole, with the checksum the manifest recorded, and the manifest
-passes ``validate.py``'s field checks and agrees with the index.
-:func:`read_rank_file` does the same for one rank's ``rankR.json``.
+:func:`check_complete`: every file the manifest and the DCP index name is there, whole, with the checksum the
+manifest recorded, and the manifest passes ``validate.py`` and agrees with the index.
 """
 
 from __future__ import annotations
