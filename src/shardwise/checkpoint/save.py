@@ -58,16 +58,20 @@ def save_unnamed(
     """:func:`~.group.save_checkpoint` for an engine without a name (its arguments and return value)."""
     tag = validate_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     root = Path(save_dir).absolute()
-    session = _join(engine, root, tag)
-    temp = temp_dir(root, tag, session.payloads[0]["nonce"])
-    _write(engine, session, tag, temp, client_state, commit_to=root / tag)
+    write_engine(engine, root, tag, None, client_state)
     return str(root / tag)
 
 
-def write_engine(engine: Checkpointable, root: Path, tag: str, temp: Path, client_state: Optional[dict[str, Any]]) -> None:
-    """Collectively write ``engine``'s checkpoint into the new directory ``temp`` (a checkpoint of
-    several engines commits them all at once)."""
-    _write(engine, _join(engine, root, tag), tag, temp, client_state, commit_to=None)
+def write_engine(engine: Checkpointable, root: Path, tag: str, temp: Optional[Path],
+                 client_state: Optional[dict[str, Any]]) -> None:
+    """Collectively write ``engine``'s checkpoint of ``tag`` into the new directory ``temp``, which a checkpoint
+    of several engines commits with the others; ``temp=None``: into a new one, committed as ``root/tag``."""
+    session = join_save(engine.comm, "save_checkpoint", root, tag, engine.settings.timeout,
+                        "pass the same `tag=` on every rank, or none (`global_step{N}`)")
+    commit_to = root / tag if temp is None else None
+    temp = temp if temp is not None else temp_dir(root, tag, session.payloads[0]["nonce"])
+    with engine.shards(loading=False) as shards:  # frozen parameters' kept masters and optimizer state travel too
+        _Save(engine, shards, session, tag, temp, client_state, commit_to).run()
 
 
 def join_save(comm: Comm, op: str, root: Path, tag: str, timeout: float, tag_fix: str, **extra: Any) -> Session:
@@ -78,18 +82,6 @@ def join_save(comm: Comm, op: str, root: Path, tag: str, timeout: float, tag_fix
     session.require_same("tag", "tags", tag_fix)
     session.require_same("dir", "directories", "pass the same `save_dir`, on a file system every rank can see")
     return session
-
-
-def _join(engine: Checkpointable, root: Path, tag: str) -> Session:
-    return join_save(engine.comm, "save_checkpoint", root, tag, engine.settings.timeout,
-                     "pass the same `tag=` on every rank, or none (`global_step{N}`)")
-
-
-def _write(engine: Checkpointable, session: Session, tag: str, temp: Path, client_state: Optional[dict[str, Any]],
-           commit_to: Optional[Path]) -> None:
-    # frozen parameters' kept master weights and optimizer state travel too
-    with engine.shards(loading=False) as shards:
-        _Save(engine, shards, session, tag, temp, client_state, commit_to).run()
 
 
 class _Save:
@@ -210,26 +202,15 @@ class _Save:
         module = {
             n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in names.tensors.items() if n not in params
         }
-        optimizer = None
+        encoded, optimizer = self.encoded, None
         if engine.optimizer is not None:
-            optimizer = {"class": engine.optimizer.class_name, "param_groups": self.encoded["param_groups"], "state": state}
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "tag": self.tag,
-            "world_size": engine.comm.world_size,
-            "stage": engine.stage,
-            "dtype": dtype_name(engine.dtype),
-            "counters": self.encoded["counters"],
-            "state_dict_keys": names.keys,
-            "aliases": names.aliases,
-            "params": params,
-            "module": module,
-            "optimizer": optimizer,
-            "scheduler": self.encoded["scheduler"],
-            "precision": self.encoded["precision"],
-            "client_state": self.encoded["client_state"],
-            "rng": engine.settings.save_rng_state,
+            optimizer = {"class": engine.optimizer.class_name, "param_groups": encoded["param_groups"], "state": state}
+        return {  # the fields validate.py's `_Manifest` checks
+            "format": FORMAT, "version": VERSION, "tag": self.tag, "world_size": engine.comm.world_size,
+            "stage": engine.stage, "dtype": dtype_name(engine.dtype), "counters": encoded["counters"],
+            "state_dict_keys": names.keys, "aliases": names.aliases, "params": params, "module": module,
+            "optimizer": optimizer, "scheduler": encoded["scheduler"], "precision": encoded["precision"],
+            "client_state": encoded["client_state"], "rng": engine.settings.save_rng_state,
             "versions": {"shardwise": __version__, "torch": torch.__version__},
         }
 

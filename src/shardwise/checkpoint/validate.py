@@ -193,24 +193,29 @@ def _check_rng(state: Any, file: Path) -> None:
     if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in cuda):
         fail(file, "rng.cuda", "is not a list of uint8 vectors")
     if "numpy" in state:
-        _check_numpy_rng(state["numpy"], file)
+        import numpy  # here: only a rank file holding numpy's RNG state needs numpy, an optional import
 
-
-def _check_numpy_rng(state: Any, file: Path) -> None:
-    import numpy  # here: only a rank file holding numpy's RNG state needs numpy, an optional import
-
-    try:
-        numpy.random.RandomState().set_state(state)
-    except (TypeError, ValueError, OverflowError) as exc:
-        fail(file, "rng.numpy", f"is not a numpy RNG state ({exc})")
+        try:
+            numpy.random.RandomState().set_state(state["numpy"])
+        except (TypeError, ValueError, OverflowError) as exc:
+            fail(file, "rng.numpy", f"is not a numpy RNG state ({exc})")
 
 
 def check_against_index(manifest: dict[str, Any], refs: list[dict[str, Any]], tensors: dict[str, Any], file: Path) -> None:
-    """Every tensor the manifest describes has exactly that size (and dtype) in the index ``tensors``.
+    """Every tensor the manifest describes has exactly that size (and dtype) in the index ``tensors``: the load
+    allocates from these sizes, so this is what bounds its memory."""
 
-    The load allocates from these sizes, so this is what bounds its memory.
-    """
-    expect = _Expect(tensors, file)
+    def expect(key: str, shape: list[int], dtype: Optional[str]) -> None:
+        entry = tensors.get(key)
+        if entry is None:
+            if math.prod(shape) == 0:
+                return  # an empty tensor has no chunk to save
+            fail(file, key, f"is described with shape {shape} but the tensor index (`.metadata`) has no such entry")
+        if list(entry.size) != list(shape):
+            fail(file, key, f"has shape {list(shape)!s:.80} here but {list(entry.size)} in the tensor index")
+        if dtype is not None and entry.properties.dtype != TENSOR_DTYPES[dtype]:
+            fail(file, key, f"has dtype {dtype} here but {entry.properties.dtype} in the tensor index")
+
     for name, info in manifest["params"].items():
         expect(f"model/master/{name}", [math.prod(info["shape"])], None)
     for name, info in manifest["module"].items():
@@ -224,25 +229,6 @@ def check_against_index(manifest: dict[str, Any], refs: list[dict[str, Any]], te
     for ref in refs:
         key = ref["__tensor__"]  # `extra/3` is stored as `extra/extra/3` (its Stateful is named `extra`)
         expect(f"{key.split('/', 1)[0]}/{key}", ref["shape"], ref["dtype"])
-
-
-class _Expect:
-    """Compares one described tensor with its index entry."""
-
-    def __init__(self, tensors: dict[str, Any], file: Path) -> None:
-        self.tensors = tensors
-        self.file = file
-
-    def __call__(self, key: str, shape: list[int], dtype: Optional[str]) -> None:
-        entry = self.tensors.get(key)
-        if entry is None:
-            if math.prod(shape) == 0:
-                return  # an empty tensor has no chunk to save
-            fail(self.file, key, f"is described with shape {shape} but the tensor index (`.metadata`) has no such entry")
-        if list(entry.size) != list(shape):
-            fail(self.file, key, f"has shape {list(shape)!s:.80} here but {list(entry.size)} in the tensor index")
-        if dtype is not None and entry.properties.dtype != TENSOR_DTYPES[dtype]:
-            fail(self.file, key, f"has dtype {dtype} here but {entry.properties.dtype} in the tensor index")
 
 
 # ------------------------------------------------------------ decoded values
