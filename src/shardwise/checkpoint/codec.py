@@ -17,7 +17,7 @@ import math
 import pickle
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, TypeGuard
 
 import torch
 
@@ -60,7 +60,7 @@ _NON_FINITE = frozenset({"nan", "inf", "-inf"})
 _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 
 
-def is_count(value: Any) -> bool:
+def is_count(value: Any) -> TypeGuard[int]:
     """A non-negative ``int`` (not a bool)."""
     return type(value) is int and value >= 0
 

@@ -22,21 +22,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..model_io.export import ALIASES_KEY, KEYS_KEY, save_state_dict, tied_aliases
+from . import layout
 from .codec import TENSOR_DTYPES, Decoder, empty_tensors, refuse_pickles
 from .deepspeed_format import read_deepspeed
-from .digests import expected_digests
 from .files import CheckpointError, check_views, record_is_stored
-from .layout import (
-    GROUP_MANIFEST,
-    MANIFEST,
-    find_deepspeed,
-    foreign_format,
-    list_checkpoints,
-    member_path,
-    read_group,
-    read_latest,
-    resolve,
-)
 from .stateful import TensorState
 from .storage import LoadPlanner, SafeReader, dcp_errors
 from .verify import check_complete
@@ -48,15 +37,15 @@ def _read(path: Path, manifest: dict[str, Any], name: str, tensors: dict[str, to
     """Fill ``tensors`` (the Stateful ``name``'s) from the checkpoint in ``path``, in this process alone."""
     with warnings.catch_warnings(), dcp_errors(path):
         warnings.simplefilter("ignore")  # DCP warns that no process group exists: that is the point here
-        reader = SafeReader(path, expected_digests(manifest, path / MANIFEST))
+        reader = SafeReader(path, manifest)
         dcp.load({name: TensorState(tensors)}, storage_reader=reader, planner=LoadPlanner(), no_dist=True)
 
 def _checkpoint(ckpt_dir: Any, tag: Optional[str], engine: Optional[str]) -> tuple[Path, dict[str, Any]]:
-    path = resolve(ckpt_dir, tag)
-    if engine is None and (path / GROUP_MANIFEST).is_file():
-        names = read_group(path)
+    path = layout.resolve(ckpt_dir, tag)
+    if engine is None and (path / layout.GROUP_MANIFEST).is_file():
+        names = layout.read_group(path)
         engine = names[0] if len(names) == 1 else None  # the one engine there needs no name
-    path = member_path(path, engine)
+    path = layout.member_path(path, engine)
     return path, check_complete(path)
 
 
@@ -64,7 +53,7 @@ def consolidated_state_dict(ckpt_dir: Any, tag: Optional[str] = None, engine: Op
     """The full fp32 ``state_dict`` saved in ``ckpt_dir`` (a save directory, or one checkpoint); in a
     checkpoint of several engines, that of ``engine``.  A DeepSpeed checkpoint directory is read as
     DeepSpeed's ``zero_to_fp32.py`` reads it (see ``deepspeed_format.py``)."""
-    deepspeed = find_deepspeed(Path(ckpt_dir), tag)
+    deepspeed = layout.find_deepspeed(Path(ckpt_dir), tag)
     if deepspeed is not None:
         return read_deepspeed(deepspeed).weights()
     path, manifest = _checkpoint(ckpt_dir, tag, engine)
@@ -151,13 +140,13 @@ def describe(save_dir: Any) -> str:
     """A human-readable summary of every checkpoint in ``save_dir`` (or of one checkpoint directory)."""
     root = Path(save_dir)
     latest: Optional[str] = root.name
-    if (root / MANIFEST).is_file():
+    if (root / layout.MANIFEST).is_file():
         entries = [(root.name, root, True)]
     else:
-        entries = list_checkpoints(root)
+        entries = layout.list_checkpoints(root)
         latest = _latest(root)
         if not entries:
-            raise CheckpointError(foreign_format(root) or f"no checkpoints in {root}")
+            raise CheckpointError(layout.foreign_format(root) or f"no checkpoints in {root}")
     lines = [f"{root}:"]
     for name, path, committed in entries:
         lines.append(_describe_one(name, path, committed, name == latest))
@@ -166,7 +155,7 @@ def describe(save_dir: Any) -> str:
 
 def _latest(root: Path) -> Optional[str]:
     try:
-        return read_latest(root)
+        return layout.read_latest(root)
     except (FileNotFoundError, CheckpointError):
         return None  # a bad `latest` shows as no checkpoint marked latest; loading it says why
 
@@ -176,9 +165,9 @@ def _describe_one(name: str, path: Path, committed: bool, is_latest: bool) -> st
     mark = "  (latest)" if is_latest else ""
     if not committed:
         return f"  {name}: INCOMPLETE (a save that did not finish; never loaded), {_mb(size)} on disk"
-    if (path / GROUP_MANIFEST).is_file():
+    if (path / layout.GROUP_MANIFEST).is_file():
         try:
-            members = read_group(path)
+            members = layout.read_group(path)
         except CheckpointError as exc:
             return f"  {name}{mark}: BROKEN: {exc}"
         lines = [f"  {name}{mark}: {len(members)} engines"]

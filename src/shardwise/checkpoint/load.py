@@ -221,7 +221,7 @@ class _Load:
         return model
 
     def _read(self, states: dict[str, TensorState]) -> None:
-        reader = SafeReader(self.path, expected_digests(self.manifest, self.path / MANIFEST))
+        reader = SafeReader(self.path, self.manifest)
         # Each rank reads what it asked for on its own (`no_dist`): no collective that a rank dying in
         # the read could leave the others waiting in; the step itself is bounded and watched.
         with dcp_errors(self.path), warnings.catch_warnings():

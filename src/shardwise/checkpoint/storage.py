@@ -44,9 +44,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .codec import TENSOR_DTYPES, is_count
-from .digests import verify
+from .digests import expected_digests, verify
 from .files import HINT, MAX_DIMS, MAX_INDEX_BYTES, CheckpointError, fail, read_limited, record_is_stored, regular_size
-from .layout import INDEX
+from .layout import INDEX, MANIFEST
 
 __all__ = [
     "FlatChunks", "LoadPlanner", "SafeReader", "SavePlanner", "check_index", "dcp_errors", "flatten",
@@ -244,22 +244,22 @@ def dcp_errors(path: Path) -> Iterator[None]:
 
 class SafeReader(FileSystemReader):
     """DCP's file reader, with the ``.metadata`` index unpickled by :func:`read_metadata`, and every
-    tensor file this rank reads checked against the manifest's checksums (``expected``) first."""
+    tensor file this rank reads checked against the checksums of the checked ``manifest`` first."""
 
-    def __init__(self, path: Any, expected: dict[str, Any]) -> None:
+    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
         super().__init__(path)
-        self.expected = expected
+        self.expected = expected_digests(manifest, path / MANIFEST)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise CheckpointError(f"{self.path} has no global `.metadata` index; it was not written by shardwise")
-        metadata = read_metadata(Path(self.path))
-        storage_meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
-        storage_meta.load_id = self.load_id
-        metadata.storage_meta = storage_meta
-        for name, size in record_ends(metadata.storage_data, Path(self.path) / INDEX).items():
-            if (regular_size(Path(self.path) / name) or 0) < size:
-                raise CheckpointError(f"{Path(self.path) / name} is missing or shorter than its index says; {HINT}")
+        root = Path(self.path)
+        metadata = read_metadata(root)
+        metadata.storage_meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        for name, size in record_ends(metadata.storage_data, root / INDEX).items():
+            if (regular_size(root / name) or 0) < size:
+                raise CheckpointError(f"{root / name} is missing or shorter than its index says; {HINT}")
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: Any) -> Any:
@@ -269,12 +269,12 @@ class SafeReader(FileSystemReader):
         for item in plan.items:
             info = self.storage_data[item.storage_index]
             by_file.setdefault(info.relative_path, []).append(info)
+        root = Path(self.path)
         for name, infos in by_file.items():
-            verify(Path(self.path), name, self.expected)
-            with open(Path(self.path) / name, "rb") as stream:
+            verify(root, name, self.expected)
+            with open(root / name, "rb") as stream:
                 for info in sorted(infos, key=lambda i: i.offset):
-                    where = f"the tensor record at byte {info.offset} of {Path(self.path) / name}"
-                    record_is_stored(stream, info.offset, info.length, where)
+                    record_is_stored(stream, info.offset, info.length, f"the tensor record at byte {info.offset} of {root / name}")
         return super().read_data(plan, planner)
 
 
