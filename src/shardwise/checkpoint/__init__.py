@@ -13,16 +13,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
-    "CheckpointError",
-    "consolidate",
-    "consolidated_client_state",
-    "consolidated_state_dict",
-    "describe",
-    "load_checkpoint",
-    "load_checkpoints",
-    "load_consolidated",
-    "save_checkpoint",
-    "save_checkpoints",
+    "CheckpointError", "consolidate", "consolidated_client_state", "consolidated_state_dict", "describe",
+    "load_checkpoint", "load_checkpoints", "load_consolidated", "save_checkpoint", "save_checkpoints",
 ]
 
 _MODULES = {

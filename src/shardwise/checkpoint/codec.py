@@ -270,7 +270,9 @@ class Encoder:
         if isinstance(value, float):
             return value if math.isfinite(value) else {"__float__": repr(value)}
         if isinstance(value, torch.Tensor):
-            return self._tensor(value)
+            key = f"{self.prefix}/{len(self.tensors)}"
+            self.tensors[key] = value.detach()
+            return {"__tensor__": key, "shape": list(value.shape), "dtype": dtype_name(value.dtype)}
         if isinstance(value, (list, tuple)):
             items = [self.encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
             return items if isinstance(value, list) else {"__tuple__": items}
@@ -279,21 +281,12 @@ class Encoder:
         if isinstance(value, bytes):
             return {"__bytes__": base64.b64encode(value).decode()}
         if isinstance(value, torch.dtype):
-            return self._dtype(value, where)
+            if dtype_name(value) not in DTYPES:
+                raise CheckpointError(f"`{where}` holds `{value}`, a dtype shardwise checkpoints do not store")
+            return {"__dtype__": dtype_name(value)}
         if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
             return {"__ndarray__": value.tolist(), "dtype": str(value.dtype)}
         return self._pickle(value, where)
-
-    def _tensor(self, value: torch.Tensor) -> dict[str, Any]:
-        key = f"{self.prefix}/{len(self.tensors)}"
-        self.tensors[key] = value.detach()
-        return {"__tensor__": key, "shape": list(value.shape), "dtype": dtype_name(value.dtype)}
-
-    def _dtype(self, value: torch.dtype, where: str) -> dict[str, Any]:
-        name = dtype_name(value)
-        if name not in DTYPES:
-            raise CheckpointError(f"`{where}` holds `{value}`, a dtype shardwise checkpoints do not store")
-        return {"__dtype__": name}
 
     def _dict(self, value: dict[Any, Any], where: str) -> Any:
         if all(isinstance(k, str) and not k.startswith("__") for k in value):
@@ -314,12 +307,8 @@ class Encoder:
 
 @dataclass
 class Decoder:
-    """Decodes :class:`Encoder` output; ``tensors`` holds the loaded referenced tensors.
-
-    A malformed value is a :class:`CheckpointError` naming where it is: what a checkpoint holds never reaches
-    Python as anything but plain values, tensors it references, torch dtypes and numpy arrays of plain numbers
-    (and, only with ``allow_pickle``, unpickled objects).
-    """
+    """Decodes :class:`Encoder` output (``tensors``: the loaded tensors it refers to) into plain values, those
+    tensors, dtypes and numeric numpy arrays only (unpickled objects only with ``allow_pickle``)."""
 
     tensors: dict[str, torch.Tensor]
     allow_pickle: bool = False

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, TypeVar
 from .files import CheckpointError
 from .layout import LATEST, TEMP_PREFIX
 
-__all__ = ["commit", "explained", "fsync_dir", "need_space", "remove_stale_temps", "write_atomic", "write_json"]
+__all__ = ["commit", "explained", "fsync_dir", "need_space", "new_temp", "write_atomic", "write_json"]
 
 _T = TypeVar("_T")
 #: below this many free bytes, a write that failed for no stated reason is taken for a full disk
@@ -47,20 +47,15 @@ def fsync_dir(path: Path) -> None:
     except OSError:
         return  # not supported here (e.g. Windows): renames are as durable as the OS makes them
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
 
 def _create_temp(path: Path) -> tuple[int, Path]:
-    """A new, empty file next to ``path`` under a random name, created by this call and nobody else.
-
-    ``O_EXCL`` fails if anything (a planted symlink included) has the name, ``O_NOFOLLOW`` refuses a link even
-    where ``O_EXCL`` alone would not, and the random suffix cannot be planted in advance.  Unlike
-    ``tempfile.mkstemp``, the file gets the mode ``open`` gives (0666 less the umask): readable by the group.
-    """
+    """A new file next to ``path`` under a random name, created by this call (``O_EXCL``, ``O_NOFOLLOW``) with
+    the mode ``open`` gives, not ``mkstemp``'s 0600: a checkpoint stays readable by the group."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     for _ in range(100):
         tmp = path.with_name(f"{TEMP_PREFIX}{path.name}.{secrets.token_hex(8)}")
@@ -72,10 +67,8 @@ def _create_temp(path: Path) -> tuple[int, Path]:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part.
-
-    A rename of a fresh file (:func:`_create_temp`) replaces a symlink at ``path`` and never writes through it.
-    """
+    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part (and a
+    symlink at ``path`` is replaced, never written through)."""
     fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -117,8 +110,16 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def remove_stale_temps(save_dir: Path, tag: str) -> None:
-    """Delete directories that earlier, failed saves of ``tag`` left behind."""
+def new_temp(temp: Path, tag: Optional[str]) -> None:
+    """Create the new, empty directory ``temp`` (exclusively: its name is random); with ``tag``, it is a save's
+    own, and what earlier, failed saves of ``tag`` left next to it is deleted first."""
+    if tag is not None:
+        temp.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(temp.parent, tag)
+    temp.mkdir()
+
+
+def _remove_stale_temps(save_dir: Path, tag: str) -> None:
     pattern = re.compile(re.escape(f"{TEMP_PREFIX}{tag}-") + r"[0-9a-f]{12}(\.replaced)?")
     for child in save_dir.glob(f"{TEMP_PREFIX}{tag}-*"):
         if pattern.fullmatch(child.name) and (child.is_symlink() or child.is_dir()):
@@ -126,11 +127,8 @@ def remove_stale_temps(save_dir: Path, tag: str) -> None:
 
 
 def explained(temp: Path, fn: Callable[[], _T]) -> _T:
-    """Run ``fn``; an OS error becomes a :class:`CheckpointError` naming the directory and what to do.
-
-    ``torch.save`` reports a failed write as ``RuntimeError: unexpected pos`` (the OS error is lost on the
-    way): such an error on a file system with almost no space left is taken for what it is, a full disk.
-    """
+    """Run ``fn``; an OS error becomes a :class:`CheckpointError` naming the directory and what to do.  A
+    ``RuntimeError`` (``torch.save``'s "unexpected pos" loses the OS error) on an almost full disk is a full disk."""
     try:
         return fn()
     except OSError as exc:

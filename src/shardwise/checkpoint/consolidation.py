@@ -8,6 +8,7 @@ would have at save time: tied names share one tensor.  safetensors refuses share
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -23,10 +24,10 @@ from safetensors.torch import load_file
 
 from ..model_io.export import ALIASES_KEY, KEYS_KEY, save_state_dict, tied_aliases
 from . import layout
-from .codec import TENSOR_DTYPES, Decoder, empty_tensors, refuse_pickles
+from .codec import Decoder, empty_tensors, refuse_pickles
 from .deepspeed_format import read_deepspeed
 from .files import CheckpointError, check_views, record_is_stored
-from .stateful import TensorState
+from .stateful import ModelState, TensorState
 from .storage import LoadPlanner, SafeReader, dcp_errors
 from .verify import check_complete
 
@@ -57,22 +58,11 @@ def consolidated_state_dict(ckpt_dir: Any, tag: Optional[str] = None, engine: Op
     if deepspeed is not None:
         return read_deepspeed(deepspeed).weights()
     path, manifest = _checkpoint(ckpt_dir, tag, engine)
-    values: dict[str, torch.Tensor] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    # Sizes were checked against the index and the bytes on disk, and every chunk
-    # covers its tensor exactly once (`check_complete`): each element is read.
-    for name, info in manifest["params"].items():
-        values[name] = tensors[f"master/{name}"] = torch.empty(math.prod(info["shape"]), dtype=torch.float32)
-    for name, info in manifest["module"].items():
-        values[name] = tensors[f"module/{name}"] = torch.empty(info["shape"], dtype=TENSOR_DTYPES[info["dtype"]])
-    _read(path, manifest, "model", tensors)
-    for name, info in manifest["params"].items():
-        values[name] = values[name].view(info["shape"])
-    for name, value in values.items():
-        if value.is_floating_point():
-            values[name] = value.float()  # as engine.full_state_dict(): full precision
-    aliases = manifest["aliases"]
-    return {key: values[aliases.get(key, key)] for key in manifest["state_dict_keys"]}
+    # sizes were checked against the index and the disk, and chunks cover each tensor once: every element is read
+    model, state_dict = ModelState.whole(manifest)
+    _read(path, manifest, "model", model.tensors)
+    full = {id(v): v.float() if v.is_floating_point() else v for v in state_dict.values()}  # fp32; tied stay one
+    return {key: full[id(value)] for key, value in state_dict.items()}
 
 
 def consolidated_client_state(ckpt_dir: Any, tag: Optional[str] = None, engine: Optional[str] = None, *,
@@ -144,20 +134,15 @@ def describe(save_dir: Any) -> str:
         entries = [(root.name, root, True)]
     else:
         entries = layout.list_checkpoints(root)
-        latest = _latest(root)
+        latest = None
+        with contextlib.suppress(FileNotFoundError, CheckpointError):  # a bad `latest` marks none; loading says why
+            latest = layout.read_latest(root)
         if not entries:
             raise CheckpointError(layout.foreign_format(root) or f"no checkpoints in {root}")
     lines = [f"{root}:"]
     for name, path, committed in entries:
         lines.append(_describe_one(name, path, committed, name == latest))
     return "\n".join(lines)
-
-
-def _latest(root: Path) -> Optional[str]:
-    try:
-        return layout.read_latest(root)
-    except (FileNotFoundError, CheckpointError):
-        return None  # a bad `latest` shows as no checkpoint marked latest; loading it says why
 
 
 def _describe_one(name: str, path: Path, committed: bool, is_latest: bool) -> str:

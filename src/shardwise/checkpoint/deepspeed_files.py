@@ -58,13 +58,8 @@ ALLOWED: list[Any] = [
 
 def read_pickle(path: Path, allow_pickle: bool = False, budget: Optional[int] = None,
                 over_budget: str = "") -> dict[str, Any]:
-    """One DeepSpeed file as a dict; refused (CheckpointError) if it needs a class outside :data:`ALLOWED`.
-
-    Read as untrusted input (:mod:`.torch_files`): never through a link, its records stored uncompressed
-    and, with ``budget``, at most that many bytes (``over_budget`` ends the error: what the budget is and the
-    fix), and every tensor no larger than its storage.  ``allow_pickle`` (``checkpoint.allow_pickle``)
-    lifts the class restriction: then the file is a full pickle.
-    """
+    """One DeepSpeed file as a dict, read as untrusted input (:func:`~.files.check_records`, ``budget`` and its
+    ``over_budget`` message included); refused if it needs a class outside :data:`ALLOWED` unless ``allow_pickle``."""
     with open_regular(path) as stream:
         check_records(stream, path, budget, over_budget)
         try:
@@ -134,9 +129,8 @@ class DeepSpeedFiles:
 
 # ------------------------------------------------------------ the model it is loaded into
 
-#: a DeepSpeed file holds per element of the model at most: the module value (8 bytes for an int64 buffer),
-#: the fp32 master (4) and the optimizer's fp32 state (Adam: 2 x 4; a few optimizers keep a third);
-#: 32 leaves room for all of it
+#: per element of the model a DeepSpeed file holds at most the module value (8 bytes for an int64 buffer), the fp32
+#: master (4) and the optimizer's fp32 state (Adam: 2 x 4; a few optimizers keep a third): 32 leaves room for all
 BYTES_PER_ELEMENT = 32
 #: the pickle itself, counters, the scheduler, a `client_state` of small values
 SLACK_BYTES = 16 * 2**20

@@ -29,20 +29,14 @@ def load_deepspeed(engine: Checkpointable, session: Session, path: Path, options
     """Restore ``engine`` from DeepSpeed tag directory ``path``; ``options`` as ``load.py``'s ``_Options``."""
     allow = engine.settings.allow_pickle
     with engine.shards(loading=True) as shards:
-        model = _model_shapes(engine, shards)
+        with torch._C.DisableTorchFunctionSubclass():  # a partitioned parameter reports its full shape
+            shapes = {name: t.shape for name, t in engine.module.state_dict(keep_vars=True).items()}
+        model = ModelShapes({**shapes, **{shard.name: shard.shape for shard in shards}})
         ckpt, _ = session.step("reading the DeepSpeed checkpoint", lambda: read_deepspeed(path, allow, model))
         plan, _ = session.step("checking it against this engine", lambda: _Plan(engine, ckpt, shards, options))
         plan.apply()
     engine.after_load()
     return str(path), ckpt.client_state
-
-
-def _model_shapes(engine: Checkpointable, shards: list[ParamShard]) -> ModelShapes:
-    """The full shape of every entry of the engine's model (stage 3's partitioned ones included)."""
-    with torch._C.DisableTorchFunctionSubclass():  # a partitioned parameter reports its full shape
-        shapes = {name: t.shape for name, t in engine.module.state_dict(keep_vars=True).items()}
-    shapes.update({shard.name: shard.shape for shard in shards})
-    return ModelShapes(shapes)
 
 
 class _Plan:

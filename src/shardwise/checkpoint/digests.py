@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 from .files import CheckpointError
 
-__all__ = ["digest", "digests", "expected_digests", "require_listed", "verify"]
+__all__ = ["digest", "expected_digests", "require_listed", "verify"]
 
 _HEX = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 20
@@ -31,11 +31,6 @@ def digest(path: Path) -> dict[str, Any]:
             hasher.update(chunk)
             size += len(chunk)
     return {"bytes": size, "sha256": hasher.hexdigest()}
-
-
-def digests(root: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """``{name: digest(root / name)}`` for each name."""
-    return {name: digest(root / name) for name in sorted(set(names))}
 
 
 def expected_digests(manifest: Any, file: Path) -> dict[str, dict[str, Any]]:

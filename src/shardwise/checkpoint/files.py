@@ -74,10 +74,8 @@ def _not_regular(path: Path, mode: int) -> CheckpointError:
 
 
 def open_regular(path: Path) -> BinaryIO:
-    """Regular file ``path`` opened for reading, never through a link (nor a FIFO, which would block).
-
-    Raises FileNotFoundError if it does not exist, :class:`CheckpointError` otherwise.
-    """
+    """Regular file ``path`` opened for reading, never through a link (nor a FIFO, which would block);
+    FileNotFoundError if it does not exist, :class:`CheckpointError` if it is anything else."""
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
@@ -143,10 +141,8 @@ def is_real_dir(path: Path) -> bool:
 
 
 def check_records(stream: BinaryIO, path: Path, budget: Optional[int], over_budget: str) -> None:
-    """Raise unless ``stream``'s zip records are stored, do not overlap, and sum to at most ``budget`` bytes.
-
-    ``over_budget`` is the end of the error when the records exceed the budget (what the budget is, the fix).
-    """
+    """Raise unless ``stream``'s zip records are stored, do not overlap, and sum to at most ``budget`` bytes
+    (``over_budget`` ends that error: what the budget is, the fix)."""
     size = os.fstat(stream.fileno()).st_size
     try:
         entries = zipfile.ZipFile(stream).infolist()

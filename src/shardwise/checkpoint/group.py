@@ -28,7 +28,7 @@ from ..comm.agreement import Session
 from ..comm.distributed import Comm
 from ..faults.announce import Announcer
 from ..faults.ledger import doing
-from .commit import commit, fsync_dir, remove_stale_temps, write_atomic, write_json
+from .commit import commit, fsync_dir, new_temp, write_atomic, write_json
 from .files import CheckpointError, is_real_dir
 from .layout import GROUP_FORMAT, GROUP_MANIFEST, LATEST, MANIFEST, read_group, read_latest, temp_dir, validate_tag
 from .load import load_checkpoint
@@ -101,7 +101,7 @@ def _save(save_dir: Any, engines: Mapping[str, Checkpointable], names: list[str]
                         engines={name: _ranks(engine.comm) for name, engine in engines.items()})
     members = _agree_on_engines(session)
     temp = temp_dir(root, tag, session.payloads[0]["nonce"])
-    session.step("preparing the directory", lambda: _prepare(root, tag, temp) if session.rank == 0 else None)
+    session.step("preparing the directory", lambda: new_temp(temp, tag) if session.rank == 0 else None)
     try:
         for name in sorted(members):  # the same order on every rank: engines on shared ranks never cross
             if name in engines:
@@ -132,12 +132,6 @@ def _agree_on_engines(session: Session) -> dict[str, list[int]]:
                 "to `save_checkpoints`: every rank passes every engine it holds"
             )
     return members
-
-
-def _prepare(root: Path, tag: str, temp: Path) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(root, tag)
-    temp.mkdir()  # exclusively: the name is random, nothing may be there
 
 
 def _commit(root: Path, tag: str, temp: Path, names: list[str]) -> None:

@@ -258,10 +258,8 @@ def _latest_tag(load_dir: Path) -> Optional[str]:
 
 
 def find_deepspeed(load_dir: Path, tag: Optional[str]) -> Optional[Path]:
-    """The DeepSpeed tag directory that ``load_dir`` (and ``tag``, else its ``latest``) names; None if not one.
-
-    Conservative: anything else (a bad tag included) is left to the shardwise load, which says what is wrong.
-    """
+    """The DeepSpeed tag directory that ``load_dir`` (and ``tag``, else its ``latest``) names; None for anything
+    else (a bad tag included), which the shardwise load then explains."""
     if tag is None and is_deepspeed_tag_dir(load_dir):
         return load_dir
     tag = tag if tag is not None else _latest_tag(load_dir)

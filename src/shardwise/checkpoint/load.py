@@ -108,10 +108,7 @@ def _find(load_dir: Path, tag: Optional[str], member: Optional[str]) -> Path:
 
 
 def _names_with_saved_state(load_dir: Path, tag: Optional[str], member: Optional[str]) -> frozenset[str]:
-    """Parameters the checkpoint has optimizer state for (a frozen one keeps it for later).
-
-    Any problem reading the manifest is left to the load itself to report.
-    """
+    """Parameters the checkpoint has optimizer state for (a frozen one keeps it); the load reports any problem."""
     try:
         manifest = check_complete(_find(load_dir, tag, member))
         return frozenset(((manifest.get("optimizer") or {}).get("state") or {}).keys())
@@ -162,9 +159,8 @@ class _Load:
         with_master = {name: shape for f in found for name, shape in f["with_master"].items()}
         states, _ = self.session.step("planning the load", lambda: self._plan(with_master))
         self.session.step("reading and checking its shards", lambda: self._read(states))
-        # Every rank has read and validated everything: apply. The states' actions first: one of them fills a
-        # module entry's buffer from a saved master (an engine without an optimizer, e.g. for inference, keeps
-        # no masters), and the engine's entries (collective where partitioned) must install filled buffers.
+        # Every rank has read and checked everything: apply, the states' actions first, since one may fill a module
+        # entry's buffer from a saved master that the engine's entries (collective where partitioned) then install.
         for state in states.values():
             state.apply()
         self.apply_entries()
@@ -192,7 +188,12 @@ class _Load:
         states: dict[str, TensorState] = {"model": model}
         saved_optimizer = self.manifest.get("optimizer")
         if self.options.optimizer and self.engine.optimizer is not None and saved_optimizer is not None:
-            self._check_groups(saved_optimizer)
+            saved, groups = saved_optimizer.get("param_groups") or [], self.engine.optimizer.param_groups
+            if len(saved) != len(groups):
+                raise CheckpointError(
+                    f"the checkpoint's optimizer has {len(saved)} param group(s), this one {len(groups)}; "
+                    "build the optimizer with the same param groups, or pass `load_optimizer_states=False`"
+                )
             states["optim"] = OptimizerState.loading(self.shards, saved_optimizer["state"], self.manifest["aliases"])
         described = {k: v for k, v in self.manifest.items() if k != "files"}  # file checksums hold no tensors
         self.extra = empty_tensors(described)
@@ -222,8 +223,7 @@ class _Load:
 
     def _read(self, states: dict[str, TensorState]) -> None:
         reader = SafeReader(self.path, self.manifest)
-        # Each rank reads what it asked for on its own (`no_dist`): no collective that a rank dying in
-        # the read could leave the others waiting in; the step itself is bounded and watched.
+        # each rank reads on its own (`no_dist`): no collective for a rank dying in it to hang; the step is watched
         with dcp_errors(self.path), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
             dcp.load(states, storage_reader=reader, planner=LoadPlanner(), no_dist=True)
@@ -245,15 +245,6 @@ class _Load:
                 "entries both have, or `module_load_fn=` to map them yourself"
             )
         warnings.warn(f"load_checkpoint(strict=False) from {self.path}: {detail}", stacklevel=4)
-
-    def _check_groups(self, saved_optimizer: dict[str, Any]) -> None:
-        saved = saved_optimizer.get("param_groups") or []
-        groups = self.engine.optimizer.param_groups if self.engine.optimizer is not None else []
-        if len(saved) != len(groups):
-            raise CheckpointError(
-                f"the checkpoint's optimizer has {len(saved)} param group(s), this one {len(groups)}; "
-                "build the optimizer with the same param groups, or pass `load_optimizer_states=False`"
-            )
 
     def _rng_plan(self) -> Optional[tuple[Any, dict[str, torch.Tensor]]]:
         if self.options.module_only or not self.engine.settings.save_rng_state or not self.manifest.get("rng"):
@@ -292,11 +283,8 @@ class _Load:
                                f"{self.path / rank_file(self.rank)}: rng")
 
     def _without_scheduler_keys(self, groups: Any, current: list[dict[str, Any]], has_scheduler: bool) -> Any:
-        """The saved param groups, less the keys an lr scheduler put there when this engine has none.
-
-        A run with a `scheduler` section saves `initial_lr` in every group; an engine built without one has no
-        such key. That is a config that differs, not a damaged checkpoint: said so, with both fixes.
-        """
+        """The saved param groups, less the keys an lr scheduler put there (``initial_lr``) when this engine has
+        none: a config that differs, not a damaged checkpoint, and said so."""
         if not isinstance(groups, list) or self.manifest.get("scheduler") is None:
             return groups
         extra = sorted({k for g in groups if isinstance(g, dict) for k in g if k in SCHEDULER_KEYS}

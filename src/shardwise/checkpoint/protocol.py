@@ -96,10 +96,8 @@ class Checkpointable(Protocol):
         """Restored whole: ``precision`` and ``counters`` always, ``scheduler`` when there is one."""
 
     def weights_16bit(self) -> Optional[dict[str, torch.Tensor]]:
-        """A compute-dtype ``state_dict`` to write next to the shards (rank 0; None: none asked for).
-
-        Collective: DeepSpeed's ``stage3_gather_16bit_weights_on_model_save``.
-        """
+        """A compute-dtype ``state_dict`` to write next to the shards (rank 0; None: none asked for); collective:
+        DeepSpeed's ``stage3_gather_16bit_weights_on_model_save``."""
 
     def after_load(self) -> None:
         """Make the model's parameters equal to the loaded masters (collective)."""

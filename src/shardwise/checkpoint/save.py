@@ -38,8 +38,8 @@ from ..faults.errors import RankGoneError
 from ..model_io.export import save_state_dict
 from ..optim.param_state import ParamShard
 from .codec import Encoder
-from .commit import commit, explained, need_space, remove_stale_temps, write_json
-from .digests import digest, digests
+from .commit import commit, explained, need_space, new_temp, write_json
+from .digests import digest
 from .files import CheckpointError, StoreValueError
 from .layout import FORMAT, INDEX, LATEST, MANIFEST, VERSION, rank_file, temp_dir, validate_tag
 from .protocol import Checkpointable
@@ -131,14 +131,8 @@ class _Save:
 
     def _describe(self) -> dict[str, Any]:
         if self.rank == 0:
-            explained(self.temp, self._make_temp)
+            explained(self.temp, lambda: new_temp(self.temp, self.tag if self.commit_to is not None else None))
         return describe_shards(self.shards)
-
-    def _make_temp(self) -> None:
-        if self.commit_to is not None:
-            self.commit_to.parent.mkdir(parents=True, exist_ok=True)
-            remove_stale_temps(self.commit_to.parent, self.tag)
-        self.temp.mkdir()  # exclusively: nothing may be there before (the name is random)
 
     def _prepare(self, entries: dict[str, torch.Tensor]) -> dict[str, TensorState]:
         states: dict[str, TensorState] = {"model": ModelState.saving(self.shards, entries)}
@@ -179,7 +173,8 @@ class _Save:
             expected.append(WEIGHTS_16BIT)
         write_json(self.temp / MANIFEST, {**self._manifest(descriptions), "files": files})
         absent = [name for name in expected if not (self.temp / name).is_file()]
-        absent += [f.name for f in _data_files(self.temp) if not f.is_file()]
+        absent += sorted({info.relative_path for info in read_metadata(self.temp).storage_data.values()
+                          if not (self.temp / info.relative_path).is_file()})
         if absent:
             raise CheckpointError(
                 f"rank 0 cannot see {absent} in {self.temp} although every rank reported them written: "
@@ -236,7 +231,13 @@ def _dcp_write(session: Session, state_dict: dict[str, Any], writer: _RankWriter
         return list(writer.prepare_global_plan(plans_out))
 
     _, central = session.step("planning the checkpoint's files", global_plan, objects=Optional[list[SavePlan]])
-    mine = _own_plan(central[0], session)
+    if central[0] is None or len(central[0]) != session.world_size:  # one plan per rank
+        raise StoreValueError(
+            f"rank {session.rank}: rank 0's global save plan holds {'no' if central[0] is None else len(central[0])} "
+            f"plan(s), expected one per rank ({session.world_size}); only shardwise's ranks should write to the "
+            "rendezvous store: run every rank with the same shardwise and torch (`shardwise env`)"
+        )
+    mine = central[0][session.rank]
 
     def write() -> tuple[Any, dict[str, Any]]:
         pending = writer.write_data(planner.finish_plan(mine), planner)
@@ -248,23 +249,9 @@ def _dcp_write(session: Session, state_dict: dict[str, Any], writer: _RankWriter
     return metadata, [results for results, _ in outcomes], {k: v for _, files in outcomes for k, v in files.items()}
 
 
-def _own_plan(central: Optional[list[SavePlan]], session: Session) -> SavePlan:
-    """This rank's part of rank 0's global plan, which must hold one plan per rank."""
-    if central is None or len(central) != session.world_size:
-        raise StoreValueError(
-            f"rank {session.rank}: rank 0's global save plan holds {'no' if central is None else len(central)} "
-            f"plan(s), expected one per rank ({session.world_size}); only shardwise's ranks should write to the "
-            "rendezvous store: run every rank with the same shardwise and torch (`shardwise env`)"
-        )
-    return central[session.rank]
-
-
 class _RankWriter(FileSystemWriter):
-    """DCP's file writer (one fsynced file per rank) that then writes ``rankR.json``.
-
-    That file is this rank's "done" marker: it exists only if the rank's tensor file was completely written
-    and flushed.  ``files`` then holds the size and SHA-256 of both.
-    """
+    """DCP's file writer (one fsynced file per rank) that then writes ``rankR.json``, this rank's "done" marker,
+    and keeps the size and SHA-256 of both in ``files``."""
 
     def __init__(self, path: Path, marker: Path, info: dict[str, Any]) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
@@ -272,19 +259,15 @@ class _RankWriter(FileSystemWriter):
         self.files: dict[str, Any] = {}
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        need_space(self.root, _planned_bytes(plan))  # a full disk said up front, not as torch.save's "unexpected pos"
+        # a full disk said up front, not as torch.save's "unexpected pos" (the records add a little to the tensors)
+        data = [item.tensor_data for item in plan.items if item.tensor_data is not None]
+        need_space(self.root, sum(math.prod(d.chunk.sizes) * d.properties.dtype.itemsize for d in data))
         written = super().write_data(plan, planner)
         written.wait()
         write_json(self.marker, self.info)
         names = {result.storage_data.relative_path for result in written.value()} | {self.marker.name}
-        self.files = digests(self.root, names)
+        self.files = {name: digest(self.root / name) for name in sorted(names)}
         return written
-
-
-def _planned_bytes(plan: Any) -> int:
-    """The tensor bytes a DCP write plan will put on disk (records add a little)."""
-    items = [item.tensor_data for item in plan.items if item.tensor_data is not None]
-    return sum(math.prod(data.chunk.sizes) * data.properties.dtype.itemsize for data in items)
 
 
 def _committed(temp: Path, final: Path, rank: int) -> bool:
@@ -294,7 +277,3 @@ def _committed(temp: Path, final: Path, rank: int) -> bool:
     except OSError:
         return False
     return not temp.exists() and latest == final.name and (final / MANIFEST).is_file() and (final / rank_file(rank)).is_file()
-
-
-def _data_files(path: Path) -> list[Path]:
-    return sorted({path / info.relative_path for info in read_metadata(path).storage_data.values()})

@@ -53,10 +53,7 @@ class TensorState:
 @dataclass
 class ModelNames:
     """The module's ``state_dict`` keys; tied entries (one tensor, several names) map to the first name.
-
-    ``tensors`` are the live objects (``keep_vars``): only their metadata is
-    read here; values go through the engine's ``save_entries``/``load_entries``.
-    """
+    ``tensors`` are the live objects, read for their metadata only (values go through the engine)."""
 
     keys: list[str]
     aliases: dict[str, str]
@@ -212,10 +209,6 @@ class Sources:
             return ("module", saved)
         return None
 
-    def shape(self, source: tuple[str, str]) -> list[int]:
-        kind, saved = source
-        return list((self.params if kind == "master" else self.module)[saved]["shape"])
-
     def report(self, names: ModelNames, with_master: dict[str, list[int]]) -> tuple[list[str], list[str], list[str]]:
         """``(missing, unexpected, mismatched)`` entries of the current model against the checkpoint."""
         current = {n: list(names.tensors[n].shape) for n in names.others(set(with_master))}
@@ -227,9 +220,11 @@ class Sources:
             if source is None:
                 missing.append(name)
                 continue
-            used.add(source[1])
-            if self.shape(source) != shape:
-                mismatched.append(f"{name}: checkpoint {tuple(self.shape(source))}, model {tuple(shape)}")
+            kind, saved = source
+            used.add(saved)
+            saved_shape = list((self.params if kind == "master" else self.module)[saved]["shape"])
+            if saved_shape != shape:
+                mismatched.append(f"{name}: checkpoint {tuple(saved_shape)}, model {tuple(shape)}")
         unexpected = sorted((set(self.params) | set(self.module)) - used)
         return sorted(missing), unexpected, mismatched
 
@@ -254,11 +249,8 @@ class OptimizerState(TensorState):
 
     @classmethod
     def loading(cls, shards: list[ParamShard], saved_state: dict[str, Any], aliases: dict[str, str]) -> OptimizerState:
-        """Fresh tensors for every saved entry, installed through each shard's slot when applied.
-
-        Pieces whose parameter has no saved state (the optimizer had not stepped
-        it) end up with empty state, as in a fresh optimizer.
-        """
+        """Fresh tensors for every saved entry, installed through each shard's slot when applied; a parameter
+        with no saved state (never stepped) gets empty state, as in a fresh optimizer."""
         state = cls()
         for name, pieces in _by_name(shards).items():
             saved = aliases.get(name, name)
@@ -284,8 +276,7 @@ class OptimizerState(TensorState):
                 values[key] = Decoder({}).decode(entry["value"], f"optimizer state of `{saved}`")
 
         def install() -> None:
-            # A replicated tensor (Adam's `step`) was read once: each piece gets its own copy,
-            # as torch.optim would have made it.
+            # a replicated tensor (Adam's `step`) was read once: each piece gets its own copy, as in torch.optim
             shard.state.set({k: (v.clone() if k in shared else v) for k, v in values.items()})
 
         self.actions.append(install)

@@ -198,13 +198,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: Path) -> Metadata:
-    """DCP's ``.metadata`` index of the checkpoint in ``path``, unpickled safely and checked
-    (:func:`check_index`) before anything is read through it.
-
-    A load reads the index twice (to check the checkpoint, then in DCP); the
-    second time the same, unchanged file (same inode, size and mtime) is not
-    unpickled and checked again.
-    """
+    """DCP's ``.metadata`` index of the checkpoint in ``path``, unpickled safely and checked (:func:`check_index`).
+    A load reads it twice (to check the checkpoint, then in DCP): an unchanged file is not read again."""
     file = path / INDEX
     try:
         info = os.lstat(file)
@@ -263,8 +258,7 @@ class SafeReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: Any) -> Any:
-        # DCP reads each record straight into its destination (the engine's own tensors), so every
-        # record this rank will read is checked first: a bad one fails the load before any is read.
+        # DCP reads each record straight into the engine's tensors: every record is checked before any is read
         by_file: dict[str, list[Any]] = {}
         for item in plan.items:
             info = self.storage_data[item.storage_index]

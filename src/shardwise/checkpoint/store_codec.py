@@ -46,8 +46,7 @@ class _Tables:
 
 @functools.cache
 def _tables() -> _Tables:
-    # Built on first use: DCP takes ~0.6 s to import, and plain values (the agreement's payloads, which
-    # every engine's `initialize` exchanges) never need it.
+    # built on first use: DCP takes ~0.6 s to import, and plain values (every `initialize`'s payloads) never need it
     from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType

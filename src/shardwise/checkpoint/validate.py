@@ -244,9 +244,8 @@ def _kind(value: Any) -> str:
 def conform(loaded: Any, template: Any, where: str) -> Any:
     """``loaded`` if it has the structure of ``template``; else a :class:`CheckpointError` naming ``where``.
 
-    An integer must stay an integer; a float or None (an optional setting) may be any number or None; dicts
-    may omit keys but not add any; sequences match element by element when their lengths agree, else every
-    element matches the template's first.
+    An integer stays an integer; a float or None may be any number or None; dicts may omit keys, never add any;
+    sequences match element by element when the lengths agree, else every element matches the first.
     """
     if isinstance(template, dict):
         return _conform_dict(loaded, template, where)

@@ -22,11 +22,8 @@ _SHOWN = 12  # missing files listed in an error
 
 
 def check_complete(path: Path) -> dict[str, Any]:
-    """The manifest of the checkpoint in ``path``, checked against its index and files.
-
-    Raises naming every missing or short file, or the first field that a
-    checkpoint shardwise wrote could not hold (see ``validate.py``).
-    """
+    """The manifest of the checkpoint in ``path``, checked against its index and files; raises naming every
+    missing or short file, or the first field a checkpoint shardwise wrote could not hold."""
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist (tags in {path.parent}: {tags(path.parent)})")
     foreign = foreign_format(path)
@@ -96,8 +93,7 @@ def _missing_files(path: Path, metadata: Any) -> list[str]:
     if world is None:
         return missing + ["every rank's tensor file (none was started)"]
     for r in range(world):
-        # `rankR.json` is written right after rank R's tensor file is flushed: without it,
-        # that file is absent or cut short.
+        # `rankR.json` is written right after rank R's tensor file is flushed: without it, that file is cut short
         if regular_size(path / rank_file(r)) is None:
             missing += [f"__{r}_0.distcp (rank {r} did not finish writing it)", rank_file(r)]
     if metadata is None:
