@@ -24,8 +24,8 @@ import torch
 from .files import MAX_DEPTH, MAX_DIMS, CheckpointError
 
 __all__ = [
-    "DTYPES", "NUMPY_DTYPES", "TENSOR_DTYPES", "Decoder", "Encoder", "check_encoded", "dtype_name", "empty_tensors", "is_count",
-    "refuse_pickles", "tensor_refs",
+    "DTYPES", "NUMPY_DTYPES", "TENSOR_DTYPES", "Decoder", "Encoder", "check_encoded", "dtype_name", "empty_tensors",
+    "is_count", "refuse_pickles", "tensor_refs",
 ]
 
 # The names `__dtype__` may carry: torch dtypes and nothing else (an allow-list, never `getattr(torch, name)`).
@@ -208,10 +208,10 @@ def leaf_tag(node: Node, i: int) -> Optional[str]:
     try:
         tag = _tag(data)
         problem = _leaf_problem(data, tag) if tag is not None and tag not in _CONTAINERS else None
+        if problem is not None:
+            raise _Bad(f"is malformed: {problem}")
     except _Bad as bad:
         raise CheckpointError(f"`{node.child_where(i)}` in the checkpoint {bad}") from None
-    if problem is not None:
-        raise CheckpointError(f"`{node.child_where(i)}` in the checkpoint is malformed: {problem}")
     return tag if tag not in _CONTAINERS else None
 
 
@@ -246,7 +246,8 @@ def tensor_refs(data: Any) -> Iterator[dict[str, Any]]:
 
 def empty_tensors(data: Any) -> dict[str, torch.Tensor]:
     """A fresh tensor to read each tensor that encoded ``data`` refers to into, by key."""
-    return {ref["__tensor__"]: torch.empty(ref["shape"], dtype=getattr(torch, ref["dtype"])) for ref in tensor_refs(data)}
+    refs = tensor_refs(data)
+    return {ref["__tensor__"]: torch.empty(ref["shape"], dtype=getattr(torch, ref["dtype"])) for ref in refs}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

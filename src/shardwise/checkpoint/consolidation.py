@@ -93,13 +93,8 @@ def consolidate(ckpt_dir: Any, out: Any, tag: Optional[str] = None, engine: Opti
     aliases = tied_aliases(state)
     save_state_dict(state, out)
     distinct = [v for k, v in state.items() if k not in aliases]
-    return {
-        "file": str(out),
-        "tensors": len(distinct),
-        "elements": sum(v.numel() for v in distinct),
-        "bytes": os.path.getsize(out),
-        "aliases": aliases,
-    }
+    return {"file": str(out), "tensors": len(distinct), "elements": sum(v.numel() for v in distinct),
+            "bytes": os.path.getsize(out), "aliases": aliases}
 
 
 def load_consolidated(path: Any) -> dict[str, torch.Tensor]:

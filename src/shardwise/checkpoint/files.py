@@ -27,7 +27,8 @@ import torch
 __all__ = [
     "HINT", "MAX_DEPTH", "MAX_DIMS", "MAX_INDEX_BYTES", "MAX_LATEST_BYTES", "MAX_MANIFEST_BYTES", "MAX_RANK_FILE_BYTES",
     "MAX_STORE_VALUE_BYTES", "MAX_TAG_LENGTH", "MAX_WORLD_SIZE", "CheckpointError", "StoreValueError", "check_records",
-    "check_views", "fail", "is_real_dir", "open_regular", "read_json", "read_limited", "record_is_stored", "regular_size",
+    "check_views", "fail", "is_real_dir", "open_regular", "read_json", "read_limited", "record_is_stored",
+    "regular_size",
 ]
 
 

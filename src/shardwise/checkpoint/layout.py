@@ -92,7 +92,8 @@ def tags(save_dir: Path) -> list[str]:
     """The committed checkpoints in ``save_dir`` by tag, in name order (links and hidden names skipped)."""
     if not save_dir.is_dir():
         return []
-    return sorted(p.name for p in save_dir.iterdir() if not p.name.startswith(".") and is_real_dir(p) and _is_checkpoint(p))
+    found = [p for p in save_dir.iterdir() if not p.name.startswith(".") and is_real_dir(p) and _is_checkpoint(p)]
+    return sorted(p.name for p in found)
 
 
 def _entry(root: Path, name: Any, what: str) -> Path:

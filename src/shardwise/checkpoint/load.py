@@ -77,9 +77,9 @@ def load_checkpoint(
         )
         return None, None
     options = _Options(load_optimizer_states, load_lr_scheduler_states, load_module_only, module_load_fn, strict)
-    deepspeed = _agreed(session, "looking for a DeepSpeed checkpoint", lambda: _deepspeed_at(load_dir, tag), lambda views: (
-        f"ranks found different DeepSpeed checkpoints in {load_dir} ({views}); `load_dir` "
-        "must be one directory shared by all ranks, and `latest` must not change during the load"))
+    deepspeed = _agreed(session, "looking for a DeepSpeed checkpoint", lambda: _deepspeed_at(load_dir, tag),
+                        lambda views: f"ranks found different DeepSpeed checkpoints in {load_dir} ({views}); `load_dir` "
+                        "must be one directory shared by all ranks, and `latest` must not change during the load")
     if deepspeed is not None:  # a foreign format, recognised by its file names: no manifest, no checksums
         return load_deepspeed(engine, session, Path(deepspeed), options)
     wanted = _names_with_saved_state(load_dir, tag, member)

@@ -7,14 +7,13 @@ Steps, each timeout-bounded, a failure anywhere raised on every rank:
 3. *prepare*: the engine hands over the full module entries (gathered where partitioned); each rank lays out
    its tensors and RNG state; rank 0 encodes ``client_state``, scheduler, loss-scaler and counter state;
 4. *write*: DCP's planner and writer run as ``dcp.save`` runs them, but each exchange is a store step, not a
-   collective on the training group, where a rank that died inside DCP would leave the others waiting for the
-   group's timeout (30 minutes by default).  Each rank writes and fsyncs ``__R_0.distcp``, then writes
-   ``rankR.json`` (its "done" marker) and hashes both;
+   collective on the training group, where a rank that died inside DCP would leave the others waiting 30
+   minutes.  Each rank writes and fsyncs ``__R_0.distcp``, then ``rankR.json`` (its "done" marker);
 5. *commit*: rank 0 writes the ``.metadata`` index and the manifest (with every file's checksum), checks every
    file is there, renames the directory to its tag and replaces ``latest`` (:mod:`.commit`).
 
-A failure (a full disk, a directory that cannot be written) names the directory and the cause, and leaves the
-previous checkpoint and ``latest`` as they were: only the new temporary directory is removed.
+A failure (a full disk, an unwritable directory) names the directory and the cause; only the new temporary
+directory is removed, the previous checkpoint and ``latest`` stay as they were.
 """
 
 from __future__ import annotations
@@ -109,7 +108,8 @@ class _Save:
                 "preparing the checkpoint", lambda: explained(self.temp, lambda: self._prepare(entries)))
             writer = _RankWriter(self.temp, self.temp / rank_file(self.rank), self.rank_info)
             written = _dcp_write(self.session, {k: s.state_dict() for k, s in states.items()}, writer)
-            self._commit(lambda: self._finish(descriptions, writer, *written, weights_16bit) if self.rank == 0 else None)
+            self._commit(lambda: self._finish(descriptions, writer, *written, weights_16bit) if self.rank == 0
+                         else None)
         except BaseException:
             if self.rank == 0:  # every rank is past the failed step: nobody writes there any more
                 shutil.rmtree(self.temp, ignore_errors=True)
@@ -210,7 +210,7 @@ class _Save:
         }
 
 
-def _dcp_write(session: Session, state_dict: dict[str, Any], writer: _RankWriter) -> tuple[Any, list[Any], dict[str, Any]]:
+def _dcp_write(session: Session, state_dict: dict[str, Any], writer: _RankWriter) -> tuple[Any, list[Any], dict]:
     """Step 4 of the module docstring: rank 0's global metadata (None elsewhere), every rank's write results
     and the checksums of every rank's files."""
     coordinator, planner = session.rank == 0, SavePlanner()
@@ -276,4 +276,4 @@ def _committed(temp: Path, final: Path, rank: int) -> bool:
         latest = (final.parent / LATEST).read_text().strip()
     except OSError:
         return False
-    return not temp.exists() and latest == final.name and (final / MANIFEST).is_file() and (final / rank_file(rank)).is_file()
+    return not temp.exists() and latest == final.name and all((final / n).is_file() for n in (MANIFEST, rank_file(rank)))

@@ -63,12 +63,9 @@ class ModelNames:
     def of(cls, module: nn.Module) -> "ModelNames":
         state = module.state_dict(keep_vars=True)
         first: dict[int, str] = {}
-        aliases: dict[str, str] = {}
         for name, tensor in state.items():
-            if id(tensor) in first:
-                aliases[name] = first[id(tensor)]
-            else:
-                first[id(tensor)] = name
+            first.setdefault(id(tensor), name)
+        aliases = {name: first[id(tensor)] for name, tensor in state.items() if first[id(tensor)] != name}
         return cls(list(state), aliases, {n: t for n, t in state.items() if n not in aliases})
 
     def others(self, with_master: set[str]) -> list[str]:
@@ -160,7 +157,8 @@ class ModelState(TensorState):
         kind, saved = source
         if kind == "master":
             read = [torch.empty(s.numel, dtype=torch.float32, device=s.master.device) for s in pieces]
-            self._reserve(f"master/{saved}", FlatChunks(math.prod(pieces[0].shape), [(s.start, r) for s, r in zip(pieces, read)]))
+            chunks = FlatChunks(math.prod(pieces[0].shape), [(s.start, r) for s, r in zip(pieces, read)])
+            self._reserve(f"master/{saved}", chunks)
 
             def copy_masters() -> None:
                 for shard, values in zip(pieces, read):

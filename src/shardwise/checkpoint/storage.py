@@ -156,7 +156,8 @@ class LoadPlanner(DefaultLoadPlanner):
                 )
             if md.size != obj.size():
                 raise CheckpointError(f"`{fqn}` has {tuple(md.size)} elements in the checkpoint but {tuple(obj.size())} here")
-            wanted = obj.chunks() if isinstance(obj, FlatChunks) else [ChunkStorageMetadata(torch.Size([0] * obj.dim()), obj.size())]
+            whole = [ChunkStorageMetadata(torch.Size([0] * obj.dim()), obj.size())]
+            wanted = obj.chunks() if isinstance(obj, FlatChunks) else whole
             requests += create_read_items_for_chunk_list(fqn, md, wanted)
         return LoadPlan(requests)
 
@@ -268,7 +269,8 @@ class SafeReader(FileSystemReader):
             verify(root, name, self.expected)
             with open(root / name, "rb") as stream:
                 for info in sorted(infos, key=lambda i: i.offset):
-                    record_is_stored(stream, info.offset, info.length, f"the tensor record at byte {info.offset} of {root / name}")
+                    where = f"the tensor record at byte {info.offset} of {root / name}"
+                    record_is_stored(stream, info.offset, info.length, where)
         return super().read_data(plan, planner)
 
 
