@@ -156,8 +156,8 @@ class LoadPlanner(DefaultLoadPlanner):
                 )
             if md.size != obj.size():
                 raise CheckpointError(f"`{fqn}` has {tuple(md.size)} elements in the checkpoint but {tuple(obj.size())} here")
-            whole = [ChunkStorageMetadata(torch.Size([0] * obj.dim()), obj.size())]
-            wanted = obj.chunks() if isinstance(obj, FlatChunks) else whole
+            wanted = obj.chunks() if isinstance(obj, FlatChunks) else [
+                ChunkStorageMetadata(torch.Size([0] * obj.dim()), obj.size())]
             requests += create_read_items_for_chunk_list(fqn, md, wanted)
         return LoadPlan(requests)
 
