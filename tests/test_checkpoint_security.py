@@ -489,7 +489,7 @@ def test_describe_names_other_formats(tmp_path: Path) -> None:
 
 
 def test_size_limits_are_far_above_real_checkpoints(base: Path) -> None:
-    from shardwise.checkpoint import limits
+    from shardwise.checkpoint import files as limits
 
     ckpt = base / "save" / TAG
     assert (ckpt / "shardwise.json").stat().st_size * 1000 < limits.MAX_MANIFEST_BYTES

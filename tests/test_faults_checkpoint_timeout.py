@@ -92,6 +92,9 @@ def _alone(tmp: str, op: str) -> None:
         record_row("checkpoint", f"rank 0 alone calls `{op}`, rank 1 is in no shardwise call (`dist.barrier()`)",
                    "3", "rank 0 raises `CheckpointError` naming rank 1 at `checkpoint.timeout`; then the call "
                    "together, and training, work (weights exact)", lone["seconds"])
+    # the call together tests the realignment, not the bound: on a busy 2-core machine one rank can be scheduled
+    # more than 2 s after the other (seen once in a loaded run), so it waits as long as every other wait
+    engine.config.checkpoint.timeout = COMMS_TIMEOUT
     together = outcome(_calls(engine, where / "engine", op))
     assert together["error"] is None, (op, together)
     if op.startswith("save"):

@@ -28,7 +28,7 @@ from _checkpoint_common import assert_same, build, snapshot, train
 from torch import nn
 
 import shardwise.checkpoint.store_codec as store_codec
-from shardwise.checkpoint.errors import CheckpointError, StoreValueError
+from shardwise.checkpoint.files import CheckpointError, StoreValueError
 from shardwise.cli.commands import main
 from shardwise.model_io.generate import ModelSpecError, UntrustedSourceError, find_model_spec, load_model
 from shardwise.testing import distributed_test, run_subtests

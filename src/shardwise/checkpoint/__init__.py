@@ -1,15 +1,10 @@
 """Sharded, atomic, reshardable checkpoints (see ``docs/checkpoints.md``).
 
-``engine.save_checkpoint`` / ``engine.load_checkpoint`` call
-:func:`save_checkpoint` / :func:`load_checkpoint` here.  Without a cluster,
-:func:`consolidate` turns a checkpoint into one ``.safetensors``/``.pt`` file
-of full weights, :func:`load_consolidated` reads it back as a ``state_dict``,
-and :func:`describe` summarises a checkpoint directory
-(``shardwise checkpoint consolidate|inspect`` on the command line).
-
-Names are imported on first use: ``torch.distributed.checkpoint`` takes
-seconds to import, which the ``shardwise`` command should not pay for
-``shardwise run``.
+``engine.save_checkpoint`` / ``engine.load_checkpoint`` call :func:`save_checkpoint` / :func:`load_checkpoint`.
+Without a cluster, :func:`consolidate` writes a checkpoint's full weights to one ``.safetensors``/``.pt`` file,
+:func:`load_consolidated` reads it back as a ``state_dict``, and :func:`describe` summarises a checkpoint
+directory (``shardwise checkpoint consolidate|inspect``).  Names are imported on first use: DCP takes seconds to
+import, which ``shardwise run`` should not pay for.
 """
 
 from __future__ import annotations
@@ -18,30 +13,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
-    "CheckpointError",
-    "consolidate",
-    "consolidated_client_state",
-    "consolidated_state_dict",
-    "describe",
-    "load_checkpoint",
-    "load_checkpoints",
-    "load_consolidated",
-    "save_checkpoint",
-    "save_checkpoints",
+    "CheckpointError", "consolidate", "consolidated_client_state", "consolidated_state_dict", "describe",
+    "load_checkpoint", "load_checkpoints", "load_consolidated", "save_checkpoint", "save_checkpoints",
 ]
 
-_WHERE = {
-    "CheckpointError": ".errors",
-    "consolidate": ".consolidation",
-    "consolidated_client_state": ".consolidation",
-    "consolidated_state_dict": ".consolidation",
-    "describe": ".consolidation",
-    "load_consolidated": ".consolidation",
-    "load_checkpoint": ".entry",
-    "load_checkpoints": ".group",
-    "save_checkpoint": ".entry",
-    "save_checkpoints": ".group",
+_MODULES = {
+    ".files": ["CheckpointError"],
+    ".consolidation": [
+        "consolidate", "consolidated_client_state", "consolidated_state_dict", "describe", "load_consolidated",
+    ],
+    ".group": ["load_checkpoints", "save_checkpoint", "save_checkpoints"],
+    ".load": ["load_checkpoint"],
 }
+_WHERE = {name: module for module, names in _MODULES.items() for name in names}
 
 if TYPE_CHECKING:
     from .consolidation import (
@@ -51,9 +35,9 @@ if TYPE_CHECKING:
         describe,
         load_consolidated,
     )
-    from .entry import load_checkpoint, save_checkpoint
-    from .errors import CheckpointError
-    from .group import load_checkpoints, save_checkpoints
+    from .files import CheckpointError
+    from .group import load_checkpoints, save_checkpoint, save_checkpoints
+    from .load import load_checkpoint
 
 
 def __getattr__(name: str) -> Any:

@@ -4,61 +4,54 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import Any, Callable
 
-from .errors import CheckpointError
+from .files import CheckpointError
 
 __all__ = ["add_checkpoint_commands"]
 
 
-def _one_line(error: BaseException) -> str:
-    """The error as one line: the command refuses a bad checkpoint with a message, not a traceback."""
-    return " ".join(str(error).split())
+def _refusing(action: str, run: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namespace], int]:
+    """``run`` as a handler: a bad checkpoint is refused with its message on one line (exit 2), not a traceback."""
+    def handler(ns: argparse.Namespace) -> int:
+        try:
+            run(ns)
+        except (CheckpointError, OSError) as error:
+            print(f"shardwise checkpoint {action}: {' '.join(str(error).split())}", file=sys.stderr)
+            return 2
+        return 0
+
+    return handler
 
 
-def _inspect(ns: argparse.Namespace) -> int:
+def _inspect(ns: argparse.Namespace) -> None:
     from .consolidation import describe  # here: it imports DCP (~1.4 s), which `shardwise run` does not need
 
-    try:
-        print(describe(ns.ckpt_dir))
-    except (CheckpointError, OSError) as error:
-        print(f"shardwise checkpoint inspect: {_one_line(error)}", file=sys.stderr)
-        return 2
-    return 0
+    print(describe(ns.ckpt_dir))
 
 
-def _consolidate(ns: argparse.Namespace) -> int:
+def _consolidate(ns: argparse.Namespace) -> None:
     from .consolidation import consolidate  # here: it imports DCP (~1.4 s), which `shardwise run` does not need
 
-    try:
-        summary = consolidate(ns.ckpt_dir, ns.out, tag=ns.tag, engine=ns.engine)
-    except (CheckpointError, OSError) as error:
-        print(f"shardwise checkpoint consolidate: {_one_line(error)}", file=sys.stderr)
-        return 2
+    summary = consolidate(ns.ckpt_dir, ns.out, tag=ns.tag, engine=ns.engine)
     tied = ", ".join(f"{alias} -> {name}" for alias, name in summary["aliases"].items()) or "none"
     print(
         f"wrote {summary['file']}: {summary['tensors']} tensors, {summary['elements']:,} elements (fp32), "
         f"{summary['bytes'] / 2**20:.1f} MiB; tied names stored once: {tied}"
     )
-    return 0
 
 
-def _export(ns: argparse.Namespace) -> int:
+def _export(ns: argparse.Namespace) -> None:
     # here: it imports DCP (~1.4 s), which `shardwise run` does not need
     from ..model_io.pretrained import export_pretrained
 
-    try:
-        configs = export_pretrained(ns.ckpt_dir, ns.out_dir, tag=ns.tag, engine=ns.engine, config=ns.config)
-    except (CheckpointError, OSError) as error:
-        print(f"shardwise checkpoint export: {_one_line(error)}", file=sys.stderr)
-        return 2
+    configs = export_pretrained(ns.ckpt_dir, ns.out_dir, tag=ns.tag, engine=ns.engine, config=ns.config)
     if configs:
         print(f"wrote {ns.out_dir}: model.safetensors and {', '.join(p.name for p in configs)} (from "
               f"{configs[0].parent}); `from_pretrained({ns.out_dir!r})` loads it")
     else:
         print(f"wrote {ns.out_dir}/model.safetensors; no Hugging Face config.json was found beside the checkpoint: "
               "pass `--config` (the model's config.json or its folder) so `from_pretrained` can load the folder")
-    return 0
 
 
 def add_checkpoint_commands(subparsers: Any) -> None:
@@ -73,7 +66,7 @@ def add_checkpoint_commands(subparsers: Any) -> None:
         "marked INCOMPLETE. Exit 0, or 2 with the problem on stderr.",
     )
     inspect.add_argument("ckpt_dir", metavar="CKPT_DIR")
-    inspect.set_defaults(handler=_inspect)
+    inspect.set_defaults(handler=_refusing("inspect", _inspect))
     consolidate = actions.add_parser(
         "consolidate",
         help="write a checkpoint's full fp32 weights to one file",
@@ -83,10 +76,9 @@ def add_checkpoint_commands(subparsers: Any) -> None:
         "Exit 0, or 2 with the problem on stderr.",
     )
     consolidate.add_argument("ckpt_dir", metavar="CKPT_DIR")
-    consolidate.add_argument("--tag", help="the checkpoint to export (default: the one `latest` names)")
-    consolidate.add_argument("--engine", help="in a checkpoint of several engines, the one to export")
+    _add_choice(consolidate)
     consolidate.add_argument("--out", required=True, metavar="FILE", help="output file, .safetensors or .pt")
-    consolidate.set_defaults(handler=_consolidate)
+    consolidate.set_defaults(handler=_refusing("consolidate", _consolidate))
     export = actions.add_parser(
         "export",
         help="write a checkpoint as a Hugging Face folder (`--hf`)",
@@ -98,8 +90,12 @@ def add_checkpoint_commands(subparsers: Any) -> None:
                         help="the Hugging Face layout (the only export format)")
     export.add_argument("ckpt_dir", metavar="CKPT_DIR")
     export.add_argument("out_dir", metavar="OUT_DIR")
-    export.add_argument("--tag", help="the checkpoint to export (default: the one `latest` names)")
-    export.add_argument("--engine", help="in a checkpoint of several engines, the one to export")
+    _add_choice(export)
     export.add_argument("--config", metavar="PATH", help="the model's config.json, or the folder holding it "
                         "(default: a Hugging Face config.json in CKPT_DIR or the folder above it)")
-    export.set_defaults(handler=_export)
+    export.set_defaults(handler=_refusing("export", _export))
+
+
+def _add_choice(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tag", help="the checkpoint to export (default: the one `latest` names)")
+    parser.add_argument("--engine", help="in a checkpoint of several engines, the one to export")

@@ -1,37 +1,43 @@
-"""Atomic commit: a checkpoint becomes visible only once all of it is on disk.
+"""Writing a checkpoint: atomic files, the atomic commit, and a failed write said in words.
 
-Every rank writes into ``.tmp-TAG-NONCE/`` and flushes (``fsync``) its files.
-Only after every rank has finished does rank 0 (the only rank that renames)
-
-1. fsync the temporary directory, so its entries are durable;
-2. rename it to ``TAG`` (``rename`` is atomic on POSIX file systems);
-3. fsync ``SAVE_DIR`` and replace ``latest`` through a temporary file and
-   ``os.replace``, then fsync ``SAVE_DIR`` again.
-
-Every file written here goes through :func:`write_atomic`: a new file under a
-random name, created exclusively and never through a symlink, then renamed
-into place, so links planted in ``SAVE_DIR`` cannot redirect a write.
-
-A crash before step 2 leaves only a ``.tmp-*`` directory, which ``latest``
-never names; a crash between 2 and 3 leaves the new checkpoint complete but
-``latest`` still naming the previous one.  Overwriting an existing tag moves
-the old directory aside first and deletes it after the rename.
+Every rank writes into ``.tmp-TAG-NONCE/`` and fsyncs its files.  Once all are done, rank 0 (the only rank
+that renames) fsyncs that directory, renames it to ``TAG`` (atomic on POSIX), fsyncs ``SAVE_DIR`` and replaces
+``latest`` through :func:`write_atomic`: a new file under a random name, created exclusively and never
+through a symlink, renamed into place (so links planted in ``SAVE_DIR`` cannot redirect a write).  A crash
+before the rename leaves only a ``.tmp-*`` directory, which ``latest`` never names; one after it leaves the
+new checkpoint complete, ``latest`` naming the previous one.  An overwritten tag is moved aside first and
+deleted after the rename.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import secrets
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional, TypeVar
 
+from .files import CheckpointError
 from .layout import LATEST, TEMP_PREFIX
 
-__all__ = ["commit", "fsync_dir", "remove_stale_temps", "write_atomic", "write_json"]
+__all__ = ["commit", "explained", "fsync_dir", "need_space", "new_temp", "write_atomic", "write_json"]
+
+_T = TypeVar("_T")
+#: below this many free bytes, a write that failed for no stated reason is taken for a full disk
+LOW_SPACE = 1 << 20
+#: what a failed write most likely means, by errno
+_CAUSES = {
+    errno.ENOSPC: "the file system is full: free space there, or save to another `save_dir`",
+    errno.EDQUOT: "the disk quota is used up: free space there, or save to another `save_dir`",
+    errno.EACCES: "this process may not write there: fix the directory's permissions, or save elsewhere",
+    errno.EPERM: "this process may not write there: fix the directory's permissions, or save elsewhere",
+    errno.EROFS: "the file system is read-only: save to a writable `save_dir`",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: pick another `save_dir`",
+}
 
 
 def fsync_dir(path: Path) -> None:
@@ -41,22 +47,15 @@ def fsync_dir(path: Path) -> None:
     except OSError:
         return  # not supported here (e.g. Windows): renames are as durable as the OS makes them
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
 
 def _create_temp(path: Path) -> tuple[int, Path]:
-    """A new, empty file next to ``path`` under a random name, created by this call and nobody else.
-
-    ``O_CREAT | O_EXCL`` fails if anything (a planted symlink included) has the
-    name, and ``O_NOFOLLOW`` refuses a link even where ``O_EXCL`` alone would not;
-    the random suffix makes the name impossible to plant in advance.
-    Unlike ``tempfile.mkstemp``, the file gets the mode ``open`` gives (0666 less
-    the umask), so a checkpoint stays readable by the group as before.
-    """
+    """A new file next to ``path`` under a random name, created by this call (``O_EXCL``, ``O_NOFOLLOW``) with
+    the mode ``open`` gives, not ``mkstemp``'s 0600: a checkpoint stays readable by the group."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     for _ in range(100):
         tmp = path.with_name(f"{TEMP_PREFIX}{path.name}.{secrets.token_hex(8)}")
@@ -68,13 +67,8 @@ def _create_temp(path: Path) -> tuple[int, Path]:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part.
-
-    The data goes to a fresh temporary file (:func:`_create_temp`) that is
-    renamed over ``path``: a rename replaces a symlink at ``path`` itself and
-    never writes through it, so no link planted in the directory can redirect
-    the write to another file.
-    """
+    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part (and a
+    symlink at ``path`` is replaced, never written through)."""
     fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -116,9 +110,56 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def remove_stale_temps(save_dir: Path, tag: str) -> None:
-    """Delete directories that earlier, failed saves of ``tag`` left behind."""
+def new_temp(temp: Path, tag: Optional[str]) -> None:
+    """Create the new, empty directory ``temp`` (exclusively: its name is random); with ``tag``, it is a save's
+    own, and what earlier, failed saves of ``tag`` left next to it is deleted first."""
+    if tag is not None:
+        temp.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(temp.parent, tag)
+    temp.mkdir()
+
+
+def _remove_stale_temps(save_dir: Path, tag: str) -> None:
     pattern = re.compile(re.escape(f"{TEMP_PREFIX}{tag}-") + r"[0-9a-f]{12}(\.replaced)?")
     for child in save_dir.glob(f"{TEMP_PREFIX}{tag}-*"):
         if pattern.fullmatch(child.name) and (child.is_symlink() or child.is_dir()):
             _remove(child)
+
+
+def explained(temp: Path, fn: Callable[[], _T]) -> _T:
+    """Run ``fn``; an OS error becomes a :class:`CheckpointError` naming the directory and what to do.  A
+    ``RuntimeError`` (``torch.save``'s "unexpected pos" loses the OS error) on an almost full disk is a full disk."""
+    try:
+        return fn()
+    except OSError as exc:
+        raise _os_error(temp, exc) from exc
+    except RuntimeError as exc:
+        free = _free_bytes(temp)
+        if free is None or free >= LOW_SPACE:
+            raise
+        raise _os_error(temp, OSError(errno.ENOSPC, f"No space left on device ({free:,} bytes free)", str(temp))) from exc
+
+
+def _free_bytes(path: Path) -> Optional[int]:
+    """Bytes free on the file system of ``path`` (or of its nearest existing parent); None if unknown."""
+    for candidate in (path, *path.parents):
+        try:
+            return int(shutil.disk_usage(candidate).free)
+        except OSError:
+            continue
+    return None
+
+
+def need_space(path: Path, needed: int) -> None:
+    """Raise ENOSPC before writing ``needed`` bytes into ``path`` when the file system has less free."""
+    free = _free_bytes(path)
+    if free is not None and free < needed:
+        raise OSError(errno.ENOSPC, f"No space left on device: {needed:,} bytes to write, {free:,} free", str(path))
+
+
+def _os_error(temp: Path, exc: OSError) -> CheckpointError:
+    cause = _CAUSES.get(exc.errno or 0, "see the error above")
+    return CheckpointError(
+        f"cannot write the checkpoint in {temp.parent} ({exc.strerror or exc}: {exc.filename or temp}); {cause}. "
+        f"Nothing was committed: the previous checkpoint and `latest` are unchanged"
+    )

@@ -1,19 +1,14 @@
 """Full weights from a sharded checkpoint in one CPU process, with no process group.
 
-``consolidated_state_dict`` reads every parameter's master chunks (DCP puts
-them together) and every non-trainable entry, and returns the model's full
-``state_dict`` in fp32, the same as ``engine.full_state_dict()`` would have
-at save time: tied names share one tensor.
-
-``.pt`` files keep that sharing as is.  safetensors refuses shared tensors,
-so a ``.safetensors`` file stores each tensor once and records the other
-names in its metadata (``shardwise_aliases``); :func:`load_consolidated`
-puts them back, so ``model.load_state_dict(load_consolidated(path))`` works
-for either format (``safetensors.torch.load_model`` works too).
+:func:`consolidated_state_dict` returns the model's full fp32 ``state_dict``, as ``engine.full_state_dict()``
+would have at save time: tied names share one tensor.  safetensors refuses shared tensors, so a
+``.safetensors`` file stores each once and names the others in its metadata (``shardwise_aliases``);
+:func:`load_consolidated` puts them back, for either format.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -28,27 +23,30 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..model_io.export import ALIASES_KEY, KEYS_KEY, save_state_dict, tied_aliases
-from .codec import Decoder, refuse_pickles, tensor_refs
-from .deepspeed_files import find_deepspeed
+from . import layout
+from .codec import Decoder, empty_tensors, refuse_pickles
 from .deepspeed_format import read_deepspeed
-from .digests import expected_digests
-from .encoded import TENSOR_DTYPES
-from .errors import CheckpointError
-from .formats import foreign_format
-from .layout import GROUP_MANIFEST, MANIFEST, list_checkpoints, member_path, read_group, read_latest, resolve
-from .stateful import TensorState
-from .storage import LoadPlanner, SafeReader, dcp_errors, record_is_stored
-from .torch_files import check_views
+from .files import CheckpointError, check_views, record_is_stored
+from .stateful import ModelState, TensorState
+from .storage import LoadPlanner, SafeReader, dcp_errors
 from .verify import check_complete
 
 __all__ = ["consolidate", "consolidated_client_state", "consolidated_state_dict", "describe", "load_consolidated"]
 
+
+def _read(path: Path, manifest: dict[str, Any], name: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill ``tensors`` (the Stateful ``name``'s) from the checkpoint in ``path``, in this process alone."""
+    with warnings.catch_warnings(), dcp_errors(path):
+        warnings.simplefilter("ignore")  # DCP warns that no process group exists: that is the point here
+        reader = SafeReader(path, manifest)
+        dcp.load({name: TensorState(tensors)}, storage_reader=reader, planner=LoadPlanner(), no_dist=True)
+
 def _checkpoint(ckpt_dir: Any, tag: Optional[str], engine: Optional[str]) -> tuple[Path, dict[str, Any]]:
-    path = resolve(ckpt_dir, tag)
-    if engine is None and (path / GROUP_MANIFEST).is_file():
-        names = read_group(path)
+    path = layout.resolve(ckpt_dir, tag)
+    if engine is None and (path / layout.GROUP_MANIFEST).is_file():
+        names = layout.read_group(path)
         engine = names[0] if len(names) == 1 else None  # the one engine there needs no name
-    path = member_path(path, engine)
+    path = layout.member_path(path, engine)
     return path, check_complete(path)
 
 
@@ -56,29 +54,15 @@ def consolidated_state_dict(ckpt_dir: Any, tag: Optional[str] = None, engine: Op
     """The full fp32 ``state_dict`` saved in ``ckpt_dir`` (a save directory, or one checkpoint); in a
     checkpoint of several engines, that of ``engine``.  A DeepSpeed checkpoint directory is read as
     DeepSpeed's ``zero_to_fp32.py`` reads it (see ``deepspeed_format.py``)."""
-    deepspeed = find_deepspeed(Path(ckpt_dir), tag)
+    deepspeed = layout.find_deepspeed(Path(ckpt_dir), tag)
     if deepspeed is not None:
         return read_deepspeed(deepspeed).weights()
     path, manifest = _checkpoint(ckpt_dir, tag, engine)
-    values: dict[str, torch.Tensor] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    # Sizes were checked against the index and the bytes on disk, and every chunk
-    # covers its tensor exactly once (`check_complete`): each element is read.
-    for name, info in manifest["params"].items():
-        values[name] = tensors[f"master/{name}"] = torch.empty(math.prod(info["shape"]), dtype=torch.float32)
-    for name, info in manifest["module"].items():
-        values[name] = tensors[f"module/{name}"] = torch.empty(info["shape"], dtype=TENSOR_DTYPES[info["dtype"]])
-    with warnings.catch_warnings(), dcp_errors(path):
-        warnings.simplefilter("ignore")  # DCP warns that no process group exists: that is the point here
-        reader = SafeReader(path, expected_digests(manifest, path / MANIFEST))
-        dcp.load({"model": TensorState(tensors)}, storage_reader=reader, planner=LoadPlanner(), no_dist=True)
-    for name, info in manifest["params"].items():
-        values[name] = values[name].view(info["shape"])
-    for name, value in values.items():
-        if value.is_floating_point():
-            values[name] = value.float()  # as engine.full_state_dict(): full precision
-    aliases = manifest["aliases"]
-    return {key: values[aliases.get(key, key)] for key in manifest["state_dict_keys"]}
+    # sizes were checked against the index and the disk, and chunks cover each tensor once: every element is read
+    model, state_dict = ModelState.whole(manifest)
+    _read(path, manifest, "model", model.tensors)
+    full = {id(v): v.float() if v.is_floating_point() else v for v in state_dict.values()}  # fp32; tied stay one
+    return {key: full[id(value)] for key, value in state_dict.items()}
 
 
 def consolidated_client_state(ckpt_dir: Any, tag: Optional[str] = None, engine: Optional[str] = None, *,
@@ -89,13 +73,9 @@ def consolidated_client_state(ckpt_dir: Any, tag: Optional[str] = None, engine: 
     path, manifest = _checkpoint(ckpt_dir, tag, engine)
     encoded = manifest["client_state"]
     refuse_pickles(encoded, "client_state", allow_pickle)
-    tensors = {ref["__tensor__"]: torch.empty(ref["shape"], dtype=getattr(torch, ref["dtype"]))
-               for ref in tensor_refs(encoded)}
+    tensors = empty_tensors(encoded)
     if tensors:
-        with warnings.catch_warnings(), dcp_errors(path):
-            warnings.simplefilter("ignore")  # DCP warns that no process group exists: that is the point here
-            reader = SafeReader(path, expected_digests(manifest, path / MANIFEST))
-            dcp.load({"extra": TensorState(tensors)}, storage_reader=reader, planner=LoadPlanner(), no_dist=True)
+        _read(path, manifest, "extra", tensors)
     state = Decoder(tensors, allow_pickle).decode(encoded, "client_state")
     return state if isinstance(state, dict) else {}
 
@@ -113,13 +93,8 @@ def consolidate(ckpt_dir: Any, out: Any, tag: Optional[str] = None, engine: Opti
     aliases = tied_aliases(state)
     save_state_dict(state, out)
     distinct = [v for k, v in state.items() if k not in aliases]
-    return {
-        "file": str(out),
-        "tensors": len(distinct),
-        "elements": sum(v.numel() for v in distinct),
-        "bytes": os.path.getsize(out),
-        "aliases": aliases,
-    }
+    return {"file": str(out), "tensors": len(distinct), "elements": sum(v.numel() for v in distinct),
+            "bytes": os.path.getsize(out), "aliases": aliases}
 
 
 def load_consolidated(path: Any) -> dict[str, torch.Tensor]:
@@ -150,24 +125,19 @@ def describe(save_dir: Any) -> str:
     """A human-readable summary of every checkpoint in ``save_dir`` (or of one checkpoint directory)."""
     root = Path(save_dir)
     latest: Optional[str] = root.name
-    if (root / "shardwise.json").is_file():
+    if (root / layout.MANIFEST).is_file():
         entries = [(root.name, root, True)]
     else:
-        entries = list_checkpoints(root)
-        latest = _latest(root)
+        entries = layout.list_checkpoints(root)
+        latest = None
+        with contextlib.suppress(FileNotFoundError, CheckpointError):  # a bad `latest` marks none; loading says why
+            latest = layout.read_latest(root)
         if not entries:
-            raise CheckpointError(foreign_format(root) or f"no checkpoints in {root}")
+            raise CheckpointError(layout.foreign_format(root) or f"no checkpoints in {root}")
     lines = [f"{root}:"]
     for name, path, committed in entries:
         lines.append(_describe_one(name, path, committed, name == latest))
     return "\n".join(lines)
-
-
-def _latest(root: Path) -> Optional[str]:
-    try:
-        return read_latest(root)
-    except (FileNotFoundError, CheckpointError):
-        return None  # a bad `latest` shows as no checkpoint marked latest; loading it says why
 
 
 def _describe_one(name: str, path: Path, committed: bool, is_latest: bool) -> str:
@@ -175,9 +145,9 @@ def _describe_one(name: str, path: Path, committed: bool, is_latest: bool) -> st
     mark = "  (latest)" if is_latest else ""
     if not committed:
         return f"  {name}: INCOMPLETE (a save that did not finish; never loaded), {_mb(size)} on disk"
-    if (path / GROUP_MANIFEST).is_file():
+    if (path / layout.GROUP_MANIFEST).is_file():
         try:
-            members = read_group(path)
+            members = layout.read_group(path)
         except CheckpointError as exc:
             return f"  {name}{mark}: BROKEN: {exc}"
         lines = [f"  {name}{mark}: {len(members)} engines"]

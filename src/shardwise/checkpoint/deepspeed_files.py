@@ -1,38 +1,33 @@
-"""Finding and unpickling the files of a DeepSpeed checkpoint, allowing only the classes DeepSpeed stores.
+"""Unpickling the files of a DeepSpeed checkpoint, allowing only the classes DeepSpeed stores.
 
-DeepSpeed writes ``torch.save`` pickles.  They are read with
-``torch.load(weights_only=True)``, which builds tensors, containers and plain
-values only, plus the few DeepSpeed classes below, each replaced by a stand-in
-that merely records its fields (nothing of DeepSpeed is imported or run).  A
-file that needs any other class is refused, naming the class.  The files carry
-no checksums (DeepSpeed writes none): a damaged file is caught only by the
-unpickler and by the shape checks of ``deepspeed_format.py``.
-
-Layout (DeepSpeed 0.14-0.19): ``DIR/latest`` names a tag; ``DIR/TAG/`` holds
-``mp_rank_00_model_states.pt`` (stages 0-2) or one
-``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank (stage 3), and at
-stages 1-3 one ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank.
+DeepSpeed writes ``torch.save`` pickles (0.14-0.19: ``TAG/mp_rank_00_model_states.pt`` at stages 0-2, one
+``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank at stage 3, and at stages 1-3 one
+``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank).  They are read with
+``torch.load(weights_only=True)`` plus the few DeepSpeed classes below, each a stand-in that only records its
+fields (nothing of DeepSpeed is imported or run); a file that needs another class is refused, naming it.  They
+carry no checksums: a damaged file shows only in the unpickler and in the shape checks.  A crafted file can
+state any shape, so loading into an engine, every file is bounded by the model (:class:`ModelShapes`: at most
+:data:`BYTES_PER_ELEMENT` per element, plus :data:`SLACK_BYTES`) and every shape it states is compared with
+the model's before any value is put together.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
-from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch.serialization import safe_globals
 
-from .errors import CheckpointError
-from .files import is_real_dir, open_regular, read_limited, regular_size
-from .limits import MAX_LATEST_BYTES, MAX_TAG_LENGTH
-from .torch_files import check_records, check_views
+from .files import MAX_DIMS, CheckpointError, check_records, check_views, open_regular, regular_size
+from .layout import MODEL_STATES
 
-__all__ = ["DeepSpeedFiles", "find_deepspeed", "is_deepspeed_tag_dir", "read_pickle"]
+__all__ = ["BYTES_PER_ELEMENT", "SLACK_BYTES", "DeepSpeedFiles", "ModelShapes", "as_size", "read_pickle"]
 
-MODEL_STATES = "mp_rank_00_model_states.pt"
 _RANKED = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_(optim|model)_states\.pt")
 
 
@@ -61,25 +56,14 @@ ALLOWED: list[Any] = [
 ]
 
 
-@contextmanager
-def _allowlist() -> Iterator[None]:
-    with safe_globals(ALLOWED):
-        yield
-
-
 def read_pickle(path: Path, allow_pickle: bool = False, budget: Optional[int] = None,
                 over_budget: str = "") -> dict[str, Any]:
-    """One DeepSpeed file as a dict; refused (CheckpointError) if it needs a class outside :data:`ALLOWED`.
-
-    Read as untrusted input (:mod:`.torch_files`): never through a link, its records stored uncompressed
-    and, with ``budget``, at most that many bytes (``over_budget`` ends the error: what the budget is and the
-    fix), and every tensor no larger than its storage.  ``allow_pickle`` (``checkpoint.allow_pickle``)
-    lifts the class restriction: then the file is a full pickle.
-    """
+    """One DeepSpeed file as a dict, read as untrusted input (:func:`~.files.check_records`, ``budget`` and its
+    ``over_budget`` message included); refused if it needs a class outside :data:`ALLOWED` unless ``allow_pickle``."""
     with open_regular(path) as stream:
         check_records(stream, path, budget, over_budget)
         try:
-            with _allowlist():
+            with safe_globals(ALLOWED):
                 value = torch.load(stream, map_location="cpu", weights_only=not allow_pickle)
         except torch.serialization.pickle.UnpicklingError as exc:
             raise CheckpointError(_refusal(path, str(exc))) from None
@@ -143,33 +127,75 @@ class DeepSpeedFiles:
         )
 
 
-def is_deepspeed_tag_dir(path: Path) -> bool:
-    """``path`` is one DeepSpeed checkpoint (a tag directory) and no shardwise one."""
-    if not is_real_dir(path) or (path / "shardwise.json").exists():
-        return False
-    return (path / MODEL_STATES).is_file() or (path / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file()
+# ------------------------------------------------------------ the model it is loaded into
+
+#: per element of the model a DeepSpeed file holds at most the module value (8 bytes for an int64 buffer), the fp32
+#: master (4) and the optimizer's fp32 state (Adam: 2 x 4; a few optimizers keep a third): 32 leaves room for all
+BYTES_PER_ELEMENT = 32
+#: the pickle itself, counters, the scheduler, a `client_state` of small values
+SLACK_BYTES = 16 * 2**20
 
 
-def _latest_tag(load_dir: Path) -> Optional[str]:
-    if not is_real_dir(load_dir):
-        return None
-    try:
-        return read_limited(load_dir / "latest", MAX_LATEST_BYTES).decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError, CheckpointError):
-        return None
+@dataclass(frozen=True)
+class ModelShapes:
+    """The full shape of every ``state_dict`` entry of the model a checkpoint is loaded into."""
+
+    shapes: dict[str, torch.Size]
+
+    @property
+    def budget(self) -> int:
+        """The most bytes of records one DeepSpeed file of this model can hold."""
+        return BYTES_PER_ELEMENT * sum(math.prod(s) for s in self.shapes.values()) + SLACK_BYTES
+
+    def over_budget(self) -> str:
+        """The end of the error for a file over :attr:`budget`: what the budget is, and the fix."""
+        elements = sum(math.prod(s) for s in self.shapes.values())
+        return (f"the {self.budget:,} a DeepSpeed file of this model can need ({BYTES_PER_ELEMENT} bytes for each of "
+                f"its {elements:,} elements, plus {SLACK_BYTES // 2**20} MiB); it was crafted, or saved from another "
+                "model: load it into the model it was saved from, or, if you trust the file (its `client_state` "
+                "holds large tensors), set `checkpoint.allow_pickle: true`")
+
+    def check_module(self, module: dict[str, torch.Tensor], path: Path) -> None:
+        """Every non-empty ``module`` entry this model has must have its shape (stage 3 saves empty ones)."""
+        for name, value in module.items():
+            want = self.shapes.get(name)
+            if want is not None and value.numel() > 0 and value.shape != want:
+                raise CheckpointError(
+                    f"{path}: `{name}` is {tuple(value.shape)} in the DeepSpeed checkpoint's `module` and "
+                    f"{tuple(want)} in this model; build the model the checkpoint was saved from"
+                )
+
+    def check_param_shapes(self, groups: list[list[tuple[str, torch.Size]]], module: dict[str, torch.Tensor],
+                           path: Path) -> None:
+        """``param_shapes`` (how DeepSpeed cut its flat partitions) must agree with this model."""
+        for group in groups:
+            for name, shape in group:
+                want = self.shapes.get(name)
+                if want is None or shape == want:
+                    continue
+                saved = module.get(name)
+                own = (f"; the same file's `module` has it as {tuple(saved.shape)}, so `param_shapes` was edited or "
+                       "damaged: load the checkpoint as DeepSpeed saved it" if saved is not None and saved.shape == want
+                       else "; build the model the checkpoint was saved from")
+                raise CheckpointError(
+                    f"{path}: `param_shapes` gives `{name}` as {tuple(shape)}, and this model has {tuple(want)}{own}"
+                )
+
+    def check_frozen(self, shapes: dict[Any, Any], path: Path) -> dict[str, torch.Size]:
+        """Stage 3's ``frozen_param_shapes``, as sizes, each this model's."""
+        found = {str(n): as_size(s, f"frozen_param_shapes[{n!r}]", path) for n, s in shapes.items()}
+        for name, shape in found.items():
+            want = self.shapes.get(name)
+            if want is not None and shape != want:
+                raise CheckpointError(f"{path}: `frozen_param_shapes` gives `{name}` as {tuple(shape)}, and this "
+                                      f"model has {tuple(want)}; build the model the checkpoint was saved from")
+        return found
 
 
-def find_deepspeed(load_dir: Path, tag: Optional[str]) -> Optional[Path]:
-    """The DeepSpeed tag directory that ``load_dir`` (and ``tag``, else its ``latest``) names; None if not one.
-
-    Conservative: anything else (a bad tag included) is left to the shardwise load, which says what is wrong.
-    """
-    if tag is None and is_deepspeed_tag_dir(load_dir):
-        return load_dir
-    tag = tag if tag is not None else _latest_tag(load_dir)
-    if tag is None:
-        return None
-    if "/" in tag or "\\" in tag or tag in ("", ".", "..") or len(tag) > MAX_TAG_LENGTH:
-        return None
-    inner = load_dir / tag
-    return inner if is_deepspeed_tag_dir(inner) else None
+def as_size(value: Any, where: str, path: Path) -> torch.Size:
+    """A shape the file states, as a ``torch.Size``: a sequence of at most MAX_DIMS non-negative integers."""
+    if isinstance(value, (list, tuple)) and len(value) <= MAX_DIMS and all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
+        return torch.Size(value)
+    raise CheckpointError(f"{path}: `{where}` is {value!r:.80}, expected a shape (at most {MAX_DIMS} non-negative "
+                          "integers); the file was damaged or is not DeepSpeed's")

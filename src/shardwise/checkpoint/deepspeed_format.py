@@ -1,21 +1,13 @@
 """A DeepSpeed checkpoint put together: full fp32 weights and full optimizer state per parameter.
 
-DeepSpeed keeps, per param group, one flat fp32 vector split across the ranks:
-
-* stages 1 and 2 (``single_partition_of_fp32_groups``): the group's
-  parameters one after the other (each followed by its alignment padding,
-  ``param_alignment_paddings``), the vector cut into ``world_size``
-  consecutive pieces; the padding at the end of the last piece is not stored.
-* stage 3 (``fp32_flat_groups``): every parameter is cut into ``world_size``
-  equal pieces (the last padded); a rank's vector is its piece of each
-  parameter, one after the other, over all groups.
-
-The optimizer's per-element state (Adam's ``exp_avg``, ``exp_avg_sq``) is laid
-out like the fp32 vector; ``step`` is one value per group.  At stage 0 the
-model states file holds the torch optimizer's ``state_dict`` (per parameter,
-by index: the names are matched to the engine's parameters on load) and, in
-16-bit, the fp32 masters (``fp32_groups``).  Reading everything makes each
-rank hold the full model once in fp32 (plus its optimizer state).
+DeepSpeed keeps, per param group, one flat fp32 vector split across the ranks.  At stages 1 and 2
+(``single_partition_of_fp32_groups``) it holds the group's parameters one after the other, each followed by
+its alignment padding (``param_alignment_paddings``), cut into ``world_size`` consecutive pieces (the last
+piece's end padding is not stored).  At stage 3 (``fp32_flat_groups``) every parameter is cut into
+``world_size`` equal pieces (the last padded), and a rank's vector is its piece of each parameter, over all
+groups.  Per-element optimizer state (Adam's moments) is laid out like the fp32 vector; ``step`` is one
+value per group.  At stage 0 the model states file holds the torch optimizer's ``state_dict`` (by index, matched
+to the engine's parameters on load) and, in 16-bit, the fp32 masters (``fp32_groups``).
 """
 
 from __future__ import annotations
@@ -28,9 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .deepspeed_files import DeepSpeedFiles, DeepSpeedRecord, read_pickle
-from .deepspeed_model import ModelShapes, as_size
-from .errors import CheckpointError
+from .deepspeed_files import DeepSpeedFiles, DeepSpeedRecord, ModelShapes, as_size, read_pickle
+from .files import CheckpointError
 
 __all__ = ["DeepSpeedCheckpoint", "DeepSpeedParam", "read_deepspeed"]
 
@@ -86,12 +77,8 @@ class DeepSpeedCheckpoint:
 
 
 def read_deepspeed(path: Path, allow_pickle: bool = False, model: Optional[ModelShapes] = None) -> DeepSpeedCheckpoint:
-    """Read and put together the DeepSpeed checkpoint in tag directory ``path`` (any stage, any world size).
-
-    ``model``: the shapes of the model it is loaded into; each file is then bounded by the model's size
-    (unless ``allow_pickle`` trusts it) and every shape the files state is checked against the model's
-    before anything is put together.  Without it (``consolidate``), each file is bounded by its own size.
-    """
+    """Read and put together the DeepSpeed checkpoint in tag directory ``path`` (any stage, any world size),
+    bounded by and checked against ``model`` when given (``consolidate`` has none: each file by its own size)."""
     files = DeepSpeedFiles(path)
     budget, over = (model.budget, model.over_budget()) if model is not None and not allow_pickle else (None, "")
     read = partial(read_pickle, allow_pickle=allow_pickle, budget=budget, over_budget=over)
@@ -118,19 +105,16 @@ def _assemble(path: Path, files: DeepSpeedFiles, states: dict[str, Any], optim: 
               module: dict[str, torch.Tensor], dtype: str, read: Callable[[Path], dict[str, Any]],
               model: Optional[ModelShapes]) -> DeepSpeedCheckpoint:
     config = states.get("ds_config") or {}
+    accumulation = config.get("gradient_accumulation_steps", 1) if isinstance(config, dict) else 1
     if not optim:
         groups, hyper, scaler = _stage0(states, module, files.first_model_states)
         stage, world = 0, int(states.get("dp_world_size") or 1)
-    elif "fp32_flat_groups" in optim[0]:
-        stage, world = 3, len(optim)
-        groups, hyper = _stage3(states, optim, files)
-        scaler = _scaler(optim[0].get("loss_scaler"))
-        module.update(_frozen_stage3(files, read, states, model))
     else:
-        stage, world = int(optim[0].get("zero_stage", 1)), len(optim)
-        groups, hyper = _stage12(states, optim, files)
-        scaler = _scaler(optim[0].get("loss_scaler"))
-        module.update(_tensors(states.get("frozen_param_fragments") or {}, "frozen_param_fragments", path))
+        stage3, scaler = "fp32_flat_groups" in optim[0], _scaler(optim[0].get("loss_scaler"))
+        stage, world = 3 if stage3 else int(optim[0].get("zero_stage", 1)), len(optim)
+        groups, hyper = (_stage3 if stage3 else _stage12)(states, optim, files)
+        module.update(_frozen_stage3(files, read, states, model) if stage3 else
+                      _tensors(states.get("frozen_param_fragments") or {}, "frozen_param_fragments", path))
     if model is not None:
         model.check_module(module, path)
     return DeepSpeedCheckpoint(
@@ -141,16 +125,9 @@ def _assemble(path: Path, files: DeepSpeedFiles, states: dict[str, Any], optim: 
         counters={k: _count(states, k, files.first_model_states) for k in ("global_steps", "skipped_steps")},
         scaler=scaler,
         client_state={k: v for k, v in states.items() if k not in _DEEPSPEED_KEYS},
-        accumulation=_accumulation(config),
+        accumulation=accumulation if isinstance(accumulation, int) and not isinstance(accumulation, bool)
+        and accumulation > 0 else 1,
     )
-
-
-def _accumulation(config: Any) -> int:
-    value = config.get("gradient_accumulation_steps", 1) if isinstance(config, dict) else 1
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
-
-
-# ------------------------------------------------------------- reading
 
 
 def _optimizer_dict(states: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -190,16 +167,11 @@ def _shapes(states: dict[str, Any], path: Path) -> list[list[tuple[str, torch.Si
 
 def _scaler(record: Any) -> Optional[dict[str, Any]]:
     """The loss scaler's fields (``cur_scale``, ``cur_iter``, ...) from DeepSpeed's object or dict."""
-    if isinstance(record, DeepSpeedRecord):
-        return record.fields
-    return record if isinstance(record, dict) else None
+    return record.fields if isinstance(record, DeepSpeedRecord) else record if isinstance(record, dict) else None
 
 
 def _hyper(group: Any) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"} if isinstance(group, dict) else {}
-
-
-# ------------------------------------------------------------- stage 0
 
 
 def _stage0(states: dict[str, Any], module: dict[str, torch.Tensor],
@@ -224,9 +196,6 @@ def _stage0(states: dict[str, Any], module: dict[str, torch.Tensor],
     return groups, hyper, scaler
 
 
-# ---------------------------------------------------------- stages 1, 2
-
-
 def _stage12(states: dict[str, Any], optim: list[dict[str, Any]],
              files: DeepSpeedFiles) -> tuple[list[list[DeepSpeedParam]], list[dict[str, Any]]]:
     shapes = _shapes(states, files.first_model_states)
@@ -234,10 +203,9 @@ def _stage12(states: dict[str, Any], optim: list[dict[str, Any]],
     groups, hyper = [], []
     for g, group_shapes in enumerate(shapes):
         pieces = [o["single_partition_of_fp32_groups"][g].reshape(-1) for o in optim]
-        flat = torch.cat(pieces)
-        rank_states = [_base_state(o, g) for o in optim]
-        flat_state = _cat_state(rank_states, [p.numel() for p in pieces])
-        groups.append(_walk_consecutive(group_shapes, paddings[g], flat, flat_state, files.path))
+        # each rank's per-element state cut to its piece of the vector (dropping padding)
+        flat_state = _joined([_base_state(o, g) for o in optim], [slice(0, p.numel()) for p in pieces])
+        groups.append(_walk_consecutive(group_shapes, paddings[g], torch.cat(pieces), flat_state, files.path))
         base = optim[0].get("base_optimizer_state")
         saved_groups = base.get("param_groups") if isinstance(base, dict) else None
         hyper.append(_hyper(saved_groups[g]) if saved_groups and g < len(saved_groups) else {})
@@ -257,15 +225,14 @@ def _base_state(optim: dict[str, Any], group: int) -> dict[str, Any]:
     return {}
 
 
-def _cat_state(rank_states: list[dict[str, Any]], sizes: list[int]) -> dict[str, Any]:
-    """Per-element entries joined over ranks (each cut to its rank's piece, dropping padding); others rank 0's."""
-    joined: dict[str, Any] = {}
-    for key, value in rank_states[0].items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            joined[key] = torch.cat([s[key].reshape(-1)[:n] for s, n in zip(rank_states, sizes)])
-        else:
-            joined[key] = value
-    return joined
+def _joined(parts: list[dict[str, Any]], cuts: list[slice]) -> dict[str, Any]:
+    """``parts[0]``, each per-element entry joined over ``parts`` (part i flattened and cut to ``cuts[i]``)."""
+    return {k: torch.cat([p[k].reshape(-1)[cut] for p, cut in zip(parts, cuts)]) if _per_element(v) else v
+            for k, v in parts[0].items()}
+
+
+def _per_element(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
 def _walk_consecutive(shapes: list[tuple[str, torch.Size]], paddings: list[int], flat: torch.Tensor,
@@ -283,11 +250,7 @@ def _walk_consecutive(shapes: list[tuple[str, torch.Size]], paddings: list[int],
 
 
 def _slice_state(state: dict[str, Any], start: int, numel: int) -> dict[str, Any]:
-    return {k: (v[start : start + numel].clone() if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
-            for k, v in state.items()}
-
-
-# ------------------------------------------------------------- stage 3
+    return {k: (v[start : start + numel].clone() if _per_element(v) else v) for k, v in state.items()}
 
 
 def _stage3(states: dict[str, Any], optim: list[dict[str, Any]],
@@ -307,8 +270,7 @@ def _stage3(states: dict[str, Any], optim: list[dict[str, Any]],
                 raise CheckpointError(f"{files.path}: rank {short[0]}'s fp32 partition has {flats[short[0]].numel()} "
                                       f"elements, too few for `{name}`; the files are not from one save")
             value = torch.cat([f[offset : offset + part] for f in flats])[:numel].view(shape).clone()
-            state = {k: (torch.cat([s[k][offset : offset + part] for s in rank_states])[:numel].clone()
-                         if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in rank_states[0].items()}
+            state = _slice_state(_joined(rank_states, [slice(offset, offset + part)] * world), 0, numel)
             params.append(DeepSpeedParam(name, shape, value, state))
             offset += part
         groups.append(params)
@@ -323,10 +285,7 @@ def _sub_group_state(optim: dict[str, Any]) -> dict[str, Any]:
     inner = optim.get("optimizer_state_dict") or {}
     state = inner.get("state") or {}
     subs = [dict(state.get(i) or {}) for i in range(len(optim["fp32_flat_groups"]))]
-    if not subs or not subs[0]:
-        return {}
-    return {k: (torch.cat([s[k].reshape(-1) for s in subs]) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
-            for k, v in subs[0].items()}
+    return _joined(subs, [slice(None)] * len(subs)) if subs else {}
 
 
 def _frozen_stage3(files: DeepSpeedFiles, read: Callable[[Path], dict[str, Any]], first: dict[str, Any],

@@ -1,18 +1,11 @@
 """``load_checkpoint`` of a DeepSpeed checkpoint directory into a shardwise engine (any stage, world size).
 
-Every rank reads the whole checkpoint (:func:`read_deepspeed`), bounded by and
-checked against this engine's model, then takes its own pieces: fp32 masters
-and optimizer state of the elements it owns, buffers and frozen parameters,
-param-group hyperparameters, the lr scheduler, step counters and the loss
-scaler.  As in ``load.py``, everything is checked on every rank before
-anything is changed, and a failure on one rank is raised on all of them.
-
-At stages 1-3 DeepSpeed names every parameter (``param_shapes``).  At stage 0
-it saves the torch optimizer's ``state_dict``, which numbers the parameters
-by their position in the optimizer's param groups: that state is matched
-position by position with this engine's optimizer (the order its user listed
-the parameters in), every shape checked, and a different grouping is refused.
-Two parameters of one shape are never told apart by guessing.
+Every rank reads the whole checkpoint (:func:`read_deepspeed`), bounded by and checked against this engine's
+model, then takes its own pieces.  As in ``load.py``, everything is checked on every rank before anything is
+changed, and a failure on one rank is raised on all.  At stage 0 DeepSpeed saves the torch optimizer's
+``state_dict``, which numbers the parameters by position in the param groups: it is matched position by
+position with this engine's optimizer, every shape checked; two parameters of one shape are never told apart
+by guessing.
 """
 
 from __future__ import annotations
@@ -25,34 +18,25 @@ import torch
 
 from ..comm.agreement import Session
 from ..optim.param_state import ParamShard
+from .deepspeed_files import ModelShapes
 from .deepspeed_format import DeepSpeedCheckpoint, DeepSpeedParam, read_deepspeed
-from .deepspeed_model import ModelShapes
-from .errors import CheckpointError
+from .files import CheckpointError
 from .protocol import Checkpointable
 
 __all__ = ["load_deepspeed"]
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def load_deepspeed(engine: Checkpointable, session: Session, path: Path, options: Any) -> tuple[str, dict[str, Any]]:
     """Restore ``engine`` from DeepSpeed tag directory ``path``; ``options`` as ``load.py``'s ``_Options``."""
     allow = engine.settings.allow_pickle
     with engine.shards(loading=True) as shards:
-        model = _model_shapes(engine, shards)
+        with torch._C.DisableTorchFunctionSubclass():  # a partitioned parameter reports its full shape
+            shapes = {name: t.shape for name, t in engine.module.state_dict(keep_vars=True).items()}
+        model = ModelShapes({**shapes, **{shard.name: shard.shape for shard in shards}})
         ckpt, _ = session.step("reading the DeepSpeed checkpoint", lambda: read_deepspeed(path, allow, model))
         plan, _ = session.step("checking it against this engine", lambda: _Plan(engine, ckpt, shards, options))
         plan.apply()
     engine.after_load()
     return str(path), ckpt.client_state
-
-
-def _model_shapes(engine: Checkpointable, shards: list[ParamShard]) -> ModelShapes:
-    """The full shape of every entry of the engine's model (stage 3's partitioned ones included)."""
-    with torch._C.DisableTorchFunctionSubclass():  # a partitioned parameter reports its full shape
-        shapes = {name: t.shape for name, t in engine.module.state_dict(keep_vars=True).items()}
-    shapes.update({shard.name: shard.shape for shard in shards})
-    return ModelShapes(shapes)
 
 
 class _Plan:
@@ -71,7 +55,6 @@ class _Plan:
         self.entries = self._entries()
         self.extras = self._extras()
 
-    # ------------------------------------------------------------ checks
     def _check_params(self) -> None:
         for shard in self.shards:
             found = self.params.get(shard.name)
@@ -123,11 +106,10 @@ class _Plan:
         return found
 
     def _counters(self) -> dict[str, int]:
-        steps = self.ckpt.counters["global_steps"]
         # DeepSpeed saves no micro-step count; at a save (an accumulation boundary) it is steps x accumulation
-        accumulation = self.ckpt.accumulation
+        steps = self.ckpt.counters["global_steps"]
         return {"global_steps": steps, "skipped_steps": self.ckpt.counters["skipped_steps"],
-                "micro_steps": steps * accumulation}
+                "micro_steps": steps * self.ckpt.accumulation}
 
     def _precision(self, current: dict[str, Any]) -> Optional[dict[str, Any]]:
         saved = self.ckpt.scaler
@@ -146,7 +128,6 @@ class _Plan:
             scaler[mine] = kind(value)
         return {**current, "scaler": scaler}
 
-    # ------------------------------------------------------------- apply
     def apply(self) -> None:
         live = dict(self.engine.module.state_dict(keep_vars=True))
         buffers, apply_entries = self.engine.load_entries({n: live[n] for n in self.entries})

@@ -1,22 +1,10 @@
 """Checksums of a checkpoint's files, so a flipped byte or a cut file is refused at load, naming the file.
 
-At save, each rank hashes the files it wrote (its tensor file and ``rankR.json``)
-once they are flushed, and rank 0 the index (``.metadata``) and the 16-bit
-weights; the manifest lists them all: ``"files": {name: {"bytes": n, "sha256":
-hex}}``.  At load, every file is checked before it is parsed or read from:
-the index before it is unpickled, a rank file before its JSON is used, a tensor
-file before DCP reads a record of it (each rank checks the files it reads).
-
-The manifest is checked whole: a manifest without ``files``, or one whose
-``files`` lacks a file the load would read (the index, a rank file, a tensor
-file the index points into), is refused naming that file before anything is
-read; there is no path that skips a check.  (Every manifest shardwise has
-written since checksums were added carries ``files``; one that lost it was
-damaged or edited, and loading it unchecked would take a flipped byte in the
-weights silently.)
-
-SHA-256 runs at about 1 GB/s on one core, so checking costs one more pass over
-the bytes a rank reads (from the page cache, right before DCP reads them).
+At save each rank hashes the files it wrote, and rank 0 the index and the 16-bit weights; the manifest lists
+them all (``"files": {name: {"bytes": n, "sha256": hex}}``).  At load every file is checked before it is
+parsed or read, and a manifest that does not list a file the load would read is refused: no path skips a
+check.  SHA-256 runs at about 1 GB/s on one core: one more pass over the bytes a rank reads, from the page
+cache, right before DCP reads them.
 """
 
 from __future__ import annotations
@@ -24,11 +12,11 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Any, Iterable, NoReturn
+from typing import Any, Iterable
 
-from .errors import CheckpointError
+from .files import CheckpointError
 
-__all__ = ["digest", "digests", "expected_digests", "require_listed", "verify"]
+__all__ = ["digest", "expected_digests", "require_listed", "verify"]
 
 _HEX = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 20
@@ -43,11 +31,6 @@ def digest(path: Path) -> dict[str, Any]:
             hasher.update(chunk)
             size += len(chunk)
     return {"bytes": size, "sha256": hasher.hexdigest()}
-
-
-def digests(root: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """``{name: digest(root / name)}`` for each name."""
-    return {name: digest(root / name) for name in sorted(set(names))}
 
 
 def expected_digests(manifest: Any, file: Path) -> dict[str, dict[str, Any]]:
@@ -73,22 +56,17 @@ def require_listed(root: Path, names: Iterable[str], expected: dict[str, dict[st
     """Raise naming the first of ``names`` (files in ``root`` a load reads) that the manifest does not list."""
     for name in names:
         if name not in expected:
-            _unlisted(root, name)
-
-
-def _unlisted(root: Path, name: str) -> NoReturn:
-    raise CheckpointError(
-        f"{root / name} is not among the files the manifest of {root} lists with checksums, so it cannot be "
-        "checked; the manifest was edited, or the checkpoint was assembled from pieces of different saves. "
-        "Load a checkpoint as it was written"
-    )
+            raise CheckpointError(
+                f"{root / name} is not among the files the manifest of {root} lists with checksums, so it cannot be "
+                "checked; the manifest was edited, or the checkpoint was assembled from pieces of different saves. "
+                "Load a checkpoint as it was written"
+            )
 
 
 def verify(root: Path, name: str, expected: dict[str, dict[str, Any]]) -> None:
     """Raise unless ``root / name`` has the size and SHA-256 the manifest recorded (``expected``: its ``files``)."""
-    want = expected.get(name)
-    if want is None:
-        _unlisted(root, name)
+    require_listed(root, [name], expected)
+    want = expected[name]
     got = digest(root / name)
     if got != {"bytes": want["bytes"], "sha256": want["sha256"]}:
         what = (f"{got['bytes']:,} bytes where the save wrote {want['bytes']:,}" if got["bytes"] != want["bytes"]

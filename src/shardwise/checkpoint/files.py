@@ -1,28 +1,69 @@
-"""Reading a checkpoint's files as untrusted input: no links followed, nothing read past a limit.
+"""The bottom layer: the checkpoint error, the bounds on what a checkpoint may ask, and reading its files.
 
-A checkpoint directory may come from someone else.  Each of its small files
-is opened with ``O_NOFOLLOW`` (a symlink planted in its place could point at
-any file of the user) and ``O_NONBLOCK`` (a FIFO planted there would block
-the open forever), must be a regular file, and is read only if it is no
-larger than its limit (``limits.py``).
+A checkpoint may come from someone else.  Each small file is opened with ``O_NOFOLLOW`` (a planted symlink
+could point at any file of the user) and ``O_NONBLOCK`` (a planted FIFO would block forever), must be a
+regular file, and is read only up to its limit; the limits are far above what a real checkpoint needs.
+
+``torch.load`` of a ``torch.save`` zip allocates each storage at the size its record declares and inflates a
+deflated record in full; a tensor is then a view with any size and stride.  So before a load every record
+must be stored (``torch.save`` never compresses), the records no longer than the file and the caller's
+budget; after it, no tensor may cover more elements than its storage (a stride-0 view of ``2**40`` elements
+over 4 bytes costs its full size in the first copy).
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import stat
+import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NoReturn, Optional
 
-from .errors import CheckpointError
+import torch
 
-__all__ = ["is_real_dir", "open_regular", "read_json", "read_limited", "regular_size"]
+__all__ = [
+    "HINT", "MAX_DEPTH", "MAX_DIMS", "MAX_INDEX_BYTES", "MAX_LATEST_BYTES", "MAX_MANIFEST_BYTES", "MAX_RANK_FILE_BYTES",
+    "MAX_STORE_VALUE_BYTES", "MAX_TAG_LENGTH", "MAX_WORLD_SIZE", "CheckpointError", "StoreValueError", "check_records",
+    "check_views", "fail", "is_real_dir", "open_regular", "read_json", "read_limited", "record_is_stored",
+    "regular_size",
+]
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message says why and what to do."""
+
+
+class StoreValueError(CheckpointError):
+    """A value in the rendezvous store that the checkpoint agreement reads is not what a rank of it wrote:
+    not JSON, above the size bound, or holding a type outside the allow-list (see ``store_codec.py``)."""
+
+
+#: the fix for a checkpoint whose files or index fail a check
+HINT = "the checkpoint is damaged or was edited: load a checkpoint you trust, or save it again"
+
+MAX_LATEST_BYTES = 4096  # `latest` holds one tag
+MAX_TAG_LENGTH = 255  # a tag names one directory entry (the usual file-name limit)
+#: ``shardwise.json``: about 300 bytes per tensor, so room for ~800k tensors and a large ``client_state``
+MAX_MANIFEST_BYTES = 256 * 2**20
+#: ``rankR.json``: one rank's RNG states (a few KB; more with many CUDA devices)
+MAX_RANK_FILE_BYTES = 16 * 2**20
+MAX_INDEX_BYTES = 256 * 2**20  # `.metadata`: DCP's index, about 200 bytes per tensor chunk
+#: one value the checkpoint agreement reads from the rendezvous store: the largest is rank 0's global save plan,
+#: JSON of about 450-500 bytes per tensor chunk of every rank (measured on a stage-2 save): room for ~500k chunks
+MAX_STORE_VALUE_BYTES = 256 * 2**20
+MAX_WORLD_SIZE = 2**20  # ranks a manifest may claim (each is a file to look for)
+MAX_DIMS = 64  # dimensions of one tensor
+MAX_DEPTH = 100  # nesting of JSON-encoded values (`client_state`, scheduler state...)
+
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def fail(file: Path, field: str, problem: str) -> NoReturn:
+    """Refuse ``file``, whose ``field`` has ``problem``."""
+    raise CheckpointError(f"{file}: `{field}` {problem}; {HINT}")
 
 
 def _not_regular(path: Path, mode: int) -> CheckpointError:
@@ -34,12 +75,10 @@ def _not_regular(path: Path, mode: int) -> CheckpointError:
 
 
 def open_regular(path: Path) -> BinaryIO:
-    """Regular file ``path`` opened for reading, never through a link (nor a FIFO, which would block).
-
-    Raises FileNotFoundError if it does not exist, :class:`CheckpointError` otherwise.
-    """
+    """Regular file ``path`` opened for reading, never through a link (nor a FIFO, which would block);
+    FileNotFoundError if it does not exist, :class:`CheckpointError` if it is anything else."""
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
+        fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -55,10 +94,7 @@ def open_regular(path: Path) -> BinaryIO:
 
 
 def read_limited(path: Path, limit: int) -> bytes:
-    """The bytes of regular file ``path`` (not a link), at most ``limit`` of them.
-
-    Raises FileNotFoundError if it does not exist, :class:`CheckpointError` otherwise.
-    """
+    """The bytes of regular file ``path`` (as :func:`open_regular` opens it), at most ``limit`` of them."""
     with open_regular(path) as handle:
         info = os.fstat(handle.fileno())
         if info.st_size > limit:
@@ -72,7 +108,7 @@ def read_limited(path: Path, limit: int) -> bytes:
     return data
 
 
-def read_json(path: Path, limit: int) -> Any:
+def read_json(path: Path, limit: int = MAX_MANIFEST_BYTES) -> Any:
     """The JSON value in ``path``, read as :func:`read_limited` does."""
     data = read_limited(path, limit)
     try:
@@ -100,3 +136,108 @@ def is_real_dir(path: Path) -> bool:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
         return False
+
+
+# ------------------------------------------------------------ torch.save files
+
+
+def check_records(stream: BinaryIO, path: Path, budget: Optional[int], over_budget: str) -> None:
+    """Raise unless ``stream``'s zip records are stored, do not overlap, and sum to at most ``budget`` bytes
+    (``over_budget`` ends that error: what the budget is, the fix)."""
+    size = os.fstat(stream.fileno()).st_size
+    try:
+        entries = zipfile.ZipFile(stream).infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+        raise CheckpointError(f"{path} is not a `torch.save` file ({exc}); it is damaged or was replaced") from None
+    finally:
+        stream.seek(0)
+    for entry in entries:
+        if entry.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointError(
+                f"{path} holds `{entry.filename}` compressed ({entry.compress_size:,} bytes that expand to "
+                f"{entry.file_size:,}); `torch.save` never compresses, and shardwise refuses to expand a record "
+                "it cannot bound: the file was re-packed or crafted; load the file as it was saved"
+            )
+    total = sum(entry.file_size for entry in entries)
+    if total > size:
+        raise CheckpointError(
+            f"{path}: its zip records claim {total:,} bytes in a file of {size:,}, so they overlap (one "
+            "record's bytes read many times over); `torch.save` never writes that: the file was crafted"
+        )
+    if budget is not None and total > budget:
+        raise CheckpointError(f"{path} holds {total:,} bytes of records, more than {over_budget}")
+
+
+def record_is_stored(stream: Any, offset: int, length: int, where: str) -> None:
+    """Raise unless the ``torch.save`` record at ``[offset, offset + length)`` is an uncompressed zip
+    (reading only its central directory)."""
+    try:
+        with zipfile.ZipFile(_Window(stream, offset, length)) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+        raise CheckpointError(f"{where} is not a tensor record ({exc}); {HINT}") from None
+    for entry in entries:
+        if entry.compress_type != zipfile.ZIP_STORED or entry.file_size > length:
+            raise CheckpointError(
+                f"{where} holds `{entry.filename}` compressed ({entry.compress_size:,} -> {entry.file_size:,} bytes); "
+                f"shardwise writes tensor records uncompressed and refuses to expand them; {HINT}"
+            )
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of ``stream``, as a seekable file of their own."""
+
+    def __init__(self, stream: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self.stream, self.offset, self.length, self.position = stream, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = min(max(base + offset, 0), self.length)
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        self.stream.seek(self.offset + self.position)
+        data = self.stream.read(min(len(buffer), self.length - self.position))
+        buffer[: len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+
+def check_views(value: Any, path: Path) -> None:
+    """Raise if a tensor anywhere in ``value`` (dicts, lists, tuples) covers more elements than its storage."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, torch.Tensor):
+            _check_view(item, where, path)
+        elif isinstance(item, dict):
+            stack.extend((v, f"{where}[{k!r:.40}]") for k, v in item.items())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
+        elif hasattr(item, "fields") and isinstance(item.fields, dict):  # a DeepSpeedRecord's fields
+            stack.append((item.fields, where))
+
+
+def _check_view(tensor: torch.Tensor, where: str, path: Path) -> None:
+    if tensor.dim() > MAX_DIMS:
+        raise CheckpointError(f"{path}: the tensor at `{where}` has {tensor.dim()} dimensions, more than the "
+                              f"{MAX_DIMS} any model's tensor has; the file was crafted")
+    needed = tensor.numel() * tensor.element_size()
+    held = tensor.untyped_storage().nbytes()
+    if needed > held:
+        raise CheckpointError(
+            f"{path}: the tensor at `{where}` is {tuple(tensor.shape)} ({tensor.numel():,} elements, {needed:,} "
+            f"bytes once copied) over a storage of {held:,} bytes, with strides {tensor.stride()}: elements share "
+            "bytes (a stride-0 view), which `torch.save` of a model's or optimizer's tensor never writes; the file "
+            "was crafted or damaged: load the checkpoint as it was saved"
+        )

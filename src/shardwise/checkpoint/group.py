@@ -1,23 +1,15 @@
-"""Checkpoints of several engines: one directory per tag, one subdirectory per engine, one ``latest``.
+"""The checkpoint layer's front door, and checkpoints of several engines: one subdirectory per engine, one ``latest``.
 
 ::
 
-    SAVE_DIR/
-      latest                    the tag of the newest complete checkpoint
-      TAG/
-        engines.json            {"format": "shardwise.engine.multi", "engines": ["student", "teacher"], ...}
-        student/                a complete checkpoint of one engine (see layout.py)
-        teacher/
+    SAVE_DIR/latest, SAVE_DIR/TAG/engines.json  {"format": "shardwise.engine.multi", "engines": [...], ...}
+    SAVE_DIR/TAG/<name>/                        a complete checkpoint of one engine (see layout.py)
 
-:func:`save_checkpoints` writes every engine into one temporary directory and
-commits it once, so the tag appears with all of its engines or not at all.
-It is collective over every rank of the default process group (each engine's
-own files are written by the ranks of that engine's group).  A named engine's
-own ``save_checkpoint`` writes the same layout for itself: into a new tag, or
-added to an existing tag of other engines (its subdirectory replaced, the
-others kept), so two named engines saving into one directory never overwrite
-each other.  :func:`load_checkpoints` restores each engine from its
-subdirectory; a named engine's ``load_checkpoint`` finds its own.
+:func:`save_checkpoints` writes every engine into one temporary directory and commits it once, collectively
+over the default process group.  A named engine's ``save_checkpoint`` writes the same layout for itself, into
+a new tag or beside the other engines of an existing one, so named engines saving into one directory never
+overwrite each other; an engine without a name owns ``TAG/`` (``save.py``).  Choosing here keeps the layers
+one-way: this module imports save.py and load.py, and neither imports it.
 """
 
 from __future__ import annotations
@@ -32,20 +24,33 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch.distributed as dist
 
-from ..comm.agreement import Session, join
+from ..comm.agreement import Session
 from ..comm.distributed import Comm
 from ..faults.announce import Announcer
 from ..faults.ledger import doing
-from . import files
-from .commit import commit, fsync_dir, remove_stale_temps, write_atomic, write_json
-from .errors import CheckpointError
+from .commit import commit, fsync_dir, new_temp, write_atomic, write_json
+from .files import CheckpointError, is_real_dir
 from .layout import GROUP_FORMAT, GROUP_MANIFEST, LATEST, MANIFEST, read_group, read_latest, temp_dir, validate_tag
 from .load import load_checkpoint
 from .protocol import Checkpointable
-from .save import write_engine
+from .save import join_save, save_unnamed, write_engine
 from .verify import check_complete
 
-__all__ = ["load_checkpoints", "save_checkpoints"]
+__all__ = ["load_checkpoints", "save_checkpoint", "save_checkpoints"]
+
+
+def save_checkpoint(
+    engine: Checkpointable, save_dir: Any, tag: Optional[str] = None, client_state: Optional[dict[str, Any]] = None
+) -> str:
+    """Collectively write a checkpoint of ``engine`` to ``save_dir/tag``; returns that path.
+
+    ``tag`` defaults to ``global_step{engine.global_steps}``.  ``client_state``
+    (plain values and tensors; as passed on rank 0) comes back from
+    :func:`~shardwise.checkpoint.load_checkpoint`.
+    """
+    if engine.name is not None:  # a named engine's files live under its name: TAG/<name>/
+        return save_checkpoints(save_dir, {engine.name: engine}, tag, client_state, comm=engine.comm)
+    return save_unnamed(engine, save_dir, tag, client_state)
 
 
 def _ranks(comm: Comm) -> list[int]:
@@ -91,15 +96,12 @@ def _save(save_dir: Any, engines: Mapping[str, Checkpointable], names: list[str]
     """:func:`save_checkpoints`, once the ranks agreed to run it."""
     tag = validate_tag(tag if tag is not None else f"global_step{first.global_steps}")
     root = Path(save_dir).absolute()
-    payload = {"op": "save_checkpoints", "tag": tag, "dir": str(root), "nonce": secrets.token_hex(6),
-               "engines": {name: _ranks(engine.comm) for name, engine in engines.items()}}
-    session = join(comm, "save_checkpoints", payload, first.settings.timeout)
-    session.require_same("op", "checkpoint operations", "call `save_checkpoints` on every rank at the same point")
-    session.require_same("tag", "tags", "pass the same `tag=` on every rank, or none")
-    session.require_same("dir", "directories", "pass the same `save_dir`, on a file system every rank can see")
+    session = join_save(comm, "save_checkpoints", root, tag, first.settings.timeout,
+                        "pass the same `tag=` on every rank, or none",
+                        engines={name: _ranks(engine.comm) for name, engine in engines.items()})
     members = _agree_on_engines(session)
     temp = temp_dir(root, tag, session.payloads[0]["nonce"])
-    session.step("preparing the directory", lambda: _prepare(root, tag, temp) if session.rank == 0 else None)
+    session.step("preparing the directory", lambda: new_temp(temp, tag) if session.rank == 0 else None)
     try:
         for name in sorted(members):  # the same order on every rank: engines on shared ranks never cross
             if name in engines:
@@ -132,18 +134,12 @@ def _agree_on_engines(session: Session) -> dict[str, list[int]]:
     return members
 
 
-def _prepare(root: Path, tag: str, temp: Path) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(root, tag)
-    temp.mkdir()  # exclusively: the name is random, nothing may be there
-
-
 def _commit(root: Path, tag: str, temp: Path, names: list[str]) -> None:
     """Rank 0: every engine is complete; commit the tag (a new one, or this engine added to an existing one)."""
     for name in names:
         check_complete(temp / name)
     final = root / tag
-    if os.path.lexists(final) and files.is_real_dir(final) and (final / GROUP_MANIFEST).is_file():
+    if os.path.lexists(final) and is_real_dir(final) and (final / GROUP_MANIFEST).is_file():
         _add_members(final, temp, names)
         return
     if os.path.lexists(final) and (final / MANIFEST).is_file() and len(names) == 1:

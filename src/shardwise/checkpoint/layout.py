@@ -1,55 +1,45 @@
-"""Where a checkpoint's files live, and how to tell a complete checkpoint from a broken one.
+"""Where a checkpoint's files live, how a load finds one, and what a directory of another kind is.
 
 ::
 
     SAVE_DIR/
       latest                    the tag of the newest complete checkpoint (replaced atomically)
-      TAG/                      one complete checkpoint (a directory appears under its tag only
-        shardwise.json            once every rank's files are flushed: see commit.py)
-        rank0.json ... rankN-1.json
-        __0_0.distcp ... __N-1_0.distcp
-        .metadata
+      TAG/                      appears only once every rank's files are flushed (commit.py)
+        shardwise.json          the manifest (rank 0): the run, shapes, aliases, optimizer layout, encoded state
+        rankR.json              rank R's RNG state, written right after its tensor file is flushed
+        __R_0.distcp            rank R's tensor file
+        .metadata               DCP's index of every chunk, written by rank 0 once all ranks are done
       .tmp-TAG-NONCE/           a save in progress, or what a crash left: never used by `latest`
 
-``shardwise.json`` (the manifest, written by rank 0) describes the run: world
-size, ZeRO stage, dtype, step counters, every parameter's shape, tied-weight
-aliases, optimizer hyperparameters and state layout, scheduler and loss-scaler
-state and ``client_state``, all as JSON.  ``__R_0.distcp`` is rank ``R``'s
-tensor file; ``rankR.json`` (RNG state, and the world size) is written right
-after it is flushed, so it marks that rank's file complete; ``.metadata`` is
-the DCP index of every tensor chunk, written by rank 0 once all ranks are done.
-A checkpoint of several engines is ``TAG/engines.json`` (their names) and one
-such directory per engine, ``TAG/<name>/`` (written by ``group.py``).
-
-This module only names and finds paths; whether a checkpoint found here is
-complete and intact is checked in ``verify.py``.
+A checkpoint of several engines is ``TAG/engines.json`` and one such directory per engine (``group.py``).
+:func:`foreign_format` names a DeepSpeed, plain DCP, Hugging Face or ``torch.save`` path (by names and magic
+bytes only), which would otherwise look like an unfinished save or a missing directory.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Optional
 
-from . import files
-from .errors import CheckpointError
-from .formats import foreign_format
-from .limits import MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, MAX_TAG_LENGTH
+from .files import MAX_LATEST_BYTES, MAX_TAG_LENGTH, CheckpointError, is_real_dir, read_json, read_limited
 
 __all__ = [
-    "GROUP_FORMAT", "GROUP_MANIFEST", "LATEST", "MANIFEST", "TEMP_PREFIX", "list_checkpoints", "member_path", "rank_file",
-    "read_group", "read_json", "read_latest", "resolve", "tags", "temp_dir", "validate_tag",
+    "FORMAT", "GROUP_FORMAT", "GROUP_MANIFEST", "INDEX", "LATEST", "MANIFEST", "MODEL_STATES", "TEMP_PREFIX", "VERSION",
+    "find_deepspeed", "foreign_format", "holds_none", "list_checkpoints", "member_path", "rank_file", "read_group",
+    "read_latest", "resolve", "tags", "temp_dir", "validate_tag",
 ]
 
 MANIFEST = "shardwise.json"
-#: a checkpoint of several engines: their names, next to one subdirectory each (group.py)
-GROUP_MANIFEST = "engines.json"
+GROUP_MANIFEST = "engines.json"  # a checkpoint of several engines: their names, next to one subdirectory each
 GROUP_FORMAT = "shardwise.engine.multi"
 _MAX_GROUP_BYTES = 1 << 20
 LATEST = "latest"
 TEMP_PREFIX = ".tmp-"
 INDEX = ".metadata"
+MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's model states at stages 0-2 (stage 3: one per rank)
 FORMAT = "shardwise.checkpoint"
 VERSION = 1
 
@@ -57,6 +47,10 @@ VERSION = 1
 _TAG_OK = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
 # What `load_checkpoint(tag=...)` may name: a tag, or an unfinished `.tmp-TAG-NONCE` (to be told what is missing).
 _NAME_OK = re.compile(r"[A-Za-z0-9_.+=-]+")
+_DEEPSPEED = re.compile(
+    r"(mp_rank_\d+_model_states\.pt|(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_(optim|model)_states\.pt"
+    r"|layer_\d+-model_\d+-model_states\.pt|zero_to_fp32\.py)"
+)
 
 
 def rank_file(rank: int) -> str:
@@ -81,15 +75,10 @@ def temp_dir(save_dir: Path, tag: str, nonce: str) -> Path:
     return save_dir / f"{TEMP_PREFIX}{tag}-{nonce}"
 
 
-def read_json(path: Path, limit: int = MAX_MANIFEST_BYTES) -> Any:
-    """The JSON in ``path`` (a regular file, not a link, at most ``limit`` bytes)."""
-    return files.read_json(path, limit)
-
-
 def read_latest(root: Path) -> str:
     """The tag ``root/latest`` names (FileNotFoundError if there is none); anything else than one tag is refused."""
     file = root / LATEST
-    text = files.read_limited(file, MAX_LATEST_BYTES).decode("utf-8", errors="replace").strip()
+    text = read_limited(file, MAX_LATEST_BYTES).decode("utf-8", errors="replace").strip()
     if not _is_tag(text):
         raise CheckpointError(
             f"{file} names {text!r:.100}, which is not a checkpoint tag (one directory name: letters, digits and "
@@ -103,10 +92,8 @@ def tags(save_dir: Path) -> list[str]:
     """The committed checkpoints in ``save_dir`` by tag, in name order (links and hidden names skipped)."""
     if not save_dir.is_dir():
         return []
-    return sorted(
-        p.name for p in save_dir.iterdir()
-        if not p.name.startswith(".") and files.is_real_dir(p) and _is_checkpoint(p)
-    )
+    found = [p for p in save_dir.iterdir() if not p.name.startswith(".") and is_real_dir(p) and _is_checkpoint(p)]
+    return sorted(p.name for p in found)
 
 
 def _entry(root: Path, name: Any, what: str) -> Path:
@@ -126,11 +113,8 @@ def _entry(root: Path, name: Any, what: str) -> Path:
 
 
 def resolve(load_dir: str | os.PathLike[str], tag: Optional[str]) -> Path:
-    """The checkpoint directory for ``load_dir`` and ``tag`` (``None``: the one ``latest`` names).
-
-    ``load_dir`` may also be a checkpoint directory itself (``tag=None``).
-    The result is always ``load_dir`` or one real directory inside it.
-    """
+    """The checkpoint directory for ``load_dir`` and ``tag`` (``None``: the one ``latest`` names, or
+    ``load_dir`` itself when it is a checkpoint); always ``load_dir`` or one real directory inside it."""
     root = Path(load_dir)
     if tag is not None:
         return _entry(root, tag, "tag")
@@ -149,16 +133,20 @@ def resolve(load_dir: str | os.PathLike[str], tag: Optional[str]) -> Path:
     )
 
 
+def holds_none(load_dir: Path) -> bool:
+    """``load_dir`` has neither `latest` nor any complete checkpoint (nor one of another kind: the load names it)."""
+    if (load_dir / LATEST).is_file() or (load_dir / MANIFEST).is_file() or (load_dir / GROUP_MANIFEST).is_file() \
+            or foreign_format(load_dir) is not None:
+        return False
+    return not any(committed for _, _, committed in list_checkpoints(load_dir))
+
+
 def list_checkpoints(save_dir: Path) -> list[tuple[str, Path, bool]]:
     """``(name, path, committed)`` for every checkpoint directory in ``save_dir``, in name order (links skipped)."""
     found = []
     for child in sorted(save_dir.iterdir()) if save_dir.is_dir() else []:
-        if not files.is_real_dir(child):
-            continue
-        if child.name.startswith(TEMP_PREFIX):
-            found.append((child.name, child, False))
-        elif _is_checkpoint(child):
-            found.append((child.name, child, True))
+        if is_real_dir(child) and (child.name.startswith(TEMP_PREFIX) or _is_checkpoint(child)):
+            found.append((child.name, child, not child.name.startswith(TEMP_PREFIX)))
     return found
 
 
@@ -193,6 +181,110 @@ def member_path(path: Path, name: Optional[str]) -> Path:
         raise CheckpointError(f"{path} holds the checkpoints of engines {names}, not of `{name}`; pass the tag of a "
                               f"checkpoint that has it, or build the engine with one of those names")
     member = path / name
-    if not files.is_real_dir(member):
+    if not is_real_dir(member):
         raise CheckpointError(f"{member} is not a directory of this checkpoint (a link, or removed); refusing it")
     return member
+
+
+# ------------------------------------------------------------ other formats
+
+
+def foreign_format(path: Path) -> Optional[str]:
+    """What ``path`` is, as a sentence with the fix, when it is a checkpoint shardwise does not read; else None."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return _file_format(path)
+    if not stat.S_ISDIR(mode):
+        return None
+    names = _names(path)
+    if MANIFEST in names:
+        return None
+    deepspeed = _deepspeed_file(path, names)
+    if deepspeed is not None:
+        return (
+            f"{path} is a DeepSpeed checkpoint (it has `{deepspeed}`), not a shardwise one: `engine.load_checkpoint` "
+            "and `shardwise checkpoint consolidate` read it (pass the directory holding `latest`, or one tag "
+            "directory), `inspect` does not"
+        )
+    if INDEX in names and not any(re.fullmatch(r"rank\d+\.json", n) for n in names):
+        return (
+            f"{path} is a plain `torch.distributed.checkpoint` directory (`.metadata` but no `shardwise.json`), "
+            "not a shardwise checkpoint: read it with `torch.distributed.checkpoint.load` into your model's "
+            "`state_dict` before `shardwise.initialize`"
+        )
+    if "config.json" in names and names & {"pytorch_model.bin", "model.safetensors", "model.safetensors.index.json"}:
+        return (
+            f"{path} is a Hugging Face model directory, not a shardwise checkpoint: build the model with "
+            "`from_pretrained` and pass it to `shardwise.initialize`"
+        )
+    return None
+
+
+def _names(path: Path) -> set[str]:
+    try:
+        return set(os.listdir(path))
+    except OSError:
+        return set()
+
+
+def _deepspeed_file(path: Path, names: set[str]) -> Optional[str]:
+    found = sorted(n for n in names if _DEEPSPEED.fullmatch(n))
+    if found:
+        return found[0]
+    tag = _latest_tag(path) if LATEST in names else None
+    if tag is None or "/" in tag or tag in ("", ".", "..") or not is_real_dir(path / tag):
+        return None
+    inner = path / tag
+    found = sorted(n for n in _names(inner) if _DEEPSPEED.fullmatch(n))
+    return f"{tag}/{found[0]}" if found else None
+
+
+def is_deepspeed_tag_dir(path: Path) -> bool:
+    """``path`` is one DeepSpeed checkpoint (a tag directory) and no shardwise one."""
+    if not is_real_dir(path) or (path / MANIFEST).exists():
+        return False
+    return (path / MODEL_STATES).is_file() or (path / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file()
+
+
+def _latest_tag(load_dir: Path) -> Optional[str]:
+    if not is_real_dir(load_dir):
+        return None
+    try:
+        return read_limited(load_dir / LATEST, MAX_LATEST_BYTES).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError, CheckpointError):
+        return None
+
+
+def find_deepspeed(load_dir: Path, tag: Optional[str]) -> Optional[Path]:
+    """The DeepSpeed tag directory that ``load_dir`` (and ``tag``, else its ``latest``) names; None for anything
+    else (a bad tag included), which the shardwise load then explains."""
+    if tag is None and is_deepspeed_tag_dir(load_dir):
+        return load_dir
+    tag = tag if tag is not None else _latest_tag(load_dir)
+    if tag is None:
+        return None
+    if "/" in tag or "\\" in tag or tag in ("", ".", "..") or len(tag) > MAX_TAG_LENGTH:
+        return None
+    inner = load_dir / tag
+    return inner if is_deepspeed_tag_dir(inner) else None
+
+
+def _file_format(path: Path) -> str:
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(16)
+    except OSError:
+        head = b""
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+        kind = "a single file saved with `torch.save`"
+        fix = "load it with `model.load_state_dict(torch.load(FILE, weights_only=True))` before `shardwise.initialize`"
+    elif len(head) >= 9 and head[8:9] == b"{":
+        kind = "a safetensors file"
+        fix = "load it with `shardwise.checkpoint.load_consolidated(FILE)` (or `safetensors.torch.load_file`) and `model.load_state_dict`"
+    else:
+        kind = "a file"
+        fix = "pass the `save_dir` given to `save_checkpoint`, or one checkpoint directory in it"
+    return f"{path} is {kind}, not a shardwise checkpoint directory: {fix}"

@@ -1,15 +1,10 @@
 """``load_checkpoint``: restore an engine from a checkpoint of any world size and ZeRO stage.
 
-Each rank asks DCP for exactly the element ranges it owns *now* (its master
-pieces, its optimizer-state pieces); DCP reads the overlap with whatever
-ranges were saved.  Module entries (buffers, frozen parameters) are read whole.
-Everything is read into fresh tensors, and every value is decoded and checked
-before the first one is applied, so a refused checkpoint leaves the engine as
-it was.  Steps, each timeout-bounded and raised on every rank if any rank
-fails: join (store) → read the manifest → plan → read (DCP), decode and
-validate → apply (module entries, collective where partitioned; masters,
-optimizer state, hyperparameters, scheduler, loss scaler, counters, RNG) →
-re-gather parameters from the masters (collective).
+Each rank asks DCP for the element ranges it owns *now*; DCP reads the overlap with whatever ranges were
+saved.  Everything is read into fresh tensors, and every value is decoded and checked before the first one is
+applied, so a refused checkpoint leaves the engine as it was.  Steps, each timeout-bounded and raised on every
+rank: join → read the manifest → plan → read (DCP), decode and check → apply (module entries, collective where
+partitioned; masters, optimizer state, hyperparameters, scheduler, loss scaler, counters, RNG) → re-gather.
 """
 
 from __future__ import annotations
@@ -24,18 +19,15 @@ import torch.distributed.checkpoint as dcp
 
 from ..comm.agreement import Session, join
 from ..optim.param_state import ParamShard
-from .codec import Decoder, refuse_pickles, tensor_refs
-from .conform import conform
-from .deepspeed_files import find_deepspeed
+from .codec import Decoder, empty_tensors, refuse_pickles
 from .deepspeed_load import load_deepspeed
 from .digests import expected_digests
-from .errors import CheckpointError
-from .formats import foreign_format
-from .layout import GROUP_MANIFEST, LATEST, MANIFEST, list_checkpoints, member_path, rank_file, resolve
+from .files import CheckpointError
+from .layout import LATEST, MANIFEST, find_deepspeed, holds_none, member_path, rank_file, resolve
 from .protocol import Apply, Checkpointable
-from .rng import capture_rng, restore_rng
-from .stateful import ModelNames, ModelState, OptimizerState, Sources, TensorState, dtype_name
+from .stateful import ModelNames, ModelState, OptimizerState, Sources, TensorState, capture_rng, dtype_name, restore_rng
 from .storage import LoadPlanner, SafeReader, dcp_errors
+from .validate import conform
 from .verify import check_complete, read_rank_file
 
 __all__ = ["load_checkpoint"]
@@ -66,66 +58,48 @@ def load_checkpoint(
     for what each option restores.  In a checkpoint of several engines, the
     engine's files are ``TAG/<member>/`` (``member`` defaults to the engine's name).
     """
-    config = engine.settings
     member = member if member is not None else engine.name
-    payload = {"op": "load_checkpoint", "dir": str(Path(load_dir).absolute()), "tag": tag}
-    session = join(engine.comm, "load_checkpoint", payload, config.timeout)
+    load_dir = Path(load_dir)
+    payload = {"op": "load_checkpoint", "dir": str(load_dir.absolute()), "tag": tag}
+    session = join(engine.comm, "load_checkpoint", payload, engine.settings.timeout)
     session.require_same("op", "checkpoint operations", "call `load_checkpoint` on every rank at the same point")
     session.require_same("dir", "directories", "pass the same `load_dir` on every rank")
     session.require_same("tag", "tags", "pass the same `tag=` on every rank (or none, for `latest`)")
-    if _agree_nothing_to_load(session, Path(load_dir), tag):
+    nothing = _agreed(session, "looking for a checkpoint", lambda: tag is None and holds_none(load_dir), lambda views: (
+        f"ranks disagree on whether {load_dir} holds a checkpoint "
+        f"({', '.join(f'rank {r}: {not v}' for r, v in enumerate(views))}); `load_dir` must be one "
+        "directory shared by all ranks"))
+    if nothing:
         warnings.warn(
-            f"load_checkpoint: {Path(load_dir).absolute()} holds no complete checkpoint (no `{LATEST}` file "
+            f"load_checkpoint: {load_dir.absolute()} holds no complete checkpoint (no `{LATEST}` file "
             "and no tag directory); nothing was loaded and (None, None) is returned",
             stacklevel=3,
         )
         return None, None
     options = _Options(load_optimizer_states, load_lr_scheduler_states, load_module_only, module_load_fn, strict)
-    deepspeed = _agree_deepspeed(session, Path(load_dir), tag)
+    deepspeed = _agreed(session, "looking for a DeepSpeed checkpoint", lambda: _deepspeed_at(load_dir, tag),
+                        lambda views: f"ranks found different DeepSpeed checkpoints in {load_dir} ({views}); `load_dir` "
+                        "must be one directory shared by all ranks, and `latest` must not change during the load")
     if deepspeed is not None:  # a foreign format, recognised by its file names: no manifest, no checksums
-        return load_deepspeed(engine, session, deepspeed, options)
-    wanted = _names_with_saved_state(Path(load_dir), tag, member)
+        return load_deepspeed(engine, session, Path(deepspeed), options)
+    wanted = _names_with_saved_state(load_dir, tag, member)
     with engine.shards(loading=True, wanted=wanted) as shards:
-        result = _Load(engine, shards, session, Path(load_dir), tag, member, options).run()
+        result = _Load(engine, shards, session, load_dir, tag, member, options).run()
     engine.after_load()
     return result
 
 
-def _nothing_to_load(load_dir: Path, tag: Optional[str]) -> bool:
-    """No tag asked for, and the directory has neither `latest` nor any complete checkpoint."""
-    if tag is not None:
-        return False
-    if (load_dir / LATEST).is_file() or (load_dir / MANIFEST).is_file() or (load_dir / GROUP_MANIFEST).is_file() \
-            or foreign_format(load_dir) is not None:
-        return False  # (another format is named by the load's error)
-    return not any(committed for _, _, committed in list_checkpoints(load_dir))
-
-
-def _agree_deepspeed(session: Session, load_dir: Path, tag: Optional[str]) -> Optional[Path]:
-    """The DeepSpeed checkpoint ``load_dir``/``tag`` names, seen alike by every rank; None if it is not one."""
-    def look() -> Optional[str]:
-        found = find_deepspeed(load_dir, tag)
-        return None if found is None else str(found.absolute())
-
-    _, views = session.step("looking for a DeepSpeed checkpoint", look, share=True)
+def _agreed(session: Session, what: str, look: Callable[[], Any], differ: Callable[[list[Any]], str]) -> Any:
+    """What ``look`` sees, which must be the same on every rank (a shared directory); else ``differ(views)``."""
+    _, views = session.step(what, look, share=True)
     if any(v != views[0] for v in views):
-        raise CheckpointError(
-            f"rank {session.rank}: ranks found different DeepSpeed checkpoints in {load_dir} ({views}); `load_dir` "
-            "must be one directory shared by all ranks, and `latest` must not change during the load"
-        )
-    return None if views[0] is None else Path(views[0])
+        raise CheckpointError(f"rank {session.rank}: {differ(views)}")
+    return views[0]
 
 
-def _agree_nothing_to_load(session: Session, load_dir: Path, tag: Optional[str]) -> bool:
-    """Every rank's view of "is there a checkpoint?", which must agree (a shared directory)."""
-    _, views = session.step("looking for a checkpoint", lambda: _nothing_to_load(load_dir, tag), share=True)
-    if any(v != views[0] for v in views):
-        raise CheckpointError(
-            f"rank {session.rank}: ranks disagree on whether {load_dir} holds a checkpoint "
-            f"({', '.join(f'rank {r}: {not v}' for r, v in enumerate(views))}); `load_dir` must be one "
-            "directory shared by all ranks"
-        )
-    return bool(views[0])
+def _deepspeed_at(load_dir: Path, tag: Optional[str]) -> Optional[str]:
+    found = find_deepspeed(load_dir, tag)
+    return None if found is None else str(found.absolute())
 
 
 def _find(load_dir: Path, tag: Optional[str], member: Optional[str]) -> Path:
@@ -134,10 +108,7 @@ def _find(load_dir: Path, tag: Optional[str], member: Optional[str]) -> Path:
 
 
 def _names_with_saved_state(load_dir: Path, tag: Optional[str], member: Optional[str]) -> frozenset[str]:
-    """Parameters the checkpoint has optimizer state for (a frozen one keeps it for later).
-
-    Any problem reading the manifest is left to the load itself to report.
-    """
+    """Parameters the checkpoint has optimizer state for (a frozen one keeps it); the load reports any problem."""
     try:
         manifest = check_complete(_find(load_dir, tag, member))
         return frozenset(((manifest.get("optimizer") or {}).get("state") or {}).keys())
@@ -147,11 +118,8 @@ def _names_with_saved_state(load_dir: Path, tag: Optional[str], member: Optional
 
 class _Options:
     def __init__(self, optimizer: bool, scheduler: bool, module_only: bool, module_load_fn: Any, strict: bool) -> None:
-        self.optimizer = optimizer and not module_only
-        self.scheduler = scheduler and not module_only
-        self.module_only = module_only
-        self.module_load_fn = module_load_fn
-        self.strict = strict
+        self.optimizer, self.scheduler = optimizer and not module_only, scheduler and not module_only
+        self.module_only, self.module_load_fn, self.strict = module_only, module_load_fn, strict
 
 
 @dataclass
@@ -169,13 +137,8 @@ class _Load:
 
     def __init__(self, engine: Checkpointable, shards: list[ParamShard], session: Session, load_dir: Path,
                  tag: Optional[str], member: Optional[str], options: _Options) -> None:
-        self.engine = engine
-        self.shards = shards
-        self.session = session
-        self.load_dir = load_dir
-        self.tag = tag
-        self.member = member
-        self.options = options
+        self.engine, self.shards, self.session, self.options = engine, shards, session, options
+        self.load_dir, self.tag, self.member = load_dir, tag, member
         self.rank = engine.comm.rank
         self.allow_pickle = engine.settings.allow_pickle
         self.manifest: dict[str, Any] = {}
@@ -196,16 +159,14 @@ class _Load:
         with_master = {name: shape for f in found for name, shape in f["with_master"].items()}
         states, _ = self.session.step("planning the load", lambda: self._plan(with_master))
         self.session.step("reading and checking its shards", lambda: self._read(states))
-        # Every rank has read and validated everything: apply. The states' actions first: one of them fills a
-        # module entry's buffer from a saved master (an engine without an optimizer, e.g. for inference, keeps
-        # no masters), and the engine's entries (collective where partitioned) must install filled buffers.
+        # Every rank has read and checked everything: apply, the states' actions first, since one may fill a module
+        # entry's buffer from a saved master that the engine's entries (collective where partitioned) then install.
         for state in states.values():
             state.apply()
         self.apply_entries()
         self._apply_decoded()
         return str(self.path), self.decoded.client_state
 
-    # ------------------------------------------------------------ steps
     def _read_manifest(self) -> dict[str, Any]:
         self.path = _find(self.load_dir, self.tag, self.member).absolute()
         self.manifest = check_complete(self.path)
@@ -227,10 +188,16 @@ class _Load:
         states: dict[str, TensorState] = {"model": model}
         saved_optimizer = self.manifest.get("optimizer")
         if self.options.optimizer and self.engine.optimizer is not None and saved_optimizer is not None:
-            self._check_groups(saved_optimizer)
+            saved, groups = saved_optimizer.get("param_groups") or [], self.engine.optimizer.param_groups
+            if len(saved) != len(groups):
+                raise CheckpointError(
+                    f"the checkpoint's optimizer has {len(saved)} param group(s), this one {len(groups)}; "
+                    "build the optimizer with the same param groups, or pass `load_optimizer_states=False`"
+                )
             states["optim"] = OptimizerState.loading(self.shards, saved_optimizer["state"], self.manifest["aliases"])
         described = {k: v for k, v in self.manifest.items() if k != "files"}  # file checksums hold no tensors
-        states["extra"] = TensorState(dict(self._buffers(described, self.extra)))
+        self.extra = empty_tensors(described)
+        states["extra"] = TensorState(dict(self.extra))
         rng = self._rng_plan()
         if rng is not None:
             refuse_pickles(rng[0], "RNG state", self.allow_pickle)
@@ -255,15 +222,13 @@ class _Load:
         return model
 
     def _read(self, states: dict[str, TensorState]) -> None:
-        reader = SafeReader(self.path, expected_digests(self.manifest, self.path / MANIFEST))
-        # Each rank reads what it asked for on its own (`no_dist`): no collective that a rank dying in
-        # the read could leave the others waiting in; the step itself is bounded and watched.
+        reader = SafeReader(self.path, self.manifest)
+        # each rank reads on its own (`no_dist`): no collective for a rank dying in it to hang; the step is watched
         with dcp_errors(self.path), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
             dcp.load(states, storage_reader=reader, planner=LoadPlanner(), no_dist=True)
         self._decode()
 
-    # ------------------------------------------------------------ checks
     def _check_keys(self, names: ModelNames, with_master: dict[str, list[int]]) -> None:
         missing, unexpected, mismatched = Sources(self.manifest).report(names, with_master)
         if mismatched:
@@ -281,21 +246,6 @@ class _Load:
             )
         warnings.warn(f"load_checkpoint(strict=False) from {self.path}: {detail}", stacklevel=4)
 
-    def _check_groups(self, saved_optimizer: dict[str, Any]) -> None:
-        saved = saved_optimizer.get("param_groups") or []
-        groups = self.engine.optimizer.param_groups if self.engine.optimizer is not None else []
-        if len(saved) != len(groups):
-            raise CheckpointError(
-                f"the checkpoint's optimizer has {len(saved)} param group(s), this one {len(groups)}; "
-                "build the optimizer with the same param groups, or pass `load_optimizer_states=False`"
-            )
-
-    # ------------------------------------------------------------ buffers
-    def _buffers(self, encoded: Any, into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        for ref in tensor_refs(encoded):
-            into[ref["__tensor__"]] = torch.empty(ref["shape"], dtype=getattr(torch, ref["dtype"]))
-        return into
-
     def _rng_plan(self) -> Optional[tuple[Any, dict[str, torch.Tensor]]]:
         if self.options.module_only or not self.engine.settings.save_rng_state or not self.manifest.get("rng"):
             return None
@@ -305,9 +255,8 @@ class _Load:
                                  expected_digests(self.manifest, self.path / MANIFEST)).get("rng")
         if encoded is None:
             return None
-        return encoded, self._buffers(encoded, {})
+        return encoded, empty_tensors(encoded)
 
-    # ----------------------------------------------------- decode, check
     def _decode(self) -> None:
         """Decode every plain-data part and check it against what it will replace; apply nothing."""
         decoder = Decoder(self.extra, self.allow_pickle)
@@ -334,11 +283,8 @@ class _Load:
                                f"{self.path / rank_file(self.rank)}: rng")
 
     def _without_scheduler_keys(self, groups: Any, current: list[dict[str, Any]], has_scheduler: bool) -> Any:
-        """The saved param groups, less the keys an lr scheduler put there when this engine has none.
-
-        A run with a `scheduler` section saves `initial_lr` in every group; an engine built without one has no
-        such key. That is a config that differs, not a damaged checkpoint: said so, with both fixes.
-        """
+        """The saved param groups, less the keys an lr scheduler put there (``initial_lr``) when this engine has
+        none: a config that differs, not a damaged checkpoint, and said so."""
         if not isinstance(groups, list) or self.manifest.get("scheduler") is None:
             return groups
         extra = sorted({k for g in groups if isinstance(g, dict) for k in g if k in SCHEDULER_KEYS}
@@ -366,7 +312,6 @@ class _Load:
                 stacklevel=6,
             )
 
-    # ------------------------------------------------------------- apply
     def _apply_decoded(self) -> None:
         decoded, extras = self.decoded, self.engine.extras()
         optimizer = self.engine.optimizer

@@ -1,18 +1,10 @@
 """What the checkpoint layer needs from an engine: one typed protocol.
 
-``save_checkpoint`` and ``load_checkpoint`` see an engine only through
-:class:`Checkpointable` (``Engine.checkpointable()`` provides one; a pipeline
-engine can provide its own).  It covers
-
-* the process group (:class:`~shardwise.comm.distributed.Comm`) and settings;
-* this rank's :class:`~shardwise.optim.param_state.ParamShard`s: fp32 masters and,
-  through each shard's slot, optimizer state, wherever the stage keeps them;
-* the module's other entries (buffers, frozen parameters), whose full values
-  the stage reads and writes, collectively where they are partitioned;
-* ``Stateful`` extras restored as a whole: scheduler, precision, counters.
-
-The checkpoint layer never imports the ZeRO stages and never sets an
-attribute on the engine: everything it restores goes through this protocol.
+``save_checkpoint`` and ``load_checkpoint`` see an engine only through :class:`Checkpointable`
+(``Engine.checkpointable()``; a pipeline engine provides its own): its process group and settings, this
+rank's ``ParamShard``s (fp32 masters and optimizer state, wherever the stage keeps them), the module's other
+entries (read and written collectively where partitioned), and ``Stateful`` extras.  The layer never imports
+the ZeRO stages and never sets an attribute on the engine.
 """
 
 from __future__ import annotations
@@ -104,10 +96,8 @@ class Checkpointable(Protocol):
         """Restored whole: ``precision`` and ``counters`` always, ``scheduler`` when there is one."""
 
     def weights_16bit(self) -> Optional[dict[str, torch.Tensor]]:
-        """A compute-dtype ``state_dict`` to write next to the shards (rank 0; None: none asked for).
-
-        Collective: DeepSpeed's ``stage3_gather_16bit_weights_on_model_save``.
-        """
+        """A compute-dtype ``state_dict`` to write next to the shards (rank 0; None: none asked for); collective:
+        DeepSpeed's ``stage3_gather_16bit_weights_on_model_save``."""
 
     def after_load(self) -> None:
         """Make the model's parameters equal to the loaded masters (collective)."""

@@ -1,30 +1,19 @@
 """``save_checkpoint``: every rank writes its own shard; visible only once all are on disk.
 
-Steps (each one timeout-bounded, a failure anywhere raised on every rank):
+Steps, each timeout-bounded, a failure anywhere raised on every rank:
 
-1. *join* through the c10d store: every rank called, with the same tag and
-   directory (:mod:`..agreement`); no collective on the training group before;
-2. *describe*: ranks exchange (through the store) which parameters and
-   optimizer state they hold, so rank 0 can write a complete manifest;
-3. *prepare*: the engine hands over the full values of module entries
-   (gathered where partitioned); each rank lays out its tensors as
-   ``Stateful`` objects and captures its RNG state; rank 0 encodes
-   ``client_state``, scheduler, loss-scaler and counter state (refusing what
-   would need pickle, unless allowed);
-4. *write*: ``torch.distributed.checkpoint`` (DCP) plans and writes, but its
-   plans and results travel through the store steps instead of collectives
-   (:mod:`.dcp_steps`), so a rank that dies or hangs inside DCP makes the others
-   raise within a heartbeat or ``checkpoint.timeout``: each rank writes
-   ``__R_0.distcp`` in parallel, fsyncs it, then writes ``rankR.json`` (its
-   "done" marker, with its RNG state) and hashes both (:mod:`.digests`);
-5. *commit*: rank 0 writes the ``.metadata`` index and the manifest (with
-   every file's size and SHA-256), checks every file is there, renames the
-   directory to its tag and replaces ``latest`` (:mod:`.commit`).
+1. *join* through the c10d store (same call, tag and directory); no collective on the training group before;
+2. *describe*: ranks exchange which parameters and optimizer state they hold, for rank 0's manifest;
+3. *prepare*: the engine hands over the full module entries (gathered where partitioned); each rank lays out
+   its tensors and RNG state; rank 0 encodes ``client_state``, scheduler, loss-scaler and counter state;
+4. *write*: DCP's planner and writer run as ``dcp.save`` runs them, but each exchange is a store step, not a
+   collective on the training group, where a rank that died inside DCP would leave the others waiting 30
+   minutes.  Each rank writes and fsyncs ``__R_0.distcp``, then ``rankR.json`` (its "done" marker);
+5. *commit*: rank 0 writes the ``.metadata`` index and the manifest (with every file's checksum), checks every
+   file is there, renames the directory to its tag and replaces ``latest`` (:mod:`.commit`).
 
-A failure in any step (a full disk, a directory that cannot be written) is
-raised on every rank, names the directory and the cause, and leaves the
-previous checkpoint and ``latest`` as they were: only the new temporary
-directory is removed.
+A failure (a full disk, an unwritable directory) names the directory and the cause; only the new temporary
+directory is removed, the previous checkpoint and ``latest`` stay as they were.
 """
 
 from __future__ import annotations
@@ -38,69 +27,60 @@ from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
 
 from .._version import __version__
 from ..comm.agreement import Session, join
+from ..comm.distributed import Comm
 from ..faults.errors import RankGoneError
 from ..model_io.export import save_state_dict
 from ..optim.param_state import ParamShard
 from .codec import Encoder
-from .commit import commit, remove_stale_temps, write_json
-from .dcp_steps import save_through_steps
-from .digests import digest, digests
-from .errors import CheckpointError
-from .layout import FORMAT, LATEST, VERSION, rank_file, temp_dir, validate_tag
-from .oserror import explained as _explained
-from .oserror import need_space
+from .commit import commit, explained, need_space, new_temp, write_json
+from .digests import digest
+from .files import CheckpointError, StoreValueError
+from .layout import FORMAT, INDEX, LATEST, MANIFEST, VERSION, rank_file, temp_dir, validate_tag
 from .protocol import Checkpointable
-from .rng import capture_rng
-from .stateful import ModelNames, ModelState, OptimizerState, TensorState, describe_shards, dtype_name
+from .stateful import ModelNames, ModelState, OptimizerState, TensorState, capture_rng, describe_shards, dtype_name
 from .storage import SavePlanner, read_metadata
+
+__all__ = ["join_save", "save_unnamed", "write_engine"]
 
 #: the 16-bit weights written next to the shards when the config asks for them
 WEIGHTS_16BIT = "pytorch_model.bin"
-
-__all__ = ["save_unnamed", "write_engine"]
 
 
 def save_unnamed(
     engine: Checkpointable, save_dir: Any, tag: Optional[str] = None, client_state: Optional[dict[str, Any]] = None
 ) -> str:
-    """:func:`~.entry.save_checkpoint` for an engine without a name (its arguments and return value); a named
-    engine's files live under its name (``group.py``), and the front door chooses.
-    """
+    """:func:`~.group.save_checkpoint` for an engine without a name (its arguments and return value)."""
     tag = validate_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     root = Path(save_dir).absolute()
-    session = _join(engine, root, tag)
-    temp = temp_dir(root, tag, session.payloads[0]["nonce"])
-    _write(engine, session, tag, temp, client_state, commit_to=root / tag)
+    write_engine(engine, root, tag, None, client_state)
     return str(root / tag)
 
 
-def write_engine(engine: Checkpointable, root: Path, tag: str, temp: Path, client_state: Optional[dict[str, Any]]) -> None:
-    """Collectively write ``engine``'s checkpoint into the new directory ``temp`` (a checkpoint of
-    several engines commits them all at once)."""
-    _write(engine, _join(engine, root, tag), tag, temp, client_state, commit_to=None)
-
-
-def _join(engine: Checkpointable, root: Path, tag: str) -> Session:
-    payload = {"op": "save_checkpoint", "tag": tag, "dir": str(root), "nonce": secrets.token_hex(6)}
-    session = join(engine.comm, "save_checkpoint", payload, engine.settings.timeout)
-    _agree(session)
-    return session
-
-
-def _write(engine: Checkpointable, session: Session, tag: str, temp: Path, client_state: Optional[dict[str, Any]],
-           commit_to: Optional[Path]) -> None:
-    # frozen parameters' kept master weights and optimizer state travel too
-    with engine.shards(loading=False) as shards:
+def write_engine(engine: Checkpointable, root: Path, tag: str, temp: Optional[Path],
+                 client_state: Optional[dict[str, Any]]) -> None:
+    """Collectively write ``engine``'s checkpoint of ``tag`` into the new directory ``temp``, which a checkpoint
+    of several engines commits with the others; ``temp=None``: into a new one, committed as ``root/tag``."""
+    session = join_save(engine.comm, "save_checkpoint", root, tag, engine.settings.timeout,
+                        "pass the same `tag=` on every rank, or none (`global_step{N}`)")
+    commit_to = root / tag if temp is None else None
+    temp = temp if temp is not None else temp_dir(root, tag, session.payloads[0]["nonce"])
+    with engine.shards(loading=False) as shards:  # frozen parameters' kept masters and optimizer state travel too
         _Save(engine, shards, session, tag, temp, client_state, commit_to).run()
 
 
-def _agree(session: Session) -> None:
-    session.require_same("op", "checkpoint operations", "call `save_checkpoint` on every rank at the same point")
-    session.require_same("tag", "tags", "pass the same `tag=` on every rank, or none (`global_step{N}`)")
+def join_save(comm: Comm, op: str, root: Path, tag: str, timeout: float, tag_fix: str, **extra: Any) -> Session:
+    """Join the ranks of ``comm`` in save ``op`` of ``tag`` into ``root``: the same call, tag and directory."""
+    payload = {"op": op, "tag": tag, "dir": str(root), "nonce": secrets.token_hex(6), **extra}
+    session = join(comm, op, payload, timeout)
+    session.require_same("op", "checkpoint operations", f"call `{op}` on every rank at the same point")
+    session.require_same("tag", "tags", tag_fix)
     session.require_same("dir", "directories", "pass the same `save_dir`, on a file system every rank can see")
+    return session
 
 
 class _Save:
@@ -108,19 +88,13 @@ class _Save:
 
     def __init__(self, engine: Checkpointable, shards: list[ParamShard], session: Session, tag: str, temp: Path,
                  client_state: Any, commit_to: Optional[Path]) -> None:
-        self.engine = engine
-        self.shards = shards
-        self.session = session
-        self.temp = temp
-        #: where the finished directory is renamed (and `latest` pointed); None: left for the caller
-        self.commit_to = commit_to
-        self.tag = tag
+        self.engine, self.shards, self.session, self.tag, self.temp = engine, shards, session, tag, temp
+        self.commit_to = commit_to  # where the finished directory is renamed (and `latest` pointed); None: the caller
         self.client_state = client_state if client_state is not None else {}
         self.rank = engine.comm.rank
         self.extra = Encoder("extra", engine.settings.allow_pickle)
         self.encoded: dict[str, Any] = {}
         self.rank_info: dict[str, Any] = {}
-        self.wrote_16bit = False
 
     def run(self) -> None:
         _, descriptions = self.session.step("describing its parameters", self._describe, share=True)
@@ -129,13 +103,13 @@ class _Save:
         # Collective where entries are partitioned, with every rank known to be here.
         entries = self.engine.save_entries(names.live(names.others(with_master)))
         weights_16bit = self.engine.weights_16bit()  # collective when asked for
-        self.wrote_16bit = weights_16bit is not None
         try:
             states, _ = self.session.step(
-                "preparing the checkpoint", lambda: _explained(self.temp, lambda: self._prepare(entries)))
+                "preparing the checkpoint", lambda: explained(self.temp, lambda: self._prepare(entries)))
             writer = _RankWriter(self.temp, self.temp / rank_file(self.rank), self.rank_info)
-            written = save_through_steps(self.session, states, writer, SavePlanner(), self.temp)
-            self._commit(lambda: self._finish(descriptions, written, weights_16bit) if self.rank == 0 else None)
+            written = _dcp_write(self.session, {k: s.state_dict() for k, s in states.items()}, writer)
+            self._commit(lambda: self._finish(descriptions, writer, *written, weights_16bit) if self.rank == 0
+                         else None)
         except BaseException:
             if self.rank == 0:  # every rank is past the failed step: nobody writes there any more
                 shutil.rmtree(self.temp, ignore_errors=True)
@@ -145,7 +119,7 @@ class _Save:
         """The last step: rank 0 commits.  When rank 0 then ends the job and takes the store it hosts with it
         before this rank read its outcome, the checkpoint on disk says whether the save completed."""
         try:
-            self.session.step("committing", lambda: _explained(self.temp, finish))
+            self.session.step("committing", lambda: explained(self.temp, finish))
         except RankGoneError:
             if self.rank == 0 or self.commit_to is None or not _committed(self.temp, self.commit_to, self.rank):
                 raise
@@ -157,14 +131,8 @@ class _Save:
 
     def _describe(self) -> dict[str, Any]:
         if self.rank == 0:
-            _explained(self.temp, self._make_temp)
+            explained(self.temp, lambda: new_temp(self.temp, self.tag if self.commit_to is not None else None))
         return describe_shards(self.shards)
-
-    def _make_temp(self) -> None:
-        if self.commit_to is not None:
-            self.commit_to.parent.mkdir(parents=True, exist_ok=True)
-            remove_stale_temps(self.commit_to.parent, self.tag)
-        self.temp.mkdir()  # exclusively: nothing may be there before (the name is random)
 
     def _prepare(self, entries: dict[str, torch.Tensor]) -> dict[str, TensorState]:
         states: dict[str, TensorState] = {"model": ModelState.saving(self.shards, entries)}
@@ -172,11 +140,10 @@ class _Save:
             states["optim"] = OptimizerState.saving(self.shards)
         config = self.engine.settings
         rng = Encoder(f"rng/{self.rank}", config.allow_pickle)
-        info = {"rank": self.rank, "world_size": self.engine.comm.world_size}
+        self.rank_info = {"rank": self.rank, "world_size": self.engine.comm.world_size}
         if config.save_rng_state:
-            info["rng"] = rng.encode(capture_rng(), "RNG state")
+            self.rank_info["rng"] = rng.encode(capture_rng(), "RNG state")
         states["rng"] = TensorState(dict(rng.tensors))
-        self.rank_info = info
         if self.rank == 0:
             self._encode_extras()
         states["extra"] = TensorState(dict(self.extra.tensors))
@@ -195,18 +162,19 @@ class _Save:
             "param_groups": encode(groups, "optimizer param_groups") if groups is not None else None,
         }
 
-    def _finish(self, descriptions: list[dict[str, Any]], written: Any,
-                 weights_16bit: Optional[dict[str, torch.Tensor]]) -> None:
-        files = written.finish()  # the `.metadata` index, from every rank's results
+    def _finish(self, descriptions: list[dict[str, Any]], writer: _RankWriter, metadata: Any, results: list[Any],
+                files: dict[str, Any], weights_16bit: Optional[dict[str, torch.Tensor]]) -> None:
+        writer.finish(metadata=metadata, results=results)  # the `.metadata` index, from every rank's results
+        files = {**files, INDEX: digest(self.temp / INDEX)}
+        expected = [rank_file(r) for r in range(self.engine.comm.world_size)] + [MANIFEST, INDEX]
         if weights_16bit is not None:
             save_state_dict(weights_16bit, self.temp / WEIGHTS_16BIT)
             files[WEIGHTS_16BIT] = digest(self.temp / WEIGHTS_16BIT)
-        write_json(self.temp / "shardwise.json", {**self._manifest(descriptions), "files": files})
-        expected = [rank_file(r) for r in range(self.engine.comm.world_size)] + ["shardwise.json", ".metadata"]
-        if self.wrote_16bit:
             expected.append(WEIGHTS_16BIT)
+        write_json(self.temp / MANIFEST, {**self._manifest(descriptions), "files": files})
         absent = [name for name in expected if not (self.temp / name).is_file()]
-        absent += [f.name for f in _data_files(self.temp) if not f.is_file()]
+        absent += sorted({info.relative_path for info in read_metadata(self.temp).storage_data.values()
+                          if not (self.temp / info.relative_path).is_file()})
         if absent:
             raise CheckpointError(
                 f"rank 0 cannot see {absent} in {self.temp} although every rank reported them written: "
@@ -224,73 +192,82 @@ class _Save:
             for name, entries in described["state"].items():
                 state.setdefault(name, {}).update(entries)
         names = ModelNames.of(engine.module)
-        params = {k: params[k] for k in sorted(params, key=_order(names.keys))}
+        position = {k: i for i, k in enumerate(names.keys)}
+        params = {k: params[k] for k in sorted(params, key=lambda name: (position.get(name, len(position)), name))}
         module = {
             n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in names.tensors.items() if n not in params
         }
-        optimizer = None
+        encoded, optimizer = self.encoded, None
         if engine.optimizer is not None:
-            info = engine.optimizer
-            optimizer = {"class": info.class_name, "param_groups": self.encoded["param_groups"], "state": state}
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "tag": self.tag,
-            "world_size": engine.comm.world_size,
-            "stage": engine.stage,
-            "dtype": dtype_name(engine.dtype),
-            "counters": self.encoded["counters"],
-            "state_dict_keys": names.keys,
-            "aliases": names.aliases,
-            "params": params,
-            "module": module,
-            "optimizer": optimizer,
-            "scheduler": self.encoded["scheduler"],
-            "precision": self.encoded["precision"],
-            "client_state": self.encoded["client_state"],
-            "rng": engine.settings.save_rng_state,
+            optimizer = {"class": engine.optimizer.class_name, "param_groups": encoded["param_groups"], "state": state}
+        return {  # the fields validate.py's `_Manifest` checks
+            "format": FORMAT, "version": VERSION, "tag": self.tag, "world_size": engine.comm.world_size,
+            "stage": engine.stage, "dtype": dtype_name(engine.dtype), "counters": encoded["counters"],
+            "state_dict_keys": names.keys, "aliases": names.aliases, "params": params, "module": module,
+            "optimizer": optimizer, "scheduler": encoded["scheduler"], "precision": encoded["precision"],
+            "client_state": encoded["client_state"], "rng": engine.settings.save_rng_state,
             "versions": {"shardwise": __version__, "torch": torch.__version__},
         }
 
 
-class _RankWriter(FileSystemWriter):
-    """DCP's file writer (one fsynced file per rank) that then writes ``rankR.json``.
+def _dcp_write(session: Session, state_dict: dict[str, Any], writer: _RankWriter) -> tuple[Any, list[Any], dict]:
+    """Step 4 of the module docstring: rank 0's global metadata (None elsewhere), every rank's write results
+    and the checksums of every rank's files."""
+    coordinator, planner = session.rank == 0, SavePlanner()
+    metadata = None
 
-    That file is this rank's "done" marker: it exists only if the rank's
-    tensor file was completely written and flushed.  ``files`` then holds the
-    size and SHA-256 of both.
-    """
+    def local_plan() -> Any:
+        planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
+        writer.set_up_storage_writer(coordinator, rank=session.rank, use_collectives=True)
+        return writer.prepare_local_plan(planner.create_local_plan())
+
+    _, plans = session.step("planning its write", local_plan, objects=SavePlan)
+
+    def global_plan() -> Optional[list[Any]]:
+        nonlocal metadata
+        if not coordinator:
+            return None
+        plans_out, metadata = planner.create_global_plan(plans)
+        return list(writer.prepare_global_plan(plans_out))
+
+    _, central = session.step("planning the checkpoint's files", global_plan, objects=Optional[list[SavePlan]])
+    if central[0] is None or len(central[0]) != session.world_size:  # one plan per rank
+        raise StoreValueError(
+            f"rank {session.rank}: rank 0's global save plan holds {'no' if central[0] is None else len(central[0])} "
+            f"plan(s), expected one per rank ({session.world_size}); only shardwise's ranks should write to the "
+            "rendezvous store: run every rank with the same shardwise and torch (`shardwise env`)"
+        )
+    mine = central[0][session.rank]
+
+    def write() -> tuple[Any, dict[str, Any]]:
+        pending = writer.write_data(planner.finish_plan(mine), planner)
+        pending.wait()
+        return pending.value(), writer.files
+
+    _, outcomes = session.step("writing its shard", lambda: explained(writer.root, write),
+                               objects=tuple[list[WriteResult], dict[str, Any]])
+    return metadata, [results for results, _ in outcomes], {k: v for _, files in outcomes for k, v in files.items()}
+
+
+class _RankWriter(FileSystemWriter):
+    """DCP's file writer (one fsynced file per rank) that then writes ``rankR.json``, this rank's "done" marker,
+    and keeps the size and SHA-256 of both in ``files``."""
 
     def __init__(self, path: Path, marker: Path, info: dict[str, Any]) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
-        self.root = path
-        self.marker = marker
-        self.info = info
+        self.root, self.marker, self.info = path, marker, info
         self.files: dict[str, Any] = {}
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        need_space(self.root, _planned_bytes(plan))  # a full disk said up front, not as torch.save's "unexpected pos"
+        # a full disk said up front, not as torch.save's "unexpected pos" (the records add a little to the tensors)
+        data = [item.tensor_data for item in plan.items if item.tensor_data is not None]
+        need_space(self.root, sum(math.prod(d.chunk.sizes) * d.properties.dtype.itemsize for d in data))
         written = super().write_data(plan, planner)
         written.wait()
         write_json(self.marker, self.info)
         names = {result.storage_data.relative_path for result in written.value()} | {self.marker.name}
-        self.files = digests(self.root, names)
+        self.files = {name: digest(self.root / name) for name in sorted(names)}
         return written
-
-
-def _planned_bytes(plan: Any) -> int:
-    """The tensor bytes a DCP write plan will put on disk (records add a little)."""
-    total = 0
-    for item in plan.items:
-        data = item.tensor_data
-        if data is not None:
-            total += math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
-    return total
-
-
-def _order(keys: list[str]) -> Any:
-    position = {k: i for i, k in enumerate(keys)}
-    return lambda name: (position.get(name, len(position)), name)
 
 
 def _committed(temp: Path, final: Path, rank: int) -> bool:
@@ -299,9 +276,4 @@ def _committed(temp: Path, final: Path, rank: int) -> bool:
         latest = (final.parent / LATEST).read_text().strip()
     except OSError:
         return False
-    return not temp.exists() and latest == final.name and (final / "shardwise.json").is_file() \
-        and (final / rank_file(rank)).is_file()
-
-
-def _data_files(path: Path) -> list[Path]:
-    return sorted({path / info.relative_path for info in read_metadata(path).storage_data.values()})
+    return not temp.exists() and latest == final.name and all((final / n).is_file() for n in (MANIFEST, rank_file(rank)))

@@ -1,26 +1,19 @@
-"""The engine's state as torch ``Stateful`` objects that DCP saves and loads.
+"""The engine's state as torch ``Stateful`` objects that DCP saves and loads, and each rank's RNG states.
 
-Each object's ``state_dict()`` is a flat dict of what goes to the tensor files
-(:class:`~.storage.FlatChunks` for a parameter's elements this rank owns,
-plain tensors otherwise).  Loading reads into *fresh* tensors only; what to do
-with them is kept in ``actions`` and run by the load once every rank has read
-and validated everything, so a refused checkpoint leaves the engine untouched.
+A ``state_dict()`` is a flat dict of what goes to the tensor files.  Loading reads into *fresh* tensors only;
+what to do with them is kept in ``actions``, run by the load once every rank has read and checked everything.
+Keys are independent of world size and stage (that is what makes a checkpoint reshardable):
 
-Keys, all independent of world size and stage (that is what makes a
-checkpoint reshardable):
-
-* ``model/master/NAME``: fp32 master value of parameter NAME (trainable, or
-  frozen with kept state), flattened to 1-D; each rank writes the
-  ``[start, end)`` ranges it owns;
-* ``model/module/NAME``: any other entry of the module (buffer, frozen
-  parameter), full, in the module's dtype, written by one rank;
-* ``optim/NAME/KEY``: optimizer state KEY of NAME (``exp_avg``...), chunked
-  like the master when it is per-element, else one replicated tensor (``step``).
+* ``model/master/NAME``: the fp32 master of NAME flattened to 1-D, as the ``[start, end)`` ranges each rank owns;
+* ``model/module/NAME``: any other module entry (buffer, frozen parameter), full, in its dtype, from one rank;
+* ``optim/NAME/KEY``: optimizer state, chunked like the master when per-element, else one tensor (``step``).
 """
 
 from __future__ import annotations
 
 import math
+import random
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -28,15 +21,14 @@ import torch
 from torch import nn
 
 from ..optim.param_state import ParamShard, is_per_element
-from .codec import Decoder, Encoder
-from .errors import CheckpointError
+from .codec import Decoder, Encoder, dtype_name
+from .files import CheckpointError
 from .storage import FlatChunks
 
 __all__ = [
-    "ModelNames", "ModelState", "OptimizerState", "Sources", "TensorState", "describe_shards", "group_shards",
+    "ModelNames", "ModelState", "OptimizerState", "Sources", "TensorState", "capture_rng", "describe_shards",
+    "restore_rng",
 ]
-
-Action = Callable[[], None]
 
 
 class TensorState:
@@ -45,7 +37,7 @@ class TensorState:
     def __init__(self, tensors: Optional[dict[str, Any]] = None) -> None:
         self.tensors: dict[str, Any] = tensors if tensors is not None else {}
         #: local work that puts loaded values in place, run by the load after validation
-        self.actions: list[Action] = []
+        self.actions: list[Callable[[], None]] = []
 
     def state_dict(self) -> dict[str, Any]:
         return self.tensors
@@ -61,10 +53,7 @@ class TensorState:
 @dataclass
 class ModelNames:
     """The module's ``state_dict`` keys; tied entries (one tensor, several names) map to the first name.
-
-    ``tensors`` are the live objects (``keep_vars``): only their metadata is
-    read here; values go through the engine's ``save_entries``/``load_entries``.
-    """
+    ``tensors`` are the live objects, read for their metadata only (values go through the engine)."""
 
     keys: list[str]
     aliases: dict[str, str]
@@ -74,43 +63,24 @@ class ModelNames:
     def of(cls, module: nn.Module) -> "ModelNames":
         state = module.state_dict(keep_vars=True)
         first: dict[int, str] = {}
-        aliases: dict[str, str] = {}
         for name, tensor in state.items():
-            if id(tensor) in first:
-                aliases[name] = first[id(tensor)]
-            else:
-                first[id(tensor)] = name
+            first.setdefault(id(tensor), name)
+        aliases = {name: first[id(tensor)] for name, tensor in state.items() if first[id(tensor)] != name}
         return cls(list(state), aliases, {n: t for n, t in state.items() if n not in aliases})
-
-    @property
-    def canonical(self) -> list[str]:
-        return [k for k in self.keys if k not in self.aliases]
 
     def others(self, with_master: set[str]) -> list[str]:
         """Canonical names that have no master (buffers, frozen parameters without kept state)."""
-        return [k for k in self.canonical if k not in with_master]
+        return [k for k in self.keys if k not in self.aliases and k not in with_master]
 
     def live(self, names: list[str]) -> dict[str, torch.Tensor]:
         return {n: self.tensors[n] for n in names}
 
 
-def group_shards(shards: list[ParamShard]) -> dict[str, list[ParamShard]]:
+def _by_name(shards: list[ParamShard]) -> dict[str, list[ParamShard]]:
     grouped: dict[str, list[ParamShard]] = {}
     for shard in shards:
         grouped.setdefault(shard.name, []).append(shard)
     return grouped
-
-
-def _numel(shape: Any) -> int:
-    return math.prod(shape)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _master_chunks(pieces: list[ParamShard]) -> FlatChunks:
-    return FlatChunks(_numel(pieces[0].shape), [(s.start, s.master.reshape(-1)) for s in pieces])
 
 
 def _state_entry(value: Any, shard: ParamShard) -> dict[str, Any]:
@@ -131,17 +101,9 @@ def _state_entry(value: Any, shard: ParamShard) -> dict[str, Any]:
 
 def describe_shards(shards: list[ParamShard]) -> dict[str, Any]:
     """What this rank holds of each parameter with a master, and of its optimizer state (JSON)."""
-    params: dict[str, Any] = {}
-    state: dict[str, Any] = {}
-    for shard in shards:
-        params[shard.name] = {"shape": list(shard.shape), "group": shard.group}
-        entries = shard.state.get()
-        if entries:
-            state[shard.name] = {k: _state_entry(v, shard) for k, v in entries.items()}
+    params = {shard.name: {"shape": list(shard.shape), "group": shard.group} for shard in shards}
+    state = {s.name: {k: _state_entry(v, s) for k, v in entries.items()} for s in shards if (entries := s.state.get())}
     return {"params": params, "state": state}
-
-
-# ------------------------------------------------------------------ model
 
 
 class ModelState(TensorState):
@@ -151,33 +113,30 @@ class ModelState(TensorState):
     def saving(cls, shards: list[ParamShard], entries: dict[str, torch.Tensor]) -> "ModelState":
         """``entries``: the full module values this rank writes (from the engine's ``save_entries``)."""
         state = cls()
-        for name, pieces in group_shards(shards).items():
-            state.tensors[f"master/{name}"] = _master_chunks(pieces)
-        for name, value in entries.items():
-            state.tensors[f"module/{name}"] = value
+        for name, pieces in _by_name(shards).items():
+            chunks = [(s.start, s.master.reshape(-1)) for s in pieces]
+            state.tensors[f"master/{name}"] = FlatChunks(math.prod(pieces[0].shape), chunks)
+        state.tensors.update({f"module/{name}": value for name, value in entries.items()})
         return state
 
     @classmethod
-    def loading(
-        cls, shards: list[ParamShard], sources: "Sources", buffers: dict[str, torch.Tensor]
-    ) -> "ModelState":
+    def loading(cls, shards: list[ParamShard], sources: Sources, buffers: dict[str, torch.Tensor]) -> ModelState:
         """Read every entry, by name, into fresh tensors; ``buffers`` are the engine's module-entry
         targets (from ``load_entries``), filled here and applied by the engine."""
         state = cls()
-        for name, pieces in group_shards(shards).items():
+        for name, pieces in _by_name(shards).items():
             state._into_master(pieces, sources, sources.find(name))
         for name, buffer in buffers.items():
             state._into_entry(buffer, sources.find(name), sources)
         return state
 
     @classmethod
-    def whole(cls, manifest: dict[str, Any]) -> tuple["ModelState", dict[str, torch.Tensor]]:
+    def whole(cls, manifest: dict[str, Any]) -> tuple[ModelState, dict[str, torch.Tensor]]:
         """The whole saved ``state_dict`` (for ``module_load_fn``), tied names sharing one tensor."""
         state = cls()
         full: dict[str, torch.Tensor] = {}
-        params = manifest["params"]
-        for name, info in params.items():
-            state.tensors[f"master/{name}"] = torch.empty(_numel(info["shape"]), dtype=torch.float32)
+        for name, info in manifest["params"].items():
+            state.tensors[f"master/{name}"] = torch.empty(math.prod(info["shape"]), dtype=torch.float32)
             full[name] = state.tensors[f"master/{name}"].view(info["shape"])
         for name, info in manifest["module"].items():
             full[name] = state.tensors[f"module/{name}"] = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
@@ -192,13 +151,14 @@ class ModelState(TensorState):
             )
         self.tensors[key] = value
 
-    def _into_master(self, pieces: list[ParamShard], sources: "Sources", source: Optional[tuple[str, str]]) -> None:
+    def _into_master(self, pieces: list[ParamShard], sources: Sources, source: Optional[tuple[str, str]]) -> None:
         if source is None:
             return  # reported as missing by `Sources.report`
         kind, saved = source
         if kind == "master":
             read = [torch.empty(s.numel, dtype=torch.float32, device=s.master.device) for s in pieces]
-            self._reserve(f"master/{saved}", FlatChunks(_numel(pieces[0].shape), [(s.start, r) for s, r in zip(pieces, read)]))
+            chunks = FlatChunks(math.prod(pieces[0].shape), [(s.start, r) for s, r in zip(pieces, read)])
+            self._reserve(f"master/{saved}", chunks)
 
             def copy_masters() -> None:
                 for shard, values in zip(pieces, read):
@@ -217,7 +177,7 @@ class ModelState(TensorState):
 
         self.actions.append(copy)
 
-    def _into_entry(self, buffer: torch.Tensor, source: Optional[tuple[str, str]], sources: "Sources") -> None:
+    def _into_entry(self, buffer: torch.Tensor, source: Optional[tuple[str, str]], sources: Sources) -> None:
         if source is None:
             return
         kind, saved = source
@@ -237,9 +197,7 @@ class Sources:
     """Where each entry of the current model comes from in a checkpoint (tied names resolved)."""
 
     def __init__(self, manifest: dict[str, Any]) -> None:
-        self.params = manifest["params"]
-        self.module = manifest["module"]
-        self.aliases = manifest["aliases"]
+        self.params, self.module, self.aliases = manifest["params"], manifest["module"], manifest["aliases"]
 
     def find(self, name: str) -> Optional[tuple[str, str]]:
         saved = self.aliases.get(name, name)
@@ -248,10 +206,6 @@ class Sources:
         if saved in self.module:
             return ("module", saved)
         return None
-
-    def shape(self, source: tuple[str, str]) -> list[int]:
-        kind, saved = source
-        return list((self.params if kind == "master" else self.module)[saved]["shape"])
 
     def report(self, names: ModelNames, with_master: dict[str, list[int]]) -> tuple[list[str], list[str], list[str]]:
         """``(missing, unexpected, mismatched)`` entries of the current model against the checkpoint."""
@@ -264,24 +218,23 @@ class Sources:
             if source is None:
                 missing.append(name)
                 continue
-            used.add(source[1])
-            if self.shape(source) != shape:
-                mismatched.append(f"{name}: checkpoint {tuple(self.shape(source))}, model {tuple(shape)}")
+            kind, saved = source
+            used.add(saved)
+            saved_shape = list((self.params if kind == "master" else self.module)[saved]["shape"])
+            if saved_shape != shape:
+                mismatched.append(f"{name}: checkpoint {tuple(saved_shape)}, model {tuple(shape)}")
         unexpected = sorted((set(self.params) | set(self.module)) - used)
         return sorted(missing), unexpected, mismatched
-
-
-# -------------------------------------------------------------- optimizer
 
 
 class OptimizerState(TensorState):
     """Per-parameter optimizer state (Adam's moments and step, SGD's momentum, ...)."""
 
     @classmethod
-    def saving(cls, shards: list[ParamShard]) -> "OptimizerState":
+    def saving(cls, shards: list[ParamShard]) -> OptimizerState:
         state = cls()
-        for name, pieces in group_shards(shards).items():
-            numel = _numel(pieces[0].shape)
+        for name, pieces in _by_name(shards).items():
+            numel = math.prod(pieces[0].shape)
             for shard in pieces:
                 for key, value in shard.state.get().items():
                     fqn = f"{name}/{key}"
@@ -293,22 +246,18 @@ class OptimizerState(TensorState):
         return state
 
     @classmethod
-    def loading(cls, shards: list[ParamShard], saved_state: dict[str, Any], aliases: dict[str, str]) -> "OptimizerState":
-        """Fresh tensors for every saved entry, installed through each shard's slot when applied.
-
-        Pieces whose parameter has no saved state (the optimizer had not stepped
-        it) end up with empty state, as in a fresh optimizer.
-        """
+    def loading(cls, shards: list[ParamShard], saved_state: dict[str, Any], aliases: dict[str, str]) -> OptimizerState:
+        """Fresh tensors for every saved entry, installed through each shard's slot when applied; a parameter
+        with no saved state (never stepped) gets empty state, as in a fresh optimizer."""
         state = cls()
-        for name, pieces in group_shards(shards).items():
+        for name, pieces in _by_name(shards).items():
             saved = aliases.get(name, name)
             for shard in pieces:
-                entries = saved_state.get(saved) or {}
-                state._plan(saved, shard, entries)
+                state._plan(saved, shard, saved_state.get(saved) or {})
         return state
 
     def _plan(self, saved: str, shard: ParamShard, entries: dict[str, Any]) -> None:
-        numel = _numel(shard.shape)
+        numel = math.prod(shard.shape)
         values: dict[str, Any] = {}
         shared: set[str] = set()
         for key, entry in entries.items():
@@ -325,8 +274,34 @@ class OptimizerState(TensorState):
                 values[key] = Decoder({}).decode(entry["value"], f"optimizer state of `{saved}`")
 
         def install() -> None:
-            # A replicated tensor (Adam's `step`) was read once: each piece gets its own copy,
-            # as torch.optim would have made it.
+            # a replicated tensor (Adam's `step`) was read once: each piece gets its own copy, as in torch.optim
             shard.state.set({k: (v.clone() if k in shared else v) for k, v in values.items()})
 
         self.actions.append(install)
+
+
+# -------------------------------------------------------------------- RNG
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states, as plain values and tensors."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:  # only if the program uses numpy: never import it for this
+        state["numpy"] = numpy.random.get_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Set the RNG states :func:`capture_rng` returned (the parts this process has)."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    numpy = sys.modules.get("numpy")
+    if "numpy" in state and numpy is not None:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        numpy.random.set_state((name, numpy.asarray(keys, dtype=numpy.uint32), pos, has_gauss, cached))

@@ -1,31 +1,27 @@
-"""``torch.distributed.checkpoint`` (DCP) as the storage and resharding layer.
+"""``torch.distributed.checkpoint`` (DCP) as the storage and resharding layer, and its index read safely.
 
-DCP stores each tensor as *chunks* (offsets and sizes inside the global
-tensor) and, on load, reads the overlap of whatever chunks were saved with
-whatever chunks each rank asks for.  That is exactly resharding, provided a
-rank can describe "elements ``[start, end)`` of this flattened parameter".
-DTensor cannot (its uneven shards still follow a fixed chunking rule) and
-ShardedTensor needs a collective to build its global metadata, so this module
-adds :class:`FlatChunks` (any set of 1-D pieces of a 1-D tensor) and two
-planners that understand it.  Replicated pieces (stage 0, or scalars such as
-Adam's ``step``) are written once: DCP drops chunks with the same index.
+DCP stores each tensor as chunks and, on load, reads the overlap of the chunks saved with those each rank asks
+for: resharding, provided a rank can say "elements ``[start, end)`` of this flattened parameter".  DTensor
+cannot (its uneven shards follow a fixed rule) and ShardedTensor needs a collective, so :class:`FlatChunks`
+(any 1-D pieces of a 1-D tensor) and two planners that understand it are here.  Replicated pieces are written
+once: DCP drops chunks with the same index.
 
-Safety: the planners never write pickled objects (``BYTE_IO`` items) and refuse
-to read them; tensors are read with ``torch.load(weights_only=True)`` by DCP,
-each record first checked to be an uncompressed zip; the pickled
-``.metadata`` file is read with an unpickler that only builds DCP's metadata
-classes, torch dtypes/sizes and paths, then checked (``validate_index.py``)
-before DCP plans anything with it.  DCP wraps every error in its own
-``CheckpointException`` (a ``BaseException``); :func:`dcp_errors` turns it
-back into a :class:`CheckpointError`.
+The planners never write or read pickled objects; each tensor record is checked to be stored uncompressed
+before DCP reads it.  The ``.metadata`` index is unpickled building only DCP's metadata classes, torch
+dtypes/sizes and paths, then checked (:func:`check_index`) before DCP plans with it, since a crafted index
+could point at other files, claim more elements than the bytes on disk, leave tensor parts unwritten (heap in
+the output) or ask for decompression: data files must be bare ``__R_N.distcp`` names, records must not
+overlap and hold their chunk's bytes, chunks must cover each tensor exactly once.  DCP wraps every error in
+``CheckpointException`` (a ``BaseException``); :func:`dcp_errors` makes it a :class:`CheckpointError`.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
-import zipfile
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,19 +38,23 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     StorageMeta,
     TensorProperties,
+    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .digests import verify
-from .errors import CheckpointError
-from .files import read_limited, regular_size
-from .limits import MAX_INDEX_BYTES
-from .validate_index import HINT, check_index, record_ends
+from .codec import TENSOR_DTYPES, is_count
+from .digests import expected_digests, verify
+from .files import HINT, MAX_DIMS, MAX_INDEX_BYTES, CheckpointError, fail, read_limited, record_is_stored, regular_size
+from .layout import INDEX, MANIFEST
 
-__all__ = ["FlatChunks", "LoadPlanner", "SafeReader", "SavePlanner", "flatten", "dcp_errors", "read_metadata", "record_is_stored"]
+__all__ = [
+    "FlatChunks", "LoadPlanner", "SafeReader", "SavePlanner", "check_index", "dcp_errors", "flatten",
+    "read_metadata", "record_ends",
+]
 
-INDEX = ".metadata"
+_DATA_FILE = re.compile(r"__[0-9]{1,7}_[0-9]{1,7}\.distcp")
+_MISSING = object()
 
 
 @dataclass
@@ -88,6 +88,11 @@ def flatten(state_dict: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
+def _lookup(state_dict: dict[str, Any], index: MetadataIndex) -> Any:
+    obj = state_dict[index.fqn]
+    return obj.piece_at((index.offset or torch.Size([0]))[0]) if isinstance(obj, FlatChunks) else obj
+
+
 def _write_item(fqn: str, tensor: torch.Tensor, offsets: torch.Size, size: torch.Size) -> WriteItem:
     chunk = ChunkStorageMetadata(offsets=offsets, sizes=tensor.size())
     return WriteItem(
@@ -119,8 +124,7 @@ class SavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        obj = self.state_dict[index.fqn]
-        return obj.piece_at((index.offset or torch.Size([0]))[0]) if isinstance(obj, FlatChunks) else obj
+        return _lookup(self.state_dict, index)
 
 
 class LoadPlanner(DefaultLoadPlanner):
@@ -152,16 +156,13 @@ class LoadPlanner(DefaultLoadPlanner):
                 )
             if md.size != obj.size():
                 raise CheckpointError(f"`{fqn}` has {tuple(md.size)} elements in the checkpoint but {tuple(obj.size())} here")
-            if isinstance(obj, FlatChunks):
-                wanted = obj.chunks()
-            else:
-                wanted = [ChunkStorageMetadata(torch.Size([0] * obj.dim()), obj.size())]
+            wanted = obj.chunks() if isinstance(obj, FlatChunks) else [
+                ChunkStorageMetadata(torch.Size([0] * obj.dim()), obj.size())]
             requests += create_read_items_for_chunk_list(fqn, md, wanted)
         return LoadPlan(requests)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        obj = self.state_dict[index.fqn]
-        return obj.piece_at((index.offset or torch.Size([0]))[0]) if isinstance(obj, FlatChunks) else obj
+        return _lookup(self.state_dict, index)
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         raise CheckpointError(f"`{read_item.dest_index.fqn}` is a pickled object; shardwise never reads those")
@@ -179,12 +180,8 @@ _ALLOWED = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
     ("collections", "OrderedDict"),
-}
+} | {("pathlib", name) for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -202,13 +199,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: Path) -> Metadata:
-    """DCP's ``.metadata`` index of the checkpoint in ``path``, unpickled safely and checked
-    (:func:`~.validate_index.check_index`) before anything is read through it.
-
-    A load reads the index twice (to check the checkpoint, then in DCP); the
-    second time the same, unchanged file (same inode, size and mtime) is not
-    unpickled and checked again.
-    """
+    """DCP's ``.metadata`` index of the checkpoint in ``path``, unpickled safely and checked (:func:`check_index`).
+    A load reads it twice (to check the checkpoint, then in DCP): an unchanged file is not read again."""
     file = path / INDEX
     try:
         info = os.lstat(file)
@@ -246,87 +238,150 @@ def dcp_errors(path: Path) -> Iterator[None]:
         raise CheckpointError(f"reading the tensors of {path} failed ({detail}); {HINT}") from None
 
 
-def record_is_stored(stream: Any, offset: int, length: int, where: str) -> None:
-    """Raise unless the ``torch.save`` record at ``[offset, offset + length)`` is an uncompressed zip.
-
-    A deflated entry could expand a small record into gigabytes when
-    ``torch.load`` reads it; a stored one holds no more than its own bytes.
-    Reads only the zip's central directory.
-    """
-    try:
-        with zipfile.ZipFile(_Window(stream, offset, length)) as archive:
-            entries = archive.infolist()
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
-        raise CheckpointError(f"{where} is not a tensor record ({exc}); {HINT}") from None
-    for entry in entries:
-        if entry.compress_type != zipfile.ZIP_STORED or entry.file_size > length:
-            raise CheckpointError(
-                f"{where} holds `{entry.filename}` compressed ({entry.compress_size:,} -> {entry.file_size:,} bytes); "
-                f"shardwise writes tensor records uncompressed and refuses to expand them; {HINT}"
-            )
-
-
-class _Window(io.RawIOBase):
-    """Bytes ``[offset, offset + length)`` of ``stream``, as a seekable file of their own."""
-
-    def __init__(self, stream: Any, offset: int, length: int) -> None:
-        super().__init__()
-        self.stream, self.offset, self.length, self.position = stream, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
-        self.position = min(max(base + offset, 0), self.length)
-        return self.position
-
-    def readinto(self, buffer: Any) -> int:
-        wanted = min(len(buffer), self.length - self.position)
-        self.stream.seek(self.offset + self.position)
-        data = self.stream.read(wanted)
-        buffer[: len(data)] = data
-        self.position += len(data)
-        return len(data)
-
-
 class SafeReader(FileSystemReader):
     """DCP's file reader, with the ``.metadata`` index unpickled by :func:`read_metadata`, and every
-    tensor file this rank reads checked against the manifest's checksums (``expected``) first."""
+    tensor file this rank reads checked against the checksums of the checked ``manifest`` first."""
 
-    def __init__(self, path: Any, expected: dict[str, Any]) -> None:
+    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
         super().__init__(path)
-        self.expected = expected
+        self.expected = expected_digests(manifest, path / MANIFEST)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise CheckpointError(f"{self.path} has no global `.metadata` index; it was not written by shardwise")
-        metadata = read_metadata(Path(self.path))
-        storage_meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
-        storage_meta.load_id = self.load_id
-        metadata.storage_meta = storage_meta
-        for name, size in record_ends(metadata.storage_data, Path(self.path) / INDEX).items():
-            if (regular_size(Path(self.path) / name) or 0) < size:
-                raise CheckpointError(f"{Path(self.path) / name} is missing or shorter than its index says; {HINT}")
+        root = Path(self.path)
+        metadata = read_metadata(root)
+        metadata.storage_meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        for name, size in record_ends(metadata.storage_data, root / INDEX).items():
+            if (regular_size(root / name) or 0) < size:
+                raise CheckpointError(f"{root / name} is missing or shorter than its index says; {HINT}")
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: Any) -> Any:
-        # DCP reads each record straight into its destination (the engine's own tensors), so every
-        # record this rank will read is checked first: a bad one fails the load before any is read.
+        # DCP reads each record straight into the engine's tensors: every record is checked before any is read
         by_file: dict[str, list[Any]] = {}
         for item in plan.items:
             info = self.storage_data[item.storage_index]
             by_file.setdefault(info.relative_path, []).append(info)
+        root = Path(self.path)
         for name, infos in by_file.items():
-            verify(Path(self.path), name, self.expected)
-            with open(Path(self.path) / name, "rb") as stream:
+            verify(root, name, self.expected)
+            with open(root / name, "rb") as stream:
                 for info in sorted(infos, key=lambda i: i.offset):
-                    where = f"the tensor record at byte {info.offset} of {Path(self.path) / name}"
+                    where = f"the tensor record at byte {info.offset} of {root / name}"
                     record_is_stored(stream, info.offset, info.length, where)
         return super().read_data(plan, planner)
+
+
+# --------------------------------------------------------------- index checks
+
+
+def _attr(obj: Any, name: str, kind: Any, file: Path, field: str) -> Any:
+    value = getattr(obj, name, _MISSING)
+    if not isinstance(value, kind):
+        found = "missing" if value is _MISSING else f"a {type(value).__name__}"
+        fail(file, f"{field}.{name}", f"is {found}, expected {getattr(kind, '__name__', kind)}")
+    return value
+
+
+def _size(value: Any, file: Path, field: str, dims: Optional[int] = None) -> tuple[int, ...]:
+    if not isinstance(value, torch.Size) or len(value) > MAX_DIMS or not all(is_count(n) for n in value):
+        fail(file, field, f"is {value!r:.80}, expected a size of at most {MAX_DIMS} non-negative ints")
+    if dims is not None and len(value) != dims:
+        fail(file, field, f"has {len(value)} dimensions, the tensor {dims}")
+    return tuple(value)
+
+
+def check_index(metadata: Any, file: Path) -> Metadata:
+    """``metadata`` (an unpickled ``.metadata`` file) if it is safe to read through; raises otherwise."""
+    if not isinstance(metadata, Metadata):
+        fail(file, "index", f"is a {type(metadata).__name__}, expected a DCP `Metadata`")
+    storage_meta = getattr(metadata, "storage_meta", None)
+    if storage_meta is not None and not isinstance(storage_meta, StorageMeta):
+        fail(file, "storage_meta", f"is a {type(storage_meta).__name__}")
+    storage = _attr(metadata, "storage_data", dict, file, "index")
+    record_ends(storage, file)
+    tensors = _attr(metadata, "state_dict_metadata", dict, file, "index")
+    for fqn, entry in tensors.items():
+        if not isinstance(fqn, str):
+            fail(file, "state_dict_metadata", f"has a key of type {type(fqn).__name__}")
+        _check_tensor(fqn, entry, storage, file)
+    return metadata
+
+
+def _check_tensor(fqn: str, entry: Any, storage: dict[Any, Any], file: Path) -> None:
+    if isinstance(entry, BytesStorageMetadata):
+        raise CheckpointError(
+            f"{file}: `{fqn}` is a pickled object, which shardwise never writes and never reads from tensor files; "
+            f"{HINT}"
+        )
+    if not isinstance(entry, TensorStorageMetadata):
+        fail(file, fqn, f"is a {type(entry).__name__}, expected tensor metadata")
+    properties = _attr(entry, "properties", TensorProperties, file, fqn)
+    dtype = getattr(properties, "dtype", None)
+    if not isinstance(dtype, torch.dtype) or dtype not in TENSOR_DTYPES.values():
+        fail(file, f"{fqn}.dtype", f"is {dtype!r:.40}, not a tensor dtype shardwise stores")
+    size = _size(getattr(entry, "size", None), file, f"{fqn}.size")
+    chunks = _attr(entry, "chunks", list, file, fqn)
+    spans = []
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, ChunkStorageMetadata):
+            fail(file, f"{fqn}.chunks[{i}]", f"is a {type(chunk).__name__}")
+        offsets = _size(getattr(chunk, "offsets", None), file, f"{fqn}.chunks[{i}].offsets", len(size))
+        sizes = _size(getattr(chunk, "sizes", None), file, f"{fqn}.chunks[{i}].sizes", len(size))
+        spans.append((offsets, sizes))
+        _check_record(fqn, offsets, math.prod(sizes) * dtype.itemsize, storage, file)
+    _check_cover(fqn, size, spans, file)
+
+
+def _check_cover(fqn: str, size: tuple[int, ...], spans: list[tuple[tuple[int, ...], tuple[int, ...]]], file: Path) -> None:
+    """Chunks cover every element exactly once: shardwise writes 1-D tensors (flattened masters, per-element
+    optimizer state) as any set of ranges, everything else as one whole chunk."""
+    if len(size) != 1:
+        if len(spans) != 1 or any(spans[0][0]) or spans[0][1] != size:
+            fail(file, f"{fqn}.chunks", f"are {spans!r:.120}, expected one chunk covering the whole size {size}")
+        return
+    end = 0
+    for (start,), (length,) in sorted(spans):
+        if start != end:
+            what = "overlap" if start < end else "leave a gap"
+            fail(file, f"{fqn}.chunks", f"{what} at element {min(start, end)} of {size[0]}; each element must be saved once")
+        end = start + length
+    if end != size[0]:
+        fail(file, f"{fqn}.chunks", f"cover elements [0, {end}) of {size[0]}")
+
+
+def _check_record(fqn: str, offsets: tuple[int, ...], nbytes: int, storage: dict[Any, Any], file: Path) -> None:
+    info = storage.get(MetadataIndex(fqn, offsets))
+    if info is None:
+        fail(file, f"{fqn}.chunks", f"include offset {offsets} with no storage record")
+    if info.length < nbytes:
+        fail(file, f"storage_data[{fqn}@{offsets}].length", f"is {info.length} bytes, less than the {nbytes} its chunk holds")
+
+
+def record_ends(storage: dict[Any, Any], file: Path) -> dict[str, int]:
+    """``{data file: bytes it must have}``; raises unless every record is a bare data-file name and
+    records do not overlap (so no two chunks share bytes)."""
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for key, info in storage.items():
+        where = f"storage_data[{getattr(key, 'fqn', key)!r:.80}]"
+        if not isinstance(key, MetadataIndex):
+            fail(file, where, f"has a key of type {type(key).__name__}")
+        path = getattr(info, "relative_path", None)
+        if not isinstance(path, str) or not _DATA_FILE.fullmatch(path):
+            fail(file, f"{where}.relative_path", f"is {path!r:.80}, expected a file name `__R_N.distcp` inside the checkpoint")
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (is_count(offset) and is_count(length)):
+            fail(file, where, f"has offset {offset!r:.40} and length {length!r:.40}, expected non-negative ints")
+        if getattr(info, "transform_descriptors", None):
+            fail(file, f"{where}.transform_descriptors", "name stream transforms, which shardwise never writes")
+        ranges.setdefault(path, []).append((offset, offset + length))
+    ends = {}
+    for path, spans in ranges.items():
+        spans.sort()
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            if start < end:
+                fail(file, f"storage_data ({path})", f"has records that overlap at byte {start}")
+        ends[path] = spans[-1][1]
+    return ends

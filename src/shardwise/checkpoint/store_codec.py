@@ -1,19 +1,11 @@
 """JSON for what the checkpoint agreement passes through the c10d store: plain values and DCP's save plans.
 
-The ranks of a save exchange DCP's ``SavePlan`` lists and ``WriteResult``
-lists (:mod:`.dcp_steps`) through the rendezvous store.  Anything that can
-write to that store could run code on every rank if those values were
-pickles, so they are JSON instead, and :func:`restore` builds nothing but:
-
-* JSON's own values (``null``, booleans, numbers, strings, lists);
-* a tagged object ``{"TAG": value}`` whose one key is in a fixed table: a tuple,
-  a dict, a ``torch.Size``, a dtype, layout or memory format from a fixed list of
-  names, a ``WriteItemType``, or one of DCP's plan dataclasses below, built from
-  exactly its constructor's fields, each of the declared type;
-* file names DCP writes (``_StoragePrefix``, ``_StorageInfo``) only when they are
-  the bare ``__R_`` prefix / ``__R_N.distcp`` names a save makes.
-
-Anything else is a :class:`StoreValueError` naming the key and what is wrong.
+The ranks of a save exchange DCP's ``SavePlan`` and ``WriteResult`` lists through the rendezvous store, and
+anything that can write there could run code on every rank if they were pickles.  :func:`restore` builds
+only JSON's own values and tagged objects ``{"TAG": value}`` from a fixed table: tuple, dict, ``torch.Size``,
+named dtypes, layouts, memory formats and ``WriteItemType``s, and DCP's plan dataclasses from exactly their
+constructor's fields, each of its declared type, with file names only as the bare ``__R_`` / ``__R_N.distcp``
+a save makes.  Anything else is a :class:`StoreValueError` naming the key and what is wrong.
 """
 
 from __future__ import annotations
@@ -29,9 +21,8 @@ from typing import Any, Union
 
 import torch
 
-from .encoded import DTYPES
-from .errors import StoreValueError
-from .limits import MAX_DEPTH, MAX_STORE_VALUE_BYTES
+from .codec import DTYPES, is_count
+from .files import MAX_DEPTH, MAX_DIMS, MAX_STORE_VALUE_BYTES, StoreValueError
 
 __all__ = ["dumps", "encode", "loads", "malformed", "restore"]
 
@@ -55,8 +46,7 @@ class _Tables:
 
 @functools.cache
 def _tables() -> _Tables:
-    # Built on first use: DCP takes ~0.6 s to import, and plain values (the agreement's payloads, which
-    # every engine's `initialize` exchanges) never need it.
+    # built on first use: DCP takes ~0.6 s to import, and plain values (every `initialize`'s payloads) never need it
     from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -90,9 +80,6 @@ class _Bad(Exception):
     """What is wrong with one value; :func:`loads` adds which key held it."""
 
 
-# ----------------------------------------------------------------- encoding
-
-
 def encode(value: Any) -> Any:
     """``value`` as JSON-able data; raises ``TypeError`` on a type :func:`restore` would refuse."""
     kind = type(value)
@@ -117,15 +104,12 @@ def encode(value: Any) -> Any:
 
 def dumps(value: Any, tagged: bool = True) -> str:
     """``value`` as the JSON text one store key holds (``tagged``: through :func:`encode`, else plain JSON);
-    raises ``ValueError`` above :data:`~.limits.MAX_STORE_VALUE_BYTES`."""
+    raises ``ValueError`` above :data:`~.files.MAX_STORE_VALUE_BYTES`."""
     text = json.dumps(encode(value) if tagged else value, separators=(",", ":"))
     if len(text) > MAX_STORE_VALUE_BYTES:
         raise ValueError(f"the value is {len(text):,} bytes of JSON, above the store's bound of "
-                         f"{MAX_STORE_VALUE_BYTES:,} (`shardwise.checkpoint.limits.MAX_STORE_VALUE_BYTES`)")
+                         f"{MAX_STORE_VALUE_BYTES:,} (`shardwise.checkpoint.files.MAX_STORE_VALUE_BYTES`)")
     return text
-
-
-# ----------------------------------------------------------------- decoding
 
 
 def malformed(key: str, rank: int, problem: str) -> StoreValueError:
@@ -191,10 +175,6 @@ def _items(tag: str, value: Any, depth: int) -> list[Any]:
     return [_decode(v, depth) for v in value]
 
 
-def _tuple(tag: str, value: Any, depth: int) -> tuple[Any, ...]:
-    return tuple(_items(tag, value, depth))
-
-
 def _dict(tag: str, value: Any, depth: int) -> dict[Any, Any]:
     pairs = _items(tag, value, depth)
     if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
@@ -207,7 +187,7 @@ def _dict(tag: str, value: Any, depth: int) -> dict[Any, Any]:
 
 def _size(tag: str, value: Any, depth: int) -> torch.Size:
     dims = _items(tag, value, depth)
-    if len(dims) > 64 or not all(type(n) is int and n >= 0 for n in dims):
+    if len(dims) > MAX_DIMS or not all(is_count(n) for n in dims):
         raise _Bad(f"holds `Size` {str(value):.80}, expected at most 64 non-negative ints")
     return torch.Size(dims)
 
@@ -256,4 +236,6 @@ def _fits(value: Any, hint: Any) -> bool:
 
 
 #: the tags whose decoding needs no DCP class (the named values and DCP's dataclasses: see `_tables`)
-_DECODERS: dict[str, Callable[[str, Any, int], Any]] = {"tuple": _tuple, "dict": _dict, "Size": _size}
+_DECODERS: dict[str, Callable[[str, Any, int], Any]] = {
+    "tuple": lambda tag, value, depth: tuple(_items(tag, value, depth)), "dict": _dict, "Size": _size,
+}

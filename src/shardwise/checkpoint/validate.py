@@ -1,13 +1,11 @@
-"""Checks of a checkpoint's manifest and rank files, and of their agreement with the tensor index.
+"""Checks of a checkpoint's manifest and rank files, of their agreement with the tensor index, and of decoded values.
 
-Nothing a checkpoint says is used before it passes here: field types
-(pydantic, strict: ``1`` is not ``true``, ``"3"`` is not ``3``), names that
-must resolve (aliases, ``state_dict`` keys, optimizer state), encoded values
-(``client_state``, scheduler, loss-scaler and RNG state) that must decode,
-and every shape the load will allocate from, which must equal the size of
-the same tensor in the index (itself bounded by the bytes on disk, see
-``validate_index.py``).  Each refusal is a :class:`CheckpointError` that
-names the file and the field.  All of it is O(size of the metadata).
+Nothing a checkpoint says is used before it passes here: field types (pydantic, strict: ``1`` is not ``true``),
+names that must resolve, encoded values that must decode, and every shape the load will allocate from, which
+must equal that tensor's size in the index (itself bounded by the bytes on disk).  Decoded states are then
+checked by :func:`conform` against the live object's (the *template*) before anything is applied: a crafted
+checkpoint can change a number, never add an attribute, turn a number into a callable, or swap a tensor for one
+of another shape.
 """
 
 from __future__ import annotations
@@ -20,13 +18,10 @@ from typing import Annotated, Any, Literal, NoReturn, Optional
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .codec import Decoder
-from .encoded import TENSOR_DTYPES, check_encoded
-from .errors import CheckpointError
-from .limits import MAX_DIMS, MAX_WORLD_SIZE
-from .validate_index import HINT
+from .codec import TENSOR_DTYPES, Decoder, check_encoded
+from .files import HINT, MAX_DIMS, MAX_WORLD_SIZE, CheckpointError, fail
 
-__all__ = ["check_rank_file", "check_manifest", "check_against_index"]
+__all__ = ["check_against_index", "check_manifest", "check_rank_file", "conform"]
 
 
 def _tensor_dtype(name: str) -> str:
@@ -106,10 +101,6 @@ class _RankFile(_Strict):
     rng: Optional[dict[str, Any]] = None
 
 
-def _fail(file: Path, field: str, problem: str) -> NoReturn:
-    raise CheckpointError(f"{file}: `{field}` {problem}; {HINT}")
-
-
 def _schema(model: type[BaseModel], data: Any, file: Path) -> None:
     try:
         model.model_validate(data)
@@ -117,7 +108,7 @@ def _schema(model: type[BaseModel], data: Any, file: Path) -> None:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "the file"
         more = f" (and {exc.error_count() - 1} more problem(s))" if exc.error_count() > 1 else ""
-        _fail(file, field, f"{first['msg'][0].lower()}{first['msg'][1:]}, found {first.get('input')!r:.80}{more}")
+        fail(file, field, f"{first['msg'][0].lower()}{first['msg'][1:]}, found {first.get('input')!r:.80}{more}")
 
 
 def _encoded(data: Any, field: str, file: Path) -> list[dict[str, Any]]:
@@ -134,10 +125,10 @@ def check_manifest(manifest: Any, file: Path) -> list[dict[str, Any]]:
     names = manifest["params"].keys() | manifest["module"].keys()
     for alias, target in manifest["aliases"].items():
         if target not in names:
-            _fail(file, f"aliases.{alias}", f"names `{target:.80}`, which is neither a parameter nor a module entry")
+            fail(file, f"aliases.{alias}", f"names `{target:.80}`, which is neither a parameter nor a module entry")
     for key in manifest["state_dict_keys"]:
         if manifest["aliases"].get(key, key) not in names:
-            _fail(file, "state_dict_keys", f"lists `{key:.80}`, which has no entry in `params` or `module`")
+            fail(file, "state_dict_keys", f"lists `{key:.80}`, which has no entry in `params` or `module`")
     refs = []
     for part in ("client_state", "scheduler", "precision"):
         refs += _encoded(manifest.get(part), part, file)
@@ -146,7 +137,7 @@ def check_manifest(manifest: Any, file: Path) -> list[dict[str, Any]]:
         refs += _check_optimizer(optimizer, manifest["params"], file)
     for ref in refs:
         if not ref["__tensor__"].startswith("extra/"):
-            _fail(file, "tensor reference", f"`{ref['__tensor__']:.80}` is not an `extra/N` key")
+            fail(file, "tensor reference", f"`{ref['__tensor__']:.80}` is not an `extra/N` key")
     return refs
 
 
@@ -154,13 +145,13 @@ def _check_optimizer(optimizer: dict[str, Any], params: dict[str, Any], file: Pa
     groups = optimizer.get("param_groups")
     refs = _encoded(groups, "optimizer.param_groups", file)
     if groups is not None and not all(isinstance(g, dict) for g in groups):
-        _fail(file, "optimizer.param_groups", "must be a list of dicts (one per param group)")
+        fail(file, "optimizer.param_groups", "must be a list of dicts (one per param group)")
     for name, entries in optimizer["state"].items():
         if name not in params:
-            _fail(file, f"optimizer.state.{name}", "is state of a name that is not a trainable parameter")
+            fail(file, f"optimizer.state.{name}", "is state of a name that is not a trainable parameter")
         for key, entry in entries.items():
             if entry["kind"] == "value" and _encoded(entry["value"], f"optimizer.state.{name}.{key}", file):
-                _fail(file, f"optimizer.state.{name}.{key}", "is a plain value that holds tensors")
+                fail(file, f"optimizer.state.{name}.{key}", "is a plain value that holds tensors")
     return refs
 
 
@@ -169,14 +160,14 @@ def check_rank_file(info: Any, rank: int, world_size: int, tensors: dict[str, An
     those sizes in the index ``tensors``, and its RNG state can be set."""
     _schema(_RankFile, info, file)
     if info["rank"] != rank or info["world_size"] != world_size:
-        _fail(file, "rank", f"says rank {info['rank']} of {info['world_size']}, expected rank {rank} of {world_size}")
+        fail(file, "rank", f"says rank {info['rank']} of {info['world_size']}, expected rank {rank} of {world_size}")
     rng = info.get("rng")
     if rng is None:
         return
     refs = _encoded(rng, "rng", file)
     for ref in refs:
         if not ref["__tensor__"].startswith(f"rng/{rank}/"):
-            _fail(file, "rng", f"refers to tensor `{ref['__tensor__']:.80}`, not one of rank {rank}'s")
+            fail(file, "rng", f"refers to tensor `{ref['__tensor__']:.80}`, not one of rank {rank}'s")
     check_against_index({"params": {}, "module": {}}, refs, tensors, file)
     # Shapes are now bounded by the index; meta tensors stand in for the data, which is read later.
     meta = {r["__tensor__"]: torch.empty(r["shape"], dtype=TENSOR_DTYPES[r["dtype"]], device="meta") for r in refs}
@@ -187,39 +178,44 @@ def _check_rng(state: Any, file: Path) -> None:
     """Set each RNG state on a scratch generator: what fails there would fail in ``restore_rng``."""
     known = {"python", "torch", "cuda", "numpy"}
     if not isinstance(state, dict) or not set(state) <= known or "python" not in state or "torch" not in state:
-        _fail(file, "rng", f"has parts {sorted(map(str, state)) if isinstance(state, dict) else state!r:.80}, expected python, torch[, cuda, numpy]")
+        fail(file, "rng", f"has parts {sorted(map(str, state)) if isinstance(state, dict) else state!r:.80}, expected python, torch[, cuda, numpy]")
     try:
         version, internal, gauss = state["python"]
         random.Random().setstate((version, tuple(internal), gauss))
     except (TypeError, ValueError, OverflowError) as exc:
-        _fail(file, "rng.python", f"is not a Python RNG state ({exc})")
+        fail(file, "rng.python", f"is not a Python RNG state ({exc})")
     expected = torch.get_rng_state()
     got = state["torch"]
     if not isinstance(got, torch.Tensor) or got.dtype != expected.dtype or got.shape != expected.shape:
         found = f"{got.dtype}{list(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
-        _fail(file, "rng.torch", f"is {found}, expected a {expected.dtype} tensor of shape {list(expected.shape)}")
+        fail(file, "rng.torch", f"is {found}, expected a {expected.dtype} tensor of shape {list(expected.shape)}")
     cuda = state.get("cuda", [])
     if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in cuda):
-        _fail(file, "rng.cuda", "is not a list of uint8 vectors")
+        fail(file, "rng.cuda", "is not a list of uint8 vectors")
     if "numpy" in state:
-        _check_numpy_rng(state["numpy"], file)
+        import numpy  # here: only a rank file holding numpy's RNG state needs numpy, an optional import
 
-
-def _check_numpy_rng(state: Any, file: Path) -> None:
-    import numpy  # here: only a rank file holding numpy's RNG state needs numpy, an optional import
-
-    try:
-        numpy.random.RandomState().set_state(state)
-    except (TypeError, ValueError, OverflowError) as exc:
-        _fail(file, "rng.numpy", f"is not a numpy RNG state ({exc})")
+        try:
+            numpy.random.RandomState().set_state(state["numpy"])
+        except (TypeError, ValueError, OverflowError) as exc:
+            fail(file, "rng.numpy", f"is not a numpy RNG state ({exc})")
 
 
 def check_against_index(manifest: dict[str, Any], refs: list[dict[str, Any]], tensors: dict[str, Any], file: Path) -> None:
-    """Every tensor the manifest describes has exactly that size (and dtype) in the index ``tensors``.
+    """Every tensor the manifest describes has exactly that size (and dtype) in the index ``tensors``: the load
+    allocates from these sizes, so this is what bounds its memory."""
 
-    The load allocates from these sizes, so this is what bounds its memory.
-    """
-    expect = _Expect(tensors, file)
+    def expect(key: str, shape: list[int], dtype: Optional[str]) -> None:
+        entry = tensors.get(key)
+        if entry is None:
+            if math.prod(shape) == 0:
+                return  # an empty tensor has no chunk to save
+            fail(file, key, f"is described with shape {shape} but the tensor index (`.metadata`) has no such entry")
+        if list(entry.size) != list(shape):
+            fail(file, key, f"has shape {list(shape)!s:.80} here but {list(entry.size)} in the tensor index")
+        if dtype is not None and entry.properties.dtype != TENSOR_DTYPES[dtype]:
+            fail(file, key, f"has dtype {dtype} here but {entry.properties.dtype} in the tensor index")
+
     for name, info in manifest["params"].items():
         expect(f"model/master/{name}", [math.prod(info["shape"])], None)
     for name, info in manifest["module"].items():
@@ -235,20 +231,63 @@ def check_against_index(manifest: dict[str, Any], refs: list[dict[str, Any]], te
         expect(f"{key.split('/', 1)[0]}/{key}", ref["shape"], ref["dtype"])
 
 
-class _Expect:
-    """Compares one described tensor with its index entry."""
+# ------------------------------------------------------------ decoded values
 
-    def __init__(self, tensors: dict[str, Any], file: Path) -> None:
-        self.tensors = tensors
-        self.file = file
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
-    def __call__(self, key: str, shape: list[int], dtype: Optional[str]) -> None:
-        entry = self.tensors.get(key)
-        if entry is None:
-            if math.prod(shape) == 0:
-                return  # an empty tensor has no chunk to save
-            _fail(self.file, key, f"is described with shape {shape} but the tensor index (`.metadata`) has no such entry")
-        if list(entry.size) != list(shape):
-            _fail(self.file, key, f"has shape {list(shape)!s:.80} here but {list(entry.size)} in the tensor index")
-        if dtype is not None and entry.properties.dtype != TENSOR_DTYPES[dtype]:
-            _fail(self.file, key, f"has dtype {dtype} here but {entry.properties.dtype} in the tensor index")
+
+def _kind(value: Any) -> str:
+    return "a number or null" if value is None or _is_number(value) else f"a {type(value).__name__}"
+
+
+def conform(loaded: Any, template: Any, where: str) -> Any:
+    """``loaded`` if it has the structure of ``template``; else a :class:`CheckpointError` naming ``where``.
+
+    An integer stays an integer; a float or None may be any number or None; dicts may omit keys, never add any;
+    sequences match element by element when the lengths agree, else every element matches the first.
+    """
+    if isinstance(template, dict):
+        return _conform_dict(loaded, template, where)
+    if isinstance(template, (list, tuple)):
+        return _conform_sequence(loaded, template, where)
+    if isinstance(template, torch.Tensor):
+        ok = isinstance(loaded, torch.Tensor) and loaded.dtype == template.dtype and loaded.shape == template.shape
+        if not ok:
+            got = f"{loaded.dtype} {tuple(loaded.shape)}" if isinstance(loaded, torch.Tensor) else _kind(loaded)
+            _refuse(where, f"a {template.dtype} tensor of shape {tuple(template.shape)}", got)
+        return loaded
+    if isinstance(template, int) and not isinstance(template, bool):
+        if isinstance(loaded, bool) or not isinstance(loaded, int):
+            _refuse(where, "an integer", _kind(loaded))
+        return loaded
+    if template is None or isinstance(template, float):
+        if loaded is not None and not _is_number(loaded):
+            _refuse(where, "a number or null", _kind(loaded))
+        return loaded
+    if type(loaded) is not type(template):
+        _refuse(where, _kind(template), _kind(loaded))
+    return loaded
+
+
+def _conform_dict(loaded: Any, template: dict[Any, Any], where: str) -> dict[Any, Any]:
+    if not isinstance(loaded, dict):
+        _refuse(where, "a mapping", _kind(loaded))
+    unknown = [k for k in loaded if k not in template]
+    if unknown:
+        _refuse(where, f"only the keys {sorted(map(str, template))}", f"unknown key(s) {sorted(map(str, unknown))}")
+    return {k: conform(v, template[k], f"{where}[{k!r}]") for k, v in loaded.items()}
+
+
+def _conform_sequence(loaded: Any, template: Any, where: str) -> Any:
+    if not isinstance(loaded, (list, tuple)):
+        _refuse(where, f"a {type(template).__name__}", _kind(loaded))
+    templates = template if len(loaded) == len(template) else [template[0] if template else None] * len(loaded)
+    return type(loaded)(conform(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(loaded, templates)))
+
+
+def _refuse(where: str, expected: str, got: str) -> NoReturn:
+    raise CheckpointError(
+        f"`{where}` in the checkpoint is {got}, but this engine's value there is {expected}; the checkpoint "
+        "was damaged or crafted, or written by another program: refusing it (nothing was changed)"
+    )

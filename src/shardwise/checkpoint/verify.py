@@ -1,10 +1,7 @@
 """Telling a complete, intact checkpoint from a broken one, before anything in it is used.
 
-:func:`check_complete` checks a checkpoint directory (see ``layout.py`` for
-where its files live): every file the manifest and the DCP index name is
-there, whole, with the checksum the manifest recorded, and the manifest
-passes ``validate.py``'s field checks and agrees with the index.
-:func:`read_rank_file` does the same for one rank's ``rankR.json``.
+:func:`check_complete`: every file the manifest and the DCP index name is there, whole, with the checksum the
+manifest recorded, and the manifest passes ``validate.py`` and agrees with the index.
 """
 
 from __future__ import annotations
@@ -13,15 +10,11 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from . import files
 from .digests import expected_digests, require_listed, verify
-from .errors import CheckpointError
-from .formats import foreign_format
-from .layout import FORMAT, INDEX, LATEST, MANIFEST, TEMP_PREFIX, VERSION, rank_file, read_json, tags
-from .limits import MAX_MANIFEST_BYTES, MAX_RANK_FILE_BYTES, MAX_WORLD_SIZE
-from .storage import read_metadata
+from .files import MAX_MANIFEST_BYTES, MAX_RANK_FILE_BYTES, MAX_WORLD_SIZE, CheckpointError, read_json, regular_size
+from .layout import FORMAT, INDEX, LATEST, MANIFEST, TEMP_PREFIX, VERSION, foreign_format, rank_file, tags
+from .storage import read_metadata, record_ends
 from .validate import check_against_index, check_manifest, check_rank_file
-from .validate_index import record_ends
 
 __all__ = ["check_complete", "read_rank_file"]
 
@@ -29,18 +22,17 @@ _SHOWN = 12  # missing files listed in an error
 
 
 def check_complete(path: Path) -> dict[str, Any]:
-    """The manifest of the checkpoint in ``path``, checked against its index and files.
-
-    Raises naming every missing or short file, or the first field that a
-    checkpoint shardwise wrote could not hold (see ``validate.py``).
-    """
+    """The manifest of the checkpoint in ``path``, checked against its index and files; raises naming every
+    missing or short file, or the first field a checkpoint shardwise wrote could not hold."""
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist (tags in {path.parent}: {tags(path.parent)})")
     foreign = foreign_format(path)
     if foreign is not None:
         raise CheckpointError(foreign)
-    _verify_index(path)
-    metadata = _index(path)
+    has_index = regular_size(path / INDEX) is not None
+    if has_index and regular_size(path / MANIFEST) is not None:  # checked before anything unpickles the index
+        verify(path, INDEX, expected_digests(read_json(path / MANIFEST), path / MANIFEST))
+    metadata = read_metadata(path) if has_index else None
     missing = _missing_files(path, metadata)
     if missing:
         hint = (
@@ -54,11 +46,6 @@ def check_complete(path: Path) -> dict[str, Any]:
             f"checkpoint instead (the one `{LATEST}` names, or another tag)"
         )
     assert metadata is not None  # `_missing_files` lists `.metadata` when there is none
-    return _checked_manifest(path, metadata)
-
-
-def _checked_manifest(path: Path, metadata: Any) -> dict[str, Any]:
-
     file = path / MANIFEST
     manifest = read_json(file)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("version"), int) \
@@ -69,22 +56,16 @@ def _checked_manifest(path: Path, metadata: Any) -> dict[str, Any]:
         )
     refs = check_manifest(manifest, file)
     check_against_index(manifest, refs, metadata.state_dict_metadata, file)
-    _check_listed(path, manifest, metadata)
-    return manifest
-
-
-def _check_listed(path: Path, manifest: dict[str, Any], metadata: Any) -> None:
-    """Every file a load of ``path`` may read has its checksum in the manifest (else none is checked)."""
-
+    # every file a load may read has its checksum in the manifest (else none is checked)
     data = sorted(record_ends(metadata.storage_data, path / INDEX))
     ranks = [rank_file(r) for r in range(manifest["world_size"])]
-    require_listed(path, [INDEX, *ranks, *data], expected_digests(manifest, path / MANIFEST))
+    require_listed(path, [INDEX, *ranks, *data], expected_digests(manifest, file))
+    return manifest
 
 
 def read_rank_file(path: Path, rank: int, world_size: int, expected: dict[str, Any]) -> dict[str, Any]:
     """Rank ``rank``'s ``rankR.json`` in checkpoint ``path``, checked: its checksum (``expected``: the
     manifest's ``files``), its RNG state can be set, and every tensor it refers to has that size in the index."""
-
     verify(path, rank_file(rank), expected)
     file = path / rank_file(rank)
     info = read_json(file, MAX_RANK_FILE_BYTES)
@@ -92,25 +73,8 @@ def read_rank_file(path: Path, rank: int, world_size: int, expected: dict[str, A
     return info
 
 
-def _verify_index(path: Path) -> None:
-    """The ``.metadata`` index has the checksum the manifest recorded, before anything unpickles it."""
-
-    if files.regular_size(path / INDEX) is None or files.regular_size(path / MANIFEST) is None:
-        return  # reported as missing, with the rest
-    verify(path, INDEX, expected_digests(read_json(path / MANIFEST), path / MANIFEST))
-
-
-def _index(path: Path) -> Any:
-    """The checked DCP index of ``path``, or None when there is no ``.metadata``."""
-
-    if files.regular_size(path / INDEX) is None:
-        return None
-    return read_metadata(path)
-
-
 def _world_size(path: Path) -> Optional[int]:
-    candidates = [path / MANIFEST, *sorted(path.glob("rank*.json"))[:8]]
-    for candidate in candidates:
+    for candidate in [path / MANIFEST, *sorted(path.glob("rank*.json"))[:8]]:
         try:
             world = read_json(candidate, MAX_RANK_FILE_BYTES if candidate.name != MANIFEST else MAX_MANIFEST_BYTES)
         except (FileNotFoundError, CheckpointError):
@@ -124,20 +88,18 @@ def _world_size(path: Path) -> Optional[int]:
 
 
 def _missing_files(path: Path, metadata: Any) -> list[str]:
-    missing = [name for name in (MANIFEST, INDEX) if files.regular_size(path / name) is None]
+    missing = [name for name in (MANIFEST, INDEX) if regular_size(path / name) is None]
     world = _world_size(path)
     if world is None:
         return missing + ["every rank's tensor file (none was started)"]
     for r in range(world):
-        # `rankR.json` is written right after rank R's tensor file is flushed: without it,
-        # that file is absent or cut short.
-        if files.regular_size(path / rank_file(r)) is None:
+        # `rankR.json` is written right after rank R's tensor file is flushed: without it, that file is cut short
+        if regular_size(path / rank_file(r)) is None:
             missing += [f"__{r}_0.distcp (rank {r} did not finish writing it)", rank_file(r)]
     if metadata is None:
         return missing
-
     for name, size in sorted(record_ends(metadata.storage_data, path / INDEX).items()):
-        actual = files.regular_size(path / name)
+        actual = regular_size(path / name)
         if actual is None or actual < size:
             missing.append(name)
     return missing

@@ -35,7 +35,7 @@ raise instead of leaving the others inside a collective).
 Every value crosses the store as JSON (:mod:`.checkpoint.store_codec`: DCP's save plans
 through a fixed allow-list of types, never a pickle), at most
 ``MAX_STORE_VALUE_BYTES`` long; a value that is not what a rank wrote is a
-:class:`~.checkpoint.errors.StoreValueError` on every rank that reads it.
+:class:`~.checkpoint.files.StoreValueError` on every rank that reads it.
 
 Every wait here also watches the other ranks' heartbeats
 (:class:`~shardwise.faults.liveness.PeerWatch`): a rank that was killed or
@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 import torch.distributed as dist
 
 from ..checkpoint import store_codec
-from ..checkpoint.errors import CheckpointError
+from ..checkpoint.files import CheckpointError
 from ..faults import control
 from ..faults.diagnose import RESTART, short_cause
 from ..faults.errors import PeerFailedError, RankGoneError
@@ -127,7 +127,7 @@ class Session:
         of every rank's result (e.g. ``list[SavePlan]``) when it holds DCP's
         save plans or write results: those cross the store through
         :mod:`.checkpoint.store_codec`, and a rank's value of another type is a
-        :class:`~.checkpoint.errors.StoreValueError`.  If ``fn`` raised on any rank, every
+        :class:`~.checkpoint.files.StoreValueError`.  If ``fn`` raised on any rank, every
         rank raises: the failing rank its own error, the others a
         :class:`CheckpointError` naming it.
         """

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..checkpoint.commit import write_atomic
-from ..checkpoint.errors import CheckpointError
+from ..checkpoint.files import CheckpointError
 
 __all__ = ["Checkpoints", "ResumeError"]
 
