@@ -11,7 +11,7 @@ outside a gather), written back to host memory first if something wrote it (torc
 A step publishing updated masters into a shard with no device copy writes them into host memory: nothing goes
 up in the step, the next gather takes them.
 
-On a CPU job under :func:`~..store.plan.testing_host_path` the "device" copy is a second tensor in host memory,
+On a CPU job under :func:`~..store.plan.host_path_on_cpu` the "device" copy is a second tensor in host memory,
 made and written back the same way (no stream), so the CPU suite runs this path.
 """
 

@@ -22,7 +22,7 @@ Up (host to device).  Updated fp32 masters are cast on the host into a staging b
 waiting (:meth:`DeviceCopies.publish`): the copy runs while the host steps the next sub-group.  A staging
 buffer is refilled only once its copy finished (an event each).
 
-On a CPU job under :func:`.plan.testing_host_path` the "device" is host memory too: the same buffers, views
+On a CPU job under :func:`.plan.host_path_on_cpu` the "device" is host memory too: the same buffers, views
 and staging, with plain copies and no stream or event, so the CPU suite runs every line here but the CUDA
 calls.  :attr:`DeviceCopies.moved` counts the bytes each way (benchmarks.offload compares them with theory).
 """

@@ -25,7 +25,7 @@ import torch
 from ..flat.layout import Piece
 
 __all__ = ["Chunk", "OffloadSpec", "SubGroup", "moves_to_host", "offload_spec", "plan_sub_groups", "resident_split",
-           "say_split", "state_bytes_per_element", "testing_host_path", "whole_sub_groups"]
+           "say_split", "state_bytes_per_element", "host_path_on_cpu", "whole_sub_groups"]
 
 logger = logging.getLogger("shardwise")
 
@@ -48,7 +48,7 @@ class OffloadSpec:
     #: ``nvme`` (files under ``root``) or ``cpu`` (host memory, a job on an accelerator)
     device: str = "nvme"
     #: whether gradients and updated values cross between the model's device and host memory (a job on an
-    #: accelerator, or a CPU job under :func:`testing_host_path`); NVMe on a CPU job steps the model's own memory
+    #: accelerator, or a CPU job under :func:`host_path_on_cpu`); NVMe on a CPU job steps the model's own memory
     copies: bool = False
 
 
@@ -161,7 +161,7 @@ _host_path = False
 
 
 @contextlib.contextmanager
-def testing_host_path() -> Iterator[None]:
+def host_path_on_cpu() -> Iterator[None]:
     """For the CPU suite: engines initialized inside take the host path on a CPU job as on an accelerator
     (``offload_optimizer``/``offload_param: {device: cpu}`` act, with host buffers apart from the model's and the
     copies between them), so every line but the device copies themselves runs without a GPU."""
@@ -175,7 +175,7 @@ def testing_host_path() -> Iterator[None]:
 
 def moves_to_host(device: torch.device) -> bool:
     """Whether offload to ``cpu`` moves anything for a model on ``device``: on an accelerator it does; on a CPU job
-    the state is in host memory already (unless :func:`testing_host_path` is on)."""
+    the state is in host memory already (unless :func:`host_path_on_cpu` is on)."""
     return device.type != "cpu" or _host_path
 
 
