@@ -120,8 +120,13 @@ class DeviceCopies:
             self._copy([self._sources[owner] for owner in stale])
             if self.stream is not None:
                 self.stream.synchronize()
-            for owner in self._copied:
-                self._copied[owner] = self._sources[owner][1]._version
+            self.restamp()
+
+    def restamp(self) -> None:
+        """The registered gradients' writes so far were the home's own (the device's share scaled, its copies
+        current): only writes after now are a script's."""
+        for owner in self._copied:
+            self._copied[owner] = self._sources[owner][1]._version
 
     # ------------------------------------------------------------------- up
     def publish(self, write: Write, runs: Sequence[tuple[Any, int, torch.Tensor]]) -> None:

@@ -211,19 +211,19 @@ class Home(ABC):
             assert piece.key is not None
             piece.key.grad = piece.grad
 
-    def norm_sq(self, pieces: Sequence[Piece]) -> torch.Tensor:
-        """The sum of squares of the gradients of ``pieces`` (trainable, with one), in order: those copied to host
-        memory by their norms taken on the device as they arrived."""
+    def norm_sq(self, grads: Sequence[tuple[Piece, torch.Tensor]]) -> torch.Tensor:
+        """The sum of squares of the gradients ``(piece, its key's .grad)``, in order: those copied to host memory
+        by their norms taken on the device as they arrived."""
         if self.copies is None:
-            return sum_sq([p.key.grad for p in pieces if p.key is not None and p.key.grad is not None])
+            return sum_sq([grad for _, grad in grads])
         norms = self.copies.norms
-        missing = [p for p in pieces if p not in norms]
-        if any(self.apart(p) for p in missing):
+        missing = [(p, grad) for p, grad in grads if p not in norms]
+        if any(self.apart(p) for p, _ in missing):
             self.copies.wait()
-        taken = dict(zip(missing, torch._foreach_norm([p.key.grad for p in missing]))) if missing else {}
-        if not pieces:
+        taken = dict(zip([p for p, _ in missing], torch._foreach_norm([g for _, g in missing]))) if missing else {}
+        if not grads:
             return torch.zeros((), dtype=torch.float32)
-        return torch.stack([(norms[p] if p in norms else taken[p]).to(self.copies.device) for p in pieces]).square().sum()
+        return torch.stack([(norms[p] if p in norms else taken[p]).to(self.copies.device) for p, _ in grads]).square().sum()
 
     def settle_grads(self) -> None:
         """The gradients the optimizer reads are complete (copies to host memory finished)."""

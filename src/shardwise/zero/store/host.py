@@ -153,8 +153,10 @@ class Host(Home):
     def scale(self, factor: float) -> None:
         """The device's gradients now; the host's as each sub-group steps (no pass of its own over them)."""
         near = [p.key.grad for p in self.near.pieces if p.key is not None and p.key.grad is not None]
-        if near:
+        if near:  # (the flat stages' device share shares its buffer, and version counter, with what is copied)
+            self.device_copies.wait()
             torch._foreach_mul_(near, factor)
+            self.device_copies.restamp()
         self._factor *= factor
 
     def step(self, inner: Any) -> None:
@@ -170,7 +172,7 @@ class Host(Home):
             if not stepped:
                 continue
             if factor != 1.0:
-                torch._foreach_mul_([p.key.grad for p in stepped], factor)  # type: ignore[misc]
+                torch._foreach_mul_([g for p in stepped if p.key is not None and (g := p.key.grad) is not None], factor)
             with fused_on_host(inner):
                 _step(inner, stepped)
             self.device_copies.publish(self.side.write, [(p, 0, self.master(p)) for p in stepped])

@@ -168,10 +168,9 @@ class MasterStore:
         for pieces, values in reduced:
             self.home.add_grads([(p, values.narrow(0, p.offset, p.numel)) for p in pieces if p.key is not None], scale)
         if last:
-            counted = [p for p in self.pieces if p.key is not None and p.key.grad is not None]
-            sq = self.home.norm_sq(counted)
-            seen = tuple((p.key, p.key.grad, p.key.grad._version) for p in counted)  # type: ignore[union-attr]
-            self.share = NormShare(sq, seen)
+            counted = [(p, key, grad) for p in self.pieces if (key := p.key) is not None and (grad := key.grad) is not None]
+            sq = self.home.norm_sq([(p, grad) for p, _, grad in counted])
+            self.share = NormShare(sq, tuple((key, grad, grad._version) for _, key, grad in counted))
 
     def drop_grads(self) -> None:
         """Stage 3: every gradient goes (the next reduction allocates it again)."""
