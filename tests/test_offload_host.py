@@ -14,6 +14,7 @@ checkpoints load into a plain engine and back, and from 2 ranks onto 1.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -271,3 +272,21 @@ def test_staging_casts_into_the_compute_dtype_in_batches() -> None:
     assert [(p, at, v.dtype) for p, at, v in written] == [("a", 0, torch.bfloat16), ("b", 2, torch.bfloat16)]
     assert torch.equal(torch.cat([v for _, _, v in written]), values.to(torch.bfloat16))
     assert copies.moved.up == 14
+
+
+def test_the_gpu_benchmark_runs_its_tiny_version_on_the_cpu(tmp_path: Path) -> None:
+    """`python -m benchmarks.offload --device cpu`: the GPU benchmark's program at a tiny size, each try a process of
+    its own; the bytes it reports copied per step are theory's (4 bytes an element down, 2 up in bf16)."""
+    from benchmarks.offload import main
+
+    main(["--device", "cpu", "--settings", "cpu+param", "--layers", "1", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "offload_gpu.json").read_text())
+    assert min(results["bandwidth_gbs"].values()) > 0
+    (tried,) = results["capacity"]
+    assert tried["result"] == "trains" and len(tried["step_s"]) == 2, tried
+    runs = {r["spec"]["setting"]: r for r in results["speed"]}
+    assert set(runs) == {"none", "cpu"} and all(r["result"] == "trains" for r in runs.values()), runs
+    cpu = runs["cpu"]
+    assert cpu["apart"] == cpu["numel"] and cpu["down_per_step"] == 4 * cpu["apart"], cpu
+    assert cpu["up_per_step"] == 2 * cpu["apart"], cpu
+    assert runs["none"]["down_per_step"] == runs["none"]["up_per_step"] == 0

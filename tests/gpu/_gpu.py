@@ -78,7 +78,7 @@ def offloads(variant: str) -> bool:
 
 def zero_cases() -> list[Any]:
     """(stage, variant) for every variant at every stage it applies to, as pytest params."""
-    return [pytest.param(stage, name, id=f"s{stage}-{name}")
+    return [pytest.param(stage, name, id=f"s{stage}-{name}", marks=[pytest.mark.offload] if offloads(name) else [])
             for name, (stages, _) in ZERO_VARIANTS.items() for stage in stages]
 
 

@@ -28,6 +28,8 @@ from shardwise.zero.offload.host_shards import HostShard
 from shardwise.zero.store.copies import DeviceCopies
 from shardwise.zero.store.plan import host_path_on_cpu
 
+pytestmark = pytest.mark.offload
+
 HERE = Path(__file__).resolve().parent
 STEPS = 20
 MICRO = 2
