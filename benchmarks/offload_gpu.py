@@ -82,13 +82,11 @@ class _Checkpointed(nn.Module):
 
 
 def _build(spec: dict[str, Any], config: dict[str, Any], device: torch.device) -> nn.Module:
-    import shardwise
-
     gpt = gpt_module()
     shape = gpt.GPTConfig(vocab_size=spec["vocab"], block_size=spec["seq"], n_layer=spec["layers"],
                           n_head=spec["heads"], n_embd=spec["width"])
     torch.manual_seed(0)
-    with torch.device(device), shardwise.zero.Init(config=config):
+    with torch.device(device), _partitioned(spec, config):
         model = gpt.GPT(shape)
     model.blocks = nn.ModuleList(_Checkpointed(block) for block in model.blocks)
     return model  # type: ignore[no-any-return]
@@ -110,14 +108,36 @@ def _engine(spec: dict[str, Any], device: torch.device) -> tuple[Any, int]:
     return engine, numel
 
 
+def _partitioned(spec: dict[str, Any], config: dict[str, Any]) -> Any:
+    """The ``zero.Init`` of the engine that will train the model: DeepSpeed's own for the peer (its engine takes only
+    parameters its ``zero.Init`` partitioned), else shardwise's."""
+    if spec["peer"]:
+        import deepspeed
+
+        return deepspeed.zero.Init(config_dict_or_path=_ds_config(config))
+    import shardwise
+
+    return shardwise.zero.Init(config=config)
+
+
+def _ds_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` for DeepSpeed: with optimizer offload, an ``optimizer`` section, so that it builds its compiled
+    ``DeepSpeedCPUAdam`` (what its ZeRO-Offload runs); without, none (the torch AdamW passed, as shardwise's)."""
+    ds = json.loads(json.dumps(config))
+    if "offload_optimizer" in ds["zero_optimization"]:
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4}}
+    ds["steps_per_print"] = 1 << 30
+    return ds
+
+
 def _deepspeed(model: nn.Module, config: dict[str, Any]) -> Any:
-    """DeepSpeed's engine for the same config: its ``optimizer`` section, so it builds ``DeepSpeedCPUAdam``."""
+    """DeepSpeed's engine for the same config (see :func:`_ds_config`)."""
     import deepspeed
 
-    ds = json.loads(json.dumps(config))
-    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4}}
-    ds["steps_per_print"] = 1 << 30
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    ds = _ds_config(config)
+    optimizer = None if "optimizer" in ds else torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=optimizer,
+                                      config=ds)
     return engine
 
 

@@ -257,8 +257,8 @@ class OffloadConfig(OffloadSection):
 
 
 class OffloadParamConfig(OffloadSection):
-    """`zero_optimization.offload_param` (stage 3, docs/offload.md): `nvme` keeps each unit's local shard (this
-    rank's 1/N, compute dtype) in a file under `nvme_path`; gathering a unit reads it (read ahead where the
+    """`zero_optimization.offload_param` (stage 3, docs/offload.md): `nvme` (a CPU job) keeps each unit's local shard
+    (this rank's 1/N, compute dtype) in a file under `nvme_path`; gathering a unit reads it (read ahead where the
     gatherer prefetches, at most `buffer_count` shards at once), and host memory keeps at most `max_in_cpu`
     elements of shards between uses.  `cpu` on a job on an accelerator keeps each shard in host memory,
     copied to the device as the unit is gathered (`buffer_count` units ahead)."""

@@ -19,8 +19,8 @@ updated values up; the hooks :meth:`Home.grad_for`, :meth:`Home.arrived` and :me
 where the stages hand their gradients over (they keep them on the device for the other homes).
 
 What differs between the stages is the :class:`ModelSide`: where a piece's values are in the model and how
-updated masters get there (:mod:`..flat_side`: this rank's slice of the flat parameter buffer, all-gathered
-after the step; :mod:`..unit_side`: the units' shards).  How gradients arrive is the stages' own: the flat
+updated masters get there (:mod:`..flat.side`: this rank's slice of the flat parameter buffer, all-gathered
+after the step; :mod:`..stage3.side`: the units' shards).  How gradients arrive is the stages' own: the flat
 stages point each key's ``.grad`` at a fixed view of the reduced gradient buffer, stage 3 adds each unit's
 reduction as it finishes (:meth:`~.store.MasterStore.add_reduced`).
 """
