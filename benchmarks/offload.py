@@ -1,5 +1,7 @@
 """NVMe offload against none on 2 ranks: memory, step time, bytes moved (stage 2, or stage 3 with parameters too).
 
+``python -m benchmarks.offload --device cuda|cpu ...`` is ZeRO-Offload on one GPU instead (:mod:`.offload_gpu`).
+
 ``python -m benchmarks.offload [--params 10] [--steps 5] [--nvme DIR] [--stage 2|3]`` launches one 2-rank
 job per setting (so each peak is its own) and prints, per rank: peak resident memory (``VmHWM``) and its
 growth over the process before ``initialize``, the median step time, and the bytes the offload read and
@@ -18,6 +20,7 @@ import argparse
 import ctypes
 import os
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any, Optional, cast
@@ -144,6 +147,12 @@ def disk_bandwidth(folder: str, mib: int = 256) -> tuple[float, float]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(arg == "--device" or arg.startswith("--device=") for arg in argv):  # ZeRO-Offload on one GPU (or its
+        from .offload_gpu import main as on_device  # tiny CPU version): benchmarks/offload_gpu.py
+
+        on_device(argv)
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=10, help="millions of parameters (1000x1000 layers)")
     parser.add_argument("--steps", type=int, default=5)

@@ -293,10 +293,10 @@ MULTI_RANK = {"comms.shared_memory": "collectives go through /dev/shm between th
 NOTED = {
     "zero_optimization.offload_optimizer.pin_memory": (
         {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True}}},
-        "`pin_memory` ignored"),
+        "`zero_optimization.offload_optimizer.pin_memory` changes nothing on a CPU job"),
     "zero_optimization.offload_param.pin_memory": (
         {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}},
-        "`pin_memory` ignored"),
+        "`zero_optimization.offload_param.pin_memory` changes nothing on a CPU job"),
 }
 #: fields that accept only their default; any other value is refused, naming the feature
 ONLY_DEFAULT = {"checkpoint.async_save": ({"checkpoint": {"async_save": True}}, "written in the background")}
@@ -327,7 +327,8 @@ def test_changing_a_field_changes_what_it_governs(tmp_path: Path) -> None:
 @pytest.mark.parametrize("field", sorted(NOTED))
 def test_a_field_that_changes_nothing_here_says_so(field: str) -> None:
     config, line = NOTED[field]
-    assert any(line in note.message for note in Config.load(config).notes), Config.load(config).notes
+    notes = Config.load(config).resolve(device="cpu").notes  # on a job on an accelerator it pins the host buffers
+    assert any(line in note.message for note in notes), notes
 
 
 @pytest.mark.parametrize("field", sorted(ONLY_DEFAULT))

@@ -227,11 +227,44 @@ def test_resolve_without_a_total_step_count_says_how_to_give_one() -> None:
         config.resolve(model=HFModel())
 
 
-def test_offload_to_cpu_is_rejected_on_a_gpu_job() -> None:
-    config = Config.load({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
-    with pytest.raises(ConfigError, match="turns on ZeRO-Offload .* on cuda"):
+def test_offload_to_cpu_is_zero_offload_on_a_gpu_job_and_holds_already_on_a_cpu_job() -> None:
+    section = {"device": "cpu", "pin_memory": True, "ratio": 0.5, "buffer_count": 3}
+    config = Config.load({"zero_optimization": {"stage": 2, "sub_group_size": 1000, "offload_optimizer": section}})
+    gpu = config.resolve(device="cuda")
+    offload = gpu.zero_optimization.offload_optimizer
+    assert offload is not None and (offload.device, offload.pin_memory, offload.ratio) == ("cpu", True, 0.5)
+    lines = [n.message for n in gpu.notes]
+    assert any(line.startswith("`zero_optimization.offload_optimizer.device: cpu`: ZeRO-Offload: this rank's fp32 "
+                               "master weights, gradients and optimizer state live in host memory") and
+               "up to 1000 elements at a time while the model trains on cuda" in line for line in lines), lines
+    assert "`zero_optimization.offload_optimizer`: `buffer_count` ignored (they tune the offload itself)" in lines
+    assert not any("sub_group_size` changes nothing" in line for line in lines), lines
+    cpu = config.resolve(device="cpu")
+    assert cpu.zero_optimization.offload_optimizer is not None
+    lines = [n.message for n in cpu.notes]
+    assert any("`zero_optimization.offload_optimizer.device: cpu` holds already" in line for line in lines), lines
+    for key in ("pin_memory", "ratio"):
+        assert (f"`zero_optimization.offload_optimizer.{key}` changes nothing on a CPU job: nothing is copied to an "
+                "accelerator") in lines
+    assert any("sub_group_size` changes nothing here" in line for line in lines), lines
+    for stage, key, wanted in ((0, "offload_optimizer", "1, 2 or 3"), (2, "offload_param", "3")):
+        wrong = Config.load({"zero_optimization": {"stage": stage, key: {"device": "cpu"}}})
+        with pytest.raises(ConfigError, match=rf"`zero_optimization.{key}.device: cpu` needs ZeRO stage {wanted}, "
+                                              f"and this is stage {stage}"):
+            wrong.resolve(device="cuda")
+        wrong.resolve(device="cpu")  # holds already: nothing is moved on a CPU job
+
+
+def test_parameter_shards_on_nvme_are_refused_on_a_gpu_job_naming_the_fix(tmp_path: Path) -> None:
+    # (they would be read into host memory and handed to the GPU's all-gather there: refused before anything runs)
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    config = Config.load({"zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme}})
+    with pytest.raises(ConfigError, match=r"`zero_optimization.offload_param.device: nvme` on a cuda job is not "
+                                          r"built yet .* `zero_optimization.offload_param: \{device: cpu\}`"):
         config.resolve(device="cuda")
-    assert config.resolve(device="cpu").zero_optimization.offload_optimizer is not None
+    config.resolve(device="cpu")
+    Config.load({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": nvme}}
+                ).resolve(device="cuda")  # the fix it names
 
 
 def test_notes_are_logged_once_per_config(caplog: pytest.LogCaptureFixture) -> None:

@@ -201,8 +201,6 @@ def _nvme_stage3(root: Path) -> Callable[[], Any]:
 
 #: each item docs/from-deepspeed.md may list as not implemented (the start of the item) -> what turns it on
 NOT_IMPLEMENTED: dict[str, Callable[[Path], Callable[[], Any]]] = {
-    "ZeRO-Offload on a GPU": lambda _: _config({"zero_optimization": {"stage": 2, "offload_optimizer": {
-        "device": "cpu"}}}, device="cuda"),
     "NVMe offload at stage 3": _nvme_stage3,
     "ZeRO++": lambda _: _config({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}),
     "MiCS": lambda _: _config({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}),
@@ -227,7 +225,7 @@ def _not_implemented_items(doc: str) -> list[str]:
 
 def test_every_item_the_docs_call_not_implemented_is_refused_by_the_code(tmp_path: Path) -> None:
     items = _not_implemented_items((ROOT / "docs" / "from-deepspeed.md").read_text())
-    assert len(items) >= 10, items
+    assert len(items) >= 9, items  # (a parse that found fewer lost items on the way)
     problems = []
     for item in items:
         key = next((k for k in NOT_IMPLEMENTED if item.startswith(k)), None)
@@ -241,6 +239,14 @@ def test_every_item_the_docs_call_not_implemented_is_refused_by_the_code(tmp_pat
 def test_the_nvme_offload_the_docs_describe_works() -> None:
     # (the negative of one probe above, so that the list cannot pass by refusing everything)
     assert not _refused(_nvme_stage3(Path("/tmp/shardwise-doc-probe")))
+
+
+def test_zero_offload_on_a_gpu_job_is_accepted_as_the_docs_say() -> None:
+    # (issue 38: the docs listed it as not implemented, and the config refused it on a GPU job)
+    for stage, section in ((2, "offload_optimizer"), (3, "offload_param")):
+        config = {"zero_optimization": {"stage": stage, section: {"device": "cpu", "pin_memory": True}}}
+        assert not _refused(_config(config, device="cuda")), (stage, section)
+    assert "ZeRO-Offload on a GPU" not in (ROOT / "docs" / "from-deepspeed.md").read_text()
 
 
 def test_async_save_is_refused_as_docs_checkpoints_says() -> None:

@@ -8,14 +8,23 @@ fp16.  At world size 1 a shardwise engine must train to the same masters.
 
 ``ZERO_VARIANTS`` is the hook for storage variants: each entry's
 ``zero_optimization`` keys are added to every stage it names, and the parity
-and checkpoint tests run it.  Offload (issue 38) adds its entries here, e.g.
-``"offload-optimizer": ((1, 2, 3), {"offload_optimizer": {"device": "cpu", "pin_memory": True}})``.
+and checkpoint tests run it.  The offload variants (issue 38): the optimizer's
+state in host memory (``cpu``) or in files (``nvme``, under :data:`NVME`),
+all of it or half of its sub-groups (``ratio`` 0.5: on the device for ``cpu``,
+in host memory for ``nvme``), and stage 3's parameters in host memory
+(``offload_param: cpu``).  ``sub_group_size`` is small enough that the tiny
+GPT's state spans several sub-groups.  On the CPU the same variants take the
+host path under :func:`~shardwise.zero.store.plan.host_path_on_cpu` (host
+buffers apart from the model's, plain copies), so the CPU cases of this tier
+exercise it too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Optional
@@ -25,6 +34,7 @@ import torch
 from torch import nn
 
 import shardwise
+from shardwise.zero.store.plan import host_path_on_cpu
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,15 +52,33 @@ LR = 1e-3
 MICRO = 2
 SEQ = 16
 
+#: where the NVMe variants' files go (each rank of each engine makes its own folder under it)
+NVME = str(Path(tempfile.gettempdir()) / "shardwise-gpu-nvme")
+#: elements stepped at a time where the optimizer is offloaded (the tiny GPT's ~0.12M span several sub-groups)
+SUB_GROUP = 20_000
+_CPU_OPT = {"device": "cpu", "pin_memory": True}
+_NVME_OPT = {"device": "nvme", "nvme_path": NVME, "pin_memory": True, "buffer_count": 3}
+
 #: name -> (stages it applies to, extra `zero_optimization` keys); see the module docstring
 ZERO_VARIANTS: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {
     "in-memory": ((0, 1, 2, 3), {}),
+    "offload-cpu": ((1, 2, 3), {"offload_optimizer": _CPU_OPT, "sub_group_size": SUB_GROUP}),
+    "offload-cpu-half": ((1, 2, 3), {"offload_optimizer": {**_CPU_OPT, "ratio": 0.5}, "sub_group_size": SUB_GROUP}),
+    "offload-nvme": ((1, 2, 3), {"offload_optimizer": _NVME_OPT, "sub_group_size": SUB_GROUP}),
+    "offload-nvme-half": ((1, 2, 3), {"offload_optimizer": {**_NVME_OPT, "ratio": 0.5}, "sub_group_size": SUB_GROUP}),
+    "offload-param-cpu": ((3,), {"offload_optimizer": _CPU_OPT, "offload_param": {"device": "cpu", "pin_memory": True},
+                                 "sub_group_size": SUB_GROUP}),
 }
+
+
+def offloads(variant: str) -> bool:
+    """Whether ``variant`` offloads anything."""
+    return variant != "in-memory"
 
 
 def zero_cases() -> list[Any]:
     """(stage, variant) for every variant at every stage it applies to, as pytest params."""
-    return [pytest.param(stage, name, id=f"s{stage}-{name}")
+    return [pytest.param(stage, name, id=f"s{stage}-{name}", marks=[pytest.mark.offload] if offloads(name) else [])
             for name, (stages, _) in ZERO_VARIANTS.items() for stage in stages]
 
 
@@ -104,8 +132,12 @@ def adamw(params: Any) -> torch.optim.Optimizer:
 
 
 def engine(stage: int, dtype: str, variant: str = "in-memory", seed: int = 0) -> Any:
+    """An engine for the tiny GPT; an offload variant takes the host path on the CPU too (module docstring)."""
     model = gpt(seed)
-    return shardwise.initialize(model, adamw(model.parameters()), config(stage, dtype, variant))
+    if "nvme" in variant:
+        Path(NVME).mkdir(parents=True, exist_ok=True)
+    with host_path_on_cpu() if offloads(variant) else contextlib.nullcontext():
+        return shardwise.initialize(model, adamw(model.parameters()), config(stage, dtype, variant))
 
 
 def train(engine: Any, first: int, steps: int, device: torch.device) -> list[float]:

@@ -3,7 +3,8 @@
 # filled .whl/ on a machine with PyPI). It
 #   1. installs .whl/*.whl and shardwise itself (built from this tree, with its `shardwise` command) into
 #      /tmp/site, offline;
-#   2. runs `pytest -m cuda tests/gpu` (every test marked `cuda`);
+#   2. runs `pytest -m "cuda and not offload" tests/gpu` (every test marked `cuda` but ZeRO-Offload's, which
+#      tests/gpu/offload.sh runs: together they are more than one device call allows);
 #   3. runs `python -m benchmarks.cuda` at short settings (GPT 40m, 8 timed steps, every stage paired with its
 #      peers; `--full-bench` adds each system alone in its own process: minutes more, and past the 150 s the
 #      benchmark is given here, so run that one by hand).
@@ -11,21 +12,11 @@
 # bench_out/gpu. Exit status: 0 when both the tests and the benchmark's checks passed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out="${OUT:-bench_out/gpu}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-site=/tmp/site
 isolation=pair
 [[ "${1:-}" == "--full-bench" ]] && isolation=both
+source tests/gpu/_install.sh
 
-offline() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$@"; }
-compgen -G ".whl/*.whl" >/dev/null || { echo "run.sh: no .whl/: run tests/gpu/wheels.sh first, where PyPI is reachable"; exit 2; }
-offline .whl/*.whl || { echo "run.sh: installing .whl/*.whl failed (see above)"; exit 2; }
-offline --no-build-isolation . || { echo "run.sh: building shardwise from this tree failed (see above)"; exit 2; }
-export PYTHONPATH="$site" PATH="$site/bin:$PATH"
-{ date -u; nvidia-smi -L; python3 -m shardwise.cli env; } >"$out/env.txt" 2>&1
-
-timeout 420 python3 -m pytest -m cuda tests/gpu -q -rA -p no:cacheprovider --junitxml="$out/gpu-tests.xml" 2>&1 \
+timeout 420 python3 -m pytest -m "cuda and not offload" tests/gpu -q -rA -p no:cacheprovider --junitxml="$out/gpu-tests.xml" 2>&1 \
     | tee "$out/gpu-tests.log"
 tests=${PIPESTATUS[0]}
 DS_ACCELERATOR=cuda timeout 150 python3 -m benchmarks.cuda --size 40m --micro-batch 8 --warmup 2 --steps 8 \
@@ -37,7 +28,7 @@ bench=${PIPESTATUS[0]}
     echo
     grep -E '^(GPU [0-9]|packages|GPUs)' "$out/env.txt" | sed 's/^/    /'
     echo
-    echo "pytest -m cuda tests/gpu (exit $tests): $(tail -n 1 "$out/gpu-tests.log")"
+    echo "pytest -m \"cuda and not offload\" tests/gpu (exit $tests): $(tail -n 1 "$out/gpu-tests.log")"
     grep -E '^(FAILED|ERROR) ' "$out/gpu-tests.log" | sed 's/^/    /'
     echo
     echo "python -m benchmarks.cuda (exit $bench):"

@@ -5,7 +5,7 @@
 # The image (Python 3.12, torch 2.11 with CUDA) has, as its package list says: PyYAML, safetensors, numpy,
 # tqdm, matplotlib, pytest, pytest-timeout, transformers, lightning, setuptools and wheel (what shardwise,
 # its tests and an offline build of it need). It lacks pydantic with what it pins (pydantic-core,
-# annotated-types, typing-inspection) and hjson; typing-extensions comes too, since pydantic needs a recent
+# annotated-types, typing-inspection), hjson and xxhash (the NVMe offload's digests); typing-extensions comes too, since pydantic needs a recent
 # one and the image's version is not listed. With --deepspeed it also builds DeepSpeed (pure Python, its
 # CUDA ops compiled on first use, which the benchmark's torch optimizer never needs) for benchmarks.cuda's
 # DeepSpeed peer; the rest of what DeepSpeed needs (msgpack, ninja, psutil, py-cpuinfo, einops) is in the image.
@@ -25,7 +25,8 @@ download() {
 download "pydantic==$PYDANTIC"
 # pydantic pins its core exactly: read the pin from the wheel rather than keeping a second number here
 core=$(unzip -p .whl/pydantic-"$PYDANTIC"-*.whl '*/METADATA' | sed -n 's/^Requires-Dist: pydantic-core==\([^ ;]*\).*/\1/p')
-download "pydantic-core==$core" annotated-types==0.7.0 typing-inspection==0.4.2 typing-extensions==4.15.0 hjson==3.1.0
+download "pydantic-core==$core" annotated-types==0.7.0 typing-inspection==0.4.2 typing-extensions==4.15.0 hjson==3.1.0 \
+    xxhash==4.1.0
 if [[ "${1:-}" == "--deepspeed" ]]; then
     # DeepSpeed publishes a source archive only: build its pure-Python wheel (no ops) with the torch here
     DS_BUILD_OPS=0 "$python" -m pip wheel --quiet --no-deps --no-build-isolation -w .whl "deepspeed==$DEEPSPEED"

@@ -119,7 +119,9 @@ _BF16_NO_SCALING = "bf16 needs no loss scaling (older DeepSpeed read fp16's keys
 _CASTS_INPUTS = ("shardwise always casts floating inputs to the compute dtype; `false` only means the caller "
                  "casts them, which still works")
 _STAGE3_DETAIL = "a detail of DeepSpeed's stage-3 implementation with no counterpart in shardwise's"
-_OFFLOAD_ONLY = "it only tunes ZeRO-Offload to host memory on a GPU job, which shardwise does not build yet"
+_OFFLOAD_ONLY = ("it tunes how DeepSpeed's ZeRO-Offload moves and steps the state; shardwise copies each bucket "
+                 "or unit to host memory as it lands (pinned with `offload_optimizer.pin_memory`) and steps it with "
+                 "the torch optimizer given (docs/offload.md)")
 
 #: dotted path (from the config's top level) -> entry.
 CATALOG: dict[str, Entry] = {

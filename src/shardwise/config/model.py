@@ -226,7 +226,7 @@ class Config(Section):
         facts = auto.Facts(model, optimizer, lr_scheduler, total_num_steps)
         notes = auto.fill(data, self._pending, facts)
         notes += _check_offload(data, torch.device(device))
-        notes += _stage_notes(self.zero_optimization, self._zero_written)
+        notes += _stage_notes(self.zero_optimization, self._zero_written, torch.device(device))
         resolved = Config._validate(data | self.batch_sizes(world_size).as_keys())
         resolved._notes = self._notes + tuple(notes) + resolved._notes
         resolved._announced = announce(resolved._notes, self._announced)
@@ -282,7 +282,7 @@ _STAGE3_ONLY = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "st
                 "stage3_param_persistence_threshold")
 
 
-def _stage_notes(zero: ZeroConfig, given: frozenset[str]) -> list[Note]:
+def _stage_notes(zero: ZeroConfig, given: frozenset[str], device: torch.device) -> list[Note]:
     """An info line for each key the user wrote that the chosen stage does not use (nothing accepted silently;
     nothing said about a default, or an `auto` a resolve filled in)."""
     if zero.stage == 3:
@@ -291,16 +291,18 @@ def _stage_notes(zero: ZeroConfig, given: frozenset[str]) -> list[Note]:
         unused = {k: f"it tunes stage 3, and this is stage {zero.stage}" for k in _STAGE3_ONLY if k in given}
         if zero.stage == 0 and "reduce_scatter" in given:
             unused["reduce_scatter"] = "stage 0 all-reduces its gradients"
-    if "sub_group_size" in given and (zero.offload_optimizer is None or zero.offload_optimizer.device != "nvme"):
-        unused["sub_group_size"] = "it tiles the optimizer step of `offload_optimizer: {device: nvme}`, which is off"
+    offload = zero.offload_optimizer
+    if "sub_group_size" in given and (offload is None or (offload.device == "cpu" and device.type == "cpu")):
+        unused["sub_group_size"] = ("it tiles the optimizer step of `offload_optimizer` to `nvme`, or to `cpu` on a "
+                                    "job on an accelerator, which is off")
     return [Note(f"zero_optimization.{key}", f"`zero_optimization.{key}` changes nothing here: {why}")
             for key, why in unused.items()]
 
 
 def _check_offload(data: dict[str, Any], device: torch.device) -> list[Note]:
-    """`offload_*: {device: cpu}` holds already on a CPU job; `offload_optimizer: {device: nvme}` acts at
-    stages 1-3 of a CPU job and `offload_param: {device: nvme}` at stage 3; anything else is an offload not
-    built yet."""
+    """`offload_optimizer` acts at stages 1-3 and `offload_param` at stage 3: to `cpu` on a job on an accelerator
+    (ZeRO-Offload), to `nvme` on any job (the parameters' on a CPU job only); `device: cpu` on a CPU job holds
+    already (the state is in host memory)."""
     zero = data["zero_optimization"]
     notes = []
     for key in ("offload_optimizer", "offload_param"):
@@ -308,45 +310,61 @@ def _check_offload(data: dict[str, Any], device: torch.device) -> list[Note]:
         if section is None:
             continue
         path = f"zero_optimization.{key}"
-        if section.get("device") == "nvme":
-            notes += _check_nvme(zero, path, device)
-            continue
         what = "optimizer state and step" if key == "offload_optimizer" else "parameters"
-        if device.type != "cpu":
+        if section.get("device") != "nvme" and device.type == "cpu":
+            notes.append(Note(path, f"`{path}.device: cpu` holds already: this job runs on the CPU, where the "
+                                    f"{what} already are"))
+            notes += _no_effect_on_cpu(section, path, ("pin_memory", "ratio", "buffer_count"))
+            continue
+        _check_stage(zero, path, section.get("device", "cpu"))
+        if key == "offload_param" and section.get("device") == "nvme" and device.type != "cpu":
             raise ConfigError(
-                f"`{path}.device: cpu` turns on ZeRO-Offload ({what} on the CPU while the model trains on "
-                f"{device.type}), a DeepSpeed feature shardwise does not implement; remove `{path}`")
-        notes.append(Note(path, f"`{path}.device: cpu` holds already: this job runs on the CPU, where the "
-                                f"{what} already are"))
+                f"`{path}.device: nvme` on a {device.type} job is not built yet (stage 3's shards in files are "
+                "read into host memory, and nothing copies them on to the device); keep the shards in host memory "
+                f"with `{path}: {{device: cpu}}` (the optimizer state can stay on NVMe: `offload_optimizer: "
+                "{device: nvme}`), or run on the CPU")
+        notes.append(Note(path, f"`{path}.device: {section.get('device', 'cpu')}`: {_offload_line(zero, key, device)} "
+                                "(docs/offload.md)"))
+        if device.type == "cpu":
+            notes += _no_effect_on_cpu(section, path, ("pin_memory",))
     return notes
 
 
-def _check_nvme(zero: dict[str, Any], path: str, device: torch.device) -> list[Note]:
-    """Offload to NVMe is built for CPU jobs: the optimizer's at stages 1-3, the parameters' at stage 3."""
+def _no_effect_on_cpu(section: dict[str, Any], path: str, keys: tuple[str, ...]) -> list[Note]:
+    """A line for each of ``keys`` the section has: it tunes copies to an accelerator, and this is a CPU job."""
+    return [Note(f"{path}.{key}", f"`{path}.{key}` changes nothing on a CPU job: nothing is copied to an accelerator")
+            for key in keys if key in section]
+
+
+def _check_stage(zero: dict[str, Any], path: str, where: str) -> None:
+    """The optimizer's offload needs stage 1-3, the parameters' stage 3."""
     stage, key = zero.get("stage", 0), path.split(".")[-1]
     stages = (1, 2, 3) if key == "offload_optimizer" else (3,)
     if stage not in stages:
         why = ("stage 0 keeps no sharded optimizer state to offload" if key == "offload_optimizer"
                else "only stage 3 partitions the parameters themselves")
         wanted = "1, 2 or 3" if key == "offload_optimizer" else "3"
-        raise ConfigError(f"`{path}.device: nvme` needs ZeRO stage {wanted}, and this is stage {stage} ({why}); "
+        raise ConfigError(f"`{path}.device: {where}` needs ZeRO stage {wanted}, and this is stage {stage} ({why}); "
                           f"set `zero_optimization.stage` to {wanted}, or remove `{path}`")
-    if device.type != "cpu":
-        raise ConfigError(f"`{path}.device: nvme` on a {device.type} job is not built yet (it is built for CPU "
-                          f"jobs, where the model trains on the host); remove `{path}`")
+
+
+def _offload_line(zero: dict[str, Any], key: str, device: torch.device) -> str:
+    """What an acting offload section does, for its info line."""
     section = zero[key]
     if key == "offload_optimizer":
-        what = (f"this rank's fp32 master weights and optimizer state live in files under {section['nvme_path']!r}, "
-                f"stepped {zero.get('sub_group_size', field_default(ZeroConfig, 'sub_group_size'))} elements at a time")
-    else:
-        what = (f"this rank's shard of each unit of parameters lives in a file under {section['nvme_path']!r}, at most "
-                f"{section.get('max_in_cpu', field_default(OffloadParamConfig, 'max_in_cpu'))} elements of them in host "
-                "memory")
-    notes = [Note(path, f"`{path}.device: nvme`: {what} (docs/offload.md)")]
-    if section.get("pin_memory"):
-        notes.append(Note(f"{path}.pin_memory", f"`{path}.pin_memory` changes nothing on a CPU job: nothing is "
-                                                "copied to an accelerator"))
-    return notes
+        size = zero.get("sub_group_size", field_default(ZeroConfig, "sub_group_size"))
+        if section.get("device") == "nvme":
+            return (f"this rank's fp32 master weights and optimizer state live in files under "
+                    f"{section['nvme_path']!r}, stepped {size} elements at a time")
+        return (f"ZeRO-Offload: this rank's fp32 master weights, gradients and optimizer state live in host memory, "
+                f"where the optimizer steps them up to {size} elements at a time while the model trains on "
+                f"{device.type}")
+    if section.get("device") == "nvme":
+        return (f"this rank's shard of each unit of parameters lives in a file under {section['nvme_path']!r}, at "
+                f"most {section.get('max_in_cpu', field_default(OffloadParamConfig, 'max_in_cpu'))} elements of them "
+                "in host memory")
+    return (f"this rank's shard of each unit of parameters lives in host memory, copied to {device.type} as the "
+            "unit is gathered")
 
 
 def load_configs(path: str | os.PathLike[str] | Mapping[str, Any], *, name: str | None = None) -> dict[str, Config]:

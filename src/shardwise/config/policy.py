@@ -66,6 +66,9 @@ def prepare(raw: Any, root: type[BaseModel], prefix: tuple[str, ...] = ()) -> Pr
 #: per offload section, the keys that act when its device is nvme (the others tune DeepSpeed's own swapping)
 _NVME_ACTING = {"offload_optimizer": frozenset({"nvme_path", "buffer_count", "pin_memory", "ratio"}),
                 "offload_param": frozenset({"nvme_path", "buffer_count", "pin_memory", "max_in_cpu"})}
+#: ... and when it is cpu (on a job on an accelerator; `resolve` says what a CPU job makes of them)
+_CPU_ACTING = {"offload_optimizer": frozenset({"pin_memory", "ratio"}),
+               "offload_param": frozenset({"pin_memory", "buffer_count"})}
 
 
 class Prepared:
@@ -208,21 +211,18 @@ class Prepared:
         if device in ("none", "auto", ""):
             self.notes.append(Note(shown, f"`{shown}` leaves ZeRO-Offload off (`device: none`), as in shardwise: ignored"))
             return None
-        if device == "nvme":
-            return self._nvme(value, here)
-        if device != "cpu":
+        if device not in ("cpu", "nvme"):
             self.problems.append(
                 f"`{shown}.device: {device}` is not an offload device; expected `cpu`, `nvme` or `none`; "
                 "set one of them or remove the section")
             return None
-        self._tuning_note(value, shown, set())
-        return {"device": "cpu"}
+        return self._acting(value, here, device)
 
-    def _nvme(self, value: Mapping[str, Any], here: tuple[str, ...]) -> dict[str, Any]:
-        """Offload to NVMe: the keys that act are kept for the section's model to validate."""
+    def _acting(self, value: Mapping[str, Any], here: tuple[str, ...], device: str) -> dict[str, Any]:
+        """Offload to ``device``: the keys that act are kept for the section's model to validate."""
         shown = self.shown(here)
-        acting = _NVME_ACTING[here[-1]]
-        out: dict[str, Any] = {"device": "nvme"}
+        acting = (_NVME_ACTING if device == "nvme" else _CPU_ACTING)[here[-1]]
+        out: dict[str, Any] = {"device": device}
         for key in sorted(acting & {str(k) for k in value}):
             out[key] = value[key] if key == "nvme_path" else self._coerced(value[key], (*here, key))
         self._tuning_note(value, shown, acting)

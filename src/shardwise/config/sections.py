@@ -212,9 +212,10 @@ class BF16Config(Section):
 class OffloadSection(Section):
     """What both offload sections share: `device`, `nvme_path`, `buffer_count`, `pin_memory`.
 
-    `device: cpu`: on a CPU job that is where the state already lives, so it is accepted; on a GPU job
-    `Config.resolve` rejects it (ZeRO-Offload to host memory is not built yet). `device: none` is dropped
-    as off before these models see the section.
+    `device: cpu`: on a job on an accelerator the state lives in host memory (ZeRO-Offload, docs/offload.md);
+    on a CPU job that is where it already lives, so it is accepted with an info line. `pin_memory` pins the
+    host buffers the copies to and from an accelerator use. `device: none` is dropped as off before these
+    models see the section.
     """
 
     device: Literal["cpu", "nvme"] = "cpu"
@@ -231,10 +232,11 @@ class OffloadSection(Section):
 
 
 class OffloadConfig(OffloadSection):
-    """`zero_optimization.offload_optimizer`: `nvme` (stages 1-3 of a CPU job, docs/offload.md) keeps this rank's
-    fp32 masters and optimizer state in files under `nvme_path`, stepped `sub_group_size` elements at a time
-    with at most `buffer_count` sub-groups in host memory; `ratio` below 1 keeps the first sub-groups' state in
-    host memory, never written to the files."""
+    """`zero_optimization.offload_optimizer` (stages 1-3, docs/offload.md): `nvme` keeps this rank's fp32 masters
+    and optimizer state in files under `nvme_path`, stepped `sub_group_size` elements at a time with at most
+    `buffer_count` sub-groups in host memory, `ratio` below 1 keeping the first sub-groups' state in host
+    memory; `cpu` on a job on an accelerator keeps them in host memory and steps there, `ratio` below 1
+    keeping the first sub-groups' state on the device (DeepSpeed's partial offload)."""
 
     #: sub-groups of state in host memory at once: the one stepped, those read ahead, those written behind
     buffer_count: Count = Field(default=4, ge=1, le=1024)
@@ -255,10 +257,11 @@ class OffloadConfig(OffloadSection):
 
 
 class OffloadParamConfig(OffloadSection):
-    """`zero_optimization.offload_param` (stage 3): `nvme` (a CPU job, docs/offload.md) keeps each unit's local
-    shard (this rank's 1/N, compute dtype) in a file under `nvme_path`; gathering a unit reads it (read ahead
-    where the gatherer prefetches, at most `buffer_count` shards at once), and host memory keeps at most
-    `max_in_cpu` elements of shards between uses."""
+    """`zero_optimization.offload_param` (stage 3, docs/offload.md): `nvme` (a CPU job) keeps each unit's local shard
+    (this rank's 1/N, compute dtype) in a file under `nvme_path`; gathering a unit reads it (read ahead where the
+    gatherer prefetches, at most `buffer_count` shards at once), and host memory keeps at most `max_in_cpu`
+    elements of shards between uses.  `cpu` on a job on an accelerator keeps each shard in host memory,
+    copied to the device as the unit is gathered (`buffer_count` units ahead)."""
 
     #: shards read ahead at once (DeepSpeed: buffers in the parameter swap pool)
     buffer_count: Count = Field(default=5, ge=1, le=1024)

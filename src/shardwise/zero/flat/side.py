@@ -74,7 +74,7 @@ class FlatSide:
         for piece, at, values in runs:
             target = self._region(piece).narrow(0, at, values.numel())
             if target.data_ptr() != values.data_ptr():
-                target.copy_(values)
+                target.copy_(values, non_blocking=True)  # from pinned staging (host offload): not waited for
 
     def settle(self) -> None:
         pass  # nothing is held between writes

@@ -37,7 +37,8 @@ from torch import nn
 from ...optim.param_state import ParamShard
 from ..base import Strategy, group_index, module_order, tensor_bytes
 from ..store.carry import export_state
-from ..store.plan import offload_spec
+from ..store.home import Piece
+from ..store.plan import OffloadSpec, offload_spec
 from ..store.store import MasterStore, Resident, choose_home
 from ..weak_hooks import WeakHook, remove_with
 from .grads import Allocate, FlatGrads, GradStorage, Reduce, private_zeros
@@ -61,6 +62,8 @@ class FlatStrategy(Strategy):
         # Gradients are averaged by pre-dividing the loss (see Strategy.loss_divisor).
         self.loss_divisor = float(self.comm.world_size)
         self.device = torch.device("cpu")
+        #: the optimizer offload asked for (`attach` reads it once; every layout's home follows it)
+        self._offload: Optional[OffloadSpec] = None
         # empty until `attach` builds them (inference: they stay empty)
         self.layout = FlatLayout([], 1, 1, 0)
         self.grads: GradStorage = self._storage(private_zeros)
@@ -92,6 +95,9 @@ class FlatStrategy(Strategy):
             return
         self._groups = [list(group["params"]) for group in inner.param_groups]
         self._order = module_order(self.module, self._groups)
+        # asked once: a rebuild of the layout keeps the home chosen at initialize
+        device = next((p.device for p in self._order), torch.device("cpu"))
+        self._offload = offload_spec(self.zero_config, self.comm.rank, device)
         self._build(self.initial)
         self.initial = {}  # only needed once: let the fp32 originals go
 
@@ -122,10 +128,10 @@ class FlatStrategy(Strategy):
         model is fp32 and ``param.grad`` holds the full averaged gradient (stage 0); each other key's ``.grad`` is
         its fixed view of this rank's reduced gradients."""
         layout, dtype, fp32 = self.layout, self.precision.dtype, self.precision.dtype == torch.float32
-        offload = offload_spec(self.zero_config, self.comm.rank)
+        offload = self._offload
         whole = offload is None and fp32 and layout.num_shards == 1 and self.grads.in_params
         self.side = FlatSide(layout, dtype, self.device, whole)
-        self.store = MasterStore(choose_home(self.side, offload, fp32, self.device), self.store.frozen)
+        self.store = MasterStore(choose_home(self.side, offload, fp32, self.device, dtype), self.store.frozen)
         training = {id(p) for p in params}
         names = {id(p): n for n, p in self.module.named_parameters()}
         pieces = self.side.pieces(names, group_index(self._groups), [p for p in self._order if id(p) not in training])
@@ -137,11 +143,16 @@ class FlatStrategy(Strategy):
         except BaseException:  # refused or failed at initialize: an offload folder is not left behind
             self.store.close()
             raise
-        reduced = self.grads.reduced.slices
+        reduced, home = self.grads.reduced.slices, self.store.home
+        landing: list[list[Piece]] = [[] for _ in layout.buckets]  # per bucket, its pieces (for the home's copies)
         for piece, run in zip(pieces, layout.pieces):
             if piece.key is not None and piece.key is not piece.param:
                 bucket, _ = layout.bucket_of[run.param]
-                piece.key.grad = reduced[bucket.index].narrow(0, run.shard_offset - bucket.shard_offset, run.numel)
+                grad = reduced[bucket.index].narrow(0, run.shard_offset - bucket.shard_offset, run.numel)
+                piece.key.grad = home.grad_for(piece, grad)
+                landing[bucket.index].append(piece)
+        if home.grads_apart:
+            self.grads.landed = lambda bucket: home.arrived(landing[bucket.index])
 
     def _storage(self, allocate: Allocate) -> GradStorage:
         return self.grad_storage(self.layout, self.precision.dtype, self.device, allocate, self.backward,
@@ -223,7 +234,8 @@ class FlatStrategy(Strategy):
 
     def step(self, inner: Any, factor: float, sums: torch.Tensor, release: bool) -> None:
         self.settle()
-        if factor != 1.0:
+        apart = self.store.home.grads_apart  # the optimizer reads host copies: the store scales those
+        if factor != 1.0 and not apart:
             self.grads.reduced.scale(factor)
         unused = []  # no rank had a gradient for them: left alone while the optimizer steps
         for index in self._unused:
@@ -231,7 +243,7 @@ class FlatStrategy(Strategy):
             param.grad = None  # not a use of the values (see .pending); it stays None, as DDP leaves it
             if (piece := self.store.by_param.get(id(param))) is not None:
                 unused.append(piece)
-        self.store.step(inner, 1.0, unused)  # steps (an offloaded home a sub-group at a time) and publishes
+        self.store.step(inner, factor if apart else 1.0, unused)  # steps (an offloaded home a sub-group at a time) and publishes
         if release:
             self._forget_grads()
         self._regather()

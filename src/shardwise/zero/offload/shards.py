@@ -32,9 +32,11 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
+from ..store.plan import moves_to_host
 from .files import NvmeFiles, OffloadIOError
+from .host_shards import HostShards
 
-__all__ = ["NvmeShard", "ShardCache", "offloads_params", "shard_cache"]
+__all__ = ["NvmeShard", "ShardCache", "offloads_params", "params_home", "shard_cache"]
 
 _KEY = "zero_optimization.offload_param.nvme_path"
 
@@ -260,14 +262,30 @@ class NvmeShard:
 
 
 def offloads_params(zero_config: object) -> bool:
-    """Whether ``zero_config`` keeps stage 3's shards on NVMe (``offload_param: {device: nvme}``)."""
+    """Whether ``zero_config`` asks for stage 3's shards outside the compute device's memory (``offload_param:
+    {device: nvme}``, or ``cpu``, which moves them on a job on an accelerator): the gatherer then reads shards
+    ahead, ``offload_param.buffer_count`` units past those it prefetches (a no-op for a shard in memory)."""
     section = getattr(zero_config, "offload_param", None)
-    return section is not None and section.device == "nvme"
+    return section is not None and section.device in ("nvme", "cpu")
 
 
-def shard_cache(zero_config: object, rank: int, numel: int, dtype: torch.dtype) -> Optional[ShardCache]:
-    """The cache for up to ``numel`` shard elements of ``dtype`` when ``zero_config`` offloads them, else None."""
-    if not offloads_params(zero_config):
+def params_home(zero_config: object, device: torch.device) -> Optional[str]:
+    """Where ``zero_config`` keeps stage 3's shards of a model on ``device`` apart from it: ``nvme`` (files),
+    ``cpu`` (host memory, where that moves them: :func:`~..store.plan.moves_to_host`), or None (with the model)."""
+    section = getattr(zero_config, "offload_param", None)
+    if section is None or (section.device == "cpu" and not moves_to_host(device)):
+        return None
+    return str(section.device)
+
+
+def shard_cache(zero_config: object, rank: int, numel: int, dtype: torch.dtype,
+                device: torch.device) -> Optional[ShardCache | HostShards]:
+    """Where up to ``numel`` shard elements of ``dtype`` of a model on ``device`` live apart from it
+    (:func:`params_home`): a file and its host cache, host memory, or None (in memory, with the model)."""
+    where = params_home(zero_config, device)
+    if where is None:
         return None
     section = getattr(zero_config, "offload_param")  # noqa: B009 - typed object, checked above
+    if where == "cpu":
+        return HostShards(device, bool(section.pin_memory))
     return ShardCache(str(section.nvme_path), rank, numel, dtype, int(section.max_in_cpu), int(section.buffer_count))

@@ -169,7 +169,8 @@ class InMemoryShard:
 
     def write(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
         if parts:  # one foreach call: stage 3 publishes every piece of a unit after each step
-            torch._foreach_copy_([self.shard.narrow(0, at, v.numel()) for at, v in parts], [v for _, v in parts])
+            torch._foreach_copy_([self.shard.narrow(0, at, v.numel()) for at, v in parts], [v for _, v in parts],
+                                 non_blocking=True)  # from pinned staging (host offload): not waited for
 
     def released(self) -> None:
         pass

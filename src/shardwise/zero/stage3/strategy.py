@@ -48,7 +48,8 @@ from torch import nn
 from ...comm.distributed import Comm, Work
 from ...optim.param_state import ParamShard
 from ..base import Apply, Strategy, module_order, tensor_bytes
-from ..offload.shards import ShardCache, offloads_params, shard_cache
+from ..offload.host_shards import HostShards
+from ..offload.shards import ShardCache, params_home, shard_cache
 from ..store.home import Piece
 from ..store.plan import offload_spec
 from ..store.store import MasterStore, choose_home
@@ -85,16 +86,19 @@ class Stage3(Strategy):
         super().__init__(*args, **kwargs)
         self.units: list[Unit] = []
         #: this rank's pieces with their masters and optimizer state, the home chosen once: in fp32 the shards
-        #: are the masters, unless they live in files (masters apart from them), or the state goes to files
-        in_files = offloads_params(self.zero_config)
+        #: are the masters, unless they live in files or host memory (masters apart from them), or the state
+        #: goes to files or host memory
+        self._device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        in_files = params_home(self.zero_config, self._device) is not None
         self.side = UnitSide(self.comm.rank, in_files)
         fp32 = self.precision.dtype == torch.float32
-        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
-        self.store = MasterStore(choose_home(self.side, offload_spec(self.zero_config, self.comm.rank),
-                                             fp32 and not in_files, device))
+        offload = offload_spec(self.zero_config, self.comm.rank, self._device)
+        self.store = MasterStore(choose_home(self.side, offload, fp32 and not in_files, self._device,
+                                             self.precision.dtype))
         self.side.store = self.store
-        #: the shards' file and host cache where `offload_param` is nvme (made with the units)
-        self.shards: Optional[ShardCache] = None
+        #: the shards' file and host cache where `offload_param` is nvme, their host home where it is cpu on an
+        #: accelerator (made with the units)
+        self.shards: Optional[ShardCache | HostShards] = None
         self.gatherer = Gatherer(self.module, self.units, self.zero_config, self.side, self.comm.rank)
         self._params: list[nn.Parameter] = []  # the optimizer's parameters, module order
         self._mask: tuple[bool, ...] = ()
@@ -137,7 +141,7 @@ class Stage3(Strategy):
         bound = sum(max(1, -(-sum(p.numel() for p in params) // world)) for params, _, _ in specs)  # shard elements
         runs = piece_runs([params for params, _, _ in specs], group_of, self.comm.rank, world)
         self.store.plan(runs, sum(run.numel for run in runs), self.inner)
-        self.shards = shard_cache(self.zero_config, self.comm.rank, bound, self.precision.dtype)
+        self.shards = shard_cache(self.zero_config, self.comm.rank, bound, self.precision.dtype, self._device)
         for params, names, persistent in specs:
             unit = Unit(len(self.units), params, names, self.comm, self.gatherer, persistent)
             values = _initial_flat(unit, self.initial)

@@ -10,12 +10,17 @@ chosen once at initialize (:func:`~.store.choose_home`):
   shards), else a separate fp32 copy; the inner optimizer's ``state`` holds the state.
 * :class:`~.nvme.Nvme`: in files, stepped sub-group by sub-group (``offload_optimizer: {device: nvme}``,
   ``ratio`` keeping the first sub-groups in memory).
+* :class:`~.host.Host`: in host memory for a model on an accelerator (``offload_optimizer: {device: cpu}``,
+  ZeRO-Offload), stepped there sub-group by sub-group.
 
-A home in host memory for a job on a GPU is one more subclass of :class:`Home`, written once for every stage.
+Where the state is in host memory and the model on an accelerator (the host home; NVMe on a GPU job), the
+home's :attr:`Home.copies` (:class:`~.copies.DeviceCopies`) moves reduced gradients down as they land and
+updated values up; the hooks :meth:`Home.grad_for`, :meth:`Home.arrived` and :meth:`Home.add_grads` are
+where the stages hand their gradients over (they keep them on the device for the other homes).
 
 What differs between the stages is the :class:`ModelSide`: where a piece's values are in the model and how
-updated masters get there (:mod:`..flat_side`: this rank's slice of the flat parameter buffer, all-gathered
-after the step; :mod:`..unit_side`: the units' shards).  How gradients arrive is the stages' own: the flat
+updated masters get there (:mod:`..flat.side`: this rank's slice of the flat parameter buffer, all-gathered
+after the step; :mod:`..stage3.side`: the units' shards).  How gradients arrive is the stages' own: the flat
 stages point each key's ``.grad`` at a fixed view of the reduced gradient buffer, stage 3 adds each unit's
 reduction as it finishes (:meth:`~.store.MasterStore.add_reduced`).
 """
@@ -30,9 +35,10 @@ import torch
 
 from ...optim.param_state import StateSlot
 from ..flat.layout import Piece as Run
+from .copies import DeviceCopies
 from .frozen import Kept
 
-__all__ = ["Home", "ModelSide", "Piece", "Run", "Runs"]
+__all__ = ["Home", "ModelSide", "Piece", "Run", "Runs", "sum_sq"]
 
 
 @dataclass(eq=False)
@@ -97,10 +103,23 @@ class Home(ABC):
     #: whether the masters are the model's own storage (nothing to publish, no copy held apart)
     in_model = False
 
-    def __init__(self, side: ModelSide) -> None:
+    def __init__(self, side: ModelSide, copies: Optional[DeviceCopies] = None) -> None:
         self.side = side
         #: every piece added, in shard order
         self.pieces: list[Piece] = []
+        #: the copies between the model's device and host memory, where the state is on the host and the model
+        #: is not (None: the optimizer reads the stage's own gradients)
+        self.copies = copies
+
+    @property
+    def grads_apart(self) -> bool:
+        """Whether the optimizer reads gradients this home holds apart from the stage's (host copies): the
+        store's step scales those (:meth:`scale`), not the stage's."""
+        return self.copies is not None
+
+    def apart(self, piece: Piece) -> bool:
+        """Whether ``piece``'s gradient is copied to host memory for its step."""
+        return self.copies is not None
 
     def plan(self, runs: Sequence[Run], numel: int, inner: Any) -> None:
         """Before the first :meth:`add`: the runs of the shard the pieces will fill, in order, within its
@@ -141,6 +160,83 @@ class Home(ABC):
     def publish(self) -> None:
         """Every trainable master into the model, where they are not the model's storage already."""
 
+    # ------------------------------------------------------------ gradients
+    def grad_for(self, piece: Piece, grad: torch.Tensor) -> torch.Tensor:
+        """What a trainable piece's key holds as ``.grad`` for the stage's reduced gradient ``grad`` (a fixed view,
+        the flat stages'): ``grad``, or where the piece's state is in host memory its view of the host gradient
+        buffer, which :meth:`arrived` fills."""
+        if self.copies is None or not self.apart(piece):
+            return grad
+        view = self.copies.view(piece.at, piece.numel)
+        self.copies.register(piece, view, grad)
+        return view
+
+    def arrived(self, pieces: Sequence[Piece]) -> None:
+        """The reduced gradients of ``pieces`` (given by :meth:`grad_for`) landed: start copying them to host
+        memory, overlapped with the rest of backward."""
+        if self.copies is not None:
+            self.copies.down(pieces)
+
+    def add_grads(self, parts: Sequence[tuple[Piece, torch.Tensor]], scale: float) -> None:
+        """Stage 3: add ``scale`` times each ``part`` (a trainable piece's elements of one reduction, on the
+        device) to the piece's fp32 gradient, and point its key's ``.grad`` at it.  The first reduction after
+        the gradients were dropped makes the gradient; where it goes to host memory it is scaled on the device,
+        its norm taken there, and copied down without waiting."""
+        fresh: list[tuple[Piece, torch.Tensor]] = []
+        for piece, part in parts:
+            if piece.grad is None:
+                fresh.append((piece, part.float().mul(scale)))
+                continue
+            if self.copies is not None and self.apart(piece):
+                self.copies.wait()  # a second reduction before the step (rare): added on the host
+                self.copies.norms.pop(piece, None)
+                piece.grad.add_(part.to(piece.grad.device), alpha=scale)
+            else:
+                piece.grad.add_(part, alpha=scale)
+            assert piece.key is not None
+            piece.key.grad = piece.grad
+        down = [(piece, grad) for piece, grad in fresh if self.copies is not None and self.apart(piece)]
+        if down:
+            assert self.copies is not None
+            norms = torch._foreach_norm([grad for _, grad in down])
+            views = [self.copies.view(piece.at, piece.numel) for piece, _ in down]
+            for (piece, _), norm in zip(down, norms):
+                self.copies.norms[piece] = norm
+            self.copies.down_fresh(list(zip(views, [grad for _, grad in down])))
+            for (piece, _), view in zip(down, views):
+                piece.grad = view
+        for piece, grad in fresh:
+            if piece.grad is None:
+                piece.grad = grad
+            assert piece.key is not None
+            piece.key.grad = piece.grad
+
+    def norm_sq(self, grads: Sequence[tuple[Piece, torch.Tensor]]) -> torch.Tensor:
+        """The sum of squares of the gradients ``(piece, its key's .grad)``, in order: those copied to host memory
+        by their norms taken on the device as they arrived."""
+        if self.copies is None:
+            return sum_sq([grad for _, grad in grads])
+        norms = self.copies.norms
+        missing = [(p, grad) for p, grad in grads if p not in norms]
+        if any(self.apart(p) for p, _ in missing):
+            self.copies.wait()
+        taken = dict(zip([p for p, _ in missing], torch._foreach_norm([g for _, g in missing]))) if missing else {}
+        if not grads:
+            return torch.zeros((), dtype=torch.float32)
+        return torch.stack([(norms[p] if p in norms else taken[p]).to(self.copies.device) for p, _ in grads]).square().sum()
+
+    def settle_grads(self) -> None:
+        """The gradients the optimizer reads are complete (copies to host memory finished)."""
+        if self.copies is not None:
+            self.copies.wait()
+
+    def scale(self, factor: float) -> None:
+        """Multiply the gradients the optimizer reads by ``factor`` (unscale and clip)."""
+        self.settle_grads()
+        grads = [p.key.grad for p in self.pieces if p.key is not None and p.key.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+
     def loading(self) -> None:
         """A checkpoint load may write the masters (:meth:`publish` then takes them to the model)."""
 
@@ -157,3 +253,10 @@ class Home(ABC):
 
     def close(self) -> None:
         """Let go of what is held outside memory (files)."""
+
+
+def sum_sq(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of squares of ``grads``, from their norms (zero for none)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack(torch._foreach_norm(grads)).square().sum()

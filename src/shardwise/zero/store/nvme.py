@@ -19,6 +19,10 @@ steps the inner optimizer's ``state`` is empty.
 A checkpoint sees a trainable piece's master and state as memory maps of the files, or views of host memory
 where the piece is resident (:class:`~.subgroups.OffloadSlot`); a piece that stops training takes them out
 into the store's kept entries, as the other homes keep them, and puts them back when it trains again.
+
+On a job on an accelerator the sub-groups are stepped in host memory as on a CPU job: the pieces' gradients
+are copied down into a host buffer as they land (the key's ``.grad`` is its view of it), and the updated
+masters go up in the compute dtype (:class:`~.copies.DeviceCopies`, as the host home's).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from ...optim.param_state import KeptSlot, copy_value
 from ..offload.files import NvmeFiles
 from ..offload.readahead import BufferPool
+from .copies import DeviceCopies
 from .frozen import Kept
 from .home import Home, ModelSide, Piece, Run
 from .plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, say_split, state_bytes_per_element
@@ -41,8 +46,9 @@ __all__ = ["Nvme"]
 class Nvme(Home):
     """fp32 masters and optimizer state of this rank's pieces in files under ``nvme_path`` (module docstring)."""
 
-    def __init__(self, side: ModelSide, spec: OffloadSpec, pin: bool = False) -> None:
-        super().__init__(side)
+    def __init__(self, side: ModelSide, spec: OffloadSpec, pin: bool = False,
+                 copies: Optional[DeviceCopies] = None) -> None:
+        super().__init__(side, copies)
         self.spec, self.pin = spec, pin
         #: the per-element state kinds there are files for, and their dtype
         self.kinds: dict[str, torch.dtype] = {}
@@ -69,6 +75,8 @@ class Nvme(Home):
         say_split(self.spec, resident, numel, groups)
         self.pool = pool_for(groups, self.spec.buffer_count, state_bytes, self.pin, resident)
         self._stepper = SubGroupStepper(chunks, groups, self.pool, lambda: self._files, self.kinds, numel, resident)
+        if self.copies is not None:
+            self.copies.plan(0, numel)
         offloaded = numel - resident
         files = NvmeFiles(self.spec.root, self.spec.rank)
         try:  # the room every rank of this host on the disk claims, not this rank's alone
@@ -155,6 +163,7 @@ class Nvme(Home):
         :meth:`.SubGroupStepper.step`)."""
         self.publish()  # after a load: the files' masters into the model first
         self.side.settle()  # (a shard a failed step left held)
+        self.settle_grads()
         self._plan().step(inner, self)
         self.side.settle()
 
@@ -166,13 +175,20 @@ class Nvme(Home):
 
     def publish_sub_group(self, updated: list[tuple[Chunk, torch.Tensor]]) -> None:
         """The updated masters into the model."""
-        self.side.write([(self.pieces[chunk.piece], chunk.at, master) for chunk, master in updated])
+        self._write([(self.pieces[chunk.piece], chunk.at, master) for chunk, master in updated])
+
+    def _write(self, runs: list[tuple[Piece, int, torch.Tensor]]) -> None:
+        """Into the model: through the copies up where it is on an accelerator."""
+        if self.copies is not None:
+            self.copies.publish(self.side.write, runs)
+        else:
+            self.side.write(runs)
 
     def publish(self) -> None:
         """The step publishes each sub-group's masters as it goes; after a load, all of them."""
         if not self.stale:
             return
-        self.side.write([(p, 0, self.region("master", p)) for p in self.pieces if p.key is not None])
+        self._write([(p, 0, self.region("master", p)) for p in self.pieces if p.key is not None])
         self.side.settle()
         self.stale = False
 
@@ -181,9 +197,10 @@ class Nvme(Home):
 
     # ----------------------------------------------------------- accounting
     def nbytes(self) -> int:
-        """Host bytes of the read-ahead/write-behind buffers and the resident masters (the others are on disk)."""
+        """Host bytes of the read-ahead/write-behind buffers and the resident masters (the others are on disk), and
+        of the gradient and staging buffers of the copies to an accelerator."""
         resident = self._stepper.memory_bytes(master=True) if self._stepper is not None else 0
-        return self.pool.nbytes() + resident
+        return self.pool.nbytes() + resident + (self.copies.nbytes() if self.copies is not None else 0)
 
     def state_nbytes(self) -> int:
         """Host bytes of the resident sub-groups' optimizer state."""

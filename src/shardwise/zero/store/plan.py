@@ -1,4 +1,5 @@
-"""What optimizer offload to NVMe was asked for, and how this rank's shard is cut into sub-groups.
+"""What optimizer offload was asked for (to NVMe, or to host memory from an accelerator), and how this rank's
+shard is cut into sub-groups.
 
 A sub-group is a run of at most ``sub_group_size`` consecutive elements of this
 rank's shard, cut into chunks (:class:`Chunk`) where it meets the pieces (one
@@ -14,14 +15,17 @@ the files, which hold the elements after it only.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
 
 from ..flat.layout import Piece
 
-__all__ = ["Chunk", "OffloadSpec", "SubGroup", "offload_spec", "plan_sub_groups", "resident_split",
-           "say_split", "state_bytes_per_element"]
+__all__ = ["Chunk", "OffloadSpec", "SubGroup", "moves_to_host", "offload_spec", "plan_sub_groups", "resident_split",
+           "say_split", "state_bytes_per_element", "host_path_on_cpu", "whole_sub_groups"]
 
 logger = logging.getLogger("shardwise")
 
@@ -31,7 +35,7 @@ _STATE_BYTES = {"Adam": 8, "AdamW": 8, "NAdam": 8, "RAdam": 8, "Adamax": 8, "Ada
 
 @dataclass(frozen=True)
 class OffloadSpec:
-    """``offload_optimizer: {device: nvme, ...}`` and ``sub_group_size``, for one rank."""
+    """``offload_optimizer: {device: cpu|nvme, ...}`` and ``sub_group_size``, for one rank."""
 
     root: str
     buffer_count: int
@@ -39,7 +43,13 @@ class OffloadSpec:
     sub_group_size: int
     rank: int
     #: the share of the sub-groups whose state is offloaded (``offload_optimizer.ratio``); the others stay in memory
+    #: (NVMe: in host memory; ``cpu``: on the device, as DeepSpeed's partial offload)
     ratio: float = 1.0
+    #: ``nvme`` (files under ``root``) or ``cpu`` (host memory, a job on an accelerator)
+    device: str = "nvme"
+    #: whether gradients and updated values cross between the model's device and host memory (a job on an
+    #: accelerator, or a CPU job under :func:`host_path_on_cpu`); NVMe on a CPU job steps the model's own memory
+    copies: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,10 +143,47 @@ def state_bytes_per_element(inner: Any) -> int:
     return _STATE_BYTES.get(name, 8) + 4 * any(g.get("amsgrad") for g in groups)
 
 
-def offload_spec(zero_config: Any, rank: int) -> Optional[OffloadSpec]:
-    """The spec when ``zero_config`` offloads the optimizer to NVMe, else None."""
+def whole_sub_groups(pieces: Sequence[Piece], size: int) -> list[list[int]]:
+    """The pieces (indices, in shard order) of each sub-group of at most ``size`` elements made of whole pieces,
+    as DeepSpeed's: a piece larger than ``size`` is a sub-group of its own (the host home steps pieces whole)."""
+    groups: list[list[int]] = []
+    filled = size
+    for index, piece in enumerate(pieces):
+        if filled + piece.numel > size or not groups:
+            groups.append([])
+            filled = 0
+        groups[-1].append(index)
+        filled += piece.numel
+    return groups
+
+
+_host_path = False
+
+
+@contextlib.contextmanager
+def host_path_on_cpu() -> Iterator[None]:
+    """For the CPU suite: engines initialized inside take the host path on a CPU job as on an accelerator
+    (``offload_optimizer``/``offload_param: {device: cpu}`` act, with host buffers apart from the model's and the
+    copies between them), so every line but the device copies themselves runs without a GPU."""
+    global _host_path
+    before, _host_path = _host_path, True
+    try:
+        yield
+    finally:
+        _host_path = before
+
+
+def moves_to_host(device: torch.device) -> bool:
+    """Whether offload to ``cpu`` moves anything for a model on ``device``: on an accelerator it does; on a CPU job
+    the state is in host memory already (unless :func:`host_path_on_cpu` is on)."""
+    return device.type != "cpu" or _host_path
+
+
+def offload_spec(zero_config: Any, rank: int, device: torch.device) -> Optional[OffloadSpec]:
+    """The spec when ``zero_config`` offloads the optimizer for a model on ``device``: to NVMe, or to host memory
+    where that moves it (:func:`moves_to_host`); else None."""
     section = getattr(zero_config, "offload_optimizer", None)
-    if section is None or section.device != "nvme":
+    if section is None or (section.device == "cpu" and not moves_to_host(device)):
         return None
-    return OffloadSpec(str(section.nvme_path), section.buffer_count, section.pin_memory,
-                       zero_config.sub_group_size, rank, float(section.ratio))
+    return OffloadSpec(str(section.nvme_path or ""), section.buffer_count, section.pin_memory,
+                       zero_config.sub_group_size, rank, float(section.ratio), section.device, moves_to_host(device))

@@ -2,8 +2,9 @@
 
 A :class:`MasterStore` holds this rank's pieces (:class:`~.home.Piece`): the flat stages' slices of their
 layout and stage 3's parts of its units alike.  Where their masters and state live is its home, chosen
-once (:func:`choose_home`): :class:`Resident` here, :class:`~.nvme.Nvme` in files.  What the store does
-once, for every stage and home:
+once (:func:`choose_home`): :class:`~.resident.Resident` in memory, :class:`~.nvme.Nvme` in files,
+:class:`~.host.Host` in host memory for a model on an accelerator.  What the store does once, for every stage
+and home:
 
 * the inner optimizer's param groups hold the trainable pieces' keys (:meth:`MasterStore.keys_for`);
 * the step (:meth:`MasterStore.step`): gradients scaled, pieces no rank had a gradient for left alone as
@@ -24,12 +25,15 @@ from typing import Any, Iterator, MutableMapping, NamedTuple, Optional, Sequence
 
 import torch
 
-from ...optim.param_state import KeptSlot, OptimizerSlot, ParamShard, StateSlot
+from ...optim.param_state import ParamShard
 from ..base import tensor_bytes
+from .copies import DeviceCopies
 from .frozen import FrozenStore, Kept
-from .home import Home, ModelSide, Piece, Run
+from .home import Home, ModelSide, Piece, Run, sum_sq
+from .host import Host
 from .nvme import Nvme
 from .plan import OffloadSpec
+from .resident import Resident
 
 __all__ = ["MasterStore", "NormShare", "Resident", "choose_home"]
 
@@ -43,67 +47,18 @@ class NormShare(NamedTuple):
     seen: tuple[tuple[torch.Tensor, torch.Tensor, int], ...]
 
 
-def choose_home(side: ModelSide, offload: Optional[OffloadSpec], fp32_in_memory: bool, device: torch.device) -> Home:
-    """Where the state lives, once, for a model on ``device``: in files where ``offload`` asks for NVMe; else in
-    memory, the masters the model's own storage where it holds fp32 values in memory."""
-    if offload is not None:
-        return Nvme(side, offload, pin=offload.pin_memory and device.type == "cuda")
-    return Resident(side, fp32_in_memory)
-
-
-class Resident(Home):
-    """Masters in memory: the model's own storage (``in_model``) or separate fp32 copies; state in the optimizer."""
-
-    def __init__(self, side: ModelSide, in_model: bool) -> None:
-        super().__init__(side)
-        self.in_model = in_model
-
-    def start(self, piece: Piece, initial: torch.Tensor) -> torch.Tensor:
-        if self.in_model:
-            view = self.side.view(piece)
-            if view is None:
-                raise RuntimeError(f"`{piece.name}` has no fp32 values in memory to step in place (a bug in "
-                                   "shardwise); please report it")
-            return view
-        return initial.to(torch.float32, copy=True)
-
-    def master(self, piece: Piece) -> torch.Tensor:
-        assert piece.key is not None
-        return piece.key.detach().view(-1)
-
-    def slot(self, piece: Piece, state: MutableMapping[Any, Any]) -> StateSlot:
-        assert piece.key is not None
-        return OptimizerSlot(state, piece.key)
-
-    def freeze(self, piece: Piece, state: MutableMapping[Any, Any]) -> Kept:
-        key = piece.key  # (1-D: stage 3's; kept itself, so a view of the model stays one)
-        assert key is not None
-        kept = Kept(piece.start, piece.end, key, KeptSlot(OptimizerSlot(state, key).get()))
-        state.pop(key, None)
-        return kept
-
-    def thaw(self, piece: Piece, kept: Optional[Kept], state: MutableMapping[Any, Any]) -> None:
-        if kept is None:  # frozen since initialize: the model's values are the best there are
-            piece.key = self.side.view(piece) if self.in_model else self.side.values(piece)
-            return
-        piece.key = kept.master
-        if kept.state:
-            OptimizerSlot(state, kept.master).set(kept.state)
-
-    def step(self, inner: Any) -> None:
-        inner.step()
-        self.publish()
-
-    def publish(self) -> None:
-        if self.in_model:
-            return  # the optimizer stepped the model's own values
-        self.side.write([(p, 0, p.key) for p in self.pieces if p.key is not None])
-        self.side.settle()
-
-    def nbytes(self) -> int:
-        if self.in_model:
-            return 0
-        return sum(p.key.numel() * p.key.element_size() for p in self.pieces if p.key is not None)
+def choose_home(side: ModelSide, offload: Optional[OffloadSpec], fp32_in_memory: bool, device: torch.device,
+                dtype: torch.dtype = torch.float32) -> Home:
+    """Where the state lives, once, for a model on ``device`` computing in ``dtype``: in files where ``offload``
+    asks for NVMe, in host memory where it asks for ``cpu`` (both with copies to and from the device where the
+    model is not in host memory: ``offload.copies``); else in memory, the masters the model's own storage where
+    it holds fp32 values in memory."""
+    if offload is None:
+        return Resident(side, fp32_in_memory)
+    copies = DeviceCopies(device, dtype, offload.pin_memory)
+    if offload.device == "cpu":  # (asked for only where it moves the state: `offload.copies`)
+        return Host(side, offload, copies, fp32_in_memory)
+    return Nvme(side, offload, pin=offload.pin_memory and device.type == "cuda", copies=copies if offload.copies else None)
 
 
 class MasterStore:
@@ -196,12 +151,13 @@ class MasterStore:
 
     # ------------------------------------------------------------ gradients
     def grads(self) -> list[torch.Tensor]:
-        """The keys' gradients (what the optimizer reads)."""
+        """The keys' gradients (what the optimizer reads; copies to host memory finished first)."""
+        self.home.settle_grads()
         return [p.key.grad for p in self.pieces if p.key is not None and p.key.grad is not None]
 
     def grad_sq(self) -> torch.Tensor:
         """This rank's sum of squared gradients, computed now."""
-        return _sum_sq(self.grads())
+        return sum_sq(self.grads())
 
     def add_reduced(self, reduced: Sequence[tuple[Sequence[Piece], torch.Tensor]], scale: float, last: bool) -> None:
         """Stage 3: for each ``(pieces, slice)`` (a unit's pieces and this rank's slice of its reduced gradients, a
@@ -210,20 +166,11 @@ class MasterStore:
         over the sums (:class:`NormShare`: the step reads it while it holds)."""
         self.share = None
         for pieces, values in reduced:
-            for piece in pieces:
-                key = piece.key
-                if key is None:
-                    continue
-                part = values.narrow(0, piece.offset, piece.numel)
-                if piece.grad is None:
-                    piece.grad = part.float().mul(scale)
-                else:
-                    piece.grad.add_(part, alpha=scale)
-                key.grad = piece.grad
+            self.home.add_grads([(p, values.narrow(0, p.offset, p.numel)) for p in pieces if p.key is not None], scale)
         if last:
-            seen = tuple((p.key, p.key.grad, p.key.grad._version) for p in self.pieces
-                         if p.key is not None and p.key.grad is not None)
-            self.share = NormShare(_sum_sq([grad for _, grad, _ in seen]), seen)
+            counted = [(p, key, grad) for p in self.pieces if (key := p.key) is not None and (grad := key.grad) is not None]
+            sq = self.home.norm_sq([(p, grad) for p, _, grad in counted])
+            self.share = NormShare(sq, tuple((key, grad, grad._version) for _, key, grad in counted))
 
     def drop_grads(self) -> None:
         """Stage 3: every gradient goes (the next reduction allocates it again)."""
@@ -240,9 +187,8 @@ class MasterStore:
         whose ``.grad`` is None (no momentum, no weight decay), and the updated masters published; ``release``:
         the gradients dropped afterwards (:meth:`drop_grads`, stage 3's)."""
         self.share = None
-        grads = self.grads() if factor != 1.0 else []
-        if grads:
-            torch._foreach_mul_(grads, factor)
+        if factor != 1.0:
+            self.home.scale(factor)
         hidden = [(p.key, p.key.grad) for p in unused if p.key is not None and p.key.grad is not None]
         for key, _ in hidden:
             key.grad = None
@@ -315,10 +261,3 @@ class MasterStore:
     def close(self) -> None:
         """Let go of what the home holds outside memory (files; ``engine.destroy()``)."""
         self.home.close()
-
-
-def _sum_sq(grads: list[torch.Tensor]) -> torch.Tensor:
-    if not grads:
-        return torch.zeros((), dtype=torch.float32)
-    return torch.stack(torch._foreach_norm(grads)).square().sum()
-

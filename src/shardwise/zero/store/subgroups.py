@@ -31,7 +31,7 @@ from ..offload.files import NvmeFiles, OffloadChecksumError, OffloadIOError
 from ..offload.readahead import BufferPool, pipelined
 from .plan import Chunk, SubGroup
 
-__all__ = ["Arrangement", "OffloadSlot", "SubGroupStepper", "placeholder", "pool_for"]
+__all__ = ["Arrangement", "OffloadSlot", "SubGroupStepper", "placeholder", "pool_for", "stepping_only"]
 
 #: byte alignment of each kind inside a sub-group's buffer (a typed view needs its element size at least)
 _ALIGN = 64
@@ -189,7 +189,7 @@ class SubGroupStepper:
         params: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
         for index, tensor, param_group in loads:
             params[param_group].append(self._load(inner, index, tensor.grad, views, start))
-        with _only(inner, params):
+        with stepping_only(inner, params):
             inner.step()
         updated = [(self.chunks[index], self.keys[index].detach()) for index, _, _ in loads]
         fresh = [self._take_state(inner, index, views, start) for index, _, _ in loads]
@@ -349,7 +349,7 @@ def _views(numel: int, buffer: torch.Tensor, kinds: Mapping[str, torch.dtype]) -
 
 
 @contextlib.contextmanager
-def _only(inner: Any, stepped: list[list[torch.Tensor]]) -> Iterator[None]:
+def stepping_only(inner: Any, stepped: list[list[torch.Tensor]]) -> Iterator[None]:
     """Param group ``i`` holds only ``stepped[i]`` (hyperparameters untouched), then all its tensors again."""
     saved = [group["params"] for group in inner.param_groups]
     for group, tensors in zip(inner.param_groups, stepped):
