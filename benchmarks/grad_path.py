@@ -147,19 +147,39 @@ def _tracer(count: PathCount) -> Callable[..., Any]:
     return trace
 
 
+#: the traced model: four Linear modules (eight parameters, 1,076 elements), so that stage 3 at threshold 0 keeps
+#: four units of its own, each gathered before its module's forward and backward and freed after
+SIZES = (8, 24, 16, 16, 4)
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    layers: list[nn.Module] = []
+    for fan_in, fan_out in zip(SIZES, SIZES[1:]):
+        layers += [nn.Linear(fan_in, fan_out), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+def workload(stage: int) -> dict[str, Any]:
+    """The traced configuration: bf16, AdamW, clipping; stage 3 with no persistent unit (every module's
+    parameters gathered and freed around its forward and backward), stages 0-2 with several buckets."""
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    else:
+        zero["reduce_bucket_size"] = 300  # four buckets: one per Linear module
+    return {
+        "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}, "zero_optimization": zero,
+    }
 
 
 def trace_path(stage: int) -> PathCount:
     """One traced backward and step at ``stage`` (after one untraced warm-up step), in this process."""
-    model = _model()
-    config = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": 2}
-    engine = shardwise.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
-    inputs = torch.randn(2, 8)
+    engine = shardwise.initialize(_model(), config=workload(stage))
+    inputs = torch.randn(2, SIZES[0])
     for traced in (False, True):
-        loss = engine(inputs).pow(2).sum()
+        loss = engine(inputs).float().pow(2).sum()
         count = PathCount()
         if traced:
             threading.settrace(_tracer(count))

@@ -123,13 +123,13 @@ def test_take_grads_writes_zeros_for_no_gradient_frozen_and_padding() -> None:
     with torch._C.DisableTorchFunctionSubclass():
         weight_grad = unit.params[0].grad.clone()
         unit.params[1].grad = None  # this rank had no gradient for the bias
-    flat, had = unit.take_grads([0, 1], torch.float32)
+    flat, had = take_grads(unit, [0, 1], torch.float32)
     assert had == {0}
     assert torch.equal(unit.param_view(flat, 0), weight_grad)
     assert torch.count_nonzero(flat[unit.offsets[1]:]) == 0  # the bias's zeros and the padding
     with torch._C.DisableTorchFunctionSubclass():
         unit.params[0].grad = torch.ones_like(weight_grad)
-    flat, had = unit.take_grads([1], torch.float32)  # the weight not asked for (frozen): zeros, grad untouched
+    flat, had = take_grads(unit, [1], torch.float32)  # the weight not asked for (frozen): zeros, grad untouched
     with torch._C.DisableTorchFunctionSubclass():
         assert had == set() and torch.count_nonzero(flat) == 0 and unit.params[0].grad is not None
         unit.params[0].grad = None

@@ -78,8 +78,9 @@ class ModelSide(Protocol):
         """A new fp32 copy of the piece's values in the model."""
         ...
 
-    def write(self, runs: Runs) -> None:
-        """Updated masters into the model (cast to its dtype)."""
+    def write(self, runs: Runs, last: bool = False) -> None:
+        """Updated masters into the model (cast to its dtype); ``last``: no write of this publication follows (as
+        :meth:`settle` after it, in the same call: a publication in one write asks once)."""
         ...
 
     def settle(self) -> None:

@@ -97,8 +97,7 @@ class Resident(Home):
     def publish(self) -> None:
         if self.in_model:
             return  # the optimizer stepped the model's own values
-        self.side.write([(p, 0, p.key) for p in self.pieces if p.key is not None])
-        self.side.settle()
+        self.side.write([(p, 0, p.key) for p in self.pieces if p.key is not None], last=True)
 
     def nbytes(self) -> int:
         if self.in_model:
