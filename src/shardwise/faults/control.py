@@ -68,8 +68,8 @@ from .errors import CollectiveMismatchError
 from .heartbeat import heartbeat, read_json
 from .heartbeat import published as published_error
 from .ledger import Ledger, current_activity
-from .published import SLICE_S
 from .liveness import PeerWatch
+from .published import SLICE_S
 
 __all__ = ["ANNOUNCE", "ANNOUNCED", "CALLS", "CHECK", "DEBUG", "FAILURES", "SAY_AFTER_S", "WIDTH", "ControlGroup",
            "disagreement", "failed", "open_group", "say_waiting", "waiting_in_next"]

@@ -48,7 +48,8 @@ class LossScaler:
         #: the scale the next backward uses: ``override`` when set, else ``scale`` (an attribute, not a property:
         #: every backward and step reads it, and its setters keep it current)
         self.current = float(initial_scale)
-        self._scale = self._override = None  # (set just below)
+        self._scale: Optional[float] = None  # (both set just below)
+        self._override: Optional[float] = None
         self.scale = float(initial_scale)
         self.dynamic = dynamic
         self.window = window

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import itertools
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, TypeVar
 
 import torch
@@ -750,12 +749,12 @@ def hold(units: Sequence[Unit], ahead: Sequence[Unit] = ()) -> None:
             unit._move(UnitState.GATHERED, "finish a gather")
 
 
-def let_go(units: Sequence[Unit], keep: Sequence[bool] = ()) -> list[Unit]:
-    """Drop one hold on each of ``units`` (:meth:`Unit.release`); free each that nothing holds any more, unless
-    its ``keep`` is True.  The units freed (once per module call, not once per unit)."""
+def let_go(units: Sequence[Unit]) -> list[Unit]:
+    """Drop one hold on each of ``units`` (:meth:`Unit.release`) and free each that nothing holds any more; the
+    units freed (one call per module call, not one per unit)."""
     freed = []
-    for unit, kept in itertools.zip_longest(units, keep[: len(units)], fillvalue=False):
-        if unit.release() == 0 and not kept:
+    for unit in units:
+        if unit.release() == 0:
             unit.free()
             freed.append(unit)
     return freed
