@@ -13,7 +13,7 @@ the machine's load falls on both alike.  For each number of micro-batches M:
   stage to last action on any stage) spent outside its forwards and
   backwards: the bubble, plus waiting on transfers; next to 1F1B's
   ``(S - 1) / (M + S - 1)``, which holds for any forward:backward cost ratio
-  when the stages cost the same (``schedule.simulate`` reproduces it);
+  when the stages cost the same (``simulate`` in ``tests/test_pipe_module.py`` reproduces it);
 * **step ms** of the pipeline (M micro-batches on one replica) and of stage 0
   (M / 2 micro-batches on each of the 2 ranks): the same global batch; the
   slowest rank's time, median over the timed steps;

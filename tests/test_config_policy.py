@@ -18,8 +18,7 @@ from torch import nn
 from shardwise.cli.commands import main
 from shardwise.config import Config, ConfigError
 from shardwise.config.catalog import ALIASES, CATALOG, Entry
-from shardwise.config.optimizers import OPTIMIZERS
-from shardwise.config.schedules import REQUIRED, SCHEDULES
+from shardwise.config.registry import OPTIMIZERS, REQUIRED, SCHEDULES
 from shardwise.optim.optimizers import build_optimizer
 from shardwise.optim.schedulers import SCHEDULERS
 

@@ -46,7 +46,7 @@ LOCAL = {
     "zero_grad", "no_sync", "is_gradient_accumulation_boundary", "get_lr", "set_lr", "loss_scale",
     "override_loss_scale", "train", "eval", "compile", "is_compiled", "label", "checkpointable",
     "memory_breakdown",
-    # DeepSpeed's getters (engine_getters.py), and a plain engine's refusal of the pipeline's calls
+    # DeepSpeed's getters (engine/getters.py), and a plain engine's refusal of the pipeline's calls
     "local_rank", "global_rank", "world_size", "train_batch_size", "train_micro_batch_size_per_gpu",
     "gradient_accumulation_steps", "fp16_enabled", "bfloat16_enabled", "get_global_grad_norm", "gradient_clipping",
     "was_step_applied", "zero_optimization_stage", "train_batch", "eval_batch", "device", "dp_world_size",

@@ -65,8 +65,15 @@ def _train(layers: list[Any], steps: int, accumulation: int, zero: int = 0, clip
 # ------------------------------------------------------------------ parity, 2 ranks
 
 
+def _transposed_layers() -> list[Any]:
+    """``tied_layers`` with a transpose pair, to cut between: the first stage's output is a non-contiguous
+    view that needs a gradient (the gradient coming back lands in a contiguous buffer)."""
+    layers = tied_layers(depth=4)
+    return [*layers[:4], torch.t, torch.t, *layers[4:]]
+
+
 def _parity_case(layers: str, zero: int, accumulation: int, clip: float, partition: Any, checkpoint: int) -> None:
-    made = tied_layers(depth=4) if layers == "tied" else tuple_layers()
+    made = {"tied": tied_layers, "tuple": tuple_layers, "transposed": _transposed_layers}[layers]()
     kwargs = {"partition_method": partition, "activation_checkpoint_interval": checkpoint}
     engine, losses = _train(made, 3, accumulation, zero, clip, **kwargs)
     want_losses, want = reference_run(made, 3, accumulation, clip=clip)
@@ -97,6 +104,7 @@ def test_two_stages_equal_one_process() -> None:
         dict(layers="tied", zero=1, accumulation=2, clip=0.0, partition=[0, 3, 11], checkpoint=1),
         # tuple activations (a float needing a gradient and an int64 that does not) between stages
         dict(layers="tuple", zero=0, accumulation=2, clip=0.05, partition=[0, 3, 7], checkpoint=0),
+        dict(layers="transposed", zero=0, accumulation=2, clip=0.0, partition=[0, 5, 13], checkpoint=0),
     ]
     run_subtests(_parity_case, cases)
 

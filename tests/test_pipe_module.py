@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any
+from typing import Any, Sequence
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ import shardwise
 from shardwise.pipe import LayerSpec, PipelineModule, PipelineSequential, TiedLayerSpec
 from shardwise.pipe.p2p import _decode, _encode
 from shardwise.pipe.partition import balanced, partition, uniform
-from shardwise.pipe.schedule import Phase, bubble_fraction, forward_only, one_f_one_b, simulate
+from shardwise.pipe.schedule import Action, Phase, forward_only, one_f_one_b
 
 # ------------------------------------------------------------------ to_sequential
 
@@ -239,6 +239,48 @@ def test_fewer_layers_than_stages() -> None:
 # ------------------------------------------------------------------ the schedule
 
 
+def simulate(schedules: Sequence[Sequence[Action]], forward: float = 1.0, backward: float = 1.0) -> list[tuple[float, float]]:
+    """Replay per-stage schedules with fixed action times; ``(busy, makespan)`` per stage.
+
+    A forward waits for the previous stage's forward of the same micro-batch,
+    a backward for the next stage's backward of it; transfers take no time.
+    Raises if the schedules deadlock (an action waits on one never run).
+    """
+    stages = len(schedules)
+    done: dict[tuple[int, Phase, int], float] = {}
+    clock = [0.0] * stages
+    position = [0] * stages
+    while any(position[s] < len(schedules[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):
+            while position[s] < len(schedules[s]):
+                action = schedules[s][position[s]]
+                ready = _ready_at(done, s, stages, action)
+                if ready is None:
+                    break
+                cost = forward if action.phase is Phase.FORWARD else backward
+                clock[s] = max(clock[s], ready) + cost
+                done[(s, action.phase, action.micro_batch)] = clock[s]
+                position[s] += 1
+                progressed = True
+        if not progressed:
+            stuck = {s: str(schedules[s][position[s]]) for s in range(stages) if position[s] < len(schedules[s])}
+            raise RuntimeError(f"the schedules deadlock: stages wait forever at {stuck}")
+    makespan = max(clock)
+    return [(sum(forward if a.phase is Phase.FORWARD else backward for a in schedules[s]), makespan) for s in range(stages)]
+
+
+def _ready_at(done: dict[tuple[int, Phase, int], float], stage: int, stages: int, action: Action) -> float | None:
+    """When the input of ``action`` is available (None: not yet produced)."""
+    if action.phase is Phase.FORWARD:
+        source = (stage - 1, Phase.FORWARD, action.micro_batch) if stage > 0 else None
+    else:
+        source = (stage + 1, Phase.BACKWARD, action.micro_batch) if stage < stages - 1 else (stage, Phase.FORWARD, action.micro_batch)
+    if source is None:
+        return 0.0
+    return done.get(source)
+
+
 @pytest.mark.parametrize(("stages", "micro"), [(2, 1), (2, 4), (3, 2), (4, 8), (4, 3)])
 def test_one_f_one_b(stages: int, micro: int) -> None:
     schedules = [one_f_one_b(s, stages, micro) for s in range(stages)]
@@ -257,7 +299,7 @@ def test_one_f_one_b(stages: int, micro: int) -> None:
     # equal stage costs: the idle share is the textbook bubble, whatever backward costs against forward
     for backward in (1.0, 2.0):
         for busy, makespan in simulate(schedules, forward=1.0, backward=backward):
-            assert abs((1 - busy / makespan) - bubble_fraction(stages, micro)) < 1e-12
+            assert abs((1 - busy / makespan) - (stages - 1) / (micro + stages - 1)) < 1e-12  # (S-1)/(M+S-1)
     assert forward_only(3) == [a for a in one_f_one_b(stages - 1, stages, 3) if a.phase is Phase.FORWARD]
 
 

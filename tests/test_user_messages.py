@@ -143,7 +143,7 @@ def test_a_finished_run_says_what_to_raise_in_the_users_terms_and_writes_nothing
 
 def test_the_example_rerun_at_its_end_touches_no_file_and_lists_them_all(tmp_path: Path) -> None:
     text = tmp_path / "text.txt"
-    text.write_text((ROOT / "src" / "shardwise" / "engine.py").read_text()[:20000])
+    text.write_text((ROOT / "src" / "shardwise" / "engine" / "engine.py").read_text()[:20000])
     run = tmp_path / "run"
     command = [sys.executable, "examples/train_gpt.py", "--size", "tiny", "--steps", "2", "--run-dir", str(run),
                "--data", str(text), "--eval-every", "2", "--save-every", "2", "--sample-tokens", "0"]

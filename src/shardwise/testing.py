@@ -61,7 +61,7 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import ModuleType
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, NamedTuple, NoReturn, TypeVar, cast
 
 __all__ = ["DistributedTestError", "distributed_test", "run_distributed", "run_subtests"]
 
@@ -96,35 +96,18 @@ class DistributedTestError(RuntimeError):
 # --------------------------------------------------------------------------- files
 
 
-@dataclass(frozen=True)
-class _RankFiles:
+class _RankFiles(NamedTuple):
     """Where one rank leaves its result, error, output and stack dump (in the launch dir)."""
 
-    root: Path
-    rank: int
+    result: Path
+    error: Path
+    stdout: Path
+    stderr: Path
+    stack: Path
 
-    def _path(self, suffix: str) -> Path:
-        return self.root / f"rank{self.rank}.{suffix}"
 
-    @property
-    def result(self) -> Path:
-        return self._path("result")
-
-    @property
-    def error(self) -> Path:
-        return self._path("error")
-
-    @property
-    def stdout(self) -> Path:
-        return self._path("out")
-
-    @property
-    def stderr(self) -> Path:
-        return self._path("err")
-
-    @property
-    def stack(self) -> Path:
-        return self._path("stack")
+def _rank_files(root: Path, rank: int) -> _RankFiles:
+    return _RankFiles(*(root / f"rank{rank}.{suffix}" for suffix in ("result", "error", "out", "err", "stack")))
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -167,7 +150,7 @@ class _RankSpec:
     @property
     def files(self) -> _RankFiles:
         """This rank's files in the launch directory."""
-        return _RankFiles(Path(self.launch_dir), self.rank)
+        return _rank_files(Path(self.launch_dir), self.rank)
 
 
 def _rank_entry(spec: _RankSpec, call: bytes) -> None:
@@ -398,7 +381,7 @@ def _watch(procs: Sequence[BaseProcess], deadline: float, launch_dir: Path,
             rank = by_sentinel[cast(int, sentinel)]  # we waited on sentinels only (ints)
             proc = pending.pop(rank)
             proc.join()
-            files = _RankFiles(launch_dir, rank)
+            files = _rank_files(launch_dir, rank)
             succeeded = proc.exitcode == 0 and files.result.exists()
             succeeded = succeeded or (rank in expect_dead and not files.error.exists())
             (outcome.finished if succeeded else outcome.failed).append(rank)
@@ -423,7 +406,7 @@ def _dump_stacks(procs: Sequence[BaseProcess], ranks: Sequence[int], launch_dir:
             except ProcessLookupError:
                 pass
     stop = time.monotonic() + _STACK_DUMP_WAIT_S
-    files = [_RankFiles(launch_dir, rank).stack for rank in ranks]
+    files = [_rank_files(launch_dir, rank).stack for rank in ranks]
     while time.monotonic() < stop and not all(_read_text(f).strip() for f in files):
         time.sleep(0.02)
     time.sleep(0.05)  # a dump that has started may still be writing its other threads
@@ -446,7 +429,7 @@ def _describe_exit(exitcode: int | None) -> str:
 
 def _rank_report(procs: Sequence[BaseProcess], rank: int, launch_dir: Path) -> str:
     """Describe one failed rank: its traceback, or its exit status and last stderr lines."""
-    files = _RankFiles(launch_dir, rank)
+    files = _rank_files(launch_dir, rank)
     error = _read_text(files.error)
     if error:
         return f"rank {rank} raised:\n{error.rstrip()}"
@@ -474,7 +457,7 @@ def _cause_first(failed: Sequence[int], launch_dir: Path) -> list[int]:
     only a tie-break: the forkserver may relay two nearly simultaneous exits either way.
     """
     def key(rank: int) -> tuple[int, int, int]:
-        error = _RankFiles(launch_dir, rank).error
+        error = _rank_files(launch_dir, rank).error
         if not error.exists():
             return (0, 0, failed.index(rank))
         return (1, error.stat().st_mtime_ns, failed.index(rank))
@@ -502,7 +485,7 @@ def _timeout_message(outcome: _Outcome, world: int, launch_dir: Path, timeout: f
         "`timeout=`."
     ]
     for rank in outcome.timed_out:
-        stack = _read_text(_RankFiles(launch_dir, rank).stack).strip()
+        stack = _read_text(_rank_files(launch_dir, rank).stack).strip()
         if stack:
             parts.append(f"rank {rank} Python stack at the timeout:\n{_tail(stack)}")
         else:
@@ -513,7 +496,7 @@ def _timeout_message(outcome: _Outcome, world: int, launch_dir: Path, timeout: f
 def _replay_output(world_size: int, launch_dir: Path) -> None:
     """Copy each rank's output to ours, prefixed by rank, so pytest captures and shows it."""
     for rank in range(world_size):
-        files = _RankFiles(launch_dir, rank)
+        files = _rank_files(launch_dir, rank)
         for path, stream in ((files.stdout, sys.stdout), (files.stderr, sys.stderr)):
             text = _read_text(path)
             if text:
@@ -526,7 +509,7 @@ def _replay_output(world_size: int, launch_dir: Path) -> None:
 
 def _read_results(world_size: int, launch_dir: Path) -> list[Any]:
     """Unpickle every rank's return value, in rank order (None for a rank that died as expected)."""
-    paths = [_RankFiles(launch_dir, rank).result for rank in range(world_size)]
+    paths = [_rank_files(launch_dir, rank).result for rank in range(world_size)]
     return [pickle.loads(path.read_bytes()) if path.exists() else None for path in paths]
 
 

@@ -30,7 +30,7 @@ from .._version import __version__
 from ..comm.placement import plan_placement, visible_gpus
 from ..config import Config, ConfigError, load_configs, read_config_file
 from ..model_io.generate import ModelSpecError, generate_text, load_model
-from ..trainer.plot import plot_metrics
+from ..trainer.metrics import plot_metrics
 from .env import describe_environment
 
 __all__ = ["COMMANDS", "build_parser", "command", "launch", "main", "torchrun_args"]
@@ -266,11 +266,7 @@ def _add_plot(subparsers: Any) -> None:
 
 def _resolved(config: Any, world_size: int) -> dict[str, Any]:
     """``config`` as a dict with its batch sizes resolved for ``world_size`` (``auto`` where still pending)."""
-    sizes = config.batch_sizes(world_size)
-    data: dict[str, Any] = config.to_dict()
-    data["train_batch_size"] = sizes.train_batch_size
-    data["train_micro_batch_size_per_gpu"] = sizes.micro_batch_size
-    data["gradient_accumulation_steps"] = sizes.gradient_accumulation_steps
+    data: dict[str, Any] = config.to_dict() | config.batch_sizes(world_size).as_keys()
     return data
 
 

@@ -1,29 +1,21 @@
 """Validated shardwise configuration: DeepSpeed's keys, Hugging Face's `auto`, batch-size arithmetic.
 
-Keys follow DeepSpeed's JSON where the concept is the same, so an existing DeepSpeed config works
-unchanged. One rule for every key (`policy.py`): a key shardwise implements acts as in DeepSpeed;
-any other key DeepSpeed's schema knows (`catalog.py`) is accepted with an info line when it
-switches something off, tunes nothing here or asks for what already holds, and is an error naming
-the feature when it turns one on; anything else is an unknown key, reported with the closest known
-one. `"auto"` resolves from what is known (`auto.py`). Every invalid config raises
-:class:`ConfigError`, which lists each problem on its own line with the dotted key path.
+One rule for every key (`policy.py`): a key shardwise implements (`sections.py`) acts as in DeepSpeed; any
+other key DeepSpeed's schema knows (`catalog.py`) is accepted with an info line when it changes nothing here,
+and is an error naming the feature when it turns one on; anything else is an unknown key, reported with the
+closest known one. `"auto"` resolves from what is known (`auto.py`). Every invalid config raises
+:class:`ConfigError`, one line per problem with its dotted key path. Reading is total and bounded
+(`limits.py`, `reading.py`): whatever a file or dict holds, the outcome is a Config or a ConfigError within
+about a second. Defaults follow plain PyTorch: `gradient_clipping` is 0 (off) when absent, whereas recent
+DeepSpeed clips at 1.0.
 
-Reading is total and bounded (`limits.py`, `reading.py`, `yaml_reader.py`): whatever a file or dict
-holds, the outcome is a Config or a ConfigError within about a second. Number keys take numbers only
-(`numbers.py`): no booleans, nothing infinite, sizes below stated bounds.
-
-Defaults follow plain PyTorch: `gradient_clipping` is 0 (off) when absent, whereas recent DeepSpeed
-clips at 1.0 by default.
-
-This package only describes: it imports no shardwise runtime module. The runtime
-(`shardwise.optim.optimizers`, `shardwise.optim.schedulers`, the engine) imports it.
+This package only describes: it imports no shardwise runtime module (the runtime imports it).
 """
 
 from __future__ import annotations
 
-from .errors import ConfigError
+from .errors import ConfigError, Note
 from .model import BatchSizes, Config, load_configs
-from .notes import Note
 from .reading import read_config_file
 from .sections import (
     BF16Config,

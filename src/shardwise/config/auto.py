@@ -1,18 +1,10 @@
 """Hugging Face's `"auto"` values: what each becomes, and when it is known.
 
-Three kinds, by key:
-
-* batch numbers (`train_batch_size`, `train_micro_batch_size_per_gpu`,
-  `gradient_accumulation_steps`) become "not given": DeepSpeed's rule derives them from the other
-  two and the world size (`Config.batch_sizes`, filled in by `Config.resolve`);
-* keys that depend on what `initialize` receives stay pending until `Config.resolve`:
-  `fp16.enabled` / `bf16.enabled` (the model's dtype), the ZeRO bucket sizes (the model's hidden
-  size, as transformers computes them), `optimizer.params.*` (the optimizer passed, else torch's
-  defaults), `scheduler.params.*` (the lr scheduler or optimizer passed, the trainer's total steps);
-* any other key takes the engine's default at load.
-
-transformers' `HfTrainerDeepSpeedConfig` fills the same keys from `TrainingArguments`; this module
-fills them from what shardwise knows instead (learned from its rules, not copied).
+Batch numbers become "not given" (DeepSpeed's rule derives them from the other two and the world size).
+Keys that depend on what `initialize` receives stay pending until `Config.resolve` (`_LATER` and the
+`optimizer` / `scheduler` params below). Any other key takes the engine's default at load.
+transformers' `HfTrainerDeepSpeedConfig` fills the same keys from `TrainingArguments`; this module fills
+them from what shardwise knows instead (learned from its rules, not copied).
 """
 
 from __future__ import annotations
@@ -26,10 +18,8 @@ import torch
 from torch import nn
 
 from .catalog import is_auto
-from .errors import ConfigError
-from .notes import Note
-from .optimizers import OPTIMIZERS
-from .schedules import SCHEDULES
+from .errors import ConfigError, Note
+from .registry import OPTIMIZERS, SCHEDULES
 
 __all__ = ["BATCH_KEYS", "Facts", "fill", "resolves_later"]
 
@@ -76,16 +66,50 @@ class Facts:
 def fill(data: MutableMapping[str, Any], pending: Mapping[str, str], facts: Facts) -> list[Note]:
     """Replace every pending `auto` in `data` (a config dict) from `facts`; return what each became."""
     notes: list[Note] = []
-    notes += _optimizer(data, pending, facts)
-    notes += _scheduler(data, pending, facts)
-    for path in ("fp16.enabled", "bf16.enabled"):
-        if path in pending:
-            notes.append(_set(data, path, _model_dtype(facts.model) == _DTYPES[path], "the model's dtype"))
-    notes += _buckets(data, pending, facts.model)
+    passed = {"optimizer": facts.optimizer, "lr_scheduler": facts.lr_scheduler}
+    for key, name in (("optimizer", "optimizer"), ("scheduler", "lr_scheduler")):
+        if passed[name] is not None and _all_auto(data.get(key)):
+            del data[key]
+            notes.append(Note(key, f"`{key}`: every param is `auto`, so the {name} passed to initialize is used"))
+    # The optimizer's params first: a scheduler's `warmup_max_lr: auto` reads the lr they leave.
+    for path in sorted(pending, key=lambda p: _SECTIONS.index(p.split(".")[0])):
+        if data.get(path.split(".")[0]) is not None:  # else its section gave way to the object passed
+            notes.append(_settle(data, path, facts))
     return notes
 
 
+_SECTIONS = ("optimizer", "scheduler", "fp16", "bf16", "zero_optimization")
 _DTYPES = {"fp16.enabled": torch.float16, "bf16.enabled": torch.bfloat16}
+_BUCKETS = {
+    "zero_optimization.reduce_bucket_size": ("hidden_size²", lambda h: h * h),
+    "zero_optimization.stage3_prefetch_bucket_size": ("0.9 × hidden_size²", lambda h: int(0.9 * h * h)),
+    "zero_optimization.stage3_param_persistence_threshold": ("10 × hidden_size", lambda h: 10 * h),
+}
+
+
+def _settle(data: MutableMapping[str, Any], path: str, facts: Facts) -> Note:
+    """Set (or drop, for the default) the pending `auto` at `path`."""
+    section, _, name = path.partition(".params.")
+    if path in _DTYPES:
+        return _set(data, path, _model_dtype(facts.model) == _DTYPES[path], "the model's dtype")
+    if path in _BUCKETS:
+        formula, compute = _BUCKETS[path]
+        size = hidden_size(facts.model)
+        if size is None:
+            return _drop(data, path, "the default (the model's config gives no hidden size)")
+        return _set(data, path, compute(size), f"{formula}, hidden_size {size}")
+    if section == "optimizer":
+        spec = OPTIMIZERS.get(data["optimizer"]["type"])
+        default = spec.torch_arguments().get(name) if spec is not None else None
+        return _drop(data, path, f"{json.dumps(default)} (torch's default)")
+    if name == "total_num_steps":
+        return _set(data, path, _total_steps(facts, path), "the trainer's total steps")
+    if name == "warmup_max_lr":
+        return _set(data, path, _optimizer_lr(data, facts), "the optimizer's lr")
+    if name in ("warmup_min_lr", "warmup_num_steps"):
+        return _set(data, path, 0 if name == "warmup_num_steps" else 0.0, "Hugging Face's choice")
+    default = SCHEDULES.get(data["scheduler"]["type"], {}).get(name)
+    return _drop(data, path, f"{json.dumps(default)} (the schedule's default)")
 
 
 def parent(data: MutableMapping[str, Any], path: str) -> tuple[MutableMapping[str, Any], str]:
@@ -115,44 +139,6 @@ def _all_auto(section: Any) -> bool:
         return False
     params = section.get("params")
     return isinstance(params, Mapping) and bool(params) and all(is_auto(v) for v in params.values())
-
-
-def _optimizer(data: MutableMapping[str, Any], pending: Mapping[str, str], facts: Facts) -> list[Note]:
-    section = data.get("optimizer")
-    if section is None:
-        return []
-    if facts.optimizer is not None and _all_auto(section):
-        del data["optimizer"]
-        return [Note("optimizer", "`optimizer`: every param is `auto`, so the optimizer passed to initialize is used")]
-    spec = OPTIMIZERS.get(section["type"])
-    notes = []
-    for path in [p for p in pending if p.startswith("optimizer.params.")]:
-        name = path.rsplit(".", 1)[-1]
-        default = spec.torch_arguments().get(name) if spec is not None else None
-        notes.append(_drop(data, path, f"{json.dumps(default)} (torch's default)"))
-    return notes
-
-
-def _scheduler(data: MutableMapping[str, Any], pending: Mapping[str, str], facts: Facts) -> list[Note]:
-    section = data.get("scheduler")
-    if section is None:
-        return []
-    if facts.lr_scheduler is not None and _all_auto(section):
-        del data["scheduler"]
-        return [Note("scheduler", "`scheduler`: every param is `auto`, so the lr_scheduler passed to initialize is used")]
-    notes = []
-    for path in [p for p in pending if p.startswith("scheduler.params.")]:
-        name = path.rsplit(".", 1)[-1]
-        if name == "total_num_steps":
-            notes.append(_set(data, path, _total_steps(facts, path), "the trainer's total steps"))
-        elif name == "warmup_max_lr":
-            notes.append(_set(data, path, _optimizer_lr(data, facts), "the optimizer's lr"))
-        elif name in ("warmup_min_lr", "warmup_num_steps"):
-            notes.append(_set(data, path, 0 if name == "warmup_num_steps" else 0.0, "Hugging Face's choice"))
-        else:
-            default = SCHEDULES.get(section["type"], {}).get(name)
-            notes.append(_drop(data, path, f"{json.dumps(default)} (the schedule's default)"))
-    return notes
 
 
 def _total_steps(facts: Facts, path: str) -> int:
@@ -201,23 +187,3 @@ def hidden_size(model: nn.Module | None) -> int | None:
         if isinstance(sizes, (list, tuple)) and sizes:
             return int(max(sizes))
     return None
-
-
-_BUCKETS = {
-    "zero_optimization.reduce_bucket_size": ("hidden_size²", lambda h: h * h),
-    "zero_optimization.stage3_prefetch_bucket_size": ("0.9 × hidden_size²", lambda h: int(0.9 * h * h)),
-    "zero_optimization.stage3_param_persistence_threshold": ("10 × hidden_size", lambda h: 10 * h),
-}
-
-
-def _buckets(data: MutableMapping[str, Any], pending: Mapping[str, str], model: nn.Module | None) -> list[Note]:
-    size = hidden_size(model)
-    notes = []
-    for path, (formula, compute) in _BUCKETS.items():
-        if path not in pending:
-            continue
-        if size is None:
-            notes.append(_drop(data, path, "the default (the model's config gives no hidden size)"))
-        else:
-            notes.append(_set(data, path, compute(size), f"{formula}, hidden_size {size}"))
-    return notes

@@ -1,18 +1,12 @@
 """DeepSpeed's config keys that shardwise does not implement, one entry each, and DeepSpeed's aliases.
 
-The policy (DESIGN.md) in table form. A key shardwise implements is a field of a section model
-(`sections.py`) and is not listed here. Every other key that DeepSpeed's config schema knows is
-an :class:`Entry`:
-
-* a *knob* (no `feature`): accepted whatever its value, because it tunes something that has no
-  meaning in shardwise or asks for what shardwise always does; its `reason` ends the info line;
-* a *switch* (`feature` set): accepted while `is_off(value)` holds (the feature stays off, as
-  it does in shardwise); any other value turns on a DeepSpeed feature shardwise lacks and is an
-  error naming `feature` and the `fix`.
-
-Anything in neither the sections nor this table is an unknown key. Learned from DeepSpeed's own
-schema (`deepspeed/runtime/config.py`, `constants.py`, `zero/config.py`, `zero/offload_config.py`,
-`precision_config.py`, the monitor and profiler configs); the wording is shardwise's.
+The policy (DESIGN.md) in table form; a key shardwise implements is a field of a section model
+(`sections.py`) instead. A *knob* (no `feature`) is accepted whatever its value: it tunes something with
+no meaning here, or asks for what shardwise always does (its `reason` ends the info line). A *switch*
+(`feature` set) is accepted while `is_off(value)` holds, and is an error naming `feature` and the `fix`
+otherwise. Learned from DeepSpeed's own schema (`deepspeed/runtime/config.py`, `constants.py`,
+`zero/config.py`, `zero/offload_config.py`, `precision_config.py`, the monitor and profiler configs);
+the wording is shardwise's.
 """
 
 from __future__ import annotations
@@ -85,16 +79,9 @@ def _checkpointing_off(value: Any) -> bool:
     return all(_false(v) for k, v in value.items() if k != "number_checkpoints")
 
 
-def _no_deepcompile(value: Any) -> bool:
-    return not isinstance(value, Mapping) or _false(value.get("deepcompile", False))
-
-
-def _autotp_off(value: Any) -> bool:
-    return not isinstance(value, Mapping) or _at_most(1)(value.get("autotp_size", 0))
-
-
-def _never(value: Any) -> bool:
-    return False
+def _key_off(key: str, is_off: Callable[[Any], bool] = _false) -> Callable[[Any], bool]:
+    """Off: a section whose `key` is off, absent, or no section at all."""
+    return lambda value: not isinstance(value, Mapping) or is_off(value.get(key, 0))
 
 
 @dataclass(frozen=True)
@@ -103,7 +90,7 @@ class Entry:
 
     reason: str
     feature: str | None = None
-    is_off: Callable[[Any], bool] = _never
+    is_off: Callable[[Any], bool] = _false  # a knob is never asked
     fix: str = "remove it"
 
 
@@ -179,8 +166,9 @@ CATALOG: dict[str, Entry] = {
     "compression_training": switch("compression training", _empty, "remove it"),
     "sparse_attention": switch("sparse attention", _empty, "remove it"),
     "weight_quantization": switch("weight quantization", _empty, "remove it"),
-    "compile": switch("DeepCompile", _no_deepcompile, "remove it or set `deepcompile: false`"),
-    "tensor_parallel": switch("tensor parallelism (AutoTP)", _autotp_off, "remove it or set `autotp_size` to 1"),
+    "compile": switch("DeepCompile", _key_off("deepcompile"), "remove it or set `deepcompile: false`"),
+    "tensor_parallel": switch(
+        "tensor parallelism (AutoTP)", _key_off("autotp_size", _at_most(1)), "remove it or set `autotp_size` to 1"),
     "data_types": switch("choosing the gradient-accumulation, parameter or buffer dtype", _all_false, "remove it"),
     "pipeline": knob("settings of DeepSpeed's pipeline engine, which apply only to a DeepSpeed PipelineModule"),
     "aio": knob("it tunes DeepSpeed's async-I/O library; shardwise's NVMe offload reads ahead and writes behind "

@@ -9,8 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from .errors import Problems, problem_line, shown_value, suggest
-from .numbers import NotANumber
-from .sections import section_of
+from .sections import NotANumber, section_of
 
 __all__ = ["problems_from"]
 
@@ -65,7 +64,7 @@ def _describe(root: type[BaseModel], err: Mapping[str, Any], loc: tuple[str, ...
         return [problem_line(path, "missing", "")]
     got = f"got {shown_value(err['input'])}"
     if isinstance(cause, NotANumber):
-        return [f"`{path}`: {got}; expected {_allowed_range(root, loc, {})}: {cause.why}"]
+        return [f"`{path}`: {got}; expected {_allowed_range(root, loc, {})}: {cause}"]
     if kind in _BOUND_ERRORS:
         limit = max((v for v in (err.get("ctx") or {}).values() if isinstance(v, (int, float))), default=0)
         upper = " (shardwise's bound, far above any real setting)" if kind.startswith("less") and limit > 64 else ""

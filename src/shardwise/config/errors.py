@@ -1,13 +1,26 @@
-"""How config problems are reported: one error listing every problem, each with its dotted key path."""
+"""How a config is reported on: one error listing every problem, each with its dotted key path, and info lines.
+
+Info lines (what was ignored and why, what an `auto` became, which alias was read) go to the `shardwise`
+logger, once per line per config, and only on rank 0 when a process group exists (every rank reads the
+same config, so one copy is enough).
+"""
 
 from __future__ import annotations
 
 import difflib
+import logging
 import reprlib
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_SHOWN", "ConfigError", "Problems", "canonical", "problem_line", "shown_value", "suggest"]
+import torch.distributed as dist
+
+__all__ = [
+    "MAX_SHOWN", "ConfigError", "Note", "Problems", "announce", "canonical", "problem_line", "shown_value", "suggest",
+]
+
+logger = logging.getLogger("shardwise")
 
 #: problems a ConfigError message lists (the rest are counted: "... and N more"); `problems` keeps all.
 MAX_SHOWN = 20
@@ -94,3 +107,27 @@ def canonical(value: Any, names: Iterable[str]) -> str:
         hint = f"; did you mean `{by_lower[close[0]]}`?" if close else ""
         raise ValueError(f"expected one of {allowed} (any case){hint}")
     return found
+
+
+@dataclass(frozen=True)
+class Note:
+    """One info line about the key at `path` (dotted, from the config's top level)."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def announce(notes: Iterable[Note], already: frozenset[str] = frozenset()) -> frozenset[str]:
+    """Log each note whose message is not in `already`; return every message now announced."""
+    done = set(already)
+    quiet = dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
+    for note in notes:
+        if note.message in done:
+            continue
+        done.add(note.message)
+        if not quiet:
+            logger.info("config: %s", note.message)
+    return frozenset(done)

@@ -65,9 +65,10 @@ NO_LIMIT = frozenset({
 })
 
 
-def check_shape(data: Any, prefix: tuple[str, ...] = ()) -> None:
+def check_shape(data: Any, prefix: tuple[str, ...] = (), source: str | None = None) -> None:
     """Refuse data nested deeper than MAX_DEPTH, reaching more than MAX_VALUES values, or holding
-    a non-finite number (inf or NaN): the first such problem is raised as a ConfigError naming the path.
+    a non-finite number (inf or NaN): the first such problem is raised as a ConfigError naming the path
+    (and `source`, the file it came from).
 
     The walk is iterative (no recursion limit to hit) and stops at the first problem, so it costs at
     most MAX_VALUES steps plus one container whatever `data` is (a cyclic dict included).
@@ -81,7 +82,7 @@ def check_shape(data: Any, prefix: tuple[str, ...] = ()) -> None:
         if len(path) - len(prefix) >= MAX_DEPTH:
             raise ConfigError(
                 f"`{_dotted(path[:len(prefix) + 3])}...` nests deeper than {MAX_DEPTH} levels (a config nests about "
-                "5); remove the extra nesting")
+                "5); remove the extra nesting", source)
         items = container.items() if isinstance(container, Mapping) else enumerate(container)
         for key, value in items:
             seen += 1
@@ -90,12 +91,12 @@ def check_shape(data: Any, prefix: tuple[str, ...] = ()) -> None:
             elif isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(
                     f"`{_dotted((*path, str(key)[:80]))}`: got {value}; expected a finite number (inf and NaN would "
-                    "defeat the checks and timeouts that read it); write a finite value")
+                    "defeat the checks and timeouts that read it); write a finite value", source)
         if seen > MAX_VALUES:
             raise ConfigError(
                 f"the config reaches more than {MAX_VALUES} values (YAML aliases and repeated objects count each "
                 f"time they are used; a real config holds a few hundred); write the values out, or check that the "
-                f"file is a config at all")
+                f"file is a config at all", source)
 
 
 def _dotted(path: tuple[str, ...]) -> str:

@@ -14,19 +14,19 @@ from torch import nn
 
 from . import auto
 from .describe import problems_from
-from .errors import ConfigError, Problems, canonical
+from .errors import ConfigError, Note, Problems, announce, canonical
 from .limits import MAX_ACCUMULATION, MAX_MICRO_BATCH, MAX_STEPS, MAX_TIMEOUT_S, MAX_TRAIN_BATCH, check_shape
-from .notes import Note, announce
-from .numbers import Count, Real
 from .policy import prepare
 from .reading import read_config_file
 from .sections import (
     BF16Config,
     CheckpointConfig,
     CommsConfig,
+    Count,
     FP16Config,
     OffloadParamConfig,
     OptimizerConfig,
+    Real,
     SchedulerConfig,
     Section,
     ZeroConfig,
@@ -43,6 +43,11 @@ class BatchSizes:
     train_batch_size: int | None
     micro_batch_size: int | None
     gradient_accumulation_steps: int
+
+    def as_keys(self) -> dict[str, int | None]:
+        """The three config keys these sizes are."""
+        return {"train_batch_size": self.train_batch_size, "train_micro_batch_size_per_gpu": self.micro_batch_size,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps}
 
 
 class Config(Section):
@@ -79,26 +84,31 @@ class Config(Section):
     _notes: tuple[Note, ...] = PrivateAttr(default=())
     _pending: dict[str, str] = PrivateAttr(default_factory=dict)
     _announced: frozenset[str] = PrivateAttr(default=frozenset())
-    #: dotted paths of the values the user wrote (not defaults, not `auto`s a resolve filled in)
-    _written: frozenset[str] = PrivateAttr(default=frozenset())
+    #: the `zero_optimization` keys the user wrote (not defaults, not `auto`s a resolve filled in)
+    _zero_written: frozenset[str] = PrivateAttr(default=frozenset())
 
     def __init__(self, **data: Any) -> None:
         """Validate keyword settings; problems raise ConfigError (prefer :meth:`load`)."""
-        check_shape(data)
-        prepared = prepare(data, Config)
-        if prepared.problems:
-            raise ConfigError(prepared.problems)
-        try:
-            self.__pydantic_validator__.validate_python(
-                prepared.data, self_instance=self, context={"pending": prepared.pending})
-        except ValidationError as exc:
-            raise ConfigError(problems_from(Config, exc)) from None
-        self._notes, self._pending = tuple(prepared.notes), dict(prepared.pending)
-        self._written = written(self)
+        self._fill(data)
 
     # Mark the override as pydantic's own __init__: otherwise model_validate would route every
     # validation through it and wrap our ConfigError inside a ValidationError.
     __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    def _fill(self, data: Any, source: str | None = None, prefix: tuple[str, ...] = ()) -> None:
+        """Validate `data` into this instance; every problem found (policy's and pydantic's) in one ConfigError."""
+        check_shape(data, prefix, source)
+        prepared = prepare(data, Config, prefix)
+        problems = list(prepared.problems)
+        try:
+            self.__pydantic_validator__.validate_python(
+                prepared.data, self_instance=self, context={"pending": prepared.pending})
+        except ValidationError as exc:
+            problems += problems_from(Config, exc, prefix)
+        if problems:
+            raise ConfigError(problems, source)
+        self._notes, self._pending = tuple(prepared.notes), dict(prepared.pending)
+        self._zero_written = frozenset(self.zero_optimization.model_fields_set)
 
     @field_validator("bf16")
     @classmethod
@@ -155,21 +165,8 @@ class Config(Section):
 
     @classmethod
     def _validate(cls, data: Any, source: str | None = None, prefix: tuple[str, ...] = ()) -> Config:
-        try:
-            check_shape(data, prefix)
-        except ConfigError as exc:
-            raise ConfigError(exc.problems, source) from None
-        prepared = prepare(data, cls, prefix)
-        problems = list(prepared.problems)
-        config = None
-        try:
-            config = cls.model_validate(prepared.data, context={"pending": prepared.pending})
-        except ValidationError as exc:
-            problems += problems_from(cls, exc, prefix)
-        if problems or config is None:
-            raise ConfigError(problems, source)
-        config._notes, config._pending = tuple(prepared.notes), dict(prepared.pending)
-        config._written = written(config)
+        config = cls.__new__(cls)
+        config._fill(data, source, prefix)
         return config
 
     def replace(self, **changes: Any) -> Config:
@@ -229,15 +226,11 @@ class Config(Section):
         facts = auto.Facts(model, optimizer, lr_scheduler, total_num_steps)
         notes = auto.fill(data, self._pending, facts)
         notes += _check_offload(data, torch.device(device))
-        notes += _stage_notes(self.zero_optimization, self._written)
-        sizes = self.batch_sizes(world_size)
-        data["train_batch_size"] = sizes.train_batch_size
-        data["train_micro_batch_size_per_gpu"] = sizes.micro_batch_size
-        data["gradient_accumulation_steps"] = sizes.gradient_accumulation_steps
-        resolved = Config._validate(data)
+        notes += _stage_notes(self.zero_optimization, self._zero_written)
+        resolved = Config._validate(data | self.batch_sizes(world_size).as_keys())
         resolved._notes = self._notes + tuple(notes) + resolved._notes
         resolved._announced = announce(resolved._notes, self._announced)
-        resolved._written = self._written
+        resolved._zero_written = self._zero_written
         return resolved
 
 
@@ -266,27 +259,21 @@ def _gives(changes: Mapping[str, Any], path: str) -> bool:
 def _batch_sizes(train: int | None, micro: int | None, gas: int | None, world: int) -> BatchSizes:
     names = {"micro": f"train_micro_batch_size_per_gpu {micro}", "gas": f"gradient_accumulation_steps {gas}"}
     where = f"world_size {world}"
-    if train is not None and micro is not None and gas is not None:
+    if train is None:
+        return BatchSizes(None if micro is None else micro * (gas or 1) * world, micro, gas or 1)
+    if micro is not None and gas is not None:
         if train != micro * gas * world:
             product = f"{names['micro']} × {names['gas']} × {where} = {micro * gas * world}"
             raise ConfigError(f"train_batch_size {train} != {product}; fix one of them")
         return BatchSizes(train, micro, gas)
-    if train is not None:
-        # One of micro / gas is given (or neither, and gas defaults to 1): derive the other.
-        if micro is not None:
-            divisor, terms = micro * world, f"{names['micro']} × {where}"
-        elif gas is not None:
-            divisor, terms = gas * world, f"{names['gas']} × {where}"
-        else:
-            divisor, terms = world, where
-        if train % divisor:
-            raise ConfigError(f"train_batch_size {train} is not divisible by {terms} = {divisor}; fix one of them")
-        if micro is not None:
-            return BatchSizes(train, micro, train // divisor)
-        return BatchSizes(train, train // divisor, gas or 1)
+    # One of micro / gas is given (or neither, and gas defaults to 1): derive the other.
+    key, given = ("micro", micro) if micro is not None else ("gas", gas)
+    divisor, terms = (given or 1) * world, (where if given is None else f"{names[key]} × {where}")
+    if train % divisor:
+        raise ConfigError(f"train_batch_size {train} is not divisible by {terms} = {divisor}; fix one of them")
     if micro is not None:
-        return BatchSizes(micro * (gas or 1) * world, micro, gas or 1)
-    return BatchSizes(None, None, gas or 1)
+        return BatchSizes(train, micro, train // divisor)
+    return BatchSizes(train, train // divisor, gas or 1)
 
 
 #: keys that tune only the flat buckets of stages 0-2, and only stage 3's units and gathers
@@ -295,21 +282,9 @@ _STAGE3_ONLY = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "st
                 "stage3_param_persistence_threshold")
 
 
-def written(model: BaseModel, prefix: str = "") -> frozenset[str]:
-    """The dotted paths of every value set on ``model`` and its sections (what validation was given)."""
-    found: set[str] = set()
-    for name in model.model_fields_set:
-        found.add(prefix + name)
-        value = getattr(model, name)
-        if isinstance(value, BaseModel):
-            found |= written(value, f"{prefix}{name}.")
-    return frozenset(found)
-
-
-def _stage_notes(zero: ZeroConfig, given_paths: frozenset[str]) -> list[Note]:
+def _stage_notes(zero: ZeroConfig, given: frozenset[str]) -> list[Note]:
     """An info line for each key the user wrote that the chosen stage does not use (nothing accepted silently;
     nothing said about a default, or an `auto` a resolve filled in)."""
-    given = {name for name in type(zero).model_fields if f"zero_optimization.{name}" in given_paths}
     if zero.stage == 3:
         unused = {k: "stage 3 reduce-scatters each module's gradients as one unit" for k in _FLAT_ONLY if k in given}
     else:
@@ -384,10 +359,7 @@ def load_configs(path: str | os.PathLike[str] | Mapping[str, Any], *, name: str 
         data, source = dict(path), name
     else:
         data, source = read_config_file(Path(path)), str(path)
-    try:
-        check_shape(data)
-    except ConfigError as exc:
-        raise ConfigError(exc.problems, source) from None
+    check_shape(data, source=source)
     engines = data.get("engines")
     extra = [str(k)[:80] for k in data if k != "engines"]
     if not isinstance(engines, dict) or not engines or extra:

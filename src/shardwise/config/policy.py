@@ -5,13 +5,13 @@
 1. reads a DeepSpeed alias or legacy name as its canonical name (with an info line);
 2. a key shardwise implements: `auto` is settled by `auto.py`'s rules, a string number or boolean
    becomes a number or boolean (`"1e-3"`, `"true"`) with an info line saying so, and the value goes
-   on to pydantic (whose number fields then take numbers only, `numbers.py`);
+   on to pydantic (whose number fields then take numbers only, `sections.Count` and `Real`);
 3. a DeepSpeed key in `catalog.CATALOG`: accepted with an info line when it changes nothing here,
    an error naming the feature when it turns one on;
 4. anything else: an unknown-key error with the closest known key.
 
-Problems are collected, not raised one by one, so the user sees all of them at once (the message
-shows the first `errors.MAX_SHOWN`; past those, unknown keys are counted without the difflib search).
+Problems are collected, so the user sees all of them at once (past `errors.MAX_SHOWN`, unknown keys are
+counted without the difflib search).
 """
 
 from __future__ import annotations
@@ -19,16 +19,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Set
-from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
 
 from .auto import BATCH_KEYS, resolves_later
 from .catalog import ALIASES, CATALOG, OFFLOAD_KEYS, Entry, is_auto
-from .errors import MAX_SHOWN, problem_line, shown_value, suggest
+from .errors import MAX_SHOWN, Note, problem_line, shown_value, suggest
 from .limits import NO_LIMIT
-from .notes import Note
 from .sections import OffloadSection, OptimizerConfig, SchedulerConfig, field_default, section_of, upper_bound
 
 __all__ = ["Prepared", "coerce", "prepare"]
@@ -58,23 +56,11 @@ def coerce(value: Any) -> Any:
     return value
 
 
-@dataclass
-class Prepared:
-    """The outcome of `prepare`: data for pydantic, info lines, problems, and `auto`s left for `resolve`."""
-
-    data: Any
-    notes: list[Note] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    #: dotted path -> how its `auto` resolves at initialize
-    pending: dict[str, str] = field(default_factory=dict)
-
-
 def prepare(raw: Any, root: type[BaseModel], prefix: tuple[str, ...] = ()) -> Prepared:
     """Apply the policy to `raw` (a config dict; anything else is left for pydantic to reject)."""
-    if not isinstance(raw, Mapping):
-        return Prepared(raw)
-    walk = _Walk(prefix)
-    return Prepared(walk.section(root, raw, ()), walk.notes, walk.problems, walk.pending)
+    prepared = Prepared(prefix)
+    prepared.data = prepared.section(root, raw, ()) if isinstance(raw, Mapping) else raw
+    return prepared
 
 
 #: per offload section, the keys that act when its device is nvme (the others tune DeepSpeed's own swapping)
@@ -82,11 +68,16 @@ _NVME_ACTING = {"offload_optimizer": frozenset({"nvme_path", "buffer_count", "pi
                 "offload_param": frozenset({"nvme_path", "buffer_count", "pin_memory", "max_in_cpu"})}
 
 
-class _Walk:
+class Prepared:
+    """The outcome of `prepare`, made by walking the raw config: data for pydantic, info lines, problems, and
+    `auto`s left for `resolve`."""
+
     def __init__(self, prefix: tuple[str, ...]) -> None:
         self.prefix = prefix
+        self.data: Any = None
         self.notes: list[Note] = []
         self.problems: list[str] = []
+        #: dotted path -> how its `auto` resolves at initialize
         self.pending: dict[str, str] = {}
 
     def shown(self, path: tuple[str, ...]) -> str:

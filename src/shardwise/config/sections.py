@@ -2,42 +2,68 @@
 
 Keys follow DeepSpeed's JSON where the concept is the same. A section never sees DeepSpeed keys
 that shardwise does not implement, aliases or `auto` values: `policy.prepare` settles those first.
+
+Number fields take numbers only. pydantic's lax mode reads `true` as 1 and `"2"` as 2, so `stage: true`
+became stage 1 and `train_micro_batch_size_per_gpu: true` a batch of 1 without a word; its strict mode
+refuses `2e8` for an integer, which every DeepSpeed config writes for bucket sizes. `Count` (an int, or a
+float with no fractional part) and `Real` (an int or a finite float) sit between the two: never a bool or
+a string (`policy.prepare` reads a string that holds a number first, with an info line). Ranges are set
+per field with `Field(ge=..., le=...)`.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import typing
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from . import registry
 from .errors import MAX_SHOWN, Item, Problems, canonical, shown_value, suggest
 from .limits import MAX_ELEMENTS, MAX_LOSS_SCALE, MAX_STEPS, MAX_TIMEOUT_S
-from .numbers import Count, Real
-from .optimizers import DEEPSPEED_ONLY_OPTIMIZERS, OPTIMIZERS, OptimizerSpec
-from .schedules import DEEPSPEED_ONLY_SCHEDULES, REQUIRED, SCHEDULES, param_problems
+from .registry import OPTIMIZERS, REQUIRED, SCHEDULES, OptimizerSpec, is_number, param_problems
 
 __all__ = [
-    "BF16Config", "CheckpointConfig", "CommsConfig", "FP16Config", "OffloadConfig", "OffloadParamConfig", "OffloadSection", "OptimizerConfig", "SchedulerConfig",
-    "Section", "ZeroConfig",
+    "BF16Config", "CheckpointConfig", "CommsConfig", "Count", "FP16Config", "NotANumber", "OffloadConfig",
+    "OffloadParamConfig", "OffloadSection", "OptimizerConfig", "Real", "SchedulerConfig", "Section", "ZeroConfig",
 ]
+
+
+class NotANumber(ValueError):
+    """A value of the wrong kind for a number field; `describe` adds the field's range to the message."""
+
+
+def _real(value: Any) -> Any:
+    """An int or a finite float, else NotANumber saying what `value` is instead."""
+    if isinstance(value, bool):
+        raise NotANumber(f"`{str(value).lower()}` is a boolean, not a number; write the number")
+    if isinstance(value, str):
+        raise NotANumber("a string that is not a number; write the number without quotes")
+    if not isinstance(value, (int, float)):
+        raise NotANumber(f"a {type(value).__name__}, not a number")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise NotANumber("not finite; write a finite value")
+    return value
+
+
+def _count(value: Any) -> Any:
+    """As `_real`, and a float must be whole (`2e8`, as DeepSpeed configs write sizes): read as an int."""
+    value = _real(value)
+    if isinstance(value, float) and not value.is_integer():
+        raise NotANumber("it has a fractional part; write a whole number")
+    return int(value) if isinstance(value, float) else value
+
+
+Count = Annotated[int, BeforeValidator(_count)]
+Real = Annotated[float, BeforeValidator(_real)]
 
 
 class Section(BaseModel):
     """Base of every section: unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _pending(info: ValidationInfo) -> frozenset[str]:
-    """Dotted paths whose `auto` value resolves at `initialize` (passed as validation context)."""
-    context = info.context if isinstance(info.context, dict) else {}
-    return frozenset(context.get("pending", ()))
 
 
 def _named(value: str, known: dict[str, Any], unsupported: dict[str, str], what: str) -> str:
@@ -63,11 +89,11 @@ def _optimizer_value_problem(key: str, value: Any, spec: OptimizerSpec) -> str |
         return None if isinstance(value, bool) else "expected true or false"
     if key == "betas":
         ok = isinstance(value, (list, tuple)) and len(value) == 2
-        ok = ok and all(_is_number(b) and 0 <= b < 1 for b in value)
+        ok = ok and all(is_number(b) and 0 <= b < 1 for b in value)
         return None if ok else "expected two numbers in [0, 1), e.g. `[0.9, 0.999]`"
     if key in _OPTIMIZER_BOUNDS:
         low, inclusive = _OPTIMIZER_BOUNDS[key]
-        ok = _is_number(value) and (value >= low if inclusive else value > low)
+        ok = is_number(value) and (value >= low if inclusive else value > low)
         return None if ok else f"expected a number {'>=' if inclusive else '>'} {low}"
     return _kind_problem(value, spec.default(key))
 
@@ -76,7 +102,7 @@ def _kind_problem(value: Any, default: Any) -> str | None:
     """A value of another kind than torch's default for the argument (`true` for a number, `0.9` for a flag)."""
     if isinstance(default, bool):
         return None if isinstance(value, bool) else "expected true or false"
-    if isinstance(default, (int, float)) and not _is_number(value):
+    if isinstance(default, (int, float)) and not is_number(value):
         return f"expected a number (torch's default is {default})"
     return None
 
@@ -92,7 +118,7 @@ class OptimizerConfig(Section):
     `params` are torch's keyword arguments, plus DeepSpeed's Adam extras `adam_w_mode` (default
     true, as in DeepSpeed: `Adam` then means decoupled weight decay, i.e. AdamW) and `torch_adam`
     (accepted; shardwise always uses torch's implementation). The names are those of
-    `shardwise.config.optimizers.OPTIMIZERS`.
+    `shardwise.config.registry.OPTIMIZERS`.
     """
 
     type: str
@@ -101,7 +127,7 @@ class OptimizerConfig(Section):
     @field_validator("type")
     @classmethod
     def _canonical_type(cls, value: str) -> str:
-        return _named(value, OPTIMIZERS, DEEPSPEED_ONLY_OPTIMIZERS, "optimizer")
+        return _named(value, OPTIMIZERS, registry.DEEPSPEED_ONLY_OPTIMIZERS, "optimizer")
 
     @model_validator(mode="after")
     def _check_params(self) -> OptimizerConfig:
@@ -136,13 +162,14 @@ class SchedulerConfig(Section):
     @field_validator("type")
     @classmethod
     def _canonical_type(cls, value: str) -> str:
-        return _named(value, SCHEDULES, DEEPSPEED_ONLY_SCHEDULES, "lr_scheduler")
+        return _named(value, SCHEDULES, registry.DEEPSPEED_ONLY_SCHEDULES, "lr_scheduler")
 
     @model_validator(mode="after")
     def _check_params(self, info: ValidationInfo) -> SchedulerConfig:
         known = SCHEDULES[self.type]
-        # Arguments given as `auto` resolve at initialize; they are checked then.
-        later = {p.rsplit(".", 1)[-1] for p in _pending(info) if p.startswith("scheduler.params.")}
+        # Arguments given as `auto` resolve at initialize (the context's `pending` paths); they are checked then.
+        pending = info.context.get("pending", ()) if isinstance(info.context, dict) else ()
+        later = {p.rsplit(".", 1)[-1] for p in pending if p.startswith("scheduler.params.")}
         items: list[Item] = []
         for key in self.params:
             if key not in known:

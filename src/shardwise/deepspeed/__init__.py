@@ -8,12 +8,10 @@
     engine, optimizer, loader, scheduler = deepspeed.initialize(
         args=args, model=net, model_parameters=net.parameters(), training_data=dataset)
 
-`engine` is a :class:`shardwise.Engine` with DeepSpeed's methods (`backward`, `step`,
-`save_checkpoint`, `load_checkpoint` -> `(path, client_state)`, `fp16_enabled()`, `local_rank`,
-...). `deepspeed.comm`, `deepspeed.zero`, `deepspeed.accelerator`, `deepspeed.pipe`,
-`deepspeed.utils` and `deepspeed.runtime.utils` are here under the same names. This dialect keeps
-DeepSpeed's defaults where `shardwise.initialize` keeps plain PyTorch's (:mod:`.defaults`).
-docs/from-deepspeed.md lists the porting steps and what differs.
+`engine` is a :class:`shardwise.Engine` with DeepSpeed's methods; `comm`, `zero`, `accelerator`, `pipe`,
+`utils` and `runtime.utils` are here under DeepSpeed's names. This dialect keeps DeepSpeed's defaults where
+`shardwise.initialize` keeps plain PyTorch's (:mod:`.defaults`). docs/from-deepspeed.md lists the porting
+steps and what differs.
 """
 
 from __future__ import annotations
@@ -21,9 +19,8 @@ from __future__ import annotations
 from shardwise.engine.engine import Engine as DeepSpeedEngine
 
 from . import accelerator, comm, pipe, runtime, utils, zero
-from .arguments import add_config_arguments
 from .comm import init_distributed
-from .initialize import initialize
+from .initialize import add_config_arguments, initialize
 from .pipe import PipelineModule
 
 __all__ = [

@@ -8,10 +8,9 @@ DeepSpeed client scripts ask it for the device name, count and backend instead o
     device = get_accelerator().device_name(engine.local_rank)   # "cpu", or "cuda:1"
     batch = batch.to(device)
 
-The accelerator is CUDA when torch sees a GPU, else the CPU; the environment variable
-`DS_ACCELERATOR` (`cpu` or `cuda`) chooses, as in DeepSpeed. Methods follow DeepSpeed's
-names and meaning; on the CPU, device-only operations (`synchronize`, `set_device`,
-`empty_cache`, profiler ranges) do nothing.
+The accelerator is CUDA when torch sees a GPU, else the CPU; `DS_ACCELERATOR` (`cpu` or `cuda`) chooses, as
+in DeepSpeed. On the CPU, device-only operations (`synchronize`, `set_device`, `empty_cache`, profiler
+ranges) do nothing.
 """
 
 from __future__ import annotations
@@ -105,7 +104,6 @@ class CpuAccelerator(Accelerator):
     """The CPU as DeepSpeed's `cpu` accelerator: one device, gloo, memory read from the process."""
 
     _name = "cpu"
-    _communication_backend_name = "gloo"
 
     def device_name(self, device_index: int | None = None) -> str:
         return "cpu"  # DeepSpeed scripts pass a local rank; the CPU has no per-rank index

@@ -1,11 +1,9 @@
 """`deepspeed.comm` for client scripts: DeepSpeed's names over `torch.distributed`.
 
-Client code written against `deepspeed.comm` (`dist.get_rank()`, `dist.all_reduce(t)`,
-`dist.barrier()`) runs unchanged with `import shardwise.deepspeed.comm as dist`. Ranks and
-sizes answer 0 and 1 when no process group exists, as in a plain one-process run; collectives
-need a group (`init_distributed`). DeepSpeed's profiling keywords (`prof`, `log_name`, `debug`)
-are accepted and ignored. shardwise's own engine talks to `shardwise.comm.distributed.Comm`, not to
-this module.
+Code written against `deepspeed.comm` runs unchanged with `import shardwise.deepspeed.comm as dist`. Ranks
+and sizes answer 0 and 1 when no process group exists, as in a plain one-process run; collectives need a
+group (`init_distributed`). DeepSpeed's profiling keywords (`prof`, `log_name`, `debug`) are accepted and
+ignored. shardwise's own engine talks to `shardwise.comm.distributed.Comm`, not to this module.
 """
 
 from __future__ import annotations
@@ -77,8 +75,7 @@ def init_distributed(
                             timeout=timeout)
 
 
-def is_available() -> bool:
-    return dist.is_available()
+is_available = dist.is_available
 
 
 def is_initialized() -> bool:
@@ -108,12 +105,8 @@ def get_world_group() -> Any:
     return dist.group.WORLD
 
 
-def new_group(ranks: list[int]) -> Any:
-    return dist.new_group(ranks)
-
-
-def destroy_process_group(group: Any = None) -> None:
-    dist.destroy_process_group(group)
+new_group = dist.new_group
+destroy_process_group = dist.destroy_process_group
 
 
 @_profiling_ignored
@@ -124,33 +117,16 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: list[int] | N
     return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
 
 
-@_profiling_ignored
-def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-
-
-inference_all_reduce = all_reduce
-
-
-@_profiling_ignored
-def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
-    return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
-
-
-@_profiling_ignored
-def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
-    return dist.broadcast(tensor, src, group=group, async_op=async_op)
-
-
-@_profiling_ignored
-def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
-    return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
-
-
-@_profiling_ignored
-def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
-                           async_op: bool = False) -> Any:
-    return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+# torch's own functions where DeepSpeed's names and order of arguments are torch's.
+all_reduce = inference_all_reduce = _profiling_ignored(dist.all_reduce)
+reduce = _profiling_ignored(dist.reduce)
+broadcast = _profiling_ignored(dist.broadcast)
+all_gather = _profiling_ignored(dist.all_gather)
+all_gather_into_tensor = _profiling_ignored(dist.all_gather_into_tensor)
+send = _profiling_ignored(dist.send)
+recv = _profiling_ignored(dist.recv)
+isend = _profiling_ignored(dist.isend)
+irecv = _profiling_ignored(dist.irecv)
 
 
 @_profiling_ignored
@@ -164,23 +140,3 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_s
                       input_split_sizes: list[int] | None = None, group: Any = None, async_op: bool = False) -> Any:
     return dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group=group,
                                   async_op=async_op)
-
-
-@_profiling_ignored
-def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
-    dist.send(tensor, dst, group=group, tag=tag)
-
-
-@_profiling_ignored
-def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
-    return dist.recv(tensor, src, group=group, tag=tag)
-
-
-@_profiling_ignored
-def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Any:
-    return dist.isend(tensor, dst, group=group, tag=tag)
-
-
-@_profiling_ignored
-def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> Any:
-    return dist.irecv(tensor, src, group=group, tag=tag)

@@ -37,19 +37,10 @@ class DialectChoice:
 def apply_defaults(
     config: Config, client_optimizer: bool, user_backward: bool = True, client_scheduler: bool = False
 ) -> tuple[Config, list[DialectChoice]]:
-    """`config` with DeepSpeed's defaults for the keys it leaves unset, and the choices made.
-
-    `gradient_clipping` absent (or `auto`): 1.0. `checkpoint.save_rng_state` absent: false, so
-    `load_checkpoint` leaves the RNG alone as DeepSpeed's does. A client optimizer with an
-    `optimizer` section: the section is dropped (with a warning), as DeepSpeed ignores it. `Adam`/`AdamW`
-    without `weight_decay`: 0.0 (DeepSpeed's own Adams; torch's AdamW would decay by 0.01; `weight_decay: auto`
-    follows `auto`'s rule instead, torch's default, said in its own line). With
-    `user_backward` (not a pipeline, whose `train_batch` runs backward itself), the choice that
-    several backwards before a step accumulate (the caller sets the engine's `accumulates_backwards`).
-    A `scheduler` section without `deepspeed_start`: true (DeepSpeed's schedules start one iteration
-    earlier). fp16 with a dynamic scale at ZeRO stage 0: `hysteresis` 1 (DeepSpeed's stage-0 fp16
-    optimizer has none).
-    """
+    """`config` with DeepSpeed's defaults for the keys it leaves unset, and the choices made: clipping at 1.0,
+    no RNG restore on load, `weight_decay` 0.0 for `Adam`/`AdamW`, schedules that start at iteration -1, no fp16
+    hysteresis at stage 0 and, with `user_backward` (not a pipeline, whose `train_batch` runs backward itself),
+    backwards that accumulate. A client optimizer drops the config's `optimizer` section, as DeepSpeed ignores it."""
     choices: list[DialectChoice] = []
     update: dict[str, object] = {}
     if "gradient_clipping" not in config.model_fields_set:
@@ -73,8 +64,9 @@ def apply_defaults(
             "and CPU Adam", "use torch's AdamW default, 0.01"))
     if client_optimizer and config.optimizer is not None:
         update["optimizer"] = None
-        _warn(f"deepspeed dialect: an optimizer was passed to `initialize`, so the config's `optimizer` section "
-              f"(`{config.optimizer.type}`) is ignored, as DeepSpeed ignores it; remove the section to silence this")
+        _on_rank0(logging.WARNING, "deepspeed dialect: an optimizer was passed to `initialize`, so the config's "
+                  f"`optimizer` section (`{config.optimizer.type}`) is ignored, as DeepSpeed ignores it; remove the "
+                  "section to silence this")
     for key, value, choice in (*_schedule_start(config, client_scheduler), *_stage0_hysteresis(config)):
         update[key] = value
         choices.append(choice)
@@ -118,12 +110,10 @@ def _adam_without_decay(kind: str, params: dict[str, Any]) -> bool:
 
 def announce(choices: list[DialectChoice]) -> None:
     """One info line per choice, on rank 0."""
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
     for choice in choices:
-        logger.info(choice.line())
+        _on_rank0(logging.INFO, choice.line())
 
 
-def _warn(message: str) -> None:
+def _on_rank0(level: int, message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
-        logger.warning(message)
+        logger.log(level, message)

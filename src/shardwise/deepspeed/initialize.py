@@ -1,7 +1,9 @@
-"""`initialize` with DeepSpeed's signature and 4-tuple, over `shardwise.initialize`."""
+"""`initialize` with DeepSpeed's signature and 4-tuple, over `shardwise.initialize`, and the command-line flags
+that name its config (`add_config_arguments`)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -19,11 +21,37 @@ from shardwise.pipe.engine import PipelineEngine
 
 from .comm import init_distributed
 from .defaults import DialectChoice, announce, apply_defaults
-from .utils.repeating import RepeatingLoader
+from .utils import RepeatingLoader
 
-__all__ = ["initialize", "pipeline_dataloader", "training_dataloader"]
+__all__ = ["add_config_arguments", "initialize", "pipeline_dataloader", "training_dataloader"]
 
 ConfigSource = Config | dict[str, Any] | str | os.PathLike[str]
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add `--deepspeed`, `--deepspeed_config` (and the deprecated `--deepscale*`) and `--local_rank`.
+
+    torchrun passes no `--local_rank`: it sets `LOCAL_RANK`. DeepSpeed client scripts declare
+    `--local_rank` with default -1 and branch on `args.local_rank == -1`, which under torchrun
+    would silently take the one-process path. So `--local_rank` (also spelled `--local-rank`)
+    defaults to `LOCAL_RANK` here, and when the script already declared it, its default becomes
+    `LOCAL_RANK` whenever a launcher set it. A value given on the command line still wins.
+    """
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations (read by shardwise.deepspeed)")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable DeepSpeed (a flag for the script; shardwise needs no switch)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON (or YAML) config file")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    local_rank = int(os.environ.get("LOCAL_RANK", "").strip() or -1)  # -1: DeepSpeed's "not distributed"
+    try:
+        group.add_argument("--local_rank", "--local-rank", type=int, default=local_rank,
+                           help="this process's rank on its node (default: torchrun's LOCAL_RANK, else -1)")
+    except argparse.ArgumentError:
+        # The script declared it already (usually with default -1).
+        if local_rank >= 0:
+            parser.set_defaults(local_rank=local_rank)
+    return parser
 
 
 def _config_source(args: Any, config: ConfigSource | None, config_params: ConfigSource | None) -> ConfigSource:
@@ -72,9 +100,8 @@ def pipeline_dataloader(
     groups = engine.groups
     sampler: DistributedSampler[Any] = DistributedSampler(
         dataset, num_replicas=groups.data.world_size, rank=groups.replica, shuffle=False)
-    loader = DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
-                        collate_fn=collate_fn, drop_last=engine.config.dataloader_drop_last)
-    return RepeatingLoader(loader)
+    return RepeatingLoader(DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
+                                      collate_fn=collate_fn, drop_last=engine.config.dataloader_drop_last))
 
 
 def _loader(engine: Engine, dataset: Dataset[Any], collate_fn: Callable[..., Any] | None) -> Any:
@@ -106,13 +133,11 @@ def initialize(
 ) -> tuple[Engine, Any, DataLoader[Any] | None, Any]:
     """DeepSpeed's `initialize`: returns `(engine, optimizer, training_dataloader, lr_scheduler)`.
 
-    The config comes from `config` (or `config_params`) or `args.deepspeed_config`. The process
-    group is created when none exists (`dist_init_required=False` requires one). With
-    `training_data`, the third item is a DataLoader over it (:func:`training_dataloader`), else
-    None (for a multi-stage pipeline: an unshuffled, repeating loader that `train_batch()` draws from).
-    `optimizer` and `lr_scheduler` are the engine's (None when there is none). `mpu` and `mesh_param`
-    (model and sequence parallelism) are not supported. DeepSpeed's defaults apply where the config is
-    silent (:mod:`.defaults`), each said in an info line.
+    The config comes from `config` (or `config_params`) or `args.deepspeed_config`. The process group is
+    created when none exists (`dist_init_required=False` requires one). With `training_data`, the third
+    item is a DataLoader over it (:func:`training_dataloader`; for a multi-stage pipeline an unshuffled,
+    repeating loader that `train_batch()` draws from), else None. `mpu` and `mesh_param` (model and sequence
+    parallelism) are not supported. DeepSpeed's defaults apply where the config is silent (:mod:`.defaults`).
     """
     if model is None:
         raise TypeError("shardwise.deepspeed.initialize needs `model=` (a torch.nn.Module)")

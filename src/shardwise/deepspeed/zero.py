@@ -18,10 +18,6 @@ from shardwise.zero import GatheredParameters, register_external_parameter
 __all__ = ["GatheredParameters", "Init", "register_external_parameter"]
 
 
-def _unsupported(**given: Any) -> list[str]:
-    return [f"`{name}={value!r}`" for name, value in given.items() if value not in (None, False)]
-
-
 def Init(  # noqa: N802 - DeepSpeed's name; a function returning the context manager
     module: nn.Module | None = None,
     data_parallel_group: Any = None,
@@ -48,11 +44,11 @@ def Init(  # noqa: N802 - DeepSpeed's name; a function returning the context man
     turn on a feature shardwise lacks (ZeRO++ quantization, model or sequence parallel groups, a
     parameter swapper) are errors.
     """
-    lacking = _unsupported(
-        mpu=mpu, zero_param_parallel_group=zero_param_parallel_group, zero_quantized_weights=zero_quantized_weights,
-        zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights,
-        sequence_data_parallel_group=sequence_data_parallel_group, param_swapper=param_swapper,
-    )
+    given = dict(mpu=mpu, zero_param_parallel_group=zero_param_parallel_group,
+                 zero_quantized_weights=zero_quantized_weights,
+                 zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights,
+                 sequence_data_parallel_group=sequence_data_parallel_group, param_swapper=param_swapper)
+    lacking = [f"`{name}={value!r}`" for name, value in given.items() if value not in (None, False)]
     if lacking:
         raise ValueError(f"shardwise.deepspeed.zero.Init: {', '.join(lacking)} turn(s) on DeepSpeed features shardwise "
                          "does not implement (ZeRO++ quantization, model/sequence parallelism, a parameter swapper); "

@@ -10,7 +10,7 @@ its three keys with non-negative integers.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 from torch import nn
@@ -20,17 +20,35 @@ from ..optim.param_state import ParamShard
 
 if TYPE_CHECKING:
     from ..checkpoint.protocol import Apply, Stateful
-    from .engine import Engine
 
-__all__ = ["Counters", "EngineState"]
+__all__ = ["Counters", "EngineParts", "EngineState"]
 
 COUNTERS = ("global_steps", "micro_steps", "skipped_steps")
+
+
+class EngineParts(Protocol):
+    """What of an engine its checkpoint view reads: the engine's attributes, named here so that this module
+    needs no import of :class:`~.engine.Engine` (which builds the view)."""
+
+    comm: Comm
+    name: Optional[str]
+    config: Any
+    strategy: Any
+    precision: Any
+    module: nn.Module
+    optimizer: Any
+    lr_scheduler: Any
+    global_steps: int
+    micro_steps: int
+    skipped_steps: int
+
+    def state_dict_16bit(self) -> dict[str, torch.Tensor]: ...
 
 
 class Counters:
     """The engine's step counters as a ``Stateful``."""
 
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: EngineParts) -> None:
         self._engine = engine
 
     def state_dict(self) -> dict[str, Any]:
@@ -70,7 +88,7 @@ class _OptimizerInfo:
 class EngineState:
     """One engine behind the checkpoint protocol (see the module docstring)."""
 
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: EngineParts) -> None:
         self._engine = engine
         self._strategy = engine.strategy
 

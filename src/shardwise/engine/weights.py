@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, cast
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
@@ -15,10 +15,7 @@ from ..model_io.export import save_state_dict
 from ..model_io.pretrained import save_pretrained
 from ..optim.precision import Precision
 from ..zero.base import Strategy
-from .state import EngineState
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .state import EngineParts, EngineState
 
 __all__ = ["WeightsSurface"]
 
@@ -95,7 +92,7 @@ class WeightsSurface:
 
     def checkpointable(self) -> EngineState:
         """This engine as the checkpoint layer sees it (``shardwise.checkpoint.protocol.Checkpointable``)."""
-        return EngineState(cast("Engine", self))  # only ever mixed into Engine
+        return EngineState(cast(EngineParts, self))  # only ever mixed into Engine, which has every part
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, master weights, gradients and optimizer state."""

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 
 from ..config import Config, OptimizerConfig
-from ..config.optimizers import OPTIMIZERS
+from ..config.registry import OPTIMIZERS
 
 __all__ = ["ShardwiseOptimizer", "build_optimizer", "is_optimizer_like", "resolve_optimizer"]
 
@@ -34,7 +34,7 @@ def is_optimizer_like(obj: Any) -> bool:
 def build_optimizer(config: OptimizerConfig, params: Iterable[Any]) -> torch.optim.Optimizer:
     """Build a torch optimizer from a validated ``optimizer {type, params}`` section.
 
-    The class comes from the one registry, :data:`shardwise.config.optimizers.OPTIMIZERS`. As in
+    The class comes from the one registry, :data:`shardwise.config.registry.OPTIMIZERS`. As in
     DeepSpeed, ``type: Adam`` means decoupled weight decay (AdamW) unless ``adam_w_mode: false``;
     ``torch_adam`` is accepted (torch's implementation is always the one used).
     """

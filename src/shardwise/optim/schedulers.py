@@ -51,7 +51,7 @@ from shardwise.config import Config, SchedulerConfig
 
 # The argument checks live with the description, so the config and the constructors reject the
 # same values.
-from shardwise.config.schedules import param_problems
+from shardwise.config.registry import param_problems
 
 __all__ = ["SCHEDULERS", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_scheduler", "param_problems"]
 

@@ -1,19 +1,15 @@
 """A pipeline engine behind the checkpoint protocol (``shardwise.checkpoint.protocol.Checkpointable``).
 
-The checkpoint layer sees an engine through that protocol only;
-:class:`PipelineState` is the pipeline's, a plain engine's
-(:class:`~shardwise.engine.state.EngineState`) with four things changed:
+The checkpoint layer sees an engine through that protocol only; :class:`PipelineState` is the pipeline's, a
+plain engine's (:class:`~shardwise.engine.state.EngineState`) with four things changed:
 
-* ``comm`` is the whole world: every stage of every replica takes part and
-  writes its pieces;
-* ``module`` is a :class:`GlobalModule`: every name of the whole model, in
-  ``to_sequential()``'s order, with this stage's live tensors and ``meta``
-  placeholders for the other stages' (only their shapes and dtypes are read).
-  A stage registers its layers under their global names, so the names, and
-  the files, are those of a plain module;
-* ``shards`` are the stage's pieces, except that a tied weight is written
-  once, by the first stage holding it (ZeRO-1 cuts its pieces at other
-  offsets on other stages, and overlapping pieces of one tensor are not a
+* ``comm`` is the whole world: every stage of every replica takes part and writes its pieces;
+* ``module`` is a :class:`GlobalModule`: every name of the whole model, in ``to_sequential()``'s order, with
+  this stage's live tensors and ``meta`` placeholders for the other stages' (only their shapes and dtypes are
+  read). A stage registers its layers under their global names, so the names, and the files, are those of a
+  plain module;
+* ``shards`` are the stage's pieces, except that a tied weight is written once, by the first stage holding it
+  (ZeRO-1 cuts its pieces at other offsets on other stages, and overlapping pieces of one tensor are not a
   valid DCP checkpoint); it is loaded on every stage;
 * buffers and frozen parameters are written by the first replica of the first
   stage holding them, and read by every stage that holds them.
@@ -90,10 +86,9 @@ class GlobalModule(nn.Module):
             for entry in table:
                 info.setdefault(entry[0], entry)
                 self.first_stage.setdefault(entry[0], stage)
-        self.entries = {}
-        for name in global_order([[e[0] for e in table] for table in tables], tied_keys):
-            _, shape, dtype = info[name]
-            self.entries[name] = local[name] if name in local else torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+        self.entries = {
+            name: local[name] if name in local else torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+            for name, shape, dtype in (info[n] for n in global_order([[e[0] for e in t] for t in tables], tied_keys))}
 
     def describe(self) -> list[Entry]:
         """This stage's entries, to exchange with the other stages."""

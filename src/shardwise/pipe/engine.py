@@ -1,16 +1,13 @@
 """The pipeline engine: 1F1B over the stages of a replica, ZeRO 0/1 across replicas.
 
-It is an :class:`~shardwise.Engine` over this rank's stage and its
-data-parallel group, so precision, the ZeRO strategy, the optimizer wrapper,
-the scheduler, lr and loss-scale control and the getters are the same
-objects as a plain engine's.  What it adds:
+It is an :class:`~shardwise.Engine` over this rank's stage and its data-parallel group, so precision, the ZeRO
+strategy, the optimizer wrapper, the scheduler, lr and loss-scale control and the getters are the same objects
+as a plain engine's.  What it adds:
 
-* ``train_batch(data_iter)``: ``gradient_accumulation_steps`` micro-batches
-  through the 1F1B schedule (:mod:`.schedule`), each backward accumulating
-  into the strategy's buffers with no reduction; then tied weights' gradients
-  are summed over their stages (:mod:`.ties`), every bucket is reduced over
-  the data-parallel group, and the optimizer steps with the norm (clipping,
-  overflow) taken over all stages;
+* ``train_batch(data_iter)``: ``gradient_accumulation_steps`` micro-batches through the 1F1B schedule
+  (:mod:`.schedule`), each backward accumulating into the strategy's buffers with no reduction; then tied
+  weights' gradients are summed over their stages (:mod:`.ties`), every bucket is reduced over the
+  data-parallel group, and the optimizer steps with the norm (clipping, overflow) taken over all stages;
 * ``eval_batch(data_iter)``: the same forwards without gradients;
 * checkpoints and ``full_state_dict`` of the whole model, over all ranks.
 """
@@ -19,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, NoReturn, Optional
 
@@ -56,10 +53,8 @@ class ScheduleTiming:
     compute: float = 0.0
 
 
-@dataclass
-class _Batch:
-    inputs: list[Any] = field(default_factory=list)
-    labels: list[Any] = field(default_factory=list)
+#: a batch's micro-batches as drawn, ``(inputs, labels)`` each (empty on the middle stages)
+_Batch = list[tuple[Any, Any]]
 
 
 class PipelineEngine(Engine):
@@ -127,7 +122,7 @@ class PipelineEngine(Engine):
         the same data on both. Without ``data_iter`` they draw from the engine's own
         (:meth:`set_dataloader`); a ``data_iter`` given becomes the engine's own, as in DeepSpeed.
         """
-        self._require_optimizer("`engine.train_batch`")
+        optimizer = self._require_optimizer("`engine.train_batch`")
         if self.config.auto_refresh_trainable and self.strategy.trainable_changed():
             self.refresh_trainable()
         steps = self.gradient_accumulation_steps()
@@ -146,7 +141,16 @@ class PipelineEngine(Engine):
         # Every bucket, reduced over the data-parallel group (launched and waited).
         self.strategy.start_backward(True)
         self.strategy.finish_backward()
-        self._apply_step(steps)
+        with self._timed("step"):
+            if optimizer.step(zero_grad=True):  # the update, then the gradients dropped: one call
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            else:
+                self.skipped_steps += 1
+            self.global_steps += 1
+            self.micro_steps += steps
+        if self.module.is_first_stage:
+            self._report()
         return self._mean_loss(losses)
 
     @collective("eval_batch")
@@ -187,8 +191,7 @@ class PipelineEngine(Engine):
             f"`{call}` is not available on a pipeline engine: this rank holds only stage {module.stage_id} of "
             f"{module.num_stages}, and forward, backward and step run together over all stages. Call "
             "`engine.train_batch(data_iter)` to train (it runs `gradient_accumulation_steps` micro-batches and "
-            "steps), or `engine.eval_batch(data_iter)` to evaluate"
-        )
+            "steps), or `engine.eval_batch(data_iter)` to evaluate")
 
     # ------------------------------------------------------------ data
     def _take(self, data_iter: Any, steps: int, call: str) -> _Batch:
@@ -198,14 +201,12 @@ class PipelineEngine(Engine):
             raise TypeError(
                 f"rank {self.groups.world.rank}: `engine.{call}()` got no data_iter and the engine has none of its "
                 f"own; pass `engine.{call}(iter(loader))`, or `training_data=` to `shardwise.deepspeed.initialize` "
-                "(or call `engine.set_dataloader(loader)`) to draw from a loader without passing it"
-            )
+                "(or call `engine.set_dataloader(loader)`) to draw from a loader without passing it")
         if not hasattr(data_iter, "__next__"):
             raise TypeError(
                 f"`engine.{call}(data_iter)` needs an iterator of `(inputs, labels)` micro-batches, got "
-                f"`{type(data_iter).__name__}`; pass `iter(loader)` and keep it between calls"
-            )
-        batch = _Batch()
+                f"`{type(data_iter).__name__}`; pass `iter(loader)` and keep it between calls")
+        batch: _Batch = []
         got: Optional[int] = steps
         problem = ""
         if self.module.is_first_stage or self.module.is_last_stage:
@@ -235,11 +236,11 @@ class PipelineEngine(Engine):
 
     def _forward(self, micro: int, batch: _Batch, stash: dict[int, tuple[Any, Any]], losses: list[torch.Tensor]) -> None:
         module = self.module
-        inputs = self.precision.cast_inputs(batch.inputs[micro]) if module.is_first_stage else self.channel.recv_activation()
+        inputs = self.precision.cast_inputs(batch[micro][0]) if module.is_first_stage else self.channel.recv_activation()
         started = time.perf_counter()
         outputs = module(inputs if module.is_first_stage else working_copy(inputs))
         if module.is_last_stage:
-            outputs = compute_loss(module.loss_fn, outputs, self.precision.cast_inputs(batch.labels[micro]))
+            outputs = compute_loss(module.loss_fn, outputs, self.precision.cast_inputs(batch[micro][1]))
             losses.append(outputs.detach().float().reshape(()))
         self.timing.compute += time.perf_counter() - started
         if not module.is_last_stage:
@@ -265,19 +266,6 @@ class PipelineEngine(Engine):
         self.timing.compute += time.perf_counter() - started
         if not module.is_first_stage:
             self.channel.send_grads(inputs)
-
-    def _apply_step(self, steps: int) -> None:
-        optimizer = self._require_optimizer("`engine.train_batch`")
-        with self._timed("step"):
-            if optimizer.step(zero_grad=True):  # the update, then the gradients dropped: one call
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-            else:
-                self.skipped_steps += 1
-            self.global_steps += 1
-            self.micro_steps += steps
-        if self.module.is_first_stage:
-            self._report()
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean over micro-batches and replicas, from the last stage to every rank."""
@@ -317,8 +305,7 @@ class PipelineEngine(Engine):
         module = self.module
         return (
             f"PipelineEngine(stage={module.stage_id}/{module.num_stages}, replicas={self.groups.topology.replicas}, "
-            f"zero={self.strategy.stage}, dtype={self.precision.dtype})"
-        )
+            f"zero={self.strategy.stage}, dtype={self.precision.dtype})")
 
 
 def _check_pipeline_config(module: PipelineModule, config: Config, process_group: Any) -> None:
@@ -328,13 +315,11 @@ def _check_pipeline_config(module: PipelineModule, config: Config, process_group
             f"`zero_optimization.stage` {stage} with a {module.num_stages}-stage pipeline: ZeRO-2/3 shard gradients"
             f"{' and parameters' if stage == 3 else ''} across replicas at every backward, which a pipeline's "
             "micro-batch backwards cannot do (DeepSpeed refuses it too). Use stage 0 or 1 with the pipeline, or "
-            "train the same layers as one module at ZeRO-2/3: `PipelineModule(layers, num_stages=1).to_sequential()`"
-        )
+            "train the same layers as one module at ZeRO-2/3: `PipelineModule(layers, num_stages=1).to_sequential()`")
     if process_group is not None:
         raise ValueError(
             "`process_group` was passed with a multi-stage PipelineModule: a pipeline spans the default process "
-            "group it was built in (stages × replicas); leave `process_group` out"
-        )
+            "group it was built in (stages × replicas); leave `process_group` out")
 
 
 def _agree_on_construction(module: PipelineModule, config: Config, name: Optional[str]) -> None:
@@ -371,8 +356,7 @@ def _draw(data_iter: Any, steps: int, batch: _Batch) -> tuple[Optional[int], str
             return index, ""
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
             return None, f"micro-batch {index} is a `{type(item).__name__}`, not an `(inputs, labels)` pair"
-        batch.inputs.append(item[0])
-        batch.labels.append(item[1])
+        batch.append((item[0], item[1]))
     return steps, ""
 
 
@@ -383,5 +367,4 @@ def _data_error(call: str, steps: int, short: dict[int, int], rank: int, problem
     return (
         f"rank {rank}: `engine.{call}` needs {steps} micro-batches (`gradient_accumulation_steps`) from data_iter on "
         f"the first and last stage, but data_iter ran out mid-batch ({detail}); nothing was trained. Give every "
-        f"rank the same number of micro-batches, a multiple of {steps}, or stop when it runs out"
-    )
+        f"rank the same number of micro-batches, a multiple of {steps}, or stop when it runs out")

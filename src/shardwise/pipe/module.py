@@ -1,7 +1,6 @@
 """``PipelineModule``: one model definition, as a list of layers, cut into stages.
 
-Names follow DeepSpeed's, so a state dict reads the same whichever way the
-model runs:
+Names follow DeepSpeed's, so a state dict reads the same whichever way the model runs:
 
 * a layer built from a :class:`LayerSpec` or given as an ``nn.Module`` is the
   submodule ``"<index>"`` (its position in ``layers``): ``"3.weight"``;
@@ -9,10 +8,9 @@ model runs:
   number of its occurrences: ``"tied_modules.embed.weight"``;
 * functions, lambdas and other callables hold no state and have no name.
 
-A rank of a multi-stage pipeline builds and registers only the layers of its
-own stage, under those same global names.  With one stage (``num_stages``
-1 or None, or a single process) the module holds every layer and is an
-ordinary ``nn.Module``.
+A rank of a multi-stage pipeline builds and registers only the layers of its own stage, under those same
+global names.  With one stage (``num_stages`` 1 or None, or a single process) the module holds every layer and
+is an ordinary ``nn.Module``.
 """
 
 from __future__ import annotations
@@ -27,10 +25,19 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.distributed import init_distributed
-from .layers import CheckpointFn, Layer, compute_loss, default_checkpoint, run_layers
+from .layers import (
+    CheckpointFn,
+    Layer,
+    LayerSpec,
+    PipelineSequential,
+    TiedLayerSpec,
+    build_on_meta,
+    compute_loss,
+    default_checkpoint,
+    layer_name,
+    run_layers,
+)
 from .partition import partition
-from .sequential import PipelineSequential
-from .spec import LayerSpec, TiedLayerSpec, build_on_meta, layer_name
 from .topology import PipeTopology
 
 __all__ = ["PipelineModule", "TIED_PREFIX"]
@@ -47,7 +54,6 @@ LayerEntry = Union[LayerSpec, nn.Module, Callable[[Any], Any]]
 class _Tie:
     """Where one tied key occurs, and what is kept equal across stages."""
 
-    key: str
     indices: tuple[int, ...]
     attrs: tuple[str, ...]
 
@@ -55,22 +61,18 @@ class _Tie:
 class PipelineModule(nn.Module):
     """A model given as a list of layers, trained pipelined or as a plain module.
 
-    ``layers`` holds :class:`LayerSpec`, :class:`TiedLayerSpec`, ``nn.Module``
-    instances and any callable (function, lambda, bound method,
-    ``functools.partial``); each layer takes the previous one's output (a
-    tensor or a tuple of tensors).  ``num_stages`` cuts them into pipeline
-    stages by ``partition_method`` (see :mod:`.partition`); ``None`` means
-    one stage.  ``loss_fn(outputs, labels)`` is what the last stage computes.
-    ``activation_checkpoint_interval > 0`` recomputes every run of that many
-    layers in backward, through ``activation_checkpoint_func(fn, *args)``
-    (default: torch's non-reentrant checkpoint).  ``seed_layers`` seeds each
-    layer's construction with ``base_seed + index``, so a layer starts the same
+    ``layers`` holds :class:`LayerSpec`, :class:`TiedLayerSpec`, ``nn.Module`` instances and any callable
+    (function, lambda, bound method, ``functools.partial``); each layer takes the previous one's output (a
+    tensor or a tuple of tensors).  ``num_stages`` cuts them into pipeline stages by ``partition_method`` (see
+    :mod:`.partition`); ``None`` means one stage.  ``loss_fn(outputs, labels)`` is what the last stage
+    computes. ``activation_checkpoint_interval > 0`` recomputes every run of that many layers in backward,
+    through ``activation_checkpoint_func(fn, *args)`` (default: torch's non-reentrant checkpoint).
+    ``seed_layers`` seeds each layer's construction with ``base_seed + index``, so a layer starts the same
     whichever rank builds it.
 
-    With more than one stage (and more than one rank), construction needs the
-    default process group (created from torchrun's environment if absent)
-    and builds only this rank's stage; ``shardwise.initialize`` then returns a
-    pipeline engine.
+    With more than one stage (and more than one rank), construction needs the default process group (created
+    from torchrun's environment if absent) and builds only this rank's stage; ``shardwise.initialize`` then
+    returns a pipeline engine.
     """
 
     def __init__(
@@ -93,8 +95,7 @@ class PipelineModule(nn.Module):
         if activation_checkpoint_func is not None and not callable(activation_checkpoint_func):
             raise TypeError(
                 f"activation_checkpoint_func must be callable `(function, *args) -> output`, got "
-                f"{activation_checkpoint_func!r}"
-            )
+                f"{activation_checkpoint_func!r}")
         self.activation_checkpoint_func = activation_checkpoint_func or default_checkpoint
         self.seed_layers = seed_layers
         self.base_seed = base_seed
@@ -103,9 +104,9 @@ class PipelineModule(nn.Module):
         self.num_stages, self.topology, self.stage_id = _placement(num_stages)
         names = [layer_name(layer) for layer in self._layers]
         self.parts = partition(names, self._weight, self.num_stages, partition_method)
-        self._meta.clear()  # only needed for planning
         self._check_shared_instances()
         self._loose = self._untied_across_stages()
+        self._meta.clear()  # only needed for planning
         self._steps: list[Layer] = self._build()
 
     # ------------------------------------------------------------ planning
@@ -129,25 +130,17 @@ class PipelineModule(nn.Module):
 
     def _check_ties(self) -> dict[str, _Tie]:
         """Every occurrence of a key builds the same class with the same tied shapes."""
-        where: dict[str, list[int]] = {}
+        where: dict[str, list[tuple[int, TiedLayerSpec]]] = {}
         for index, layer in enumerate(self._layers):
             if isinstance(layer, TiedLayerSpec):
-                where.setdefault(layer.key, []).append(index)
-        ties = {}
-        for key, indices in where.items():
-            first = self._layers[indices[0]]
-            assert isinstance(first, TiedLayerSpec)
-            expected = self._tied_shapes(key, indices[0])
-            for index in indices[1:]:
-                other = self._layers[index]
-                assert isinstance(other, TiedLayerSpec)
-                _same_tie(key, (indices[0], first), (index, other), expected, self._tied_shapes(key, index))
-            ties[key] = _Tie(key, tuple(indices), tuple(first.tied_weight_attr))
-        return ties
+                where.setdefault(layer.key, []).append((index, layer))
+        for key, found in where.items():
+            expected = self._tied_shapes(*found[0])
+            for other in found[1:]:
+                _same_tie(key, found[0], other, expected, self._tied_shapes(*other))
+        return {key: _Tie(tuple(i for i, _ in found), tuple(found[0][1].tied_weight_attr)) for key, found in where.items()}
 
-    def _tied_shapes(self, key: str, index: int) -> dict[str, tuple[int, ...]]:
-        spec = self._layers[index]
-        assert isinstance(spec, TiedLayerSpec)
+    def _tied_shapes(self, index: int, spec: TiedLayerSpec) -> dict[str, tuple[int, ...]]:
         module = self._meta_of(index)
         shapes = {}
         for attr in spec.tied_weight_attr:
@@ -155,10 +148,9 @@ class PipelineModule(nn.Module):
                 shapes[attr] = tuple(module.get_parameter(attr).shape)
             except AttributeError:
                 raise ValueError(
-                    f"TiedLayerSpec `{key}` (layer {index}): `{spec.name}` has no parameter `{attr}`; "
+                    f"TiedLayerSpec `{spec.key}` (layer {index}): `{spec.name}` has no parameter `{attr}`; "
                     f"tied_weight_attr must name parameters of the module, e.g. one of "
-                    f"{[n for n, _ in module.named_parameters()][:8]}"
-                ) from None
+                    f"{[n for n, _ in module.named_parameters()][:8]}") from None
         return shapes
 
     def _check_shared_instances(self) -> None:
@@ -172,8 +164,7 @@ class PipelineModule(nn.Module):
                 raise ValueError(
                     f"layer {index} (`{type(layer).__name__}`) is one module object used on stages "
                     f"{sorted(stages[id(layer)])}: each stage would train its own copy. Share it with "
-                    f"`TiedLayerSpec(key, {type(layer).__name__}, ...)` instead"
-                )
+                    f"`TiedLayerSpec(key, {type(layer).__name__}, ...)` instead")
 
     def _untied_across_stages(self) -> list[tuple[str, str]]:
         """``(key, parameter name)`` of the parameters of tied modules on several stages that are *not*
@@ -182,16 +173,11 @@ class PipelineModule(nn.Module):
         loose = []
         for key, tie in self._ties.items():
             if len(self.stages_of_tie(key)) > 1:
-                module = build_on_meta(self._spec_of(key))
+                module = self._meta_of(tie.indices[0])
                 loose += [(key, n) for n, _ in module.named_parameters() if n not in tie.attrs]
         return loose
 
     # ------------------------------------------------------------ building
-    def _spec_of(self, key: str) -> TiedLayerSpec:
-        spec = self._layers[self._ties[key].indices[0]]
-        assert isinstance(spec, TiedLayerSpec)
-        return spec
-
     def _construct(self, index: int, spec: LayerSpec) -> nn.Module:
         if not self.seed_layers:
             return spec.build()
@@ -212,20 +198,16 @@ class PipelineModule(nn.Module):
                 module = built[layer.key]
                 # partial binds this module now: no late-binding closure over the loop variable
                 steps.append(module if layer.forward_fn is None else functools.partial(layer.forward_fn, module))
-            elif isinstance(layer, LayerSpec):
-                steps.append(self._register(index, self._construct(index, layer)))
-            elif isinstance(layer, nn.Module):
-                steps.append(self._register(index, layer))
+            elif isinstance(layer, (LayerSpec, nn.Module)):
+                module = self._construct(index, layer) if isinstance(layer, LayerSpec) else layer
+                self.add_module(str(index), module)
+                steps.append(module)
             else:
                 steps.append(layer)
         for key in self._ties:  # registration in the model's key order, whatever the stage
             if key in built:
                 self.tied_modules[key] = built[key]
         return steps
-
-    def _register(self, index: int, module: nn.Module) -> nn.Module:
-        self.add_module(str(index), module)
-        return module
 
     # ------------------------------------------------------------ queries
     @property
@@ -260,11 +242,8 @@ class PipelineModule(nn.Module):
         """``(key, name, parameter or None)`` for every parameter of a tied module spanning stages that
         is not in ``tied_weight_attr``, in the same order on every rank; the parameter is None on a
         stage that does not hold the key."""
-        found = []
-        for key, name in self._loose:
-            held = self.tied_modules[key] if key in self.tied_modules else None
-            found.append((key, name, held.get_parameter(name) if held is not None else None))
-        return found
+        return [(key, name, self.tied_modules[key].get_parameter(name) if key in self.tied_modules else None)
+                for key, name in self._loose]
 
     def tied_parameters(self) -> Iterator[tuple[str, tuple[int, ...], list[tuple[str, nn.Parameter]]]]:
         """For each key this stage shares with other stages: ``(key, its stages, [(name, parameter)])``
@@ -285,26 +264,23 @@ class PipelineModule(nn.Module):
         if not self.is_last_stage:
             raise RuntimeError(
                 f"labels were passed to stage {self.stage_id} of {self.num_stages}: only the last stage computes "
-                "the loss; train a multi-stage pipeline with `engine.train_batch(data_iter)`"
-            )
+                "the loss; train a multi-stage pipeline with `engine.train_batch(data_iter)`")
         return compute_loss(self.loss_fn, outputs, labels)
 
     def to_sequential(self) -> nn.Module:
         """A plain ``nn.Module`` running every layer in order, sharing this module's layers.
 
-        Tied keys stay one module (one Parameter, whose gradient sums every use),
-        ``forward_fn``s stay bound to it, callables are kept, and activation
-        checkpointing runs at the same interval.  State-dict names are the same
-        as this module's.  Needs no process group; only a module holding every
-        layer (one stage) can be exported.
+        Tied keys stay one module (one Parameter, whose gradient sums every use), ``forward_fn``s stay bound
+        to it, callables are kept, and activation checkpointing runs at the same interval.  State-dict names
+        are the same as this module's.  Needs no process group; only a module holding every layer (one stage)
+        can be exported.
         """
         if self.num_stages > 1:
             raise RuntimeError(
                 f"to_sequential() on stage {self.stage_id} of a {self.num_stages}-stage pipeline: this rank holds "
                 f"only layers [{self.parts[self.stage_id]}, {self.parts[self.stage_id + 1]}) of {self.num_layers}. "
                 "Build the model whole with `PipelineModule(layers, num_stages=1).to_sequential()`; a pipeline "
-                "checkpoint loads into it by name"
-            )
+                "checkpoint loads into it by name")
         children = [(name, child) for name, child in self.named_children() if child is not self.loss_fn]
         return PipelineSequential(children, self._steps, self.loss_fn, self.activation_checkpoint_interval,
                                   self.activation_checkpoint_func)
@@ -317,8 +293,7 @@ def _checked_layers(layers: Sequence[LayerEntry]) -> list[LayerEntry]:
     if isinstance(layers, nn.Module) or not hasattr(layers, "__iter__"):
         raise TypeError(
             f"`layers` must be a list of LayerSpec / nn.Module / callables, got a `{type(layers).__name__}`; "
-            "for an nn.Sequential pass `list(seq)`"
-        )
+            "for an nn.Sequential pass `list(seq)`")
     checked = list(layers)
     for index, layer in enumerate(checked):
         if isinstance(layer, PipelineModule):
@@ -326,8 +301,7 @@ def _checked_layers(layers: Sequence[LayerEntry]) -> list[LayerEntry]:
         if not (isinstance(layer, LayerSpec) or callable(layer)):
             raise TypeError(
                 f"layer {index} is a `{type(layer).__name__}`, which is neither a LayerSpec, an nn.Module nor "
-                "callable; every layer must map the previous output to the next"
-            )
+                "callable; every layer must map the previous output to the next")
     if not checked:
         raise ValueError("`layers` is empty; a PipelineModule needs at least one layer")
     return checked
@@ -337,8 +311,7 @@ def _checked_interval(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(
             f"activation_checkpoint_interval={value!r}: expected an integer >= 0 (0 turns checkpointing off, "
-            "k recomputes every k layers in backward)"
-        )
+            "k recomputes every k layers in backward)")
     return value
 
 
@@ -354,18 +327,15 @@ def _same_tie(
         raise ValueError(
             f"TiedLayerSpec key `{key}`: layer {i} builds `{a.name}` but layer {j} builds `{b.name}`; every "
             f"occurrence of a key shares one module, so they must build the same class (use another key for a "
-            "different module)"
-        )
+            "different module)")
     if a.tied_weight_attr != b.tied_weight_attr:
         raise ValueError(
             f"TiedLayerSpec key `{key}`: layer {i} ties {a.tied_weight_attr} but layer {j} ties "
-            f"{b.tied_weight_attr}; give every occurrence the same `tied_weight_attr`"
-        )
+            f"{b.tied_weight_attr}; give every occurrence the same `tied_weight_attr`")
     if expected != found:
         raise ValueError(
             f"TiedLayerSpec key `{key}`: layer {i} builds tied weights of shapes {expected} but layer {j} of "
-            f"{found}; every occurrence shares one module, so build them with the same arguments"
-        )
+            f"{found}; every occurrence shares one module, so build them with the same arguments")
 
 
 def _placement(num_stages: Optional[int]) -> tuple[int, Optional[PipeTopology], int]:

@@ -1,16 +1,11 @@
-"""Activations forward and their gradients back, between neighbouring stages.
+"""Activations forward and their gradients back, between neighbouring stages (docs/pipeline.md,
+"Activations between stages").
 
-An activation is a tensor or a tuple of tensors, of any shapes and dtypes,
-which may change from one micro-batch to the next: each one is preceded by a
-small header (dtype, whether it needs a gradient, shape, per tensor).  Only
-floating tensors that require grad get a gradient back, in the same order, so
-the receiving side knows every shape without another header.
-
-Sends are asynchronous (``isend``) and waited on at the end of the schedule;
-receives block.  Messages between two ranks arrive in the order they were
-sent, and activations and gradients travel in opposite directions, so
-neither needs a tag.  All traffic goes through :class:`~shardwise.comm.distributed.Comm`,
-which counts the bytes.
+Each activation is preceded by a small header (dtype, whether it needs a gradient, shape, per tensor), so
+shapes and dtypes may change from one micro-batch to the next; gradients come back only for floating tensors
+that needed one, in the same order, so they need no header.  Messages between two ranks arrive in the order
+they were sent, and activations and gradients travel in opposite directions, so neither needs a tag.  All
+traffic goes through :class:`~shardwise.comm.distributed.Comm`, which counts the bytes.
 """
 
 from __future__ import annotations
@@ -43,8 +38,7 @@ def _tensors(value: Any, what: str) -> tuple[bool, list[torch.Tensor]]:
             where = f"element {index} of the {what}" if packed else f"the {what}"
             raise TypeError(
                 f"{where} is a `{type(item).__name__}`: what passes between pipeline stages must be a tensor or "
-                "a tuple of tensors; turn other values into tensors (or recompute them on the next stage)"
-            )
+                "a tuple of tensors; turn other values into tensors (or recompute them on the next stage)")
         if item.dtype not in _CODE:
             raise TypeError(f"the {what} holds a `{item.dtype}` tensor, which cannot cross stages; supported: {_DTYPES}")
     return packed, items
@@ -61,8 +55,7 @@ def _encode(packed: bool, tensors: list[torch.Tensor]) -> torch.Tensor:
     if len(slots) > HEADER_SLOTS:
         raise ValueError(
             f"an activation of {len(tensors)} tensors with {sum(t.dim() for t in tensors)} dimensions in all does "
-            f"not fit the {HEADER_SLOTS}-entry stage header; pass fewer or flatter tensors between stages"
-        )
+            f"not fit the {HEADER_SLOTS}-entry stage header; pass fewer or flatter tensors between stages")
     header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
     header[: len(slots)] = torch.tensor(slots, dtype=torch.int64)
     return header
@@ -83,6 +76,13 @@ def _wire(tensor: torch.Tensor) -> torch.Tensor:
     """What goes on the wire: contiguous, detached, bool as bytes."""
     tensor = tensor.detach().contiguous()
     return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
+
+
+def _recv(comm: Comm, shape: Any, dtype: torch.dtype, src: int, device: torch.device) -> torch.Tensor:
+    """The tensor :func:`_wire` sent from ``src``."""
+    wire = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=device)
+    comm.recv(wire, src)
+    return wire.view(torch.bool) if dtype == torch.bool else wire
 
 
 def working_copy(received: Any) -> Any:
@@ -126,12 +126,8 @@ class Channel:
         header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
         self.comm.recv(header, self.stage - 1)
         packed, metas = _decode(header)
-        tensors = []
-        for dtype, grad, shape in metas:
-            wire = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=self.device)
-            self.comm.recv(wire, self.stage - 1)
-            tensor = wire.view(torch.bool) if dtype == torch.bool else wire
-            tensors.append(tensor.requires_grad_(grad))
+        tensors = [_recv(self.comm, shape, dtype, self.stage - 1, self.device).requires_grad_(grad)
+                   for dtype, grad, shape in metas]
         return tuple(tensors) if packed else tensors[0]
 
     def send_grads(self, inputs: Any) -> None:
@@ -143,12 +139,7 @@ class Channel:
     def recv_grads(self, outputs: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``(outputs that need a gradient, their gradients)`` from the next stage."""
         wanting = [t for t in _tensors(outputs, "stage output")[1] if _needs_grad(t)]
-        grads = []
-        for tensor in wanting:
-            grad = torch.empty_like(tensor)
-            self.comm.recv(grad, self.stage + 1)
-            grads.append(grad)
-        return wanting, grads
+        return wanting, [_recv(self.comm, t.shape, t.dtype, self.stage + 1, t.device) for t in wanting]
 
     def flush(self) -> None:
         """Wait for every send in flight (their tensors may then be freed)."""
@@ -175,8 +166,5 @@ def gather_to_first(p2p: Comm, pipe: Comm, tensors: dict[str, torch.Tensor],
     home = next(iter(tensors.values())).device if tensors else torch.device("cpu")
     for stage, entries in enumerate(everyone[1:], start=1):
         for name, shape, code in entries:
-            dtype = _DTYPES[code]
-            wire = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=device)
-            p2p.recv(wire, stage)
-            merged.setdefault(name, (wire.view(torch.bool) if dtype == torch.bool else wire).to(home))
+            merged.setdefault(name, _recv(p2p, shape, _DTYPES[code], stage, device).to(home))
     return merged

@@ -5,13 +5,11 @@
 * ``"uniform"``: balance the number of layers;
 * ``"type:REGEX"``: balance the number of layers whose class name matches
   ``REGEX`` (case-insensitive), e.g. ``"type:Block"`` for transformer blocks;
-* a list ``[0, b1, ..., L]``: explicit boundaries, stage ``s`` runs layers
-  ``[b_s, b_{s+1})``.
+* a list ``[0, b1, ..., L]``: explicit boundaries, stage ``s`` runs layers ``[b_s, b_{s+1})``.
 
-The result is always a list of ``num_stages + 1`` boundaries and every stage
-gets at least one layer.  ``type:`` balancing minimises the heaviest stage
-first and then, among those partitions, the longest stage, so layers that
-weigh nothing (functions, activations) spread instead of piling up on one stage.
+The result is always a list of ``num_stages + 1`` boundaries and every stage gets at least one layer.
+``type:`` balancing minimises the heaviest stage first and then, among those partitions, the longest stage, so
+layers that weigh nothing (functions, activations) spread instead of piling up on one stage.
 """
 
 from __future__ import annotations
@@ -21,13 +19,9 @@ from typing import Any, Callable, Sequence
 
 from .spread import least_spread
 
-__all__ = ["balanced", "describe_method", "partition", "uniform"]
+__all__ = ["balanced", "partition", "uniform"]
 
 Weigh = Callable[[int], int]
-
-
-def describe_method(method: Any) -> str:
-    return f"`{method}`" if isinstance(method, str) else repr(method)
 
 
 def partition(names: Sequence[str], weigh: Weigh, num_stages: int, method: Any) -> list[int]:
@@ -40,27 +34,20 @@ def partition(names: Sequence[str], weigh: Weigh, num_stages: int, method: Any) 
     if count < num_stages:
         raise ValueError(
             f"{count} layer(s) cannot fill {num_stages} pipeline stages: every stage needs at least one "
-            f"layer; pass `num_stages` <= {count} or split the model into more layers"
-        )
+            f"layer; pass `num_stages` <= {count} or split the model into more layers")
     if isinstance(method, (list, tuple)):
         return _explicit(list(method), count, num_stages)
-    if not isinstance(method, str):
-        raise ValueError(_unknown(method))
-    lowered = method.lower()
+    lowered = method.lower() if isinstance(method, str) else None
     if lowered == "uniform":
         return uniform(count, num_stages)
     if lowered == "parameters":
         weights = [weigh(i) for i in range(count)]
         return least_spread(weights, num_stages) if count > num_stages else uniform(count, num_stages)
-    if lowered.startswith("type:"):
+    if lowered is not None and lowered.startswith("type:"):
         return balanced(_type_weights(names, method[len("type:") :]), num_stages)
-    raise ValueError(_unknown(method))
-
-
-def _unknown(method: Any) -> str:
-    return (
-        f"unknown partition_method {describe_method(method)}; expected `parameters`, `uniform`, "
-        "`type:REGEX` (e.g. `type:Block`) or a list of layer boundaries `[0, ..., num_layers]`"
+    raise ValueError(
+        f"unknown partition_method {f'`{method}`' if isinstance(method, str) else repr(method)}; expected "
+        "`parameters`, `uniform`, `type:REGEX` (e.g. `type:Block`) or a list of layer boundaries `[0, ..., num_layers]`"
     )
 
 
@@ -73,8 +60,7 @@ def _type_weights(names: Sequence[str], pattern: str) -> list[int]:
     if not any(weights):
         raise ValueError(
             f"partition_method `type:{pattern}` matches no layer; the layers' class names are "
-            f"{sorted(set(names))}"
-        )
+            f"{sorted(set(names))}")
     return weights
 
 
@@ -90,18 +76,14 @@ def _explicit(bounds: list[Any], count: int, num_stages: int) -> list[int]:
         raise ValueError(
             f"partition_method {bounds!r} is not a valid list of boundaries: expected {num_stages + 1} "
             f"increasing integers from 0 to {count} (stage s runs layers [b[s], b[s+1])), e.g. "
-            f"{uniform(count, num_stages)}"
-        )
+            f"{uniform(count, num_stages)}")
     return bounds
 
 
 def uniform(count: int, parts: int) -> list[int]:
     """Boundaries giving each part ``count // parts`` layers, the first ``count % parts`` parts one more."""
     size, extra = divmod(count, parts)
-    bounds = [0]
-    for part in range(parts):
-        bounds.append(bounds[-1] + size + (1 if part < extra else 0))
-    return bounds
+    return [part * size + min(part, extra) for part in range(parts + 1)]
 
 
 def balanced(weights: Sequence[int], parts: int) -> list[int]:

@@ -1,12 +1,11 @@
 """DeepSpeed's balancing for ``partition_method="parameters"``: least spread between stages.
 
-DeepSpeed (``runtime/utils.py``, ``partition_balanced``) does not minimise the heaviest stage: it
-fills a table over (first ``i`` layers, ``j`` stages) keeping, for each cell, the cut whose
-heaviest minus lightest stage is smallest given the best cell for ``j - 1`` stages, and on a tie
-the cut with the *last* stage shortest (the latest start). The result is not always the
-partition with the least spread overall, but it is what DeepSpeed builds, and a checkpoint or a
-script tuned for DeepSpeed expects those boundaries (AlexNet on 2 stages: layer 19, not 17).
-This is a re-implementation of that recurrence in exact integer arithmetic.
+DeepSpeed (``runtime/utils.py``, ``partition_balanced``) does not minimise the heaviest stage: it fills a
+table over (first ``i`` layers, ``j`` stages) keeping, for each cell, the cut whose heaviest minus lightest
+stage is smallest given the best cell for ``j - 1`` stages, and on a tie the cut with the *last* stage
+shortest (the latest start). The result is not always the partition with the least spread overall, but it is
+what DeepSpeed builds, and a checkpoint or a script tuned for DeepSpeed expects those boundaries (AlexNet on 2
+stages: layer 19, not 17). This is a re-implementation of that recurrence in exact integer arithmetic.
 """
 
 from __future__ import annotations

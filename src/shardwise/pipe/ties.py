@@ -1,16 +1,9 @@
-"""Keeping tied weights equal across the stages that hold them.
+"""Keeping tied weights equal across the stages that hold them (docs/pipeline.md, "Tied layers").
 
-A tied key used on several stages (an embedding on the first, the head that
-reuses it on the last) has one copy per stage.  The copies start equal (the
-first stage holding the key broadcasts its values), and before every
-optimizer step their gradients are summed over those stages, so every copy
-takes the step a single shared parameter would: the gradient of one module
-used twice is the sum of both uses.
-
-Only ``tied_weight_attr`` is kept equal, as in DeepSpeed: a tied module's
-other parameters (a position table that only the first stage's embedding
-uses) may train on one stage; training them on two would let the copies drift
-apart, and :meth:`TiedWeights.check_untied` says so when it happens.
+The copies start equal (the first stage holding the key broadcasts its values), and before every optimizer
+step their gradients are summed over those stages: the gradient of one module used twice.  Only
+``tied_weight_attr`` is kept equal, as in DeepSpeed; a tied module's other parameters may train on one stage
+only, else the copies drift apart, which :meth:`TiedWeights.check_untied` refuses.
 """
 
 from __future__ import annotations
@@ -76,8 +69,7 @@ class TiedWeights:
                 f"rank {self.pipe.rank}: {twice} got a gradient on {int(max(trained.tolist()))} pipeline stages, but "
                 "only a TiedLayerSpec's `tied_weight_attr` is kept equal across stages: each stage would train its "
                 "own copy and they would drift apart; nothing was trained. Add them to `tied_weight_attr`, or use "
-                "them on one stage only (e.g. in a `forward_fn` that reads only the tied weight)"
-            )
+                "them on one stage only (e.g. in a `forward_fn` that reads only the tied weight)")
 
     def copies(self) -> frozenset[str]:
         """Names of the tied parameters whose first holder is another stage: counted there, not here."""

@@ -1,11 +1,8 @@
 """Stages × data-parallel replicas: which rank is which, and the process groups.
 
-Ranks are laid out stage-major, as DeepSpeed's ``PipeDataParallelTopology``:
-rank ``= stage × replicas + replica``, so the replicas of one stage are
-neighbours (their gradient reductions are the heavy traffic).  Every rank
-creates every group in the same order, as ``torch.distributed.new_group``
-requires, and keeps a :class:`~shardwise.comm.distributed.Comm` for the ones it
-belongs to.
+Ranks are laid out stage-major, as DeepSpeed's ``PipeDataParallelTopology`` (rank ``= stage × replicas +
+replica``), so the replicas of one stage, whose gradient reductions are the heavy traffic, are neighbours.
+Every rank creates every group in the same order, as ``torch.distributed.new_group`` requires.
 """
 
 from __future__ import annotations
@@ -33,38 +30,25 @@ class PipeTopology:
             raise ValueError(
                 f"the world size {world_size} is not divisible by num_stages={num_stages}: every stage needs "
                 f"the same number of data-parallel replicas; launch a multiple of {num_stages} ranks or pass "
-                f"a `num_stages` that divides {world_size}"
-            )
+                f"a `num_stages` that divides {world_size}")
         return cls(num_stages, world_size // num_stages)
-
-    def rank_of(self, stage: int, replica: int) -> int:
-        return stage * self.replicas + replica
 
     def stage_of(self, rank: int) -> int:
         return rank // self.replicas
 
-    def replica_of(self, rank: int) -> int:
-        return rank % self.replicas
-
     def pipe_ranks(self, replica: int, stages: Optional[Iterable[int]] = None) -> list[int]:
         """The ranks of ``stages`` (default: all) in one replica, in stage order."""
-        chosen = range(self.num_stages) if stages is None else stages
-        return [self.rank_of(s, replica) for s in chosen]
-
-    def data_ranks(self, stage: int) -> list[int]:
-        """The replicas of one stage."""
-        return [self.rank_of(stage, r) for r in range(self.replicas)]
+        return [s * self.replicas + replica for s in (range(self.num_stages) if stages is None else stages)]
 
 
 @dataclass
 class PipeGroups:
     """This rank's communicators.
 
-    ``pipe``: the stages of this replica (norm and loss collectives);
-    ``p2p``: the same ranks, used only for activations and gradients (a group
-    of their own, so point-to-point tags never meet collective ones);
-    ``data``: this stage's replicas (gradient averaging, ZeRO-1);
-    ``ties``: per set of stages sharing a tied key, those stages of this replica.
+    ``pipe``: the stages of this replica (norm and loss collectives); ``p2p``: the same ranks, used only for
+    activations and gradients (a group of their own, so point-to-point tags never meet collective ones);
+    ``data``: this stage's replicas (gradient averaging, ZeRO-1); ``ties``: per set of stages sharing a tied
+    key, those stages of this replica.
     """
 
     topology: PipeTopology
@@ -81,12 +65,12 @@ class PipeGroups:
 
     @property
     def replica(self) -> int:
-        return self.topology.replica_of(self.rank)
+        return self.rank % self.topology.replicas
 
     @classmethod
     def create(cls, topology: PipeTopology, tie_stages: Iterable[tuple[int, ...]] = ()) -> "PipeGroups":
         """Create every group (collective: all ranks, same order)."""
-        rank = dist.get_rank()
+        rank, replicas = dist.get_rank(), topology.replicas
         mine: dict[str, Comm] = {}
 
         def make(name: str, ranks: list[int]) -> None:
@@ -94,14 +78,14 @@ class PipeGroups:
             if rank in ranks:
                 mine[name] = Comm(group)
 
-        for replica in range(topology.replicas):
+        for replica in range(replicas):
             make("pipe", topology.pipe_ranks(replica))
             make("p2p", topology.pipe_ranks(replica))
         for stage in range(topology.num_stages):
-            make("data", topology.data_ranks(stage))
+            make("data", list(range(stage * replicas, (stage + 1) * replicas)))
         ties: dict[tuple[int, ...], Comm] = {}
         for stages in sorted(set(tie_stages)):
-            for replica in range(topology.replicas):
+            for replica in range(replicas):
                 make("tie", topology.pipe_ranks(replica, stages))
             if "tie" in mine:
                 ties[stages] = mine.pop("tie")

@@ -1,26 +1,22 @@
 """One batch: moving it to the model's device, calling the engine with it, finding the loss.
 
-A batch reaches the model as ``engine(*batch)`` for a tuple or list,
-``engine(**batch)`` for a dict, and ``engine(batch)`` for anything else.  With
-a ``loss_fn``, a tuple longer than the positional parameters the model's
-``forward`` takes passes only the leading items (``(x, y)`` to ``nn.Linear``:
-``engine(x)``); the rest are targets for ``loss_fn(output, batch)``, as in
-Keras or Lightning.  Without one, every item goes to the model.  The
-loss is ``loss_fn(output, batch)`` when a ``loss_fn`` is given, otherwise the
-output itself (a scalar tensor), ``output["loss"]`` or ``output.loss``.
+A batch reaches the model as ``engine(*batch)`` for a tuple or list, ``engine(**batch)`` for a dict, and
+``engine(batch)`` for anything else.  With a ``loss_fn``, a tuple longer than the positional parameters the
+model's ``forward`` takes passes only the leading items (``(x, y)`` to ``nn.Linear``: ``engine(x)``); the rest
+are targets for ``loss_fn(output, batch)``, as in Keras or Lightning.  Without one, every item goes to the
+model.  The loss is ``loss_fn(output, batch)`` when a ``loss_fn`` is given, otherwise the output itself (a
+scalar tensor), ``output["loss"]`` or ``output.loss``.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["BatchError", "LossFn", "Size", "compute_loss", "describe", "forward", "measure", "positional_arity",
-           "to_device"]
+__all__ = ["BatchError", "LossFn", "compute_loss", "describe", "forward", "measure", "positional_arity", "to_device"]
 
 #: ``loss_fn(output, batch) -> scalar loss tensor``
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -81,8 +77,7 @@ def forward(engine: Any, batch: Any, arity: Optional[int] = None) -> Any:
         raise BatchError(
             f"the model's forward failed on a batch {describe(batch)}, called as `{how}`: "
             f"{type(error).__name__}: {error}. A tuple/list batch is passed as positional arguments, a dict as "
-            "keyword arguments: shape the batch for the model's `forward` (e.g. with `collate_fn=`)"
-        ) from error
+            "keyword arguments: shape the batch for the model's `forward` (e.g. with `collate_fn=`)") from error
 
 
 def compute_loss(output: Any, batch: Any, loss_fn: Optional[LossFn]) -> torch.Tensor:
@@ -100,26 +95,17 @@ def compute_loss(output: Any, batch: Any, loss_fn: Optional[LossFn]) -> torch.Te
         raise BatchError(
             f"no scalar loss in the model's output {describe(output)} (batch {describe(batch)}): the trainer "
             "takes the output itself, `output['loss']` or `output.loss`; pass `loss_fn=lambda output, batch: ...` "
-            "to compute it"
-        )
+            "to compute it")
     return loss.reshape(())
 
 
-@dataclass(frozen=True)
-class Size:
-    """How much data a batch holds: samples, and tokens when it is token ids (None otherwise)."""
-
-    samples: int
-    tokens: Optional[int]
-
-
-def measure(batch: Any) -> Size:
-    """Samples (first dim of the first tensor) and tokens (its elements, when it holds integer ids of rank >= 2)."""
+def measure(batch: Any) -> tuple[int, Optional[int]]:
+    """How much data a batch holds: ``(samples, tokens)``, the first dim of its first tensor and, when that
+    holds integer ids of rank >= 2, its elements (None otherwise)."""
     first = _first_tensor(batch)
     if first is None or first.dim() == 0:
-        return Size(1, None)
-    tokens = first.numel() if first.dim() >= 2 and not first.is_floating_point() else None
-    return Size(first.shape[0], tokens)
+        return 1, None
+    return first.shape[0], first.numel() if first.dim() >= 2 and not first.is_floating_point() else None
 
 
 def _first_tensor(batch: Any) -> Optional[torch.Tensor]:

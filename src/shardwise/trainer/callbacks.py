@@ -1,25 +1,32 @@
 """Callbacks: objects with any of ``on_train_start``, ``on_step_end``, ``on_log``, ``on_eval_end``, ``on_save``,
 ``on_train_end``.
 
-Every hook runs on every rank and receives the trainer first.  A callback
-that wants a checkpoint now or the run to end calls ``trainer.request_save()``
-or ``trainer.request_stop(reason)``; the trainer turns that into a decision all
-ranks take together at the end of the step (no rank saves alone; a stop asked
-on one rank stops all).  Subclassing :class:`Callback` is optional: any object
-with some of the hooks works: the loop calls them by name (:class:`.control.CallbackList`)
-and knows nothing of this module.
+Every hook runs on every rank and receives the trainer first.  A callback that wants a checkpoint now or the
+run to end calls ``trainer.request_save()`` or ``trainer.request_stop(reason)``; the trainer turns that into a
+decision all ranks take together at the end of the step (no rank saves alone; a stop asked on one rank stops
+all).  Subclassing :class:`Callback` is optional: any object with some of the hooks works: the loop calls them
+by name (:class:`.control.CallbackList`) and knows nothing of this module.
+
+The loggers (TensorBoard, CSV, Weights & Biases, MLflow) write on rank 0 only. Except TensorBoard's, they
+write from ``on_log``, so they see exactly the records the metrics file gets (every ``log_every`` steps, and
+every evaluation); the per-rank ``memory`` breakdown stays in that file, they get scalars.  TensorBoard, W&B
+and MLflow are imported when training starts, not before: shardwise does not depend on them, and an error says
+how to install them.
 """
 
 from __future__ import annotations
 
+import csv
+import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from .best import Watch
+from .evaluation import Watch
 
 if TYPE_CHECKING:
     from .loop import FitSummary, Trainer
 
-__all__ = ["Callback", "EarlyStopping", "TensorBoardCallback"]
+__all__ = ["CSVLogger", "Callback", "EarlyStopping", "MLflowCallback", "TensorBoardCallback", "WandbCallback", "scalars"]
 
 
 class Callback:
@@ -48,10 +55,8 @@ class Callback:
 class TensorBoardCallback(Callback):
     """Writes the step and eval metrics as TensorBoard scalars on rank 0 (``pip install 'shardwise[tensorboard]'``).
 
-    ``writer`` may be any object with ``add_scalar(tag, value, step)`` (and
-    optionally ``flush``/``close``); by default a
-    ``torch.utils.tensorboard.SummaryWriter(log_dir)`` is made on rank 0 when
-    training starts.
+    ``writer`` may be any object with ``add_scalar(tag, value, step)`` (and optionally ``flush``/``close``);
+    by default a ``torch.utils.tensorboard.SummaryWriter(log_dir)`` is made on rank 0 when training starts.
     """
 
     SCALARS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "samples_per_s", "eval_loss")
@@ -90,8 +95,7 @@ def _summary_writer(log_dir: Optional[str]) -> Any:
     except ImportError as error:
         raise ImportError(
             f"`TensorBoardCallback` needs the `tensorboard` package ({error}); install it with "
-            "`pip install 'shardwise[tensorboard]'`, or pass `writer=` an object with `add_scalar`"
-        ) from error
+            "`pip install 'shardwise[tensorboard]'`, or pass `writer=` an object with `add_scalar`") from error
     return SummaryWriter(log_dir=log_dir)
 
 
@@ -115,3 +119,101 @@ class EarlyStopping(Callback):
             trainer.request_stop(
                 f"early stopping: `{self.watch.name}` has not improved on {self.watch.best:.6g} (step "
                 f"{self.watch.best_step}) for {self.waited} evaluation(s)")
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The record's numbers (``step`` left out; None, lists and dicts dropped)."""
+    return {key: float(value) for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def _import(module: str, extra: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(
+            f"this callback needs the `{module}` package ({error}); install it with `pip install {extra}`, "
+            "or drop the callback") from error
+
+
+class CSVLogger(Callback):
+    """Writes the records to ``path`` as CSV on rank 0; a column that first appears later rewrites the header."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.rows: list[dict[str, Any]] = []
+        self.columns: list[str] = []
+
+    def on_train_start(self, trainer: "Trainer") -> None:
+        self.rows, self.columns = [], []
+
+    def on_log(self, trainer: "Trainer", record: dict[str, Any]) -> None:
+        if trainer.rank != 0:
+            return
+        row = {"step": record.get("step"), **scalars(record)}
+        new = [key for key in row if key not in self.columns]
+        self.rows.append(row)
+        self.columns += new
+        if new or not self.path.is_file():
+            self._rewrite()  # a new column: every row again, under the wider header
+        else:
+            with open(self.path, "a", newline="", encoding="utf-8") as handle:
+                csv.DictWriter(handle, self.columns).writerow(row)
+
+    def _rewrite(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "w", newline="", encoding="utf-8") as handle:
+            writer = csv.DictWriter(handle, self.columns)
+            writer.writeheader()
+            writer.writerows(self.rows)
+
+
+class WandbCallback(Callback):
+    """Logs the records to Weights & Biases on rank 0 (``pip install wandb``); ``init`` goes to ``wandb.init``."""
+
+    def __init__(self, **init: Any) -> None:
+        self.init = init
+        self.run: Any = None
+
+    def on_train_start(self, trainer: "Trainer") -> None:
+        if trainer.rank == 0 and self.run is None:
+            wandb = _import("wandb", "wandb")
+            config = {"config": trainer.engine.config.model_dump()} if "config" not in self.init else {}
+            self.run = wandb.init(**self.init, **config)
+
+    def on_log(self, trainer: "Trainer", record: dict[str, Any]) -> None:
+        if self.run is not None:
+            self.run.log(scalars(record), step=int(record["step"]))
+
+    def on_train_end(self, trainer: "Trainer", summary: "FitSummary") -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+class MLflowCallback(Callback):
+    """Logs the records to MLflow on rank 0 (``pip install mlflow``), in a run it starts unless one is active."""
+
+    def __init__(self, experiment: Optional[str] = None, run_name: Optional[str] = None) -> None:
+        self.experiment, self.run_name = experiment, run_name
+        self.mlflow: Any = None
+        self.started = False
+
+    def on_train_start(self, trainer: "Trainer") -> None:
+        if trainer.rank != 0 or self.mlflow is not None:
+            return
+        self.mlflow = _import("mlflow", "mlflow")
+        if self.experiment is not None:
+            self.mlflow.set_experiment(self.experiment)
+        if self.mlflow.active_run() is None:
+            self.mlflow.start_run(run_name=self.run_name)
+            self.started = True
+
+    def on_log(self, trainer: "Trainer", record: dict[str, Any]) -> None:
+        if self.mlflow is not None:
+            self.mlflow.log_metrics(scalars(record), step=int(record["step"]))
+
+    def on_train_end(self, trainer: "Trainer", summary: "FitSummary") -> None:
+        if self.mlflow is not None and self.started:
+            self.mlflow.end_run()
+        self.mlflow, self.started = None, False

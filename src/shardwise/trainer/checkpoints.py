@@ -1,10 +1,9 @@
 """The trainer's checkpoints: collective saves under ``checkpoint_dir``, pruning, and resume.
 
-Every rank calls :meth:`Checkpoints.save` at the same step (the trainer
-decides saves collectively), so the engine's collective save can never hang on
-a rank that skipped it.  Tags are ``global_step{N}``; with ``keep_last`` set,
-rank 0 removes older ``global_step*`` directories once a new one is complete,
-except the best one (``best_metric``), whose tag rank 0 writes to ``best``.
+Every rank calls :meth:`Checkpoints.save` at the same step (the trainer decides saves collectively), so the
+engine's collective save can never hang on a rank that skipped it.  Tags are ``global_step{N}``; with
+``keep_last`` set, rank 0 removes older ``global_step*`` directories once a new one is complete, except the
+best one (``best_metric``), whose tag rank 0 writes to ``best``.
 """
 
 from __future__ import annotations
@@ -95,8 +94,7 @@ class Checkpoints:
             raise ResumeError(
                 f"cannot resume from `checkpoint_dir` {self.directory}: {error}. That directory holds a checkpoint "
                 "of another model or setup: give this run a new `checkpoint_dir`, or pass `resume=False` "
-                "(and a new directory) to start fresh"
-            ) from error
+                "(and a new directory) to start fresh") from error
         if path is None:
             return None
         self.last_step, self.last_path = self.engine.global_steps, str(path)

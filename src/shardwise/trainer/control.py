@@ -1,10 +1,9 @@
 """The callbacks as the loop sees them, and decisions every rank takes together (small all-reduces
 through the engine's ``Comm``).
 
-A callback may ask for a stop or a save on one rank only; if that rank acted
-alone, the others would wait forever in the next collective (or save without
-it).  So requests are local, and the trainer turns them into one agreed
-decision per step: any rank asking is every rank doing.
+A callback may ask for a stop or a save on one rank only; if that rank acted alone, the others would wait
+forever in the next collective (or save without it).  So requests are local, and the trainer turns them into
+one agreed decision per step: any rank asking is every rank doing.
 """
 
 from __future__ import annotations
@@ -43,10 +42,6 @@ class Agreement:
     def min(self, values: Sequence[float]) -> list[float]:
         return self._reduce(values, dist.ReduceOp.MIN)
 
-    def broadcast(self, value: Any, src: int) -> Any:
-        """``value`` as rank ``src`` has it (a small Python object), on every rank."""
-        return self.comm.broadcast_object(value, src=src)
-
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (small Python objects), in rank order."""
         return list(self.comm.all_gather_object(value))
@@ -78,7 +73,7 @@ class Requests:
             return Decision(save=save > 0)
         asked_by = int(stop_by) - 1
         # Every rank reports the same reason: the asking rank's.
-        self.stop_reason = agreement.broadcast(self.stop_reason, src=asked_by)
+        self.stop_reason = agreement.comm.broadcast_object(self.stop_reason, src=asked_by)
         return Decision(stop=True, save=save > 0, asked_by=asked_by, reason=self.stop_reason)
 
 
@@ -91,8 +86,7 @@ class CallbackList:
             if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
                 raise TypeError(
                     f"callback {callback!r} of type `{type(callback).__name__}` has none of the hooks {list(HOOKS)}; "
-                    "define at least one (or subclass `shardwise.trainer.Callback`)"
-                )
+                    "define at least one (or subclass `shardwise.trainer.Callback`)")
 
     def call(self, hook: str, trainer: object, *args: Any) -> None:
         for callback in self.callbacks:

@@ -1,12 +1,10 @@
 """``Trainer``: the training loop on top of an :class:`~shardwise.Engine`.
 
-Per step: ``gradient_accumulation_steps`` micro-batches through
-``engine(...)``, ``engine.backward`` and ``engine.step`` (:meth:`Trainer.train_step`,
-the one method a pipeline variant would override), then one all-reduce of the
-step's loss and data counts, evaluation when due, the callbacks, and one
-all-reduce of the callbacks' stop/save requests.  Saves happen on every rank
-at the same step by construction.  The data position (epoch, step within it)
-travels in the checkpoint's ``client_state``, so a resumed run continues with
+Per step: ``gradient_accumulation_steps`` micro-batches through ``engine(...)``, ``engine.backward`` and
+``engine.step`` (:meth:`Trainer.train_step`, the one method a pipeline variant would override), then one
+all-reduce of the step's loss and data counts, evaluation when due, the callbacks, and one all-reduce of the
+callbacks' stop/save requests.  Saves happen on every rank at the same step by construction.  The data
+position (epoch, step within it) travels in the checkpoint's ``client_state``, so a resumed run continues with
 the very next batch and ends bit-for-bit where an uninterrupted run ends.
 """
 
@@ -23,16 +21,13 @@ from typing import Any, Optional
 import torch
 
 from .batch import LossFn, compute_loss, forward, measure, positional_arity, to_device
-from .best import Watch
-from .build import build_engine
+from .build import build_engine, steps_to_run
 from .checkpoints import Checkpoints
 from .control import Agreement, CallbackList, Decision, Requests
 from .data import Collate, Source, eval_source, train_source
-from .eval_metrics import Collected, ComputeMetrics
-from .logs import routed_logs
+from .evaluation import Collected, ComputeMetrics, Watch
 from .metrics import Meter, MetricsFile
-from .plot import plot_metrics
-from .progress import make_progress
+from .progress import make_progress, routed_logs
 
 __all__ = ["FitSummary", "StepResult", "Trainer"]
 
@@ -86,11 +81,6 @@ class FitSummary:
         return asdict(self)
 
 
-def _positive(name: str, value: Optional[int]) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"`{name}={value!r}`: expected a positive integer (or None)")
-
-
 def _micro_batch(engine: Any) -> Optional[int]:
     """The config's micro-batch size, or None when it sets no batch size (fine with a user-built DataLoader)."""
     try:
@@ -99,30 +89,21 @@ def _micro_batch(engine: Any) -> Optional[int]:
         return None
 
 
-def _device(engine: Any) -> torch.device:
-    for param in engine.module.parameters():
-        return param.device
-    return torch.device("cpu")
-
-
 class Trainer:
     """Trains ``engine`` on ``train_data``; see ``docs/trainer.md``.
 
-    ``train_data`` (and ``eval_data``) is a map-style ``Dataset`` (sharded over
-    the ranks like ``DistributedSampler``, shuffled with ``seed + epoch``, in
-    batches of ``train_micro_batch_size_per_gpu``), an ``IterableDataset``, or a
-    ``DataLoader`` you built.  Training runs ``max_steps`` optimizer steps or
-    ``epochs`` epochs, whichever ends first.  With ``checkpoint_dir`` it saves
-    every ``save_every`` steps and at the end (keeping the last ``keep_last``),
-    and with ``resume`` it first continues from the newest checkpoint there.
+    ``train_data`` (and ``eval_data``) is a map-style ``Dataset`` (sharded over the ranks like
+    ``DistributedSampler``, shuffled with ``seed + epoch``, in batches of ``train_micro_batch_size_per_gpu``),
+    an ``IterableDataset``, or a ``DataLoader`` you built.  Training runs ``max_steps`` optimizer steps or
+    ``epochs`` epochs, whichever ends first.  With ``checkpoint_dir`` it saves every ``save_every`` steps and
+    at the end (keeping the last ``keep_last``), and with ``resume`` it first continues from the newest
+    checkpoint there.
 
-    ``model_or_engine`` is an engine from ``shardwise.initialize``, or a model:
-    then ``config`` is required and the Trainer builds the engine (a scheduler's
-    ``total_num_steps: auto`` becomes the steps this run will take).  With
-    ``compute_metrics(predictions, labels)`` each evaluation also reports its
-    results as ``eval_<name>``; with ``best_metric`` (``"loss"``, ``"eval_loss"``,
-    or one of those names) the best checkpoint is kept besides the last
-    ``keep_last`` and named in ``checkpoint_dir/best``.
+    ``model_or_engine`` is an engine from ``shardwise.initialize``, or a model: then ``config`` is required
+    and the Trainer builds the engine (a scheduler's ``total_num_steps: auto`` becomes the steps this run will
+    take).  With ``compute_metrics(predictions, labels)`` each evaluation also reports its results as
+    ``eval_<name>``; with ``best_metric`` (``"loss"``, ``"eval_loss"``, or one of those names) the best
+    checkpoint is kept besides the last ``keep_last`` and named in ``checkpoint_dir/best``.
     """
 
     def __init__(
@@ -151,8 +132,8 @@ class Trainer:
         seed: int = 0,
         metrics_file: Optional[str] = None,
     ) -> None:
-        _check_arguments(max_steps, epochs, eval_every, eval_data, save_every, keep_last, checkpoint_dir, log_every)
-        _check_watch(best_metric, eval_data, compute_metrics)
+        _check_arguments(max_steps, epochs, eval_every, eval_data, save_every, keep_last, checkpoint_dir, log_every,
+                         best_metric, compute_metrics)
         engine = build_engine(model_or_engine, config, train_data, max_steps, epochs)
         self.engine = engine
         self.max_steps, self.epochs = max_steps, epochs
@@ -161,7 +142,7 @@ class Trainer:
         self.loss_fn = loss_fn
         self.seed = seed
         self.rank, self.world_size = engine.comm.rank, engine.comm.world_size
-        self.device = _device(engine)
+        self.device = next((p.device for p in engine.module.parameters()), torch.device("cpu"))
         # With a loss_fn, trailing tuple items the forward cannot take are its targets (see batch.py).
         self.arity = positional_arity(engine.module) if loss_fn is not None else None
         self.compute_metrics = compute_metrics
@@ -214,42 +195,36 @@ class Trainer:
             raise ValueError(
                 f"`train_data` has {samples} samples, fewer than one global batch: `train_batch_size` = micro batch "
                 f"{self.micro} x accumulation {self.accumulation} x {self.world_size} rank(s) = {self._global_batch()} "
-                "(per epoch, each rank drops what does not fill a whole step); use more data or a smaller batch"
-            )
+                "(per epoch, each rank drops what does not fill a whole step); use more data or a smaller batch")
         raise ValueError(
             f"`train_data` gives rank {self.rank} {batches} micro-batches per epoch, fewer than the "
             f"{self.accumulation} one optimizer step needs (`gradient_accumulation_steps`); use more data or "
-            "a smaller batch"
-        )
+            "a smaller batch")
 
     # ------------------------------------------------------------ the loop
     def fit(self) -> FitSummary:
         """Train until ``max_steps``/``epochs`` (or a stop request); returns a :class:`FitSummary`."""
         resumed_from = self._resume() if self.resume_enabled else None
-        self._steps_per_epoch = self._agreed_steps_per_epoch()
+        if self.source.batches_per_epoch is not None:
+            self._steps_per_epoch = int(self.agreement.min([self.source.batches_per_epoch // self.accumulation])[0])
+            self._check_size(self._steps_per_epoch * self.accumulation)
         self.metrics.start(resumed_from)
-        if resumed_from is not None and self._nothing_left():
+        if resumed_from is not None and (self._finished() or (self.epochs is not None and self.epoch >= self.epochs)):
             return self._nothing_to_do()
-        self.progress.start(self._total_steps(), self.global_step)
+        self.progress.start(steps_to_run(self.max_steps, self.epochs, self._steps_per_epoch), self.global_step)
         self.callbacks.call("on_train_start", self)
         meter = Meter()
-        decision = Decision()
         try:
             with routed_logs(self.progress.message) if self.rank == 0 else contextlib.nullcontext():
-                decision = self._loop(meter)
+                decision, groups = Decision(), self._batch_groups()
+                while not self._finished() and (batches := next(groups, None)) is not None:
+                    decision = self._one_step(batches, meter)
+                    if decision.stop:
+                        break
                 return self._finish(meter, decision)
         except BaseException:
             self.progress.close()  # leave the terminal clean for the traceback
             raise
-
-    def _loop(self, meter: Meter) -> Decision:
-        decision = Decision()
-        groups = self._batch_groups()
-        while not self._finished() and (batches := next(groups, None)) is not None:
-            decision = self._one_step(batches, meter)
-            if decision.stop:
-                break
-        return decision
 
     def _one_step(self, batches: list[Any], meter: Meter) -> Decision:
         result = self.train_step(batches)
@@ -261,8 +236,10 @@ class Trainer:
         self.callbacks.call("on_step_end", self, metrics)
         decision = self._requests.decide(self.agreement, self.rank)
         if decision.stop:
-            self._announce_stop(decision)
-        if self.checkpoints.enabled and (decision.save or decision.stop or self._save_due()):
+            who = "" if self.world_size == 1 else f" (asked on rank {decision.asked_by})"
+            self.progress.message(f"stopping at step {self.global_step}: {decision.reason}{who}")
+        due = self.save_every is not None and self.global_step % self.save_every == 0
+        if self.checkpoints.enabled and (decision.save or decision.stop or due):
             with meter.paused():
                 self.save()
         return decision
@@ -280,9 +257,9 @@ class Trainer:
             self.engine.backward(loss)
             self.engine.step()
             losses.append(loss.detach().float())
-            size = measure(batch)
-            samples += size.samples
-            tokens += size.tokens or 0
+            batch_samples, batch_tokens = measure(batch)
+            samples += batch_samples
+            tokens += batch_tokens or 0
         return StepResult(float(torch.stack(losses).sum().item()), len(batches), samples, tokens)
 
     def _batch_groups(self) -> Iterator[list[Any]]:
@@ -292,27 +269,16 @@ class Trainer:
             batches = self.source.epoch(self.epoch, skip=self.step_in_epoch * self.accumulation)
             while limit is None or self.step_in_epoch < limit:
                 group = list(itertools.islice(batches, self.accumulation))
-                if limit is None and not self._all_ranks_have(group):
+                # A source without a length can run dry unevenly: the epoch ends when any rank's does.
+                if limit is None and not self.agreement.min([float(len(group) == self.accumulation)])[0] > 0:
                     break
                 yield group
             if self.step_in_epoch == 0:
                 self._check_size(0)  # an iterable source that never filled one step
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
 
-    def _all_ranks_have(self, group: list[Any]) -> bool:
-        """Whether every rank got a full step of batches (a source without a length can run dry unevenly)."""
-        return self.agreement.min([float(len(group) == self.accumulation)])[0] > 0
-
     def _finished(self) -> bool:
         return self.max_steps is not None and self.global_step >= self.max_steps
-
-    def _nothing_left(self) -> bool:
-        """Whether a resumed run is already at ``max_steps`` or past its ``epochs``."""
-        epochs_done = self.epochs is not None and self.epoch >= self.epochs
-        return self._finished() or epochs_done
-
-    def _save_due(self) -> bool:
-        return self.save_every is not None and self.global_step % self.save_every == 0
 
     # ------------------------------------------------------------ metrics
     def _record_step(self, result: StepResult, meter: Meter) -> dict[str, Any]:
@@ -320,15 +286,16 @@ class Trainer:
             [result.loss_sum, result.micro_batches, result.samples, result.tokens])
         self.last_loss = loss_sum / micro
         rates = meter.add(int(samples), int(tokens))
-        metrics = {"step": self.global_step, "epoch": self.epoch, "loss": self.last_loss, "lr": self._lr()}
+        metrics = self._step_metrics()
         self.progress.step({**metrics, **rates})
         if self.global_step % self.log_every == 0:
             self._log(metrics, meter)
         return metrics
 
-    def _lr(self) -> float:
+    def _step_metrics(self) -> dict[str, Any]:
         lrs = self.engine.get_lr()
-        return float(lrs[0]) if lrs else math.nan
+        return {"step": self.global_step, "epoch": self.epoch, "loss": self.last_loss,
+                "lr": float(lrs[0]) if lrs else math.nan}
 
     def _log(self, metrics: dict[str, Any], meter: Meter) -> None:
         memory = self.agreement.gather(self.engine.memory_breakdown())  # collective: every rank logs this step
@@ -395,15 +362,14 @@ class Trainer:
             if starved:
                 raise ValueError(
                     f"`eval_data` gives some rank no batch at all while others have some ({self.world_size} ranks); "
-                    "use an eval set of at least one micro-batch per rank"
-                )
+                    "use an eval set of at least one micro-batch per rank")
             weight = 1.0 if batch is not None else 0.0
             batch = to_device(batch if batch is not None else last, self.device)
             output = forward(self.engine, batch, self.arity)
             loss = compute_loss(output, batch, self.loss_fn)
             if collected is not None and weight:
                 collected.add(output, batch)
-            n = measure(batch).samples * weight
+            n = measure(batch)[0] * weight
             loss_sum += float(loss.float().item()) * n
             samples += n
             last = batch
@@ -473,26 +439,9 @@ class Trainer:
         return self.global_step
 
     # ------------------------------------------------------------ the end
-    def _agreed_steps_per_epoch(self) -> Optional[int]:
-        batches = self.source.batches_per_epoch
-        if batches is None:
-            return None
-        steps = int(self.agreement.min([batches // self.accumulation])[0])
-        self._check_size(steps * self.accumulation)
-        return steps
-
-    def _total_steps(self) -> Optional[int]:
-        by_epochs = self.epochs * self._steps_per_epoch if self.epochs and self._steps_per_epoch else None
-        candidates = [t for t in (self.max_steps, by_epochs) if t is not None]
-        return min(candidates) if candidates else None
-
-    def _announce_stop(self, decision: Decision) -> None:
-        who = "" if self.world_size == 1 else f" (asked on rank {decision.asked_by})"
-        self.progress.message(f"stopping at step {self.global_step}: {decision.reason}{who}")
-
     def _finish(self, meter: Meter, decision: Decision) -> FitSummary:
         if meter.steps and self._logged_at != self.global_step:
-            self._log({"step": self.global_step, "epoch": self.epoch, "loss": self.last_loss, "lr": self._lr()}, meter)
+            self._log(self._step_metrics(), meter)
         self.save()
         if self.eval_source is not None and self._evaluated_at != self.global_step:
             self.evaluate()
@@ -501,7 +450,7 @@ class Trainer:
         summary = self._summary(
             trained_steps=meter.total_steps, elapsed=meter.elapsed(), samples_per_second=meter.total_samples / seconds,
             tokens_per_second=meter.total_tokens / seconds if meter.total_tokens else None,
-            stopped=decision.reason if decision.stop else None, plot=self._plot())
+            stopped=decision.reason if decision.stop else None, plot=self.metrics.plot(self.progress.message))
         self.progress.message(_describe(summary))
         self.callbacks.call("on_train_end", self, summary)
         return summary
@@ -524,26 +473,6 @@ class Trainer:
         self.callbacks.call("on_train_end", self, summary)
         return summary
 
-    def _plot(self) -> Optional[str]:
-        """Draw ``metrics.png`` next to the metrics file (rank 0); says in one line why when it cannot."""
-        path = self.metrics.path
-        if path is None or not path.is_file():
-            return None
-        try:
-            return str(plot_metrics(path, path.with_suffix(".png")))
-        except (ImportError, ValueError, OSError) as error:
-            self.progress.message(f"no curves drawn: {error}")
-            return None
-
-
-def _check_watch(best_metric: Optional[str], eval_data: Any, compute_metrics: Any) -> None:
-    if best_metric is not None and eval_data is None:
-        raise ValueError(f"`best_metric={best_metric!r}` without `eval_data`: the best checkpoint is judged on "
-                         "evaluations; pass `eval_data=` (and `eval_every=`)")
-    if compute_metrics is not None and not callable(compute_metrics):
-        raise TypeError(f"`compute_metrics` is a {type(compute_metrics).__name__}; expected a callable "
-                        "`(predictions, labels) -> dict`")
-
 
 def _describe(summary: FitSummary) -> str:
     rate = (f"{summary.tokens_per_second:,.0f} tokens/s" if summary.tokens_per_second is not None
@@ -556,15 +485,22 @@ def _describe(summary: FitSummary) -> str:
 
 def _check_arguments(max_steps: Optional[int], epochs: Optional[int], eval_every: Optional[int], eval_data: Any,
                      save_every: Optional[int], keep_last: Optional[int], checkpoint_dir: Optional[str],
-                     log_every: Optional[int]) -> None:
+                     log_every: Optional[int], best_metric: Optional[str], compute_metrics: Any) -> None:
     if max_steps is None and epochs is None:
         raise ValueError("the Trainer needs to know when to stop: pass `max_steps=N` (optimizer steps), `epochs=N`, or both")
     if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 0):
         raise ValueError(f"`max_steps={max_steps!r}`: expected an integer >= 0")
     for name, value in (("epochs", epochs), ("eval_every", eval_every), ("save_every", save_every),
                         ("keep_last", keep_last), ("log_every", log_every)):
-        _positive(name, value)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"`{name}={value!r}`: expected a positive integer (or None)")
     if eval_every is not None and eval_data is None:
         raise ValueError(f"`eval_every={eval_every}` without `eval_data`: pass the data to evaluate on")
     if (save_every is not None or keep_last is not None) and checkpoint_dir is None:
         raise ValueError("`save_every`/`keep_last` need a `checkpoint_dir` to save into")
+    if best_metric is not None and eval_data is None:
+        raise ValueError(f"`best_metric={best_metric!r}` without `eval_data`: the best checkpoint is judged on "
+                         "evaluations; pass `eval_data=` (and `eval_every=`)")
+    if compute_metrics is not None and not callable(compute_metrics):
+        raise TypeError(f"`compute_metrics` is a {type(compute_metrics).__name__}; expected a callable "
+                        "`(predictions, labels) -> dict`")

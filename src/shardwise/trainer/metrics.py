@@ -1,11 +1,11 @@
-"""Metrics: throughput between log points (evaluation and saves left out), and the JSON-lines file (one record per logged step).
+"""Metrics: throughput between log points (evaluation and saves left out), the JSON-lines file (one record per
+logged step), and its curves as a PNG.
 
-A record holds ``step``, ``epoch``, ``loss`` (mean over ranks and the step's
-micro-batches), ``lr`` (first param group), ``grad_norm``, ``loss_scale``,
-``step_time`` (seconds per step since the last record), ``samples_per_s``,
-``tokens_per_s`` (when the batches are token ids) and ``memory`` (per rank,
-:meth:`Engine.memory_breakdown`).  Evaluations add records with ``eval_loss``.
-Non-finite numbers (an fp16 overflow's grad norm) are written as ``null``.
+A record holds ``step``, ``epoch``, ``loss`` (mean over ranks and the step's micro-batches), ``lr`` (first
+param group), ``grad_norm``, ``loss_scale``, ``step_time`` (seconds per step since the last record),
+``samples_per_s``, ``tokens_per_s`` (when the batches are token ids) and ``memory`` (per rank,
+:meth:`Engine.memory_breakdown`).  Evaluations add records with ``eval_loss``. Non-finite numbers (an fp16
+overflow's grad norm) are written as ``null``.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from ..checkpoint.commit import write_atomic
 
-__all__ = ["Meter", "MetricsFile", "read_metrics"]
+__all__ = ["Meter", "MetricsFile", "plot_metrics", "read_metrics"]
 
 
 @dataclass
@@ -40,8 +40,6 @@ class Meter:
     excluded: float = 0.0
     #: when the last step ended (the start of the next one), for the per-step rate
     step_mark: float = field(default_factory=time.perf_counter)
-    #: the last step's wall seconds
-    last_step_seconds: float = math.nan
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -51,22 +49,17 @@ class Meter:
             yield
         finally:
             spent = time.perf_counter() - start
-            self.mark += spent
-            self.step_mark += spent
-            self.excluded += spent
+            self.mark, self.step_mark, self.excluded = self.mark + spent, self.step_mark + spent, self.excluded + spent
 
     def add(self, samples: int, tokens: int) -> dict[str, Optional[float]]:
         """Count one step; returns its own rates (``samples_per_s``, ``tokens_per_s``) for the display."""
         now = time.perf_counter()
-        self.last_step_seconds, self.step_mark = max(now - self.step_mark, 1e-9), now
-        self.steps += 1
-        self.samples += samples
-        self.tokens += tokens
+        seconds, self.step_mark = max(now - self.step_mark, 1e-9), now
+        self.steps, self.samples, self.tokens = self.steps + 1, self.samples + samples, self.tokens + tokens
         self.total_steps += 1
         self.total_samples += samples
         self.total_tokens += tokens
-        return {"samples_per_s": samples / self.last_step_seconds,
-                "tokens_per_s": tokens / self.last_step_seconds if tokens else None}
+        return {"samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds if tokens else None}
 
     def interval(self) -> dict[str, Optional[float]]:
         """Rates since the last call (then starts a new interval)."""
@@ -126,6 +119,16 @@ class MetricsFile:
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(_clean(record)) + "\n")
 
+    def plot(self, message: Callable[[str], None]) -> Optional[str]:
+        """Draw ``metrics.png`` next to the file (rank 0); says in one ``message`` why when it cannot."""
+        if self.path is None or not self.path.is_file():
+            return None
+        try:
+            return str(plot_metrics(self.path, self.path.with_suffix(".png")))
+        except (ImportError, ValueError, OSError) as error:
+            message(f"no curves drawn: {error}")
+            return None
+
 
 def read_metrics(path: Any) -> list[dict[str, Any]]:
     """The records of a metrics file (a line that is not JSON, e.g. cut short by a crash, is skipped)."""
@@ -138,3 +141,43 @@ def read_metrics(path: Any) -> list[dict[str, Any]]:
         if isinstance(record, dict):
             records.append(record)
     return records
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and "step" in r]
+    return [p[0] for p in points], [float(p[1]) for p in points]
+
+
+def plot_metrics(metrics_file: Any, out: Any) -> Path:
+    """Draw train/eval loss and lr against step from ``metrics_file`` into ``out`` (a PNG; needs matplotlib:
+    ``pip install 'shardwise[plot]'``); returns ``out``."""
+    try:
+        # here: matplotlib takes ~0.5 s to import, paid only when a plot is drawn
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise ImportError(
+            f"plotting needs matplotlib ({error}); install it with `pip install 'shardwise[plot]'`") from error
+    records = read_metrics(metrics_file)
+    steps, losses = _series(records, "loss")
+    if not steps:
+        raise ValueError(f"{metrics_file} has no records with `step` and `loss`; is it a shardwise metrics file?")
+    # The object API (no pyplot): no global figure state, no display backend needed.
+    figure = Figure(figsize=(9, 3.6), layout="constrained")
+    FigureCanvasAgg(figure)
+    loss_axes, lr_axes = figure.subplots(1, 2)
+    loss_axes.plot(steps, losses, label="train")
+    eval_steps, eval_losses = _series(records, "eval_loss")
+    if eval_steps:
+        loss_axes.plot(eval_steps, eval_losses, "o-", label="eval")
+    loss_axes.set(xlabel="step", ylabel="loss", title="loss")
+    loss_axes.legend()
+    loss_axes.grid(alpha=0.3)
+    lr_axes.plot(*_series(records, "lr"), color="tab:green")
+    lr_axes.set(xlabel="step", ylabel="learning rate", title="learning rate")
+    lr_axes.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    lr_axes.grid(alpha=0.3)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=100)
+    return out

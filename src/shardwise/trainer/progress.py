@@ -1,21 +1,34 @@
 """What rank 0 shows while training: a tqdm bar on a terminal, plain log lines otherwise.
 
-Other ranks show nothing.  The bar carries loss, lr, tokens/s (or
-samples/s, smoothed over the last steps) and tqdm's ETA, updated every step;
-the lines, printed every ``log_every`` steps, carry the same and an ETA from
-the measured step time.  A terminal that reports 0 columns (some ptys, CI
-consoles) gets the lines: a bar there would draw nothing at all.
+Other ranks show nothing.  The bar carries loss, lr, tokens/s (or samples/s, smoothed over the last steps) and
+tqdm's ETA, updated every step; the lines, printed every ``log_every`` steps, carry the same and an ETA from
+the measured step time.  A terminal that reports 0 columns (some ptys, CI consoles) gets the lines: a bar
+there would draw nothing at all.
+
+The engine logs ``step N: lr=... grad_norm=...`` every ``steps_per_print`` steps.  Under a Trainer those
+numbers are already in the display and the metrics file, and a line printed straight to the terminal would
+break into the progress bar (and leave pieces of old bars).  So while ``fit()`` runs (:func:`routed_logs`), a
+filter on the console handlers that print ``shardwise`` records drops the engine's step lines and hands every
+other line to the display (``tqdm.write`` above a bar).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any, Optional, TextIO
 
 from tqdm import tqdm
 
-__all__ = ["Progress", "make_progress"]
+from ..log import LOGGER_NAME
+
+__all__ = ["Progress", "make_progress", "routed_logs"]
+
+#: the Engine method that writes the periodic step line (``Engine._report``)
+_STEP_LINE_FUNCTION = "_report"
 
 
 def _rate(record: dict[str, Any]) -> str:
@@ -96,20 +109,16 @@ class Bar(Progress):
                         desc="train", smoothing=0.1)
 
     def step(self, metrics: dict[str, Any]) -> None:
+        for key in ("tokens_per_s", "samples_per_s"):
+            value, old = metrics.get(key), self.smoothed.get(key)
+            if isinstance(value, (int, float)):
+                self.smoothed[key] = value if old is None else old + _SMOOTHING * (value - old)
         postfix = {"loss": f"{metrics['loss']:.4f}", "lr": f"{metrics['lr']:.2e}"}
-        self._smooth(metrics)
         rate = _rate(self.smoothed) or self.rate
         if rate:
             postfix["speed"] = rate
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
-
-    def _smooth(self, metrics: dict[str, Any]) -> None:
-        for key in ("tokens_per_s", "samples_per_s"):
-            value = metrics.get(key)
-            if isinstance(value, (int, float)):
-                old = self.smoothed.get(key)
-                self.smoothed[key] = value if old is None else old + _SMOOTHING * (value - old)
 
     def log(self, record: dict[str, Any]) -> None:
         self.rate = _rate(record)
@@ -141,3 +150,37 @@ def _columns(stream: TextIO) -> Optional[int]:
         return os.get_terminal_size(stream.fileno()).columns
     except (AttributeError, OSError, ValueError):
         return None
+
+
+class _Route(logging.Filter):
+    """Keeps ``shardwise`` records away from the handler; shows them through ``show`` instead."""
+
+    def __init__(self, handler: logging.Handler, show: Callable[[str], None]) -> None:
+        super().__init__()
+        self.handler = handler
+        self.show = show
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(LOGGER_NAME):
+            return True
+        if record.funcName != _STEP_LINE_FUNCTION:
+            self.show(self.handler.format(record))
+        return False
+
+
+@contextlib.contextmanager
+def routed_logs(show: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, ``shardwise`` records print through ``show`` and the engine's step lines not at all."""
+    logger = logging.getLogger(LOGGER_NAME)
+    # The handlers a `shardwise` record reaches: its logger's, then (when it propagates) the root's.
+    handlers = logger.handlers + (logging.getLogger().handlers if logger.propagate else [])
+    # Only consoles: a log file keeps every line, and cannot break a bar.
+    routes = [(h, _Route(h, show)) for h in handlers
+              if isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr)]
+    for handler, route in routes:
+        handler.addFilter(route)
+    try:
+        yield
+    finally:
+        for handler, route in routes:
+            handler.removeFilter(route)

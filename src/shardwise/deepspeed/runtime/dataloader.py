@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from ..utils.repeating import RepeatingLoader
+from ..utils import RepeatingLoader
 
 __all__ = ["RepeatingLoader"]

@@ -11,6 +11,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..comm import get_rank as get_data_parallel_rank
+from ..comm import get_world_size as get_data_parallel_world_size
+
 __all__ = [
     "get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size",
     "get_model_parallel_rank", "get_model_parallel_world_size", "get_sequence_parallel_world_size",
@@ -21,14 +24,6 @@ __all__ = [
 def get_data_parallel_group() -> Any:
     """The default process group (None without one)."""
     return dist.group.WORLD if dist.is_initialized() else None
-
-
-def get_data_parallel_world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def get_data_parallel_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def get_model_parallel_world_size() -> int:
