@@ -71,7 +71,7 @@ BOOKKEEPING = frozenset({"faults/ledger.py", "faults/announce.py", "faults/heart
 
 #: what ``Comm`` may call beneath a collective (shared memory, the control group's set-up and reports, the sliced
 #: wait that reads the peers' published errors), reported beside the total
-TRANSPORT = frozenset({"comm/shm.py", "comm/exit.py", "faults/control.py", "faults/published.py", "faults/liveness.py"})
+TRANSPORT = frozenset({"comm/shm.py", "faults/control.py", "faults/published.py", "faults/liveness.py"})
 
 #: the target of issue 36 for stages 2 and 3, two ranks (and one process): at most this many files and switches,
 #: every file counted
