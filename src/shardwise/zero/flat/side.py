@@ -77,7 +77,8 @@ class FlatSide:
             param = layout.params[run.param]
             pieces.append(Piece(param, names[id(param)], param.shape, run.start, run.end, run.shard_offset,
                                 groups[id(param)], run.param))
-            self._regions[id(pieces[-1])] = self._region(pieces[-1])
+            if not self.whole:  # (whole: the parameter itself, which may not be contiguous, so not viewed flat)
+                self._regions[id(pieces[-1])] = self._region(pieces[-1])
         for param in frozen:
             pieces.append(Piece(param, names[id(param)], param.shape, 0, param.numel(), -1, groups[id(param)], -1))
         return pieces

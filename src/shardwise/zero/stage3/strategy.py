@@ -620,6 +620,8 @@ class UnitSide:
         call; kept in files, one write per unit (a shard not in memory takes them in the file, unread), and units
         the write is past may let their shards go (all of them once the ``last`` write is done)."""
         if not self.in_files:
+            if not runs:  # (a load with nothing of this rank's to write: foreach refuses empty lists)
+                return
             torch._foreach_copy_([self._in_shard(piece).narrow(0, at, values.numel()) for piece, at, values in runs],
                                  [values for _, _, values in runs])
             return
