@@ -30,7 +30,6 @@ test suite keeps it working on machines without a GPU.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -44,6 +43,7 @@ import torch
 
 from .configs import System, peer_of
 from .cuda_steps import Measured, measure_alone, measure_group, workload_of
+from .deepspeed_peer import deepspeed_installed
 from .peaks import FLOPS_FORMULA, bf16_peak, step_flops
 from .workload import model_numel, seq_len
 
@@ -83,11 +83,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, int]:
 
 
 def _with_deepspeed(choice: str) -> bool:
-    # Installed, not merely importable: examples/ (on sys.path for the GPT) holds a `deepspeed` folder.
-    try:
-        found = importlib.metadata.version("deepspeed") is not None
-    except importlib.metadata.PackageNotFoundError:
-        found = False
+    found = deepspeed_installed()
     if choice == "on" and not found:
         raise SystemExit("--deepspeed on: DeepSpeed is not installed here; install it (tests/gpu/wheels.sh "
                          "--deepspeed carries a wheel to the device) or pass --deepspeed auto/off")

@@ -13,6 +13,7 @@ internal reduction buckets are not counted.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from typing import Any
 
@@ -22,7 +23,17 @@ from torch import nn
 from .configs import System, Workload
 from .systems import local_bytes
 
-__all__ = ["DeepSpeedHarness"]
+__all__ = ["DeepSpeedHarness", "deepspeed_installed"]
+
+
+def deepspeed_installed() -> bool:
+    """Whether DeepSpeed is installed, not merely importable: ``examples/deepspeed`` (on ``sys.path`` wherever an
+    example model is imported, and so in the processes spawned from there) imports as an empty namespace package."""
+    try:
+        importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:

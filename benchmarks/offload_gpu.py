@@ -41,6 +41,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .deepspeed_peer import deepspeed_installed
 from .peaks import FLOPS_FORMULA, bf16_peak
 from .worker import rss_bytes
 from .workload import gpt_module
@@ -291,7 +292,7 @@ def speed(args: argparse.Namespace, rates: tuple[float, float]) -> list[dict[str
           "(theory) | at the measured bandwidth, s |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     found = []
-    peers = [False, True] if _has_deepspeed() else [False]
+    peers = [False, True] if deepspeed_installed() else [False]
     for peer in peers:
         for setting in ("none", "cpu"):
             spec = _spec(args, setting, args.speed_layers, args.speed_width, micro, accumulation, peer)
@@ -315,14 +316,6 @@ def speed(args: argparse.Namespace, rates: tuple[float, float]) -> list[dict[str
 def _flops(numel: int, spec: dict[str, Any]) -> float:
     tokens = spec["micro"] * spec["accumulation"] * spec["seq"]
     return float((6 * numel + 12 * spec["layers"] * spec["seq"] * spec["width"]) * tokens)
-
-
-def _has_deepspeed() -> bool:
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def main(argv: Optional[list[str]] = None) -> None:

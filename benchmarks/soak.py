@@ -154,7 +154,7 @@ def cost_in_rank(stage: int, rounds: int, steps_per_round: int, size: str) -> di
     workload = Workload(size=size, world_size=dist.get_world_size(), micro_batch=2)
     stream = synthetic_stream(workload.seed)
     engine = _engine(stage, workload)
-    switch = _Switch(engine.comm, engine.comm.ledger, engine._announcer)
+    switch = _Switch(engine.comm)
     for step in range(3):  # warm-up: lazy buffers, the check group, the first gathers
         _step(engine, stream, workload, step)
     medians: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -169,21 +169,24 @@ def cost_in_rank(stage: int, rounds: int, steps_per_round: int, size: str) -> di
     before, exchanges = engine.comm.ledger.seq, engine.comm.ledger.control.count
     _step(engine, stream, workload, step)
     parts = {"collectives_per_step": engine.comm.ledger.seq - before,
-             "exchanges_per_step": engine.comm.ledger.control.count - exchanges, "record_us": _time_record() * 1e6,
+             "exchanges_per_step": engine.comm.ledger.control.count - exchanges, "record_us": _time_record(engine.comm) * 1e6,
              "check_us": _time_check(engine.comm) * 1e6, "heartbeat_interval_s": _heartbeat_interval()}
     engine.destroy()
     return {"medians": medians, "parts": parts}
 
 
-def _time_record(calls: int = 20000) -> float:
-    """Seconds per ledger entry (a private ledger: the engine's sequence is left alone)."""
+def _time_record(comm: Any, calls: int = 20000) -> float:
+    """Seconds per ledger entry (``Comm.record`` into a private ledger: the engine's sequence is left alone)."""
     from shardwise.faults.ledger import Ledger
 
-    ledger = Ledger("bench", [0])
-    start = time.perf_counter()
-    for _ in range(calls):
-        ledger.record("all_gather", 4096, torch.float32, "`fc.weight` and 1 more")
-    return (time.perf_counter() - start) / calls
+    own, comm.ledger = comm.ledger, Ledger("bench", [0])
+    try:
+        start = time.perf_counter()
+        for _ in range(calls):
+            comm.record("all_gather", 4096, torch.float32, "`fc.weight` and 1 more")
+        return (time.perf_counter() - start) / calls
+    finally:
+        comm.ledger = own
 
 
 def _time_check(comm: Any, calls: int = 100) -> float:
@@ -206,16 +209,18 @@ def _heartbeat_interval() -> float:
 class _Switch:
     """Turns the always-on fault machinery of one engine off and on, in place (a measurement device)."""
 
-    def __init__(self, comm: Any, ledger: Any, announcer: Any) -> None:
-        self.comm, self.ledger, self.announcer = comm, ledger, announcer
-        self.record, self.check, self.announce = ledger.record, comm.check, announcer.announce
-        self.entry = ledger.record("warm-up", 0, torch.float32, "")
+    def __init__(self, comm: Any) -> None:
+        # the ledger's entries are made by `Comm.record`, and every announcement and step check is an exchange
+        # through `Comm.agree` (the engine's backward and step call it directly)
+        self.comm = comm
+        self.record, self.check, self.agree = comm.record, comm.check, comm.agree
+        self.entry = comm.record("warm-up", 0, torch.float32, "")
 
     def set(self, mode: str) -> None:
         bare = mode == "bare"
-        self.ledger.record = (lambda *args: self.entry) if bare else self.record
+        self.comm.record = (lambda *args: self.entry) if bare else self.record
         self.comm.check = (lambda *args: None) if bare else self.check
-        self.announcer.announce = (lambda *args: None) if bare else self.announce
+        self.comm.agree = (lambda *args: None) if bare else self.agree
         self.comm.debug = mode == "debug"
 
 

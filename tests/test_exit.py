@@ -1,4 +1,4 @@
-"""shardwise.comm.exit: the collectives nobody waited for are waited for at exit, bounded, and never raise."""
+"""shardwise.comm.distributed: the collectives nobody waited for are waited for at exit, bounded, and never raise."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from shardwise.comm import exit as shardwise_exit
+from shardwise.comm import distributed as comm_distributed
 
 
 class _FakeWork:
@@ -29,34 +29,34 @@ class _FakeWork:
 
 @pytest.fixture(autouse=True)
 def _empty() -> Any:
-    saved = dict(shardwise_exit._UNWAITED)
-    shardwise_exit._UNWAITED.clear()
+    saved = dict(comm_distributed._UNWAITED)
+    comm_distributed._UNWAITED.clear()
     yield
-    shardwise_exit._UNWAITED.clear()
-    shardwise_exit._UNWAITED.update(saved)
+    comm_distributed._UNWAITED.clear()
+    comm_distributed._UNWAITED.update(saved)
 
 
 def test_waited_collectives_are_forgotten_and_the_memory_is_bounded() -> None:
     waited, abandoned = _FakeWork(False), _FakeWork(False)
-    shardwise_exit.track(waited)
-    shardwise_exit.track(abandoned)
-    shardwise_exit.forget(waited)
-    assert list(shardwise_exit._UNWAITED.values()) == [abandoned]
-    many = [_FakeWork(False) for _ in range(shardwise_exit._MAX_TRACKED + 10)]
+    comm_distributed._track(waited)
+    comm_distributed._track(abandoned)
+    comm_distributed._UNWAITED.pop(id(waited), None)
+    assert list(comm_distributed._UNWAITED.values()) == [abandoned]
+    many = [_FakeWork(False) for _ in range(comm_distributed._MAX_TRACKED + 10)]
     for work in many:
-        shardwise_exit.track(work)
-    assert len(shardwise_exit._UNWAITED) == shardwise_exit._MAX_TRACKED
-    assert abandoned not in shardwise_exit._UNWAITED.values(), "the oldest go first"
+        comm_distributed._track(work)
+    assert len(comm_distributed._UNWAITED) == comm_distributed._MAX_TRACKED
+    assert abandoned not in comm_distributed._UNWAITED.values(), "the oldest go first"
 
 
 def test_exit_waits_for_unwaited_collectives_with_a_bound_and_swallows_failures() -> None:
     running, dead_peer = _FakeWork(False), _FakeWork(False, fails=True)
     for work in (running, dead_peer):
-        shardwise_exit.track(work)
-    shardwise_exit._settle()  # must not raise: the process is exiting
-    assert running.waited == [timedelta(seconds=shardwise_exit._WAIT_S)]
-    assert dead_peer.waited == [timedelta(seconds=shardwise_exit._WAIT_S)]
-    assert shardwise_exit._UNWAITED == {}
+        comm_distributed._track(work)
+    comm_distributed._settle()  # must not raise: the process is exiting
+    assert running.waited == [timedelta(seconds=comm_distributed._WAIT_S)]
+    assert dead_peer.waited == [timedelta(seconds=comm_distributed._WAIT_S)]
+    assert comm_distributed._UNWAITED == {}
 
 
 def _collectives_are_tracked_until_waited() -> list[bool]:
@@ -68,10 +68,10 @@ def _collectives_are_tracked_until_waited() -> list[bool]:
     full, grads = torch.zeros(8), torch.ones(8)
     gather = comm.all_gather(full, torch.full((4,), float(comm.rank)), async_op=True)
     reduce = comm.reduce_scatter(torch.zeros(4), grads, async_op=True)
-    tracked = len(shardwise_exit._UNWAITED) == 2
+    tracked = len(comm_distributed._UNWAITED) == 2
     gather.wait()
     reduce.wait()  # gloo's reduce-scatter says is_completed() False even now: forgetting must not rely on it
-    return [tracked, shardwise_exit._UNWAITED == {}, full.tolist() == [0.0] * 4 + [1.0] * 4]
+    return [tracked, comm_distributed._UNWAITED == {}, full.tolist() == [0.0] * 4 + [1.0] * 4]
 
 
 def test_comm_tracks_its_asynchronous_collectives_until_they_are_waited() -> None:

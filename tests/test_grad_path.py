@@ -1,19 +1,21 @@
 """A gradient's path (``python -m benchmarks.grad_path``).
 
-The counter's "one gradient" rule on made-up episodes; the measured path at stages 2 and 3 held
-to what docs/life-of-a-gradient.md records (so a change that lengthens it fails here, naming the
-path), and what two ranks add to it (traced on two gloo ranks); stage 3's backward leaves no
-unit held and no call waiting for gradients; ``take_grads`` writes zeros where it must without a
-memset of the whole unit.
+The counter's "one gradient" rule on made-up episodes; the measured path at stages 2 and 3 held to the
+target of issue 36 (at most 7 files and 20 switches, every file counted) on the workload the benchmark
+traces (four Linear modules, bf16, AdamW, clipping; stage 3 at persistence threshold 0, so that the module
+hooks gather and free every unit; stages 0-2 with four buckets), in one process and on two gloo ranks; what
+two ranks add to it; stage 3's backward leaves no unit held and no call waiting for gradients;
+``take_grads`` writes zeros where it must without a memset of the whole unit.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -23,17 +25,16 @@ from torch import nn
 import shardwise
 from shardwise.testing import distributed_test
 from shardwise.zero.stage3.params import UnitState
+from shardwise.zero.stage3.strategy import take_grads
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `benchmarks` is a top-level package next to src/
 
-from benchmarks.grad_path import BOOKKEEPING, TRANSPORT, PathCount, trace_path, trace_ranks  # noqa: E402
+from benchmarks.grad_path import TARGET, PathCount, build_model, trace_path, trace_ranks, workload  # noqa: E402
 
-#: (files, switches) of one gradient's path, gradient only, one process: the figures the doc records
-LIMITS = {2: (6, 13), 3: (6, 15)}
-#: the issue's target, which two ranks (the norm's all-reduce and the regather on the path) must meet too
-TARGET = (6, 15)
+#: what a rank waits through when a peer is late past a slice: the peer's timing, not the path (see `_two_ranks`)
+SLOW_PEER = {"faults/control.py", "faults/published.py"}
 
 
 def _path(calls: list[tuple[str, str, int | None]]) -> PathCount:
@@ -62,27 +63,72 @@ def test_identical_launching_episodes_count_once_and_different_ones_all_stay() -
     assert raw.one_gradient().calls == [hook, other, side]
 
 
-@pytest.mark.parametrize("stage", sorted(LIMITS))
-def test_measured_path_stays_as_short_as_recorded(stage: int) -> None:
+def test_every_file_is_counted_and_the_bookkeeping_is_reported_beside_the_total() -> None:
+    raw = _path([("", "engine/engine.py", None), ("engine/engine.py", "faults/ledger.py", None),
+                 ("engine/engine.py", "comm/distributed.py", None), ("comm/distributed.py", "comm/shm.py", None)])
+    counts = raw.counts()
+    assert (counts["files"], counts["switches"]) == (4, 3)
+    assert counts["beside"]["bookkeeping"] == {"files": ["faults/ledger.py"], "switches": 1}
+    assert counts["beside"]["transport"] == {"files": ["comm/shm.py"], "switches": 1}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_traced_workload_takes_the_hard_path(stage: int) -> None:
+    """Stage 3 keeps no persistent unit (each module's unit is gathered and freed around its passes); the flat
+    stages reduce several buckets; bf16, clipping and AdamW are on."""
+    engine = shardwise.initialize(build_model(), config=workload(stage))
+    strategy: Any = engine.strategy
+    assert engine.precision.dtype == torch.bfloat16 and engine.optimizer is not None
+    assert engine.optimizer.clip == 1.0 and isinstance(engine.optimizer.inner, torch.optim.AdamW)
+    if stage == 3:
+        assert len(strategy.units) == 4 and not any(unit.persistent for unit in strategy.units)
+    else:
+        assert len(strategy.layout.buckets) == 4
+    engine.destroy()
+
+
+def _check(counts: dict[str, Any], stage: int) -> None:
+    files, switches = TARGET
+    assert counts["files"] <= files and counts["switches"] <= switches, (counts["files"], counts["switches"],
+                                                                         counts["path"])
+    visited = set(counts["file_list"])
+    if stage == 3:  # the module hooks gather and free the units on the path
+        assert {"zero/stage3/hooks.py", "zero/stage3/params.py"} <= visited, sorted(visited)
+    else:
+        assert "zero/flat/grads.py" in visited, sorted(visited)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_path_meets_the_target_in_one_process(stage: int) -> None:
     raw = trace_path(stage)
-    one = raw.one_gradient().counts(BOOKKEEPING)
-    files, switches = LIMITS[stage]
-    assert one["files"] <= files and one["switches"] <= switches, one["path"]
-    # four parameters: the raw count has three more hook calls than one gradient's path
-    assert raw.counts(BOOKKEEPING)["switches"] == one["switches"] + 3
-    visited = {part for step in one["path"] for part in step.split(" > ")}
-    # no super() stop in base.py, no layout helper, no call into the module hooks when nothing waits there
-    assert visited.isdisjoint({"zero/base.py", "zero/layout.py", "zero/hooks.py"}), one["path"]
+    _check(raw.one_gradient().counts(), stage)
 
 
-def test_two_ranks_add_the_norm_all_reduce_and_the_regather_at_stage_2_only() -> None:
-    """With two ranks the flat stages shard: the norm's all-reduce and the all-gather join the path."""
-    for stage, extra in ((2, ["zero/optimizer.py > distributed.py", "zero/flat.py > distributed.py"]), (3, [])):
-        alone = trace_path(stage).one_gradient().counts(BOOKKEEPING)["path"]
-        counts = trace_ranks(stage, 2).one_gradient().counts(BOOKKEEPING | TRANSPORT)
-        ranks = counts["path"]
-        assert sorted(ranks) == sorted(alone + extra), (stage, alone, ranks)
-        assert counts["files"] <= TARGET[0] and counts["switches"] <= TARGET[1], ranks
+def _two_ranks(stage: int) -> dict[str, Any]:
+    """Rank 0's path on two ranks.  A peer late past a wait's first slice makes rank 0 say so and read what
+    the peers published (the slow-peer files): the timing of this machine, not the path, so such a run is
+    traced once more (a second one must not wait)."""
+    counts = trace_ranks(stage, 2).one_gradient().counts()
+    if SLOW_PEER & set(counts["file_list"]):
+        counts = trace_ranks(stage, 2).one_gradient().counts()
+    return counts
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_path_meets_the_target_on_two_ranks(stage: int) -> None:
+    _check(_two_ranks(stage), stage)
+
+
+def test_two_ranks_add_the_announcement_and_the_norm_all_reduce_only() -> None:
+    """With two ranks the engine's backward is announced (one exchange) and the flat stages shard, so the
+    norm's all-reduce joins the path; everything else is the same calls as in one process."""
+    for stage, extra in ((2, ["engine/engine.py > comm/distributed.py", "optim/precision.py > comm/distributed.py"]),
+                         (3, ["engine/engine.py > comm/distributed.py"])):
+        alone = trace_path(stage).one_gradient().counts()["path"]
+        ranks = _two_ranks(stage)["path"]
+        added = collections.Counter(ranks) - collections.Counter(alone)
+        assert sorted(added.elements()) == sorted(extra) and not collections.Counter(alone) - collections.Counter(
+            ranks), (stage, alone, ranks)
 
 
 def _stage3_engine() -> shardwise.Engine:
@@ -123,13 +169,13 @@ def test_take_grads_writes_zeros_for_no_gradient_frozen_and_padding() -> None:
     with torch._C.DisableTorchFunctionSubclass():
         weight_grad = unit.params[0].grad.clone()
         unit.params[1].grad = None  # this rank had no gradient for the bias
-    flat, had = unit.take_grads([0, 1], torch.float32)
+    flat, had = take_grads(unit, [0, 1], torch.float32)
     assert had == {0}
     assert torch.equal(unit.param_view(flat, 0), weight_grad)
     assert torch.count_nonzero(flat[unit.offsets[1]:]) == 0  # the bias's zeros and the padding
     with torch._C.DisableTorchFunctionSubclass():
         unit.params[0].grad = torch.ones_like(weight_grad)
-    flat, had = unit.take_grads([1], torch.float32)  # the weight not asked for (frozen): zeros, grad untouched
+    flat, had = take_grads(unit, [1], torch.float32)  # the weight not asked for (frozen): zeros, grad untouched
     with torch._C.DisableTorchFunctionSubclass():
         assert had == set() and torch.count_nonzero(flat) == 0 and unit.params[0].grad is not None
         unit.params[0].grad = None

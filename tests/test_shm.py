@@ -134,7 +134,7 @@ def test_non_contiguous_and_in_flight_together() -> None:
         assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"shardwise-{os.getpid()}-")]
     # a segment nobody holds is freed, and its worker thread ends
     assert comm.shm.segment is not None
-    worker = comm.shm.segment._thread
+    worker = comm.shm.segment.worker
     del comm, works, work  # `work` too: each waited collective still names its Comm
     gc.collect()
     worker.join(5.0)
@@ -146,7 +146,7 @@ def test_destroying_an_engine_ends_its_worker() -> None:
     model = torch.nn.Linear(4, 4)
     engine = shardwise.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})
     assert engine.comm.shm.active and engine.comm.shm.segment is not None
-    worker = engine.comm.shm.segment._thread
+    worker = engine.comm.shm.segment.worker
     engine.backward(engine(torch.ones(2, 4)).sum())
     engine.step()
     engine.destroy()

@@ -22,8 +22,12 @@ the failures are the same whichever way a collective travels.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import pickle
+import time
+import zlib
 from collections import Counter
 from datetime import timedelta
 from typing import Any, Callable, Optional, Protocol, Sequence
@@ -32,13 +36,12 @@ import torch
 import torch.distributed as dist
 
 from .. import faults
-from ..faults import announce, control, published
-from ..faults.ledger import Entry, Ledger, ledger_for
-from . import exit as _exit
+from ..faults import announce, control, heartbeat, published
+from ..faults.ledger import ACTIVITY, IDLE, Entry, Ledger, doing, ledger_for, ledgers
 from . import shm as _shm
 from .placement import require_gpu, visible_gpus
 
-__all__ = ["Comm", "DEFAULT_TIMEOUT", "Work", "group_key", "init_distributed"]
+__all__ = ["Comm", "DEFAULT_TIMEOUT", "Work", "group_key", "init_distributed", "wait_all"]
 
 
 class Work(Protocol):
@@ -66,15 +69,15 @@ class _Group:
     def wait(self) -> bool:
         for work in self.works:
             work.wait()
-            _exit.forget(work)
+            _UNWAITED.pop(id(work), None)
         return True
 
     def wait_for(self, seconds: float) -> bool:
-        """Wait at most ``seconds`` for each work still in flight: whether all are done (:mod:`.faults.published`)."""
+        """Wait at most ``seconds`` for each work still in flight: whether all are done (see :func:`_finished`)."""
         while self.works:
-            if not published.finished(self.works[0], seconds):
+            if not _finished(self.works[0], seconds):
                 return False
-            _exit.forget(self.works.pop(0))
+            _UNWAITED.pop(id(self.works.pop(0)), None)
         return True
 
 
@@ -150,18 +153,109 @@ class _Watched:
         ledger = self.comm.ledger
         ledger.waiting = self.entry
         try:
-            if self.comm._gloo:
-                # in slices, reading what the peers published: one that raised before issuing it is named at once
-                published.wait(self.work, ledger, self.comm.global_rank, self.entry.seq)
-            else:
+            if not self.comm._gloo:
                 self.work.wait()  # NCCL: a wait orders CUDA streams, and a timed one may abort the communicator
+            elif not _finished(self.work):
+                # in slices, reading what the peers published: one that raised before issuing it is named at once
+                _wait_sliced(self.work, ledger, self.comm.global_rank, self.entry.seq)
         except RuntimeError as exc:
             raise self.comm.fault(f"waiting on {self.entry.describe()}", exc, self.entry.seq) from exc
         finally:
             ledger.waiting = None
-        _exit.forget(self.work)
+        _UNWAITED.pop(id(self.work), None)
         self.work = None
         return True
+
+
+def wait_all(works: Sequence[Work]) -> None:
+    """Wait for each of ``works`` in turn (one call for a step's works, not one per bucket or unit)."""
+    for work in works:
+        work.wait()
+
+
+# ------------------------------------------------------------- waiting in slices
+def _finished(work: Any, seconds: float = published.SLICE_S) -> bool:
+    """Wait for ``work`` at most ``seconds``: True once it completed (its error raised), False if it goes on."""
+    done = getattr(work, "done", None)
+    if done is not None:  # finished by a thread of shardwise (shared memory's worker, the reduce-scatter waiter)
+        if not done.wait(seconds):
+            if work.worker is not None and not work.worker.is_alive():
+                raise RuntimeError("the shared-memory collective worker thread has ended")
+            return False
+        if work.error is not None:
+            raise work.error
+        return True
+    wait_for = getattr(work, "wait_for", None)  # several broadcasts
+    if wait_for is not None:
+        finished: bool = wait_for(seconds)
+        return finished
+    try:
+        work.wait(timedelta(seconds=seconds))
+    except RuntimeError as exc:
+        if published.RAN_OUT in str(exc):
+            return False
+        raise
+    return True
+
+
+def _wait_sliced(work: Any, ledger: Ledger, rank: int, seq: Optional[int] = None) -> None:
+    """Wait for ``work`` of group ``ledger`` (collective ``seq``, or an agreement when None) a slice at a time,
+    raising :class:`~shardwise.faults.published.PeerPublished` as soon as a peer published an error that means it
+    will not join (:mod:`shardwise.faults.published`)."""
+    while not _finished(work):
+        errors = published.errors_of(ledger, rank)
+        found = errors.find(ledger.key, seq) if errors is not None else None
+        if found is not None:
+            raise published.PeerPublished(found[1])
+
+
+# ------------------------------------------------- the collectives nobody waited for
+# Leave the process cleanly after training: settle gloo's worker threads before Python finalizes.
+#
+# gloo runs every collective on a worker thread of its process group, and that thread drops its own reference
+# to the collective (and so to its tensors) only after the collective finished.  When that is the last
+# reference to a tensor Python also knew, dropping it needs the GIL.  Once the interpreter has begun to
+# finalize, a foreign thread that asks for the GIL is ended with ``pthread_exit``, whose unwinding through
+# gloo's C++ frames calls ``std::terminate``: the process dies with SIGABRT ("terminate called without an
+# active exception") after the script has finished and printed its results.  Seen with ZeRO-3 engines, whose
+# units gather right up to the last forward: about one run in 40 of ``examples/gan.py`` under ``torchrun`` on a
+# loaded 2-core machine (a core dump showed a gloo worker destroying an all-gather inside
+# ``Py_FinalizeEx``'s collection).
+#
+# So at ``atexit`` (before finalization, while every thread can still take the GIL) the collectives shardwise
+# started and nobody waited for are waited for, bounded by a few seconds (a dead peer must not hold the exit),
+# then one garbage collection runs.  Engines are reference cycles (modules and their hooks), so that collection
+# frees their buffers, and, when the script has already called ``destroy_process_group``, their process groups
+# too, whose destructors join the worker threads.  Nothing there raises: exit must not fail.
+
+#: how long exit waits for one unwaited collective (seconds)
+_WAIT_S = 5.0
+#: at most this many unwaited collectives are remembered (the oldest are long finished)
+_MAX_TRACKED = 1024
+
+# Keyed by id(): a collective is forgotten when its waiter returns.  Work.is_completed()
+# cannot prune this: gloo's reduce-scatter reports False even after a successful wait.
+_UNWAITED: dict[int, Any] = {}
+
+
+def _track(work: Any) -> None:
+    """Remember an asynchronous collective until it is waited for."""
+    _UNWAITED[id(work)] = work
+    if len(_UNWAITED) > _MAX_TRACKED:
+        del _UNWAITED[next(iter(_UNWAITED))]
+
+
+def _settle() -> None:
+    for work in list(_UNWAITED.values()):
+        try:
+            _finished(work, _WAIT_S)
+        except Exception:  # a peer died or the group is gone: exit anyway
+            pass
+    _UNWAITED.clear()
+    gc.collect()
+
+
+atexit.register(_settle)
 
 
 class Comm:
@@ -192,6 +286,8 @@ class Comm:
         self.debug = debug
         #: the process group's backend ("gloo", "nccl"; "none" with no group)
         self.backend = str(dist.get_backend(group)) if dist.is_available() and dist.is_initialized() else "none"
+        #: whether the group has more than one rank (every collective is a no-op otherwise)
+        self.distributed = self.world_size > 1
         self._gloo = self.world_size > 1 and self.backend == "gloo"
         self.ledger = Ledger("local", [0])
         if self.world_size > 1:
@@ -224,10 +320,6 @@ class Comm:
         """How this group's data collectives travel, in words (logged by the engine)."""
         return self.shm.describe(self.backend)
 
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
     def _count(self, name: str, nbytes: float) -> None:
         self.bytes_sent[name] += int(nbytes)
         self.calls[name] += 1
@@ -259,10 +351,11 @@ class Comm:
                                f"{ledger.key} outside any announced operation (`SHARDWISE_STRICT_COLLECTIVES=1`), "
                                f"in {faults.current_activity()}: announce the operation that issues it "
                                "(shardwise.faults.announce)")
-        entry = ledger.record(kind, tensor.numel(), tensor.dtype, label)
+        entry = self.record(kind, tensor.numel(), tensor.dtype, label)
         if self.debug:
-            control.before(ledger, self.global_rank, self.timeout,
-                           ledger.key_of(kind, entry.numel, entry.dtype, label), entry.describe())
+            self.agree([control.DEBUG, ledger.seq, _key(kind, entry.numel, entry.dtype, label)],
+                       ["kind", "collective number", "collective"],
+                       f"in the collective check (`comms.debug`) before {entry.describe()}")
         try:
             work = start()
         except RuntimeError as exc:
@@ -270,10 +363,25 @@ class Comm:
         watched = _Watched(work, self, entry)
         if async_op:
             for raw in getattr(work, "works", [work]):  # a _Group is several broadcasts
-                _exit.track(raw)  # so the process's exit can wait for it (shardwise.comm.exit)
+                _track(raw)  # so the process's exit can wait for it (see `_settle`)
             return watched
         watched.wait()
         return _DONE
+
+    def record(self, kind: str, numel: int, dtype: torch.dtype, label: str) -> Entry:
+        """Give the next collective of the group its number and fold it into the fingerprint and the log of its
+        ledger (:mod:`shardwise.faults.ledger`), here where collectives are issued; a note that is not a
+        collective (stage 3's in-place writes) is recorded the same way, for the step check to compare."""
+        ledger = self.ledger
+        key = _KEYS.get((kind, numel, dtype, label))
+        if key is None:
+            key = _key(kind, numel, dtype, label)
+        ledger.seq += 1
+        ledger.fingerprint = ((ledger.fingerprint * 1000003) ^ key) & _MASK
+        entry = Entry(ledger.seq, kind, numel, dtype, label, ACTIVITY[-1].text if ACTIVITY else IDLE, time.monotonic())
+        ledger.log.append(entry)
+        ledger.last = entry
+        return entry
 
     def fault(self, operation: str, exc: BaseException, seq: int = 0) -> BaseException:
         """The error to raise for a failure of this group seen in ``operation`` (the first one sticks)."""
@@ -289,7 +397,42 @@ class Comm:
     def check(self, point: str, counters: Sequence[int], names: Sequence[str]) -> None:
         """The step check: every rank issued the same collectives so far and has the same ``counters``."""
         if self.distributed:
-            control.agree(self.ledger, self.global_rank, self.timeout, point, counters, names)
+            ledger = self.ledger
+            self.agree([control.CHECK, ledger.seq, ledger.fingerprint, *counters],
+                       ["kind", "collectives", "fingerprint", *names],
+                       f"in the step check at {point} (after collective #{ledger.seq})")
+
+    def agree(self, values: Sequence[int], names: Sequence[str], what: str) -> None:
+        """Every rank has the same ``values`` (named by ``names``; the first is the kind of check, ``what`` says
+        where this rank is), or every rank raises naming what each did (:mod:`shardwise.faults.control`).
+
+        The exchange is one all-reduce on the group's control group, waited for in slices, here beside the
+        collectives: a step's check and a backward's announcement are on every gradient's path.  Setting the
+        control group up (once) and naming a disagreement are :mod:`~shardwise.faults.control`'s."""
+        ledger, rank = self.ledger, self.global_rank
+        if ledger.broken is not None:
+            raise ledger.broken
+        group = ledger.control if ledger.control is not None else control.open_group(ledger, rank, self.timeout, what)
+        # the failure count goes last in every kind of exchange, so any two can be compared there
+        row = [*values] + [0] * (control.WIDTH - 1 - len(values)) + [doing.failures]
+        try:
+            group.count += 1
+            group.buffer.copy_(torch.tensor(row + [-v for v in row], dtype=torch.int64))
+            work = group.group.allreduce([group.buffer], group.options)
+            if not _finished(work, control.SAY_AFTER_S):
+                control.say_waiting(group.store, ledger, rank, group.count)  # for a rank in a checkpoint's agreement
+                _wait_sliced(work, ledger, rank)
+            reduced = group.buffer.tolist()
+        except RuntimeError as exc:
+            raise control.failed(ledger, rank, self.timeout, what, exc) from exc
+        maxima, minima = reduced[: control.WIDTH], [-v for v in reduced[control.WIDTH :]]
+        if maxima != minima:
+            names = [*names] + [""] * (control.WIDTH - 1 - len(names)) + [control.FAILURES]
+            raise control.disagreement(ledger, rank, group, what, row, names, maxima, minima)
+        if heartbeat.PUBLISHED and not any(other.broken is not None for other in ledgers()):
+            # every rank passed this agreement: an error published before it was handled by all (a broken group's
+            # error stays: its peers still need it)
+            heartbeat.clear_fault()
 
     # ------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, op: Any = None, label: str = "") -> Work:
@@ -297,9 +440,9 @@ class Comm:
         if not self.distributed:
             return _DONE
         self._count("all_reduce", 2 * _ring_share(self.world_size) * _nbytes(tensor))
-        segment = self.shm.carrier(tensor, summed=True) if op in (None, dist.ReduceOp.SUM) else None
+        segment = _carrier(self.shm.segment, (tensor,), True) if op in (None, dist.ReduceOp.SUM) else None
         if segment is not None:
-            return self._issue("all_reduce", tensor, label, lambda: segment.all_reduce(tensor), async_op)
+            return self._issue("all_reduce", tensor, label, lambda: _post(segment, "all_reduce", tensor), async_op)
         opts = self._opts(dist.AllreduceOptions, reduceOp=op or dist.ReduceOp.SUM)
         return self._issue("all_reduce", tensor, label, lambda: self._pg.allreduce([tensor], opts), async_op)
 
@@ -311,9 +454,10 @@ class Comm:
                 output.copy_(input)
             return _DONE
         self._count("reduce_scatter", _ring_share(self.world_size) * _nbytes(input))
-        segment = self.shm.carrier(output, input, summed=True)
+        segment = _carrier(self.shm.segment, (output, input), True)
         if segment is not None:
-            return self._issue("reduce_scatter", input, label, lambda: segment.reduce_scatter(output, input), async_op)
+            return self._issue("reduce_scatter", input, label, lambda: _post(segment, "reduce_scatter", output, input),
+                               async_op)
         opts = self._opts(dist.ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
         # gloo's reduce-scatter ignores a timed wait: waited for on a thread, so its waiter can read faults
         return self._issue("reduce_scatter", input, label,
@@ -326,15 +470,21 @@ class Comm:
                 output.copy_(input)
             return _DONE
         self._count("all_gather", _ring_share(self.world_size) * _nbytes(output))
-        segment = self.shm.carrier(output, input)
+        segment = _carrier(self.shm.segment, (output, input), False)
         if segment is not None:
-            return self._issue("all_gather", output, label, lambda: segment.all_gather(output, input), async_op)
+            return self._issue("all_gather", output, label, lambda: _post(segment, "all_gather", output, input), async_op)
         if self._gloo and output.numel() >= GLOO_BROADCAST_GATHER_MIN:
             start: Callable[[], Any] = lambda: self._gather_by_broadcast(output, input)  # noqa: E731
         else:
             opts = self._opts(_AllgatherOptions)
             start = lambda: _AG(self._pg, output, input, opts)  # noqa: E731
         return self._issue("all_gather", output, label, start, async_op)
+
+    def all_gather_each(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], labels: Sequence[str]) -> list[Work]:
+        """Start an all-gather of each ``(output, input)`` of ``pairs``, in order (one call for a step's
+        buckets); their works, to wait on."""
+        return [self.all_gather(output, input, async_op=True, label=label)
+                for (output, input), label in zip(pairs, labels)]
 
     def _gather_by_broadcast(self, output: torch.Tensor, input: torch.Tensor) -> Any:
         """All-gather as one broadcast from each rank, each into its slice of ``output``."""
@@ -463,6 +613,39 @@ class _TimedP2P:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+# ------------------------------------------------------------ recording
+_MASK = (1 << 61) - 1
+#: every collective's key, once computed (the same collectives recur every step)
+_KEYS: dict[tuple[str, int, torch.dtype, str], int] = {}
+
+
+def _key(kind: str, numel: int, dtype: torch.dtype, label: str) -> int:
+    """A number that is the same on every rank for the same collective (``hash`` is salted per process)."""
+    key = zlib.crc32(f"{kind}|{numel}|{dtype}|{label}".encode())
+    if len(_KEYS) < 4096:
+        _KEYS[(kind, numel, dtype, label)] = key
+    return key
+
+
+# ------------------------------------------------------------ shared memory
+def _carrier(segment: Optional[_shm.SharedSegment], tensors: tuple[torch.Tensor, ...],
+             summed: bool) -> Optional[_shm.SharedSegment]:
+    """``segment`` (:mod:`.shm`), when it can carry a collective of ``tensors`` (the same answer on every rank)."""
+    if segment is None or any(t.device.type != "cpu" for t in tensors):
+        return None
+    if summed and any(t.dtype in (torch.bool, torch.complex64, torch.complex128) for t in tensors):
+        return None
+    return segment
+
+
+def _post(segment: _shm.SharedSegment, kind: str, *tensors: torch.Tensor) -> _shm.ShmWork:
+    """Hand a collective to ``segment``'s worker (a record and a queue's ``put``: the transport's code runs on
+    its own thread, as gloo's does)."""
+    work = _shm.ShmWork(segment.worker)
+    segment.jobs.put((segment, kind, tensors, work))
+    return work
 
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only

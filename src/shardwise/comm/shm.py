@@ -51,6 +51,7 @@ program order, so a peer that reads a flag also sees the data written before.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import platform
@@ -70,7 +71,7 @@ import torch.distributed as dist
 from ..faults.liveness import PeerWatch
 from .processes import running
 
-__all__ = ["CHUNK", "SharedMemory", "ShmWork", "SharedSegment", "open_segment", "supported", "sweep"]
+__all__ = ["CHUNK", "KINDS", "Job", "SharedMemory", "ShmWork", "SharedSegment", "open_segment", "supported", "sweep"]
 
 #: bytes per rank per step (measured: 4 MiB beat 1, 2, 8 and 16 MiB for a 20 MB all-reduce)
 CHUNK = 4 << 20
@@ -97,38 +98,28 @@ def supported(world: int) -> str:
     return ""
 
 
+@dataclasses.dataclass(eq=False)
 class ShmWork:
-    """An issued shared-memory collective: ``wait`` returns once the worker finished it, or raises its error."""
+    """An issued shared-memory collective: ``done`` is set once the worker finished it, with ``error`` what it
+    raised (``Comm`` waits for ``done`` in slices, as for every work a thread of shardwise finishes); ``wait``
+    for a caller of the segment's own methods."""
 
-    def __init__(self, worker: threading.Thread) -> None:
-        self._done = threading.Event()
-        self._error: Optional[BaseException] = None
-        self._worker = worker
-
-    def finish(self, error: Optional[BaseException]) -> None:
-        self._error = error
-        self._done.set()
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
+    #: the segment's worker thread, which finishes it (its end before then is an error)
+    worker: threading.Thread
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: Optional[BaseException] = None
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         # The worker bounds every wait on a peer by itself; a bound here only stops a caller (exit) early.
         limit = timeout.total_seconds() if timeout is not None else None
         start = time.monotonic()
-        while not self.wait_for(1.0 if limit is None else min(1.0, limit)):
+        while not self.done.wait(1.0 if limit is None else min(1.0, limit)):
+            if not self.worker.is_alive():
+                raise RuntimeError("the shared-memory collective worker thread has ended")
             if limit is not None and time.monotonic() - start > limit:
                 raise RuntimeError(f"shared-memory collective not finished within {limit:g} s")
-        return True
-
-    def wait_for(self, seconds: float) -> bool:
-        """Wait at most ``seconds``: True once finished (its error raised), False while it runs on."""
-        if not self._done.wait(seconds):
-            if not self._worker.is_alive():
-                raise RuntimeError("the shared-memory collective worker thread has ended")
-            return False
-        if self._error is not None:
-            raise RuntimeError(str(self._error)) from self._error
+        if self.error is not None:
+            raise self.error
         return True
 
 
@@ -149,15 +140,17 @@ class SharedSegment:
         self._abandoned = False
         #: buffers every rank maps: this rank's base address -> (bytes, every rank's copy as uint8, None for this rank)
         self._shared: dict[int, tuple[int, list[Optional[torch.Tensor]]]] = {}
-        self._queue: queue.SimpleQueue[Optional[_Job]] = queue.SimpleQueue()
+        #: the collectives to run, in the order issued: ``(segment, kind, tensors, work)`` (:data:`Job`); ``Comm``
+        #: puts its own here directly (no call on the issuing thread but the queue's)
+        self.jobs: queue.SimpleQueue[Optional[Job]] = queue.SimpleQueue()
         # The thread holds the segment only weakly: a segment nobody uses any more is freed, and its thread ends.
-        self._thread = threading.Thread(target=_serve, args=(self._queue, weakref.ref(self)), name="shardwise-shm",
-                                        daemon=True)
-        self._thread.start()
+        self.worker = threading.Thread(target=_serve, args=(self.jobs, weakref.ref(self)), name="shardwise-shm",
+                                       daemon=True)
+        self.worker.start()
 
     def close(self) -> None:
         """End the worker thread once the collectives already issued are done."""
-        self._queue.put(None)
+        self.jobs.put(None)
 
     def abandon(self) -> None:
         """The group is broken (its waiter raised): the collective waiting for a peer stops at its next poll,
@@ -167,35 +160,42 @@ class SharedSegment:
     # ------------------------------------------------------------ the API
     def all_reduce(self, tensor: torch.Tensor) -> ShmWork:
         """Sum ``tensor`` across ranks, in place."""
-        copies = self._copies(tensor)
-        if copies is not None:
-            return self._submit(self._all_reduce_shared, tensor, copies)
-        return self._submit(self._all_reduce, tensor)
+        return self._submit("all_reduce", tensor)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> ShmWork:
         """Every rank's ``input`` concatenated, in rank order, into ``output``."""
-        return self._submit(self._all_gather, output, input)
+        return self._submit("all_gather", output, input)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> ShmWork:
         """The sum across ranks of chunk ``rank`` of ``input`` (N equal chunks), into ``output``."""
-        copies = self._copies(input)
-        if copies is not None:
-            return self._submit(self._reduce_scatter_shared, output, copies)
-        return self._submit(self._reduce_scatter, output, input)
+        return self._submit("reduce_scatter", output, input)
 
-    def _submit(self, run: Callable[..., None], *args: Any) -> ShmWork:
-        work = ShmWork(self._thread)
-        self._queue.put((run, args, work))
+    def _submit(self, kind: str, *tensors: torch.Tensor) -> ShmWork:
+        work = ShmWork(self.worker)
+        self.jobs.put((self, kind, tensors, work))
         return work
 
-    def _run(self, job: "_Job") -> None:
-        run, args, work = job
+    def _run(self, job: "Job") -> None:
+        """On the worker: run one collective (over a buffer every rank maps, reading the peers' copies in place,
+        where its tensor lies in one), and finish its work."""
+        _, kind, tensors, work = job
         if self._broken is None:
             try:
-                run(*args)
+                if kind == "all_gather":
+                    self._all_gather(*tensors)
+                elif kind == "all_reduce":
+                    copies = self._copies(tensors[0])
+                    self._all_reduce(*tensors) if copies is None else self._all_reduce_shared(tensors[0], copies)
+                else:
+                    output, input = tensors
+                    copies = self._copies(input)
+                    self._reduce_scatter(output, input) if copies is None else self._reduce_scatter_shared(output,
+                                                                                                          copies)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter; later collectives fail too
-                self._broken = exc
-        work.finish(self._broken)
+                self._broken = RuntimeError(str(exc))
+                self._broken.__cause__ = exc
+        work.error = self._broken
+        work.done.set()
 
     # ----------------------------------------------------------- one step
     def _mine(self) -> torch.Tensor:
@@ -354,7 +354,8 @@ class SharedSegment:
         if not self._shared or not tensor.is_contiguous():
             return None
         address, count = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        for base, (nbytes, copies) in self._shared.items():
+        # (a copy of the items: the worker thread reads them while a finalizer may drop a buffer's entry)
+        for base, (nbytes, copies) in list(self._shared.items()):
             offset = address - base
             if 0 <= offset and offset + count <= nbytes:
                 return [tensor.view(-1) if copy is None else copy[offset : offset + count].view(tensor.dtype)
@@ -362,10 +363,15 @@ class SharedSegment:
         return None
 
 
-_Job = tuple[Callable[..., None], tuple[Any, ...], ShmWork]
+#: what a segment's worker runs: ``(segment, kind, tensors, work)``, ``kind`` one of :data:`KINDS`; the job holds
+#: its segment (the worker only weakly), so a segment whose owner let go still runs what it was handed: its peers
+#: wait for their halves of those collectives
+Job = tuple["SharedSegment", str, tuple[torch.Tensor, ...], ShmWork]
+#: the kinds of collective a segment runs, with their tensors: ``(tensor,)``, ``(output, input)``, ``(output, input)``
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
-def _serve(jobs: "queue.SimpleQueue[Optional[_Job]]", segment: "weakref.ref[SharedSegment]") -> None:
+def _serve(jobs: "queue.SimpleQueue[Optional[Job]]", segment: "weakref.ref[SharedSegment]") -> None:
     """The worker thread: run the segment's collectives in order until it is closed or freed."""
     while True:
         try:
@@ -457,14 +463,6 @@ class SharedMemory:
             if tensor is not None:
                 return tensor
         return torch.zeros(numel, dtype=dtype, device=device)
-
-    def carrier(self, *tensors: torch.Tensor, summed: bool = False) -> Optional[SharedSegment]:
-        """The segment, when it can carry a collective of ``tensors`` (the same answer on every rank)."""
-        if self.segment is None or any(t.device.type != "cpu" for t in tensors):
-            return None
-        if summed and any(t.dtype in (torch.bool, torch.complex64, torch.complex128) for t in tensors):
-            return None
-        return self.segment
 
     def describe(self, backend: str) -> str:
         """How the group's data collectives travel, in words (``backend``: the group's own)."""

@@ -21,14 +21,14 @@ from ..comm.agreement import join
 from ..comm.construction import digests, engine_fingerprints, require_same_construction
 from ..comm.distributed import Comm
 from ..config import Config
-from ..faults import doing
-from ..faults.announce import Announcer, register
+from ..faults import control
+from ..faults.announce import WHAT, Announcer, code, register
+from ..faults.ledger import ACTIVITY, doing, failed
 from ..optim.hardware import warn_if_slow_bf16
 from ..optim.optimizers import resolve_optimizer
-from ..optim.precision import Precision
+from ..optim.precision import Precision, ZeroOptimizer
 from ..optim.schedulers import build_scheduler
 from ..zero import make_strategy
-from ..zero.optimizer import ZeroOptimizer
 from ..zero.stage3.params import is_partitioned
 from . import ownership
 from .checks import check_loss, check_model, check_trainable
@@ -73,6 +73,11 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         self.skipped_steps = 0
         #: what announces this engine's collective operations to the other ranks (:mod:`.faults.announce`)
         self._announcer = Announcer(self.comm, self._label, self._counters)
+        #: ``backward`` and ``step``, the calls on every gradient's path: their records, announcement codes and
+        #: scopes, made once (:meth:`_running`, :meth:`_announced`)
+        self._calls = {phase: doing(phase, self._label) for phase in ("backward", "step")}
+        self._codes = {phase: code(phase) for phase in self._calls}
+        self._scopes = {phase: self._announcer.scope(phase) for phase in self._calls}
         #: a `backward` (or `step`) that raised partway, what it raised: training refuses to go on until
         #: `zero_grad()` (after a step: `load_checkpoint`) says how to recover (docs/faults.md)
         self._failed_backward: Optional[str] = None
@@ -255,7 +260,7 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         Gradients are reduced across ranks only at an accumulation boundary and
         outside :meth:`no_sync`.
         """
-        with doing("backward", self._label):
+        with self._running("backward") as call:
             self._require_optimizer("`engine.backward`")
             self._require_clean("`engine.backward`")
             sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
@@ -265,9 +270,8 @@ class Engine(DeepSpeedGetters, WeightsSurface):
             accumulation = self.batch_sizes.gradient_accumulation_steps
             scale = self.precision.scaler.current / (accumulation * self.strategy.loss_divisor)
             # announced where it moves data: a reducing backward, or any at stage 3 (it re-gathers)
-            with self._announcer.scope("backward", sync or self.strategy.gathers), self._timed("backward"), \
-                    self._backward_pass(sync):
-                (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+            with self._announced(call, "backward", sync or self.strategy.gathers), self._timed("backward"):
+                self._backward_pass(loss * scale if scale != 1.0 else loss, sync, retain_graph)
             self._backwards += 1
             self._accumulated += 1
             self._reduced = self._reduced or sync
@@ -280,9 +284,8 @@ class Engine(DeepSpeedGetters, WeightsSurface):
                 )
             return loss
 
-    @contextlib.contextmanager
-    def _backward_pass(self, sync: bool) -> Iterator[None]:
-        """Around autograd: the strategy's hooks reduce (``sync``) or accumulate.
+    def _backward_pass(self, tensor: torch.Tensor, sync: bool, retain_graph: bool) -> None:
+        """Autograd, run by the strategy: its hooks reduce (``sync``) or accumulate.
 
         A second backward at the same boundary (DeepSpeed's dialect) keeps what the first one reduced
         aside and adds it to what this one reduces: the same as one backward of the summed losses, with
@@ -290,16 +293,57 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         """
         again = sync and self._reduced
         with self.strategy.adding_to_reduced() if again else contextlib.nullcontext():
-            self.strategy.start_backward(sync)
             try:
-                yield
+                self.strategy.run_backward(tensor, sync, retain_graph)
             except BaseException as exc:
-                # Autograd raised partway (a hook, an interrupt): reductions already launched are waited for and
-                # dropped, and training refuses to go on until `zero_grad()` drops the partial gradients.
+                # Autograd raised partway (a hook, an interrupt): the strategy waited for and dropped the reductions
+                # already launched, and training refuses to go on until `zero_grad()` drops the partial gradients.
                 self._failed_backward = f"{type(exc).__name__}: {exc}"[:300]
-                self.strategy.abort_backward()
                 raise
-            self.strategy.finish_backward()
+
+    @contextlib.contextmanager
+    def _running(self, phase: str) -> Iterator[doing]:
+        """Around ``backward`` and ``step``, the calls on every gradient's path: what ``with doing(...)`` does
+        (messages name the call; a failure once it started is counted and published for the other ranks,
+        :mod:`shardwise.faults.ledger`), with the call's record made once, at initialize, so that the path leaves
+        this file only when the call fails."""
+        call = self._calls[phase]
+        call.started = False
+        ACTIVITY.append(call)
+        try:
+            yield call
+        except BaseException as exc:
+            if ACTIVITY and ACTIVITY[-1] is call:
+                ACTIVITY.pop()
+            failed(call, exc)
+            raise
+        if ACTIVITY and ACTIVITY[-1] is call:
+            ACTIVITY.pop()
+
+    @contextlib.contextmanager
+    def _announced(self, call: doing, operation: str, announce: bool) -> Iterator[None]:
+        """What an announced scope (:class:`~shardwise.faults.announce.Scope`) does around ``backward`` and
+        ``step``, here: with more than one rank and no operation covering the group already, ``announce`` it to
+        the other ranks (one exchange, :meth:`~shardwise.comm.distributed.Comm.agree`) and cover the group for
+        its length; from then on the call has started (a failure counts)."""
+        comm = self.comm
+        ledger = comm.ledger
+        if not comm.distributed or ledger.scope is not None:
+            call.started = True
+            yield
+            return
+        if announce:
+            steps, micro = self.global_steps, self.micro_steps
+            comm.agree([control.ANNOUNCE, self._codes[operation], self._announcer.index, steps, micro],
+                       control.ANNOUNCED, WHAT.format(operation=f"`{operation}`", owner=self._label, detail="",
+                                                      steps=steps, micro=micro))
+        scope = ledger.scope = self._scopes[operation]
+        call.started = True
+        try:
+            yield
+        finally:
+            if ledger.scope is scope:
+                ledger.scope = None
 
     def _require_clean(self, call: str, after_backward: bool = True) -> None:
         """Refuse ``call`` while a ``step`` (or, with ``after_backward``, a ``backward``) that raised partway left
@@ -321,7 +365,8 @@ class Engine(DeepSpeedGetters, WeightsSurface):
 
     def _check_backward(self, loss: Any, sync: bool) -> None:
         """What `backward` refuses before touching anything (so a refused call leaves no half-reduced state)."""
-        check_loss(loss, self.comm.rank, self.label)
+        if not (isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1 and loss.is_floating_point()):
+            check_loss(loss, self.comm.rank, self.label)  # names what is wrong
         if sync and self._reduced and not self.accumulates_backwards:
             raise RuntimeError(
                 f"rank {self.comm.rank}: `engine.backward` was called again at an accumulation boundary without "
@@ -342,10 +387,10 @@ class Engine(DeepSpeedGetters, WeightsSurface):
 
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary; True if an update was applied."""
-        with doing("step", self._label):
-            return self._step()
+        with self._running("step") as call:
+            return self._step(call)
 
-    def _step(self) -> bool:
+    def _step(self, call: doing) -> bool:
         optimizer = self._require_optimizer("`engine.step`")
         self._require_clean("`engine.step()`")
         if self._in_no_sync:
@@ -366,7 +411,7 @@ class Engine(DeepSpeedGetters, WeightsSurface):
             self.comm.check(f"`step` of {self._label}", [self.global_steps, self.micro_steps, self._accumulated],
                             ["global_steps", "micro_steps", "backwards accumulated"])
             self._accumulated = 0
-            with self._announcer.scope("step", announce=False), self._timed("step"):
+            with self._announced(call, "step", False), self._timed("step"):
                 try:
                     applied = optimizer.step(zero_grad=True)  # the update, then the gradients dropped: one call
                 except BaseException as exc:

@@ -15,8 +15,7 @@ import torch.distributed as dist
 from ..comm.distributed import Comm
 from ..config import Config
 from ..config.model import BatchSizes
-from ..optim.precision import Precision
-from ..zero.optimizer import ZeroOptimizer
+from ..optim.precision import Precision, ZeroOptimizer
 
 __all__ = ["DeepSpeedGetters"]
 

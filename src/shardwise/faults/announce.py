@@ -3,7 +3,7 @@
 A collective API called on some ranks only (``if rank == 0: engine.full_state_dict()``) used to pair its
 gathers with whatever the other ranks ran next (a forward's gathers, a backward's reductions): wrong weights,
 wrong tokens, files written from them, and an error, if any, only at the next step check.  Now each such
-operation first *announces* itself over the group's control group (:func:`.control.announce`): which
+operation first *announces* itself over the group's control group (:meth:`~shardwise.comm.distributed.Comm.agree`): which
 operation, of which engine (its index on the group), at which step, and how many engine calls of the
 process failed so far.  Ranks in different operations raise :class:`~.errors.CollectiveMismatchError` on
 every rank before any data moves ("rank 0 is in `full_state_dict` ..., rank 1 is in a stage-3 forward ..."),
@@ -46,7 +46,7 @@ from . import control
 from . import ledger as _ledger
 from .ledger import doing
 
-__all__ = ["OPERATIONS", "STRICT", "Announcer", "Scope", "collective", "register"]
+__all__ = ["OPERATIONS", "STRICT", "WHAT", "Announcer", "Scope", "code", "collective", "register"]
 
 #: qualified name of every public collective -> the operation it announces
 OPERATIONS: dict[str, str] = {}
@@ -61,8 +61,13 @@ def register(qualname: str, operation: str) -> None:
     OPERATIONS[qualname] = operation
 
 
-def _code(operation: str) -> int:
+def code(operation: str) -> int:
+    """The number an announcement gives ``operation`` (the same on every rank)."""
     return zlib.crc32(operation.encode())
+
+
+#: how an announcement says where this rank is (the engine's own `backward` announces with it too)
+WHAT = "in {operation} of {owner}{detail} at step {steps} (micro-step {micro})"
 
 
 class Announcer:
@@ -100,9 +105,8 @@ class Announcer:
         comm = self.comm
         counters = self._counters()
         steps, micro = counters() if counters is not None else (0, 0)  # (0, 0): its engine is gone
-        what = f"in {_name(operation)} of {self.owner}{detail} at step {steps} (micro-step {micro})"
-        control.announce(comm.ledger, comm.global_rank, comm.timeout,
-                         [_code(operation + detail), self.index, steps, micro], what)
+        what = WHAT.format(operation=_name(operation), owner=self.owner, detail=detail, steps=steps, micro=micro)
+        comm.agree([control.ANNOUNCE, code(operation + detail), self.index, steps, micro], control.ANNOUNCED, what)
 
 
 def _no_counters() -> tuple[int, int]:

@@ -8,18 +8,24 @@ collective).  Every message on it is the same 16 int64s (8 values and their
 negatives, reduced with MAX: one all-reduce gives every rank the maximum and
 the minimum of each value), so two checks can never disagree about size.
 
-* :func:`agree` (the step check, always on): once per optimizer step the
+* the step check (:data:`CHECK`, always on): once per optimizer step the
   engine compares the group's collective count and fingerprint and its own
   counters.  Ranks whose collectives paired up silently but wrongly (same
   sizes, different units) are caught before the step applies their gradients.
-* :func:`before` (``comms.debug``): before every collective, its kind, size,
+* the collective check (:data:`DEBUG`, ``comms.debug``): before every collective, its kind, size,
   dtype and label; a mismatch raises on every rank before any data moves.
-* :func:`announce` (always on): before each collective *operation*
+* the announcement (:data:`ANNOUNCE`, always on): before each collective *operation*
   (``full_state_dict``, a stage-3 forward, a backward that reduces, a save...;
   :mod:`.announce` decides when), which operation of which engine, its step
   counters.  Ranks in different operations raise on every rank before any
   data moves, naming what each rank is in; the group stays usable (nothing
   was exchanged), so ranks that catch the error can go on together.
+
+The exchange itself is :meth:`shardwise.comm.distributed.Comm.agree`, beside the
+collectives (a step check and a backward's announcement are on every
+gradient's path); this module sets the control group up (:func:`open_group`,
+once per group) and, when values differ or the exchange fails, says how
+(:func:`disagreement`, :func:`failed`).
 
 Every message also carries, last, how many engine calls of the process
 failed after they started (:attr:`~.ledger.doing.failures`): ranks that
@@ -57,27 +63,32 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import ledger as _ledger
-from . import published as _published
 from .diagnose import AGREE, Failure, diagnose, short_cause
 from .errors import CollectiveMismatchError
-from .heartbeat import clear_fault, heartbeat, read_json
+from .heartbeat import heartbeat, read_json
 from .heartbeat import published as published_error
-from .ledger import Ledger, current_activity, ledgers
+from .ledger import Ledger, current_activity
 from .liveness import PeerWatch
+from .published import SLICE_S
 
-__all__ = ["ANNOUNCE", "CALLS", "CHECK", "DEBUG", "agree", "announce", "before", "waiting_in_next"]
+__all__ = ["ANNOUNCE", "ANNOUNCED", "CALLS", "CHECK", "DEBUG", "FAILURES", "SAY_AFTER_S", "WIDTH", "ControlGroup",
+           "disagreement", "failed", "open_group", "say_waiting", "waiting_in_next"]
 
-_WIDTH = 8
+#: values per exchange (the last one the failure count)
+WIDTH = 8
 #: an exchange still waiting after this many seconds says so in the store (:func:`waiting_in_next`): one store
 #: `set` against a wait already 50 ms long
-_SAY_AFTER_S = 0.05
+SAY_AFTER_S = 0.05
+#: the kinds of exchange (the first value of each)
 CHECK = 1
 DEBUG = 2
 ANNOUNCE = 3
+#: what every exchange compares last: how many engine calls of the process failed after they started
+FAILURES = "failed engine calls"
+#: what an announcement's values are
+ANNOUNCED = ["kind", "operation", "engine", "global_steps", "micro_steps"]
 #: values compared but not worth showing (hashes, the message kind: the description says it)
 _HIDDEN = {"kind", "fingerprint", "collective", "collective number", "operation", "engine", ""}
-_FAILURES = "failed engine calls"
 CALLS = ("every rank must make the same collective calls in the same order: `save_checkpoint`, `load_checkpoint`, "
          "`full_state_dict`, `save_16bit_model`, `save_pretrained`, `destroy`, `GatheredParameters`, `generate` "
          "and every forward and backward of a ZeRO-3 model run on every rank together (rank 0 alone writes the "
@@ -88,8 +99,9 @@ FAILED_APART = ("The ranks failed apart: their collectives since may have paired
                 "call `engine.zero_grad()` on every rank and go on")
 
 
-class _Control:
-    """The control group of one process group."""
+class ControlGroup:
+    """The control group of one process group: its gloo backend and the buffer every exchange reduces in place
+    (with MAX: the first :data:`WIDTH` values are the maxima, the rest the negated minima)."""
 
     def __init__(self, ledger: Ledger, rank: int, timeout: float) -> None:
         store = dist.distributed_c10d._get_default_store()
@@ -97,26 +109,12 @@ class _Control:
         self.group = _connect(prefix, ledger, rank, timeout)
         self.store = store
         self.timeout = timeout
-        self.ledger = ledger
-        self.rank = rank
+        #: exchanges issued on the group so far (what :func:`waiting_in_next` compares)
         self.count = 0
         self.options = dist.AllreduceOptions()
         self.options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
         self.options.timeout = timedelta(seconds=timeout)
-        self.buffer = torch.zeros(2 * _WIDTH, dtype=torch.int64)
-
-    def exchange(self, values: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Every rank's ``values``: returns (maxima, minima)."""
-        self.count += 1
-        row = list(values) + [0] * (_WIDTH - len(values))
-        self.buffer.copy_(torch.tensor(row + [-v for v in row], dtype=torch.int64))
-        work = self.group.allreduce([self.buffer], self.options)
-        if not _published.finished(work, _SAY_AFTER_S):
-            _say_waiting(self.store, self.ledger, self.rank, self.count)  # for a rank in a checkpoint's agreement
-            # in slices: a peer that raised and published it will not come, and is named at once
-            _published.wait(work, self.ledger, self.rank)
-        reduced = self.buffer.tolist()
-        return reduced[:_WIDTH], [-v for v in reduced[_WIDTH:]]
+        self.buffer = torch.zeros(2 * WIDTH, dtype=torch.int64)
 
 
 def _connect(prefix: Any, ledger: Ledger, rank: int, timeout: float) -> Any:
@@ -137,77 +135,47 @@ def _connect(prefix: Any, ledger: Ledger, rank: int, timeout: float) -> Any:
     builder.start()
     watch, peers = PeerWatch(), [r for r in ledger.ranks if r != rank]
     while builder.is_alive():
-        builder.join(_published.SLICE_S)
-        failed, gone = watch.failed(peers), watch.gone(peers)
-        if failed is not None or gone:
-            why = failed[1] if failed is not None else f"rank(s) {gone} stopped beating (gone)"
+        builder.join(SLICE_S)
+        found, gone = watch.failed(peers), watch.gone(peers)
+        if found is not None or gone:
+            why = found[1] if found is not None else f"rank(s) {gone} stopped beating (gone)"
             raise RuntimeError(f"{why}, while this rank set up the control group")
     if "error" in made:
         raise made["error"]
     return made["group"]
 
 
-def _control(ledger: Ledger, rank: int, timeout: float, what: str) -> _Control:
+def open_group(ledger: Ledger, rank: int, timeout: float, what: str) -> ControlGroup:
+    """The control group of ``ledger``'s process group, set up on first use (every rank waits for the others
+    there: this is exchange 1, as a checkpoint's agreement reads it)."""
     if ledger.control is None:
-        # building it waits for every rank: this is exchange 1, as a checkpoint's agreement reads it
-        _say_waiting(dist.distributed_c10d._get_default_store(), ledger, rank, 1)
+        say_waiting(dist.distributed_c10d._get_default_store(), ledger, rank, 1)
         try:
-            ledger.control = _Control(ledger, rank, timeout)
+            ledger.control = ControlGroup(ledger, rank, timeout)
         except RuntimeError as exc:
-            raise _failed(ledger, rank, timeout, f"{what} (setting up its group)", exc) from exc
-    control: _Control = ledger.control
+            raise failed(ledger, rank, timeout, f"{what} (setting up its group)", exc) from exc
+    control: ControlGroup = ledger.control
     return control
 
 
-def _failed(ledger: Ledger, rank: int, timeout: float, what: str, exc: BaseException) -> BaseException:
+def failed(ledger: Ledger, rank: int, timeout: float, what: str, exc: BaseException) -> BaseException:
+    """The error for an exchange (or its set-up) that failed; the group is broken from now on."""
     error = diagnose(Failure(ledger, rank, what, short_cause(exc), timeout))
     ledger.broken = error
     return error
 
 
-def agree(ledger: Ledger, rank: int, timeout: float, point: str, counters: Sequence[int], names: Sequence[str]) -> None:
-    """The step check: the group's collectives so far, and ``counters`` (named by ``names``), on every rank."""
-    what = f"in the step check at {point} (after collective #{ledger.seq})"
-    values = [CHECK, ledger.seq, ledger.fingerprint, *counters]
-    _compare(ledger, rank, timeout, what, values, ["kind", "collectives", "fingerprint", *names])
-
-
-def before(ledger: Ledger, rank: int, timeout: float, key: int, description: str) -> None:
-    """``comms.debug``: the collective about to be issued (number ``ledger.seq``) is the same on every rank."""
-    what = f"in the collective check (`comms.debug`) before {description}"
-    _compare(ledger, rank, timeout, what, [DEBUG, ledger.seq, key], ["kind", "collective number", "collective"])
-
-
-def announce(ledger: Ledger, rank: int, timeout: float, values: Sequence[int], what: str) -> None:
-    """Every rank is about to run the same collective operation: ``values`` are its code, its engine's index
-    on the group and that engine's step counters; ``what`` names it (``in `full_state_dict` of ...``)."""
-    _compare(ledger, rank, timeout, what, [ANNOUNCE, *values],
-             ["kind", "operation", "engine", "global_steps", "micro_steps"])
-
-
-def _compare(ledger: Ledger, rank: int, timeout: float, what: str, values: list[int], names: list[str]) -> None:
-    if ledger.broken is not None:
-        raise ledger.broken
-    control = _control(ledger, rank, timeout, what)
-    # the failure count goes last in every kind of message, so any two can be compared there
-    row = values + [0] * (_WIDTH - 1 - len(values)) + [_ledger.doing.failures]
-    names = names + [""] * (_WIDTH - 1 - len(names)) + [_FAILURES]
-    try:
-        maxima, minima = control.exchange(row)
-    except RuntimeError as exc:
-        raise _failed(ledger, rank, timeout, what, exc) from exc
-    if maxima != minima:
-        error = _mismatch(ledger, rank, control, what, row, names)
-        # A rank announcing while the others announce or check a step: each finished what it issued, nothing of
-        # the new operations moved, and the group stays usable.  Collectives that may have paired wrongly (step
-        # checks that differ, `comms.debug` inside an operation), or a failure on some ranks only, break it.
-        if maxima[0] != ANNOUNCE or minima[0] == DEBUG or maxima[-1] != minima[-1]:
-            ledger.broken = error
-        raise error
-    if published_error() is not None and not any(other.broken is not None for other in ledgers()):
-        # every rank passed this agreement: an error published before it was handled by all (a broken group's
-        # error stays: its peers still need it)
-        clear_fault()
+def disagreement(ledger: Ledger, rank: int, control: ControlGroup, what: str, row: list[int], names: list[str],
+                 maxima: list[int], minima: list[int]) -> CollectiveMismatchError:
+    """The ranks exchanged different ``row`` s (named by ``names``; every rank sees the same maxima and minima):
+    the error naming what each rank did.  A rank announcing while the others announce or check a step: each
+    finished what it issued, nothing of the new operations moved, and the group stays usable.  Collectives that may
+    have paired wrongly (step checks that differ, ``comms.debug`` inside an operation), or a failure on some ranks
+    only, break it."""
+    error = _mismatch(ledger, rank, control, what, row, names)
+    if maxima[0] != ANNOUNCE or minima[0] == DEBUG or maxima[-1] != minima[-1]:
+        ledger.broken = error
+    return error
 
 
 # ------------------------------------------------------------ who waits in an exchange
@@ -215,9 +183,9 @@ def _waiting_key(ledger: Ledger, rank: int) -> str:
     return f"shardwise/announce/{ledger.key}/waiting/{rank}"
 
 
-def _say_waiting(store: Any, ledger: Ledger, rank: int, count: int) -> None:
+def say_waiting(store: Any, ledger: Ledger, rank: int, count: int) -> None:
     """Record that this rank waits in exchange number ``count`` of ``ledger``'s control group (only an exchange
-    still waiting after :data:`_SAY_AFTER_S` writes it: one store ``set``, off the hot path)."""
+    still waiting after :data:`SAY_AFTER_S` writes it: one store ``set``, off the hot path)."""
     store.set(_waiting_key(ledger, rank), json.dumps({"exchange": count}))
 
 
@@ -241,7 +209,7 @@ def waiting_in_next(ledger: Ledger, rank: int, peers: Sequence[int]) -> bool:
 
 
 # ------------------------------------------------------------------ reports
-def _mismatch(ledger: Ledger, rank: int, control: _Control, what: str, values: list[int],
+def _mismatch(ledger: Ledger, rank: int, control: ControlGroup, what: str, values: list[int],
               names: list[str]) -> CollectiveMismatchError:
     """Every rank saw the mismatch: share what each did since the last check, and say where they part."""
     mine = {"what": what, "doing": current_activity(), "values": values, "error": published_error(),

@@ -155,7 +155,9 @@ def _stop_at_exit() -> None:
         _CURRENT.stop()
 
 
-_PUBLISHED: list[str] = []
+#: the error this process published last (empty: none), read in place by every agreement (``Comm.agree``, on
+#: every step's path) to know whether one is left to clear
+PUBLISHED: list[str] = []
 
 
 def publish_fault(error: str, comm: bool, doing: Optional[str] = None) -> None:
@@ -171,7 +173,7 @@ def publish_fault(error: str, comm: bool, doing: Optional[str] = None) -> None:
         record["doing"] = doing
     try:
         beat.store.set(_fault_key(beat.rank), json.dumps(record))
-        _PUBLISHED[:] = [error]
+        PUBLISHED[:] = [error]
         _ROOT_CAUSE[:] = [] if comm else [True]
         _count_publication(beat.store)
     except Exception:  # noqa: BLE001 - the store is unreachable: the peers will see this rank as gone
@@ -201,16 +203,16 @@ def _count_publication(store: Any) -> None:
 
 def published() -> Optional[str]:
     """The error this process published last, until its ranks agree on an operation again."""
-    return _PUBLISHED[0] if _PUBLISHED else None
+    return PUBLISHED[0] if PUBLISHED else None
 
 
 def clear_fault() -> None:
     """Every rank passed an agreement since: the error published earlier was handled by all (or by none and they
     stopped), it no longer explains anything."""
     beat = _CURRENT
-    if not _PUBLISHED or beat is None:
+    if not PUBLISHED or beat is None:
         return
-    _PUBLISHED.clear()
+    PUBLISHED.clear()
     _ROOT_CAUSE.clear()
     try:
         beat.store.delete_key(_fault_key(beat.rank))

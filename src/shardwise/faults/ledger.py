@@ -9,8 +9,10 @@ Two records, both plain Python objects written on the training thread:
   sequence, and goes into a short log (the last :data:`LOG_LENGTH` entries),
   with the activity it was issued in.
 
-Recording a collective costs a dictionary lookup, a multiply-xor and a deque
-append; descriptions are only formatted when something went wrong (or by the
+The collectives are recorded by :class:`~shardwise.comm.distributed.Comm` as
+it issues them (a dictionary lookup, a multiply-xor and a deque append, in the
+file that issues the collective: this file is not on a gradient's path);
+descriptions are only formatted when something went wrong (or by the
 heartbeat thread, a few times a minute).  The fingerprint is what the step
 check compares across ranks (:mod:`.control`), the log is what an error shows.
 """
@@ -20,32 +22,30 @@ from __future__ import annotations
 import collections
 import time
 import weakref
-import zlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-__all__ = ["Entry", "Ledger", "LOG_LENGTH", "current_activity", "current_phase", "doing", "innermost", "ledger_for",
-           "ledgers", "start"]
+__all__ = ["ACTIVITY", "IDLE", "Entry", "Ledger", "LOG_LENGTH", "current_activity", "current_phase", "doing", "failed",
+           "innermost", "ledger_for", "ledgers", "start"]
 
 #: how many recent collectives each ledger keeps for error messages
 LOG_LENGTH = 64
-_MASK = (1 << 61) - 1
 
 
-class Entry:
-    """One collective this rank issued: its place in the group's sequence and what it was for."""
+class Entry(NamedTuple):
+    """One collective this rank issued: its place in the group's sequence and what it was for (a record
+    :class:`~shardwise.comm.distributed.Comm` makes as it issues the collective)."""
 
-    __slots__ = ("seq", "kind", "numel", "dtype", "label", "activity", "issued")
-
-    def __init__(self, seq: int, kind: str, numel: int, dtype: torch.dtype, label: str, activity: str) -> None:
-        self.seq = seq
-        self.kind = kind
-        self.numel = numel
-        self.dtype = dtype
-        self.label = label
-        self.activity = activity
-        self.issued = time.monotonic()
+    seq: int
+    kind: str
+    numel: int
+    dtype: torch.dtype
+    label: str
+    #: the engine call it was issued in, as messages name it
+    activity: str
+    #: ``time.monotonic()`` when it was issued
+    issued: float
 
     def describe(self) -> str:
         """``#12 all_gather of 4096 float32 (unit 3 `blocks.0.weight`, ...) in `forward` of engine ...``."""
@@ -55,23 +55,26 @@ class Entry:
 
 
 # ------------------------------------------------------------------ activity
-_STACK: list["doing"] = []
-_IDLE = "no engine call (between `engine` calls)"
+#: the engine calls running now, innermost last: pushed and popped by :class:`doing` (the engine's own calls on
+#: every gradient's path, ``backward`` and ``step``, push and pop theirs in place, see ``Engine._running``)
+ACTIVITY: list["doing"] = []
+#: what an entry names as its activity outside every engine call
+IDLE = "no engine call (between `engine` calls)"
 
 
 def current_activity() -> str:
     """The innermost engine call running now, as messages name it."""
-    return _STACK[-1].text if _STACK else _IDLE
+    return ACTIVITY[-1].text if ACTIVITY else IDLE
 
 
 def current_phase() -> Optional[str]:
     """The innermost engine call's name (``generate``), None between engine calls."""
-    return _STACK[-1].phase if _STACK else None
+    return ACTIVITY[-1].phase if ACTIVITY else None
 
 
 def innermost() -> Optional["doing"]:
     """The innermost engine call running now (None between engine calls)."""
-    return _STACK[-1] if _STACK else None
+    return ACTIVITY[-1] if ACTIVITY else None
 
 
 def start(call: Optional["doing"] = None) -> None:
@@ -108,19 +111,24 @@ class doing:  # noqa: N801 - used as a context manager, reads like one
         self.started = False
 
     def __enter__(self) -> "doing":
-        _STACK.append(self)
+        ACTIVITY.append(self)
         return self
 
     def __exit__(self, kind: Any, exc: Optional[BaseException], tb: Any) -> None:
-        if _STACK and _STACK[-1] is self:
-            _STACK.pop()
-        if exc is None:
-            return
-        # marks on the exception itself (not a reference to it here: it holds its frames, and their tensors)
-        if self.started and not _marked(exc, "_shardwise_counted"):
-            doing.failures += 1
-        if doing.on_error is not None and not _marked(exc, "_shardwise_published"):
-            doing.on_error(exc, self.text)
+        if ACTIVITY and ACTIVITY[-1] is self:
+            ACTIVITY.pop()
+        if exc is not None:
+            failed(self, exc)
+
+
+def failed(call: doing, exc: BaseException) -> None:
+    """``exc`` leaves engine call ``call`` (popped already): counted once if the call had started, and published
+    for the other ranks once, however many calls it leaves."""
+    # marks on the exception itself (not a reference to it here: it holds its frames, and their tensors)
+    if call.started and not _marked(exc, "_shardwise_counted"):
+        doing.failures += 1
+    if doing.on_error is not None and not _marked(exc, "_shardwise_published"):
+        doing.on_error(exc, call.text)
 
 
 def _marked(exc: BaseException, mark: str) -> bool:
@@ -145,13 +153,14 @@ class Ledger:
         self.ranks = ranks
         self.seq = 0
         self.fingerprint = 0
+        #: the last :data:`LOG_LENGTH` collectives, oldest first (``Comm`` appends each as it issues it, with ``seq``
+        #: and ``fingerprint`` moved on: :mod:`shardwise.comm.distributed`)
         self.log: collections.deque[Entry] = collections.deque(maxlen=LOG_LENGTH)
         self.last: Optional[Entry] = None
         #: the collective a ``wait()`` is blocked on right now (None: not waiting)
         self.waiting: Optional[Entry] = None
         #: set by the first failure: every later collective on the group raises it again
         self.broken: Optional[BaseException] = None
-        self._keys: dict[tuple[str, int, torch.dtype, str], int] = {}
         #: the control group used by the step check and ``comms.debug`` (made on first use)
         self.control: Any = None
         #: the announced operation running on this group now (None: none); announcements nested in it are skipped
@@ -160,25 +169,6 @@ class Ledger:
         self.engines = 0
         #: what this rank's waits read of the errors other ranks published (made on first use)
         self.peer_errors: Any = None
-
-    def record(self, kind: str, numel: int, dtype: torch.dtype, label: str) -> Entry:
-        """Give the next collective its number and fold it into the fingerprint."""
-        self.seq += 1
-        self.fingerprint = ((self.fingerprint * 1000003) ^ self.key_of(kind, numel, dtype, label)) & _MASK
-        entry = Entry(self.seq, kind, numel, dtype, label, _STACK[-1].text if _STACK else _IDLE)
-        self.log.append(entry)
-        self.last = entry
-        return entry
-
-    def key_of(self, kind: str, numel: int, dtype: torch.dtype, label: str) -> int:
-        """A number that is the same on every rank for the same collective (``hash`` is salted per process)."""
-        signature = (kind, numel, dtype, label)
-        key = self._keys.get(signature)
-        if key is None:
-            key = zlib.crc32(f"{kind}|{numel}|{dtype}|{label}".encode())
-            if len(self._keys) < 4096:
-                self._keys[signature] = key
-        return key
 
     def status(self) -> dict[str, Any]:
         """This group's position, for the heartbeat record (read from another thread: no iteration)."""

@@ -2,12 +2,13 @@
 
 A rank that raises in an engine call publishes its error (:mod:`.heartbeat`),
 and the ranks waiting for it used to read that only after their own wait
-failed, at ``comms.timeout``.  Here every wait is cut into slices of
+failed, at ``comms.timeout``.  Now every wait is cut into slices of
 :data:`SLICE_S`: the work is waited for a slice at a time, and between slices
 the waiter reads one store counter that every publication moves, and the
-peers' records only when it moved.  A slice that completes costs nothing more
+peers' records only when it moved (:meth:`PeerErrors.find`).  A slice that completes costs nothing more
 than the wait itself; the backend's own timeout (``comms.timeout``) still
-ends the work.
+ends the work.  The slices are waited for by :class:`~shardwise.comm.distributed.Comm`, beside the collectives
+(every gradient's path waits on some); what the peers published is read here, once a slice ran out.
 
 What torch 2.13's gloo works do with ``Work.wait(timeout)`` (measured, two
 ranks, the peer 1 s late): an all-reduce, all-gather or broadcast raises
@@ -38,21 +39,19 @@ from __future__ import annotations
 
 import queue
 import threading
-from datetime import timedelta
 from typing import Any, Optional
 
 from . import ledger as _ledger
 from .heartbeat import PUBLISHED_KEY, fault_record, heartbeat
 from .ledger import Ledger
 
-__all__ = ["SLICE_S", "PeerErrors", "PeerPublished", "Waiter", "finished", "wait"]
+__all__ = ["RAN_OUT", "SLICE_S", "PeerErrors", "PeerPublished", "Waited", "Waiter", "errors_of"]
 
 #: seconds a wait lasts before the waiter looks at what its peers published (a peer's error is named this
 #: long after it was published, at most, plus one store read)
 SLICE_S = 0.2
-_SLICE = timedelta(seconds=SLICE_S)
 #: what a timed ``Work.wait`` raises when the slice ran out and the work goes on (c10d's ``Work::wait``)
-_RAN_OUT = "Operation timed out!"
+RAN_OUT = "Operation timed out!"
 
 
 class PeerPublished(RuntimeError):
@@ -113,41 +112,19 @@ def errors_of(ledger: Ledger, rank: int) -> Optional[PeerErrors]:
     return errors
 
 
-def finished(work: Any, seconds: float = SLICE_S) -> bool:
-    """Wait for ``work`` at most ``seconds``: True once it completed (its error raised), False if it goes on."""
-    wait_for = getattr(work, "wait_for", None)  # shardwise's own works (shared memory, several broadcasts)
-    if wait_for is not None:
-        done: bool = wait_for(seconds)
-        return done
-    try:
-        work.wait(_SLICE if seconds == SLICE_S else timedelta(seconds=seconds))
-    except RuntimeError as exc:
-        if _RAN_OUT in str(exc):
-            return False
-        raise
-    return True
-
-
-def wait(work: Any, ledger: Ledger, rank: int, seq: Optional[int] = None) -> None:
-    """Wait for ``work`` of group ``ledger`` (collective ``seq``, or an agreement when None), raising
-    :class:`PeerPublished` as soon as a peer published an error that means it will not join."""
-    while not finished(work):
-        errors = errors_of(ledger, rank)
-        found = errors.find(ledger.key, seq) if errors is not None else None
-        if found is not None:
-            raise PeerPublished(found[1])
-
-
 # ------------------------------------------------------------ works whose own wait cannot be cut
 class Waited:
-    """A work waited for on a :class:`Waiter`'s thread: ``wait_for`` waits in slices for its signal."""
+    """A work waited for on a :class:`Waiter`'s thread: ``done`` is set once it finished, ``error`` is what it
+    raised (``Comm`` waits for ``done`` in slices, as for every work a thread of shardwise finishes)."""
 
-    __slots__ = ("work", "done", "error")
+    __slots__ = ("work", "done", "error", "worker")
 
     def __init__(self, work: Any) -> None:
         self.work = work
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
+        #: the thread that finishes it (None: the waiter's, which never dies with a work in its queue)
+        self.worker: Optional[threading.Thread] = None
 
     def run(self) -> None:
         try:
@@ -156,20 +133,6 @@ class Waited:
             self.error = exc
         finally:
             self.done.set()
-
-    def wait_for(self, seconds: float) -> bool:
-        """Wait at most ``seconds``: True once the work finished (its error raised), False while it runs on."""
-        if not self.done.wait(seconds):
-            return False
-        if self.error is not None:
-            raise self.error
-        return True
-
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        """Wait (at most ``timeout``: then raise, as a timed ``Work.wait`` does)."""
-        if not self.wait_for(timeout.total_seconds() if timeout is not None else 1e9):
-            raise RuntimeError(_RAN_OUT)
-        return True
 
 
 class Waiter:

@@ -1,19 +1,27 @@
-"""Precision policy: the compute dtype and the loss scaler that goes with it.
+"""Precision: the compute dtype, the loss scaler that goes with it, and the optimizer step that applies them.
 
-One object owns both, with one ``state_dict``, so a checkpoint restores the
+One object owns the dtype and the scaler, with one ``state_dict``, so a checkpoint restores the
 scale exactly.  fp16 uses DeepSpeed's dynamic scaling rules (``loss_scale`` 0
 = dynamic, ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
 ``min_loss_scale``); bf16 and fp32 use a fixed scale of 1 but still skip a step
 whose gradients hold an inf or NaN.
+
+:class:`ZeroOptimizer` (``engine.optimizer``) is that step, for every ZeRO stage: the overflow check
+across ranks, the unscale and the clip, then the stage's own step, then the scaler's update (the
+``precision`` box of the data flow in the design); it knows a stage only through :class:`Stepping`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-__all__ = ["LossScaler", "Precision"]
+from ..comm.distributed import Comm
+from .optimizers import ShardwiseOptimizer
+
+__all__ = ["LossScaler", "Precision", "Stepping", "ZeroOptimizer"]
 
 
 class LossScaler:
@@ -37,6 +45,11 @@ class LossScaler:
         consecutive_hysteresis: bool = False,
         factor: float = 2.0,
     ) -> None:
+        #: the scale the next backward uses: ``override`` when set, else ``scale`` (an attribute, not a property:
+        #: every backward and step reads it, and its setters keep it current)
+        self.current = float(initial_scale)
+        self._scale: Optional[float] = None  # (both set just below)
+        self._override: Optional[float] = None
         self.scale = float(initial_scale)
         self.dynamic = dynamic
         self.window = window
@@ -47,12 +60,28 @@ class LossScaler:
         self.credit = hysteresis
         self.iteration = 0
         self.last_overflow = -1
-        self.override: Optional[float] = None
+        self.override = None
 
     @property
-    def current(self) -> float:
-        """The scale the next backward uses."""
-        return self.override if self.override is not None else self.scale
+    def scale(self) -> float:
+        """The dynamic (or static) scale."""
+        assert self._scale is not None
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self._scale = value
+        self.current = self._override if self._override is not None else value
+
+    @property
+    def override(self) -> Optional[float]:
+        """A scale fixed by ``engine.override_loss_scale`` (None: the dynamic one)."""
+        return self._override
+
+    @override.setter
+    def override(self, value: Optional[float]) -> None:
+        self._override = value
+        self.current = value if value is not None else self.scale
 
     def update(self, overflow: bool) -> None:
         """Account one optimizer step (applied, or skipped for ``overflow``)."""
@@ -155,3 +184,85 @@ def _map_tensors(value: Any, fn: Any) -> Any:
     if isinstance(value, dict):
         return type(value)((k, _map_tensors(v, fn)) for k, v in value.items())
     return value
+
+
+class Stepping(Protocol):
+    """What :class:`ZeroOptimizer` asks of a ZeRO stage (:class:`shardwise.zero.base.Strategy` has it all)."""
+
+    #: whether :meth:`step_sums` are partial sums to all-reduce across ranks
+    shards_grads: bool
+
+    def step_sums(self) -> torch.Tensor:
+        """This rank's terms of what the step sums over the ranks (element 0: the squared gradient norm)."""
+
+    def step(self, inner: Any, factor: float, sums: torch.Tensor, release: bool) -> None:
+        """The optimizer step over the stage's masters, the gradients multiplied by ``factor``."""
+
+    def zero_grad(self) -> None:
+        """Forget all gradients."""
+
+
+class ZeroOptimizer(ShardwiseOptimizer):
+    """Steps the inner optimizer over the master weights a ZeRO stage keeps.
+
+    One all-reduce (the squared gradient norm, for sharded gradients, with
+    stage 3's "had a gradient" flags beside it) serves both clipping and
+    overflow detection: an inf or NaN anywhere makes the global sum non-finite
+    on every rank, so all ranks skip the same step.  The strategy is asked twice: for this rank's terms of the
+    sums (the norm's share, without a pipeline stage's tied copies counted
+    on another stage: ``FlatStrategy.count_elsewhere``; stage 3's "had a
+    gradient" flags ride along), and for the step itself with the factor that unscales and
+    clips.
+    """
+
+    def __init__(
+        self,
+        inner: Any,
+        strategy: "Stepping",
+        precision: Precision,
+        comm: Comm,
+        clip: float,
+        model_parallel_comm: Optional[Comm] = None,
+    ) -> None:
+        super().__init__(inner)
+        self.strategy = strategy
+        self.precision = precision
+        self.comm = comm
+        self.clip = clip
+        #: ranks holding *other* parameters of the same model (pipeline stages): the
+        #: squared norm is summed over them too, so clipping and overflow are global
+        self.model_parallel_comm = model_parallel_comm
+        #: global L2 norm of the (unscaled) gradients at the last step; inf on overflow; None before
+        self.last_grad_norm: Optional[float] = None
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, zero_grad: bool = False) -> bool:  # type: ignore[override]
+        """Apply the update; returns False when it was skipped for overflow.  ``zero_grad``: the gradients are
+        dropped in the same call (``engine.step()``, as DeepSpeed's; a script's own ``optimizer.step()`` keeps
+        them, as torch's does)."""
+        if closure is not None:
+            raise ValueError("closures are not supported: run forward/backward through the engine instead")
+        scale = self.precision.scaler.current
+        sums = self.strategy.step_sums()
+        if self.strategy.shards_grads:
+            self.comm.all_reduce(sums)
+        if self.model_parallel_comm is not None:
+            self.model_parallel_comm.all_reduce(sums[:1])  # the norm only: the rest count this group's ranks
+        norm_sq = float(sums[0].item())
+        if not math.isfinite(norm_sq):
+            self.last_grad_norm = math.inf
+            self.precision.scaler.update(overflow=True)
+            if zero_grad:
+                self.strategy.zero_grad()
+            return False
+        self.last_grad_norm = math.sqrt(norm_sq) / scale
+        factor = 1.0 / scale
+        if self.clip > 0:
+            # torch.nn.utils.clip_grad_norm_'s rule, so results match it exactly
+            factor *= min(1.0, self.clip / (self.last_grad_norm + 1e-6))
+        # scale, leave unused alone, step the masters, publish them (and drop the gradients)
+        self.strategy.step(self.inner, factor, sums[1:], zero_grad)
+        self.precision.scaler.update(overflow=False)
+        return True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.strategy.zero_grad()

@@ -1,8 +1,9 @@
 """The interface every ZeRO stage implements.
 
-The engine and :class:`~shardwise.zero.optimizer.ZeroOptimizer` know only this
+The engine and :class:`~shardwise.optim.precision.ZeroOptimizer` know only this
 interface; what a stage keeps where (replicated, sharded, gathered on demand) is
-the stage's business.  The step pipeline is the same for all stages:
+the stage's business.  The step pipeline is the same for all stages
+(``run_backward`` runs its first three for the engine, in one call):
 
 ``start_backward(sync)`` → autograd (the stage's hooks reduce gradients when
 ``sync``) → ``finish_backward()`` → ``step_sums()`` (local) → [all-reduce if
@@ -132,6 +133,12 @@ class Strategy(ABC):
         a torch optimizer's ``state_dict`` numbers them in)."""
         names = {id(p): n for n, p in self.module.named_parameters()}
         return [[names[id(p)] for p in group] for group in self._groups]
+
+    @abstractmethod
+    def run_backward(self, tensor: torch.Tensor, sync: bool, retain_graph: bool = False) -> None:
+        """The engine's backward, asked for once: :meth:`start_backward`, autograd of ``tensor`` (already scaled),
+        :meth:`finish_backward`; :meth:`abort_backward` when autograd raises.  Each stage's own, so that autograd
+        calls the stage's hooks from the stage's file."""
 
     @abstractmethod
     def start_backward(self, sync: bool) -> None:

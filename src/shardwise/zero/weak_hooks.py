@@ -6,37 +6,19 @@ engine's gradient storage or stage keeps that engine, and the model, and every b
 the life of the process, even once nothing else refers to any of them.  Measured before this module: 20
 stage-3 engines built and dropped without ``destroy()`` took one rank from 236 to 682 MiB.
 
-So the hooks shardwise puts on tensors call a method of an object they hold only weakly
-(:class:`WeakHook`), and they are removed when that object is freed (:func:`remove_with`): a model the user
-keeps after dropping its engine then trains as a plain module does.
+So the hooks shardwise puts on tensors hold their object only weakly (a ``weakref.ref`` bound into a
+``functools.partial`` of a function in the file that holds the gradient: the flat stages' storage,
+:meth:`.flat.grads.GradStorage.hook`, and stage 3's strategy, so that a gradient's hook starts where the
+gradient lands), and they are removed when that object is freed (:func:`remove_with`): a model the user keeps
+after dropping its engine then trains as a plain module does.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
-__all__ = ["WeakHook", "remove_with"]
-
-
-class WeakHook:
-    """Calls ``method`` (a bound method) with ``args`` and then the hook's own arguments, while its object lives.
-
-    Once the object is freed the hook does nothing and returns None (what a tensor hook returns to change
-    nothing).  ``args`` must not refer to the object, or the hook would keep it alive after all."""
-
-    __slots__ = ("_owner", "_func", "_args")
-
-    def __init__(self, method: Callable[..., Any], *args: Any) -> None:
-        self._owner = weakref.ref(method.__self__)  # type: ignore[attr-defined]
-        self._func = method.__func__  # type: ignore[attr-defined]
-        self._args = args
-
-    def __call__(self, *more: Any) -> Any:
-        owner = self._owner()
-        if owner is None:
-            return None
-        return self._func(owner, *self._args, *more)
+__all__ = ["remove_with"]
 
 
 def remove_with(owner: object, handles: Iterable[Any]) -> None:

@@ -23,8 +23,8 @@ arrivals, and a bucket complete (with every earlier one launched, so all ranks
 issue the same collectives in the same order) is handed to the stage's
 collective (the ``reduce`` it was built with, one of the functions below: the
 one thing stages 0, 1 and 2 do differently there).  :meth:`GradStorage.finish`
-waits for every bucket and takes the gradient norm's share of each while later
-ones are still in flight.
+waits for every bucket (in one call: a step's path does not grow with its
+buckets) and takes the gradient norm's share of each.
 
 ``param.grad`` is the truth, as in plain PyTorch: whatever cleared it (the
 engine's ``zero_grad``, ``module.zero_grad()``, ``p.grad = None``) discarded
@@ -34,12 +34,14 @@ everything since; it is copied over the storage, never added.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from abc import ABC, abstractmethod
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ...comm.distributed import Comm, Work
+from ...comm.distributed import Comm, Work, wait_all
 from ..base import Backward, tensor_bytes
 from .layout import Bucket, FlatLayout
 
@@ -221,6 +223,11 @@ class GradStorage(ABC):
         self._works: list[_InFlight] = []
         self.reduced.forget_share()
 
+    def hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        """Parameter ``index``'s post-accumulate hook: :meth:`on_grad`, with this storage held weakly (a dropped
+        engine is freed, :mod:`..weak_hooks`), the gradient landing in this file first."""
+        return functools.partial(_on_grad, weakref.ref(self), index)
+
     def on_grad(self, index: int, param: torch.Tensor) -> None:
         """Autograd's post-accumulate hook of parameter ``index``: keep the gradient; at a boundary, launch
         each bucket once it is complete and every earlier one is launched."""
@@ -258,7 +265,7 @@ class GradStorage(ABC):
         self._works.append(_InFlight(work, bucket, full, landed, output))
 
     def _complete(self, flight: _InFlight) -> None:
-        flight.work.wait()
+        """A bucket's reduction finished (waited for): this rank's slice of it where the optimizer reads it."""
         bucket = flight.bucket
         if flight.full is not None:  # an all-reduce stood in for a reduce-scatter: keep this rank's slice
             owned = flight.full.narrow(0, self.layout.rank * bucket.shard_numel, bucket.shard_numel)
@@ -270,7 +277,7 @@ class GradStorage(ABC):
 
     def finish(self) -> list[bool]:
         """After a reducing backward's autograd: take the gradients whose hook did not fire, launch what is
-        left, wait for every bucket (noting the norm's share of each while later ones are in flight).
+        left, wait for every bucket, and note the norm's share of each.
         Returns, per parameter, whether this rank had a gradient for it."""
         if self.backward.serial != self._serial:
             self._reset()  # no hook of this backward fired
@@ -278,6 +285,7 @@ class GradStorage(ABC):
             self._flush(bucket)
             self._launch(bucket)
         self._next = len(self.layout.buckets)
+        wait_all([flight.work for flight in self._works])  # one call for every bucket
         parts = []
         for index, flight in enumerate(self._works):  # one per bucket, in bucket order
             self._complete(flight)
@@ -326,6 +334,12 @@ class GradStorage(ABC):
     @abstractmethod
     def nbytes(self) -> int:
         """Bytes of gradients this rank holds."""
+
+
+def _on_grad(storage: "weakref.ref[GradStorage]", index: int, param: torch.Tensor) -> None:
+    held = storage()
+    if held is not None:  # (once the storage is freed, its hooks do nothing until they are removed)
+        held.on_grad(index, param)
 
 
 class FlatGrads(GradStorage):

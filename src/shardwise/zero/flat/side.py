@@ -8,19 +8,42 @@ copied.  With one shard and the gradients in ``param.grad`` (stage 0 in fp32) th
 storage and are stepped themselves, as in plain DDP (:attr:`FlatSide.whole`).  A frozen parameter keeps its
 own storage too; the store keeps its master whole, replicated (a rank cannot know which piece of it it will
 own once it trains again).
+
+The all-gather runs behind the next forward (:class:`PendingGathers`, here with the buffer it fills).
+After ``step()`` each rank holds updated values only for its own slice of
+every bucket; one all-gather per bucket brings the others'.  torch's
+``ZeroRedundancyOptimizer`` waits for its broadcasts inside ``step()``.  Here
+the gathers are started in forward order and ``step()`` returns at once; a
+bucket is waited for only when one of its parameters is first used, so the
+first layers compute while the later layers' values are still arriving.
+
+"Used" means any torch function applied to the parameter: the module's own
+forward, a parent reading a child's weight through ``F.linear``, ``state_dict()``,
+a user's ``p.norm()`` in a callback, ``.data``.  While its bucket is in
+flight a parameter's class is :class:`GatheringParameter`, whose
+``__torch_function__`` waits for the bucket and turns the bucket's parameters
+back into plain ``nn.Parameter`` before the function runs, so code that reads
+parameters between ``step()`` and the next forward sees the updated values,
+as with DDP.  Reading or setting ``.grad`` and reading ``.requires_grad``
+are not uses: they touch no values and do not wait.  Once every bucket has
+been waited for, no parameter is special and the hot path costs nothing.  The strategy waits for everything itself
+before anything that writes parameters or master weights (backward, the next
+step, loading, changing the trainable set, closing).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import inspect
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
-from ..store.home import Piece, Runs
+from ...comm.distributed import Work, wait_all
+from ..store.store import Piece, Runs
 from .layout import FlatLayout
 
-__all__ = ["FlatSide"]
+__all__ = ["FlatSide", "GatheringParameter", "PendingGathers"]
 
 
 class FlatSide:
@@ -31,6 +54,9 @@ class FlatSide:
         self.whole = whole
         #: the model's flat parameter buffer (empty when the parameters are not flattened)
         self.param_flat = torch.empty(0)
+        #: per trainable piece (by id), its elements of the model: fixed views, made with the pieces (a step
+        #: writes through them without asking the layout again)
+        self._regions: dict[int, torch.Tensor] = {}
         if not whole:
             self._flatten(dtype, device)
 
@@ -51,6 +77,8 @@ class FlatSide:
             param = layout.params[run.param]
             pieces.append(Piece(param, names[id(param)], param.shape, run.start, run.end, run.shard_offset,
                                 groups[id(param)], run.param))
+            if not self.whole:  # (whole: the parameter itself, which may not be contiguous, so not viewed flat)
+                self._regions[id(pieces[-1])] = self._region(pieces[-1])
         for param in frozen:
             pieces.append(Piece(param, names[id(param)], param.shape, 0, param.numel(), -1, groups[id(param)], -1))
         return pieces
@@ -69,10 +97,12 @@ class FlatSide:
     def values(self, piece: Piece) -> torch.Tensor:
         return piece.param.detach().reshape(-1).narrow(0, piece.start, piece.numel).to(torch.float32, copy=True)
 
-    def write(self, runs: Runs) -> None:
+    def write(self, runs: Runs, last: bool = False) -> None:
         """Into this rank's slice of the flat buffer (then all-gathered), or a frozen parameter itself."""
+        regions = self._regions
         for piece, at, values in runs:
-            target = self._region(piece).narrow(0, at, values.numel())
+            region = regions.get(id(piece))
+            target = (region if region is not None else self._region(piece)).narrow(0, at, values.numel())
             if target.data_ptr() != values.data_ptr():
                 target.copy_(values, non_blocking=True)  # from pinned staging (host offload): not waited for
 
@@ -93,3 +123,99 @@ class FlatSide:
         if not self.whole:
             for param in self.layout.params:
                 param.data = param.data.clone()
+
+
+# ------------------------------------------------ the gathers behind the next forward
+#: where a parameter in flight keeps (its PendingGathers, its bucket index)
+_KEY = "_shardwise_gathering"
+
+
+def _attribute(name: str) -> Any:
+    """The descriptor behind ``Tensor.<name>``: what ``__torch_function__`` receives as ``func``."""
+    return inspect.getattr_static(torch.Tensor, name)
+
+
+#: what reads or sets a parameter's bookkeeping, not its values: these run without waiting
+#: (``zero_grad`` and the trainable-set check touch every parameter while gathers are in flight)
+_NOT_A_USE = frozenset({_attribute("grad").__get__, _attribute("grad").__set__, _attribute("requires_grad").__get__})
+
+
+class GatheringParameter(nn.Parameter):
+    """A parameter whose bucket's all-gather is still in flight (see the module docstring)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in _NOT_A_USE:
+            for param in _in_flight(args, kwargs):
+                param._arrive()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def _arrive(self) -> None:
+        """Wait for this parameter's bucket (it and its bucket become plain Parameters)."""
+        entry = self.__dict__.get(_KEY)
+        if entry is not None:
+            entry[0].wait_bucket(entry[1])
+
+    # A copy or a pickle of a parameter in flight is of the arrived value, and a plain Parameter.
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
+        self._arrive()
+        return nn.Parameter.__deepcopy__(self, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        self._arrive()
+        return nn.Parameter.__reduce_ex__(self, protocol)
+
+
+def _in_flight(args: Any, kwargs: dict[str, Any]) -> Iterator[GatheringParameter]:
+    stack = [*args, *kwargs.values()]
+    while stack:
+        item = stack.pop()
+        if type(item) is GatheringParameter:
+            yield item
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+
+
+class PendingGathers:
+    """The buckets whose all-gather was started and not yet waited for, with their parameters."""
+
+    def __init__(self) -> None:
+        #: per bucket in flight, its gather and its parameters (empty: nothing to wait for)
+        self.works: dict[int, tuple[Work, list[torch.Tensor]]] = {}
+
+    def start(self, gathers: Sequence[tuple[int, Work, list[torch.Tensor]]]) -> None:
+        """Each ``(index, work, params)``: bucket ``index`` is being gathered by ``work`` into ``params``; guard
+        them until it is done (one call for a step's buckets)."""
+        for index, work, params in gathers:
+            if any(type(p) is not nn.Parameter for p in params):
+                work.wait()  # a Parameter subclass of the user's keeps its class: no overlap for its bucket
+                continue
+            self.works[index] = (work, params)
+            for param in params:
+                param.__dict__[_KEY] = (self, index)
+                param.__class__ = GatheringParameter
+
+    def wait_bucket(self, index: int) -> None:
+        """Finish bucket ``index``'s gather (nothing if it is done); its parameters become plain again."""
+        entry = self.works.pop(index, None)
+        if entry is None:
+            return
+        work, params = entry
+        _plain(params)
+        work.wait()
+
+    def wait_all(self) -> None:
+        """Finish every gather in flight, in the order they were started."""
+        entries, self.works = list(self.works.values()), {}
+        for _, params in entries:
+            _plain(params)
+        wait_all([work for work, _ in entries])
+
+
+def _plain(params: list[torch.Tensor]) -> None:
+    """The parameters of a bucket whose gather is waited for become plain ``nn.Parameter`` s again."""
+    for param in params:
+        param.__class__ = nn.Parameter
+        param.__dict__.pop(_KEY, None)

@@ -8,7 +8,7 @@ trainable set.  Where gradients live is the stage's
 the allocator the transport offers: each parameter's post-accumulate hook is
 the storage's, which launches a complete bucket itself.  The masters and
 optimizer state are the master store's (:mod:`.store`), in the home chosen
-once at initialize; the store's model side here is :mod:`.flat_side` (this
+once at initialize; the store's model side here is :mod:`.side` (this
 rank's slice of the flat parameter buffer), and each piece's ``.grad`` is a
 fixed view of the reduced gradients.  A stage differs only in how it reduces
 (its ``_reduction``) and which storage it uses:
@@ -36,15 +36,14 @@ from torch import nn
 
 from ...optim.param_state import ParamShard
 from ..base import Strategy, group_index, module_order, tensor_bytes
+from ..store import choose_home
 from ..store.carry import export_state
-from ..store.home import Piece
 from ..store.plan import OffloadSpec, offload_spec
-from ..store.store import MasterStore, Resident, choose_home
-from ..weak_hooks import WeakHook, remove_with
+from ..store.store import MasterStore, Piece, Resident
+from ..weak_hooks import remove_with
 from .grads import Allocate, FlatGrads, GradStorage, Reduce, private_zeros
 from .layout import FlatLayout
-from .pending import PendingGathers
-from .side import FlatSide
+from .side import FlatSide, PendingGathers
 
 __all__ = ["FlatStrategy"]
 
@@ -73,7 +72,7 @@ class FlatStrategy(Strategy):
         #: per bucket, (the model's region of it, this rank's updated slice inside it): what the step
         #: all-gathers (empty with one shard: the step wrote every parameter)
         self._gathers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        #: updated parameters still being gathered; waited for on first use (:mod:`.pending`)
+        #: updated parameters still being gathered; waited for on first use (:class:`.side.PendingGathers`)
         self.pending = PendingGathers()
         self._hooks: list[Any] = []
         self._order: list[nn.Parameter] = []
@@ -115,7 +114,7 @@ class FlatStrategy(Strategy):
         for group, originals in zip(self.inner.param_groups, self._groups):
             group["params"] = self.store.keys_for(originals)
         # straight to the storage (no stop here on the way), held weakly: a dropped engine is freed (:mod:`.weak_hooks`)
-        hooks = [param.register_post_accumulate_grad_hook(WeakHook(self.grads.on_grad, index))
+        hooks = [param.register_post_accumulate_grad_hook(self.grads.hook(index))
                  for index, param in enumerate(self.layout.params)]
         self._hooks.extend(hooks)
         remove_with(self.grads, hooks)
@@ -164,6 +163,15 @@ class FlatStrategy(Strategy):
         return self.comm.shm.zeros if self.comm.shm.active else private_zeros
 
     # --------------------------------------------------------------- backward
+    def run_backward(self, tensor: torch.Tensor, sync: bool, retain_graph: bool = False) -> None:
+        self.start_backward(sync)
+        try:
+            tensor.backward(retain_graph=retain_graph)  # the hooks are called from here
+        except BaseException:
+            self.abort_backward()
+            raise
+        self.finish_backward()
+
     def start_backward(self, sync: bool) -> None:
         self.settle()  # parameters no forward used, and masters the next step writes
         backward = self.backward
@@ -240,7 +248,7 @@ class FlatStrategy(Strategy):
         unused = []  # no rank had a gradient for them: left alone while the optimizer steps
         for index in self._unused:
             param = self.layout.params[index]
-            param.grad = None  # not a use of the values (see .pending); it stays None, as DDP leaves it
+            param.grad = None  # not a use of the values (see .side); it stays None, as DDP leaves it
             if (piece := self.store.by_param.get(id(param))) is not None:
                 unused.append(piece)
         self.store.step(inner, factor if apart else 1.0, unused)  # steps (an offloaded home a sub-group at a time) and publishes
@@ -258,13 +266,13 @@ class FlatStrategy(Strategy):
 
         The last bucket holds the first layers (buckets follow backward order), so it goes first.
         """
-        params = self.layout.params
-        for bucket, (region, owned) in reversed(list(zip(self.layout.buckets, self._gathers))):
-            work = self.comm.all_gather(region, owned, async_op=True, label=f"parameters, bucket {bucket.index}")
-            self.pending.start(bucket.index, work, [params[i] for i in bucket.params])
+        params, buckets = self.layout.params, self.layout.buckets[::-1]
+        works = self.comm.all_gather_each(self._gathers[::-1], [f"parameters, bucket {b.index}" for b in buckets])
+        self.pending.start([(b.index, work, [params[i] for i in b.params]) for b, work in zip(buckets, works)])
 
     def settle(self) -> None:
-        self.pending.wait_all()
+        if self.pending.works:  # (read, not asked: nothing is in flight once a forward used every parameter)
+            self.pending.wait_all()
 
     def zero_grad(self) -> None:
         """Gradients become None, as torch's default; the storage is overwritten, not zeroed (:mod:`.grads`)."""
@@ -273,7 +281,7 @@ class FlatStrategy(Strategy):
     def _forget_grads(self) -> None:
         self._dirty = False
         for param in self.layout.params:
-            param.grad = None  # not a use of the values: no wait for a gather in flight (see .pending)
+            param.grad = None  # not a use of the values: no wait for a gather in flight (see .side)
 
     def has_pending_grads(self) -> bool:
         return self._dirty
@@ -283,7 +291,7 @@ class FlatStrategy(Strategy):
 
     # ------------------------------------------------------------ trainability
     def trainable_changed(self) -> bool:
-        # Reading flags is not a use of the values: it does not wait for a gather in flight (see .pending).
+        # Reading flags is not a use of the values: it does not wait for a gather in flight (see .side).
         return self.inner is not None and tuple(p.requires_grad for p in self._order) != self._mask
 
     def refresh_trainable(self) -> None:

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Iterator, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -58,7 +58,18 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...faults.ledger import current_phase
 from ..offload.shards import offloads_params
-from .params import Unit, checksum, move, not_gathered_error, param_name, prepare_for_compile, unit_of
+from .params import (
+    Unit,
+    UnitState,
+    checksum,
+    hold,
+    let_go,
+    move,
+    not_gathered_error,
+    param_name,
+    prepare_for_compile,
+    unit_of,
+)
 from .traced import outside_graphs
 
 __all__ = ["Gatherer", "MasterValues", "TrainingState", "module_units"]
@@ -198,9 +209,10 @@ class Gatherer:
     # ------------------------------------------------------------- state
     def _move(self, to: TrainingState, event: str) -> None:
         """The one place the training state changes: raises on a move the life cycle lacks."""
-        fix = "forward and backward of one engine must not interleave this way"
-        self.state = move(self.rank, f"the model ({type(self.module).__name__})", self.state, to, _TRAINING_MOVES,
-                          event, fix)
+        if to not in _TRAINING_MOVES[self.state]:  # (checked here: `move` builds the error)
+            fix = "forward and backward of one engine must not interleave this way"
+            move(self.rank, f"the model ({type(self.module).__name__})", self.state, to, _TRAINING_MOVES, event, fix)
+        self.state = to
 
     # ----------------------------------------------------- gather / free
     def acquire(self, unit: Unit) -> None:
@@ -208,7 +220,13 @@ class Gatherer:
         unit.acquire()
         if not unit.gathered:
             self._live.add(unit)
-        unit.ensure_gathered()
+        try:
+            unit.ensure_gathered()
+        except BaseException:
+            unit.release()  # the caller holds nothing when this raises (a shard that failed to read)
+            if unit.state is UnitState.SHARDED:
+                self._live.discard(unit)
+            raise
 
     def release(self, unit: Unit, keep: bool = False) -> None:
         """Drop one hold; free the unit when nothing holds it (``keep``: leave it gathered)."""
@@ -226,28 +244,53 @@ class Gatherer:
             if unit.holders == 0:
                 self.drop(unit)
 
+    def _covered(self) -> bool:
+        """Whether a pass needs no announcement of its own: no announcer, one rank, or an announced operation (the
+        engine's own ``backward``) covers the group already (read here: every backward passes this check)."""
+        announcer = self.announcer
+        return announcer is None or not announcer.comm.distributed or announcer.comm.ledger.scope is not None
+
     def _live_numel(self) -> int:
         return sum(u.numel for u in self._live if u.gathered)
 
     def _prefetch(self, trace: list[Unit], start: int) -> int:
         """Start gathers for ``trace[start:]`` up to the prefetch budget; returns where it stopped."""
+        ahead, index = self._ahead(trace, start)
+        if ahead:
+            self._hold((), ahead)
+        return index
+
+    def _hold(self, units: Sequence[Unit], ahead: Sequence[Unit]) -> None:
+        """:func:`~.params.hold`; where it raises (a shard that failed to read from its file), the units it left
+        sharded are not live: nothing frees them at the end of the pass."""
+        try:
+            hold(units, ahead)
+        except BaseException:
+            self._live.difference_update([u for u in (*units, *ahead) if u.state is UnitState.SHARDED])
+            raise
+
+    def _ahead(self, trace: list[Unit], start: int, coming: Sequence[Unit] = ()) -> tuple[list[Unit], int]:
+        """The units of ``trace[start:]`` to gather ahead, within the prefetch budget (``coming``: units about to be
+        gathered, counted as live), and where the budget stopped; those become live, and the shards of the next
+        ones start coming from their files (``offload_param: nvme``)."""
         budget, live = self.prefetch_numel, None
-        index = start
+        index, ahead = start, []
         while index < len(trace) and budget > 0:
             unit = trace[index]
-            if not unit.gathered:
-                live = self._live_numel() if live is None else live
+            if not unit.gathered and unit not in ahead and unit not in coming:
+                if live is None:
+                    live = self._live_numel() + sum(u.numel for u in dict.fromkeys(coming) if not u.gathered)
                 if live + unit.numel > self.max_live:
                     break
-                unit.gather(async_op=True)
-                self._live.add(unit)
+                ahead.append(unit)
                 live += unit.numel
                 budget -= unit.numel
             index += 1
+        self._live.update(ahead)
         for unit in trace[index : index + self.read_ahead]:
             unit.read_ahead()  # shards kept in files: read while this stretch computes, gathered later
             self._read_ahead[unit] = None
-        return index
+        return ahead, index
 
     def _settle_read_aheads(self) -> None:
         """A pass ended: shards read ahead for units it did not gather (a branch not taken) stop holding
@@ -280,11 +323,11 @@ class Gatherer:
         return None
 
     def _acquire_for(self, call: _Call, unit: Unit) -> None:
+        self.acquire(unit)  # first: a gather that raises leaves nothing for the post-forward hook to release
         call.positions.append(len(self._trace))
         self._trace.append(unit)
         if torch.is_grad_enabled() and not self._in_backward():
             self.forward_order.setdefault(unit, None)
-        self.acquire(unit)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self._stack or self._stack[-1].module is not module:
@@ -433,7 +476,7 @@ class Gatherer:
                 continue  # `.data` was only read
             self.values.on_written(unit)
             # No collective: the step check compares this note, so different writes on different ranks fail it.
-            unit.comm.ledger.record("in-place write", unit.numel, unit.full.dtype, f"{unit.label}, values {after:x}")
+            unit.comm.record("in-place write", unit.numel, unit.full.dtype, f"{unit.label}, values {after:x}")
 
     def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
         """``zero.load_state_dict`` gave ``unit`` new fp32 values."""
@@ -466,7 +509,7 @@ class Gatherer:
     def _ensure_backward_callback(self) -> None:
         task = torch._C._current_graph_task_id()
         if task != self._bw_task:
-            if self._backward_pass is None:  # (a reentrant backward inside it is covered)
+            if self._backward_pass is None and not self._covered():  # (a reentrant backward inside it is covered)
                 self._backward_pass = self._announce("backward")
             self._move(TrainingState.BACKWARD, "begin a backward")
             self._bw_task = task
@@ -480,46 +523,47 @@ class Gatherer:
             return
         call.task = task
         self._ensure_backward_callback()
-        for unit in call.units:
-            if not unit.gathered:
-                unit.gather(async_op=True)
-                self._live.add(unit)
-        for unit in call.units:
-            self.acquire(unit)
+        self._live.update(unit for unit in call.units if not unit.gathered)
+        # the call's own gathers and the next ones in one call, then the call's waited for
+        self._hold(call.units, self._ahead_backward(call))
         call.held = list(call.units)
         self._bw_calls.append(call)
         if not call.post:
             for unit in call.units:
                 self.held_for_grads.setdefault(unit, []).append(call)
-        self._prefetch_backward(call)
 
-    def _prefetch_backward(self, call: _Call) -> None:
+    def _ahead_backward(self, call: _Call) -> list[Unit]:
+        """What backward gathers ahead of ``call``: the units after the call's in the reversed forward order."""
         trace = self._bw_trace
         for index in range(self._bw_cursor, len(trace)):
             if trace[index] in call.units:
                 self._bw_cursor = index + 1
                 break
-        self._prefetch(trace, self._bw_cursor)
+        return self._ahead(trace, self._bw_cursor, call.units)[0]
 
     def post_backward(self, call: _Call) -> None:
         held, call.held = call.held, []
-        for unit in held:
-            self.release(unit)
+        if held:
+            self._live.difference_update(let_go(held))
 
     def grads_ready(self, unit: Unit) -> None:
         """All trainable parameters of ``unit`` have their gradient: calls with no post-backward let go."""
+        done = []
         for call in self.held_for_grads.pop(unit, ()):
             if unit in call.held:
                 call.held.remove(unit)
-                self.release(unit)
+                done.append(unit)
+        if done:
+            self._live.difference_update(let_go(done))
 
     def _end_backward(self) -> None:
-        self._write_back(list(self._written))
+        if self._written:
+            self._write_back(list(self._written))
         for call in self._bw_calls:
             self.post_backward(call)
         extra, self._bw_extra = self._bw_extra, []
-        for unit in extra:
-            self.release(unit)
+        if extra:
+            self._live.difference_update(let_go(extra))
         self._bw_calls = []
         self.held_for_grads = {}
         self._bw_task = -1

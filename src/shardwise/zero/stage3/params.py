@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, TypeVar
 import torch
 from torch import nn
 
-from ...comm.distributed import Comm, Work
+from ...comm.distributed import Comm, Work, wait_all
 from . import traced
 
 __all__ = [
@@ -42,7 +42,9 @@ __all__ = [
     "UnitOwner",
     "UnitState",
     "gather_units",
+    "hold",
     "is_partitioned",
+    "let_go",
     "move",
     "not_gathered_error",
     "partition_parameter",
@@ -259,6 +261,9 @@ class Unit:
         self.pristine: Optional[torch.Tensor] = None
         #: where the full values are; changed only by :meth:`_move`
         self.state = UnitState.GATHERED  # until `build` keeps its shard and frees the rest
+        #: whether the full values are (or are being) materialised: the state is not ``SHARDED`` (kept by
+        #: :meth:`_move`; an attribute, not a property: the module hooks read it for every unit they pass)
+        self.gathered = True
         #: how fault messages name this unit's collectives (same on every rank)
         first = f"`{self.names[0]}`" if self.names else f"unit {index}"
         self.label = first + (f" and {len(self.names) - 1} more" if len(self.names) > 1 else "")
@@ -381,25 +386,6 @@ class Unit:
         shape = self.shapes[index]
         return flat.narrow(0, self.offsets[index], shape.numel()).view(shape)
 
-    def take_grads(self, indices: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, set[int]]:
-        """The gradients of parameters ``indices`` in one full-size flat tensor of ``dtype`` (zeros where a
-        parameter has none), and which had one; their ``param.grad`` is released."""
-        # every element is written once below (a gradient, or zeros), so no memset of the whole unit first
-        flat = torch.empty(self.padded, dtype=dtype, device=self.device)
-        flat.narrow(0, self.numel, self.padded - self.numel).zero_()
-        wanted = set(indices)
-        had_grad = set()
-        with torch._C.DisableTorchFunctionSubclass():
-            for index, param in enumerate(self.params):
-                view = self.param_view(flat, index)
-                if index not in wanted or param.grad is None:
-                    view.zero_()
-                    continue
-                view.copy_(param.grad)
-                param.grad = None
-                had_grad.add(index)
-        return flat, had_grad
-
     def view_params(self) -> None:
         """Point every parameter's ``.data`` at its place in ``self.full``."""
         with torch._C.DisableTorchFunctionSubclass():
@@ -407,27 +393,30 @@ class Unit:
                 param.data = self.param_view(self.full, index)
 
     # ------------------------------------------------------- gather / free
-    @property
-    def gathered(self) -> bool:
-        """Whether the full values are (or are being) materialised."""
-        return self.state is not UnitState.SHARDED
-
     def _move(self, to: UnitState, event: str) -> None:
         """The one place the state changes: raises on a move the life cycle lacks."""
-        fix = "check `unit.state` (or call `ensure_gathered()`, which does what the state needs) first"
-        self.state = move(self.comm.rank, repr(self), self.state, to, _UNIT_MOVES, event, fix)
+        if to not in _UNIT_MOVES[self.state]:  # (checked here: `move` builds the error)
+            fix = "check `unit.state` (or call `ensure_gathered()`, which does what the state needs) first"
+            move(self.comm.rank, repr(self), self.state, to, _UNIT_MOVES, event, fix)
+        self.state = to
+        self.gathered = to is not UnitState.SHARDED
 
     def gather(self, async_op: bool = False) -> None:
         """Start the all-gather of a sharded unit (collective); without ``async_op`` also finish it."""
+        self._work = self.comm.all_gather(self.full, self._gathering(), async_op=True, label=self.label)
+        if not async_op:
+            self.wait()
+
+    def _gathering(self) -> torch.Tensor:
+        """A sharded unit is about to be all-gathered: its shard (what it sends), and its full buffer's storage
+        back (what it receives)."""
         # The shard first: reading it from its file may fail (or be interrupted), and the unit must then stay
         # sharded, not be left gathering with no all-gather to fill its full buffer.
         shard = self.shard
         self._move(UnitState.GATHERING, "start a gather")
         storage = self.full.untyped_storage()
         storage.resize_(self.padded * self.full.element_size())
-        self._work = self.comm.all_gather(self.full, shard, async_op=True, label=self.label)
-        if not async_op:
-            self.wait()
+        return shard
 
     def wait(self) -> None:
         """Finish a gather started with ``async_op=True`` (``GATHERING`` → ``GATHERED``)."""
@@ -733,8 +722,44 @@ def checksum(flat: torch.Tensor) -> int:
 
 def gather_units(units: Sequence[Unit]) -> None:
     """Gather several units (those not gathered yet), overlapping their collectives."""
-    for unit in units:
-        if unit.state is UnitState.SHARDED:
-            unit.gather(async_op=True)
+    hold((), units)
     for unit in units:
         unit.ensure_gathered()
+
+
+def hold(units: Sequence[Unit], ahead: Sequence[Unit] = ()) -> None:
+    """Take a hold on each of ``units`` (:meth:`Unit.acquire`) with its full values present, and start gathering
+    the sharded ones of ``ahead`` (a prefetch) with them: the gathers of both in one call, ``units``'s first, then
+    ``units``'s waited for.  Module hooks call it once per module call, not once per unit."""
+    starting = [unit for unit in dict.fromkeys([*units, *ahead]) if unit.state is UnitState.SHARDED]
+    if starting:
+        for unit in starting:
+            # every shard read before any unit moves: one that fails to read from its file leaves them all
+            # sharded, none gathering with no all-gather issued (a shard read stays in host memory for the gather)
+            unit.shard  # noqa: B018
+        pairs = [(unit.full, unit._gathering()) for unit in starting]
+        works = starting[0].comm.all_gather_each(pairs, [unit.label for unit in starting])
+        for unit, work in zip(starting, works):
+            unit._work = work
+    for unit in units:
+        unit._holders += 1
+    waiting = [unit for unit in units if unit.state is UnitState.GATHERING]
+    if waiting:
+        for unit in waiting:
+            if unit._work is None:
+                unit.wait()  # raises: gathering with no all-gather in flight
+        wait_all([unit._work for unit in waiting if unit._work is not None])
+        for unit in waiting:
+            unit._work = None
+            unit._move(UnitState.GATHERED, "finish a gather")
+
+
+def let_go(units: Sequence[Unit]) -> list[Unit]:
+    """Drop one hold on each of ``units`` (:meth:`Unit.release`) and free each that nothing holds any more; the
+    units freed (one call per module call, not one per unit)."""
+    freed = []
+    for unit in units:
+        if unit.release() == 0:
+            unit.free()
+            freed.append(unit)
+    return freed

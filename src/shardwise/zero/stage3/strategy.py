@@ -31,35 +31,49 @@ Step.  ``step`` (the master store's) copies the updated pieces into the local sl
 unit (nothing to copy in fp32): no communication, the next forward gathers
 the new values.  Only the persistent unit is re-gathered.
 
-The pieces, their masters and optimizer state are the master store's (:mod:`.store`, the same store as
+The pieces, their masters and optimizer state are the master store's (:mod:`..store`, the same store as
 the flat stages', its home chosen once: in memory, or in files with ``offload_optimizer: nvme``); its
-model side here, the units' shards, is :mod:`.unit_side`; shards kept in a file (``offload_param: nvme``)
-in :mod:`.offloaded_shards`; the hooks that gather and free units in :mod:`.hooks`.
+model side, the units' shards, is :class:`UnitSide`, here (how gradients arrive and how updated values leave
+are the two things a stage adds to the store); shards kept in a file (``offload_param: nvme``)
+in :mod:`..offload.shards`; the hooks that gather and free units in :mod:`.hooks`.
+
+The store's side (:class:`UnitSide`).  For each of its optimizer's parameters a stage 3 rank owns a *piece*: the
+elements ``[start, end)`` of the flattened parameter that fall into its slice of the unit
+(:meth:`UnitSide.pieces`), laid one after the other in this rank's shard of the store.  In fp32 with the shards
+in memory the store's masters are views of the shards themselves, as in torch FSDP: nothing is copied after a
+step, and values written into a shard are the masters' values already.  Otherwise (fp16/bf16, or shards kept in a
+file, ``offload_param: {device: nvme}``, where a view would leave host memory with the shard) the masters are
+apart, and updated ones are cast into the shards (:meth:`UnitSide.write`): a shard kept in a file takes them
+there, unread, and may leave host memory once the step is past it.  Values written into the units that did not
+come from a step (``GatheredParameters(modifier_rank=...)``, an in-place write in a forward,
+``zero.load_state_dict``) reach the masters, kept ones too, through this side: it is the gatherer's
+:class:`~.hooks.MasterValues`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, NamedTuple, Optional
+import functools
+import weakref
+from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
 
-from ...comm.distributed import Comm, Work
+from ...comm.distributed import Comm, Work, wait_all
 from ...optim.param_state import ParamShard
 from ..base import Apply, Strategy, module_order, tensor_bytes
 from ..offload.host_shards import HostShards
 from ..offload.shards import ShardCache, params_home, shard_cache
-from ..store.home import Piece
+from ..store import choose_home
 from ..store.plan import offload_spec
-from ..store.store import MasterStore, choose_home
-from ..weak_hooks import WeakHook, remove_with
+from ..store.store import MasterStore, Piece, Run, Runs
+from ..weak_hooks import remove_with
 from .gathered import GatheredParameters
 from .hooks import Gatherer
 from .params import Unit, UnitError, UnitState, is_partitioned, restore_parameter, unit_of
-from .side import UnitSide, piece_runs
 
-__all__ = ["InFlight", "Stage3"]
+__all__ = ["InFlight", "Stage3", "UnitSide", "piece_runs", "take_grads"]
 
 _MAX_IN_FLIGHT = 2
 
@@ -176,7 +190,7 @@ class Stage3(Strategy):
                 index = param.__dict__["_shardwise_index"]
                 self._trainable.setdefault(unit, []).append(index)
                 if id(param) not in self._grad_hooks:  # held weakly: a dropped engine is freed (:mod:`.weak_hooks`)
-                    hook = WeakHook(self._on_grad_of, index)
+                    hook = functools.partial(_on_grad, weakref.ref(self), weakref.ref(unit), index)
                     added.append(param.register_post_accumulate_grad_hook(hook))
                     self._grad_hooks[id(param)] = added[-1]
         if added:
@@ -190,6 +204,15 @@ class Stage3(Strategy):
         return sum(len(indices) for indices in self._trainable.values())
 
     # ============================================================ backward
+    def run_backward(self, tensor: torch.Tensor, sync: bool, retain_graph: bool = False) -> None:
+        self.start_backward(sync)
+        try:
+            tensor.backward(retain_graph=retain_graph)  # the hooks are called from here
+        except BaseException:
+            self.abort_backward()
+            raise
+        self.finish_backward()
+
     def start_backward(self, sync: bool) -> None:
         backward = self.backward
         backward.sync, backward.active, backward.arrivals = sync, True, 0
@@ -203,11 +226,6 @@ class Stage3(Strategy):
             seen = set(used)
             self._order = used + [u for u in self.units if u in self._trainable and u not in seen]
 
-    def _on_grad_of(self, index: int, param: torch.Tensor) -> None:
-        unit = unit_of(param)  # (not held by the hook: the unit holds this engine's machinery)
-        if unit is not None:
-            self._on_grad(unit, index, param)
-
     def _on_grad(self, unit: Unit, index: int, param: torch.Tensor) -> None:
         """Parameter ``index`` of ``unit`` got its gradient: reduce the unit once all of its have."""
         backward = self.backward
@@ -218,33 +236,36 @@ class Stage3(Strategy):
         arrived.add(index)
         if len(arrived) < len(self._trainable[unit]):
             return
-        if unit in self.gatherer.held_for_grads:  # a call with no post-backward holds it until now
-            self.gatherer.grads_ready(unit)
         if backward.sync and unit not in self._ready:
             self._ready.add(unit)
             while self._next < len(self._order) and self._order[self._next] in self._ready:
                 self._launch(self._order[self._next])
                 self._next += 1
+        if unit in self.gatherer.held_for_grads:  # a call with no post-backward holds it until now
+            self.gatherer.grads_ready(unit)
 
     def _launch(self, unit: Unit) -> None:
         # fp32 unless `communication_data_type` halves the bytes on the wire; averaged into fp32 below
         wire = self.precision.reduce_dtype
         trainable = self._trainable[unit]
-        source, had_grad = unit.take_grads(trainable, wire)
+        source, had_grad = take_grads(unit, trainable, wire)
         self._had.update((unit, index) for index in had_grad)
         self._grad_device = source.device
         output = torch.empty(unit.shard_numel, dtype=wire, device=source.device)
         work = self.comm.reduce_scatter(output, source, async_op=True, label=unit.label)
         self._works.append(InFlight(work, unit, source, output, trainable))
-        while len(self._works) > _MAX_IN_FLIGHT:
-            self.store.add_reduced([self._landed(self._works.pop(0))], 1.0 / self.comm.world_size, False)
+        if len(self._works) > _MAX_IN_FLIGHT:
+            self._land(self._works[: -_MAX_IN_FLIGHT], False)
+            del self._works[: -_MAX_IN_FLIGHT]
 
-    def _landed(self, flight: InFlight) -> tuple[list[Piece], torch.Tensor]:
-        """Wait for ``flight``: its unit's trainable pieces and this rank's slice of their reduced gradients (the
-        store adds them to the pieces' gradients; which of them no rank had a gradient for, :meth:`step` is told)."""
-        flight.work.wait()
-        pieces = self.side.by_unit.get(flight.unit, ())
-        return [p for p in pieces if p.index in flight.trainable], flight.output
+    def _land(self, flights: list[InFlight], last: bool) -> None:
+        """Wait for ``flights`` (one call), and hand the store each unit's trainable pieces with this rank's slice
+        of their reduced gradients, to add to the pieces' gradients (which of them no rank had a gradient for,
+        :meth:`step` is told); ``last``: the reduction is over."""
+        wait_all([flight.work for flight in flights])
+        by_unit = self.side.by_unit
+        reduced = [([p for p in by_unit.get(f.unit, ()) if p.index in f.trainable], f.output) for f in flights]
+        self.store.add_reduced(reduced, 1.0 / self.comm.world_size, last)
 
     def abort_forward(self) -> None:
         self.gatherer.abort_forward()
@@ -275,7 +296,7 @@ class Stage3(Strategy):
             self._launch(unit)
         self._next = len(self._order)
         works, self._works = self._works, []
-        self.store.add_reduced([self._landed(flight) for flight in works], 1.0 / self.comm.world_size, True)
+        self._land(works, True)
 
     # ================================================================ step
     def step_sums(self) -> torch.Tensor:
@@ -450,6 +471,34 @@ class Stage3(Strategy):
             self.shards = None
 
 
+def _on_grad(strategy: "weakref.ref[Stage3]", unit: "weakref.ref[Unit]", index: int, param: torch.Tensor) -> None:
+    """A trainable parameter's post-accumulate hook (the gradient lands in this file first); the strategy and the
+    unit held weakly (the unit holds this engine's machinery)."""
+    held, of = strategy(), unit()
+    if held is not None and of is not None:
+        held._on_grad(of, index, param)
+
+
+def take_grads(unit: Unit, indices: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, set[int]]:
+    """The gradients of ``unit``'s parameters ``indices`` in one full-size flat tensor of ``dtype`` (zeros where a
+    parameter has none), laid out as the unit, and which had one; their ``param.grad`` is released."""
+    # every element is written once below (a gradient, or zeros), so no memset of the whole unit first
+    flat = torch.empty(unit.padded, dtype=dtype, device=unit.full.device)
+    flat.narrow(0, unit.numel, unit.padded - unit.numel).zero_()
+    wanted = set(indices)
+    had_grad = set()
+    with torch._C.DisableTorchFunctionSubclass():
+        for index, (param, offset, shape) in enumerate(zip(unit.params, unit.offsets, unit.shapes)):
+            view = flat.narrow(0, offset, shape.numel()).view(shape)
+            if index not in wanted or param.grad is None:
+                view.zero_()
+                continue
+            view.copy_(param.grad)
+            param.grad = None
+            had_grad.add(index)
+    return flat, had_grad
+
+
 def _check_module(module: nn.Module, comm: Comm) -> None:
     """Refuse parameters another stage 3 engine partitions, or ``zero.Init`` partitioned over another group."""
     for name, param in module.named_parameters():
@@ -517,3 +566,165 @@ def unit_specs(module: nn.Module, threshold: int) -> list[tuple[list[nn.Paramete
     if small[0]:
         specs.append((small[0], small[1], True))
     return specs
+
+
+# ============================================================ the store's side
+class UnitSide:
+    """This rank's pieces of stage 3's units (see the module docstring); ``in_files``: the shards live in a file."""
+
+    def __init__(self, rank: int, in_files: bool) -> None:
+        self.rank = rank
+        self.in_files = in_files
+        #: the store whose masters follow the values written into the units (set once it is made)
+        self.store: MasterStore
+        self.by_unit: dict[Unit, list[Piece]] = {}
+        #: elements of this rank's shard given out to pieces so far
+        self.numel = 0
+        #: the unit the last write went into, which the next may go on with
+        self._waiting: list[Unit] = []
+        #: per piece (by id), with the shards in memory: (its unit's shard tensor, the piece's view of it)
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def pieces(self, unit: Unit, group_of: dict[int, int]) -> list[Piece]:
+        """This rank's piece of each of ``unit``'s optimizer parameters (``group_of``: id -> param group), after
+        ``unit.build``, placed in the shard after the pieces given out before."""
+        pieces = []
+        for index, start, end, offset in _cuts([s.numel() for s in unit.shapes], unit.shard_numel, self.rank):
+            param = unit.params[index]
+            if id(param) in group_of:
+                pieces.append(Piece(param, unit.names[index], unit.shapes[index], start, end, self.numel,
+                                    group_of[id(param)], index, offset, unit))
+                self.numel += end - start
+        if pieces:
+            self.by_unit[unit] = pieces
+        return pieces
+
+    @staticmethod
+    def initial(piece: Piece, values: torch.Tensor) -> torch.Tensor:
+        """The piece's exact fp32 values at build: in its unit's shard when that is fp32 (``unit.build`` freed
+        ``values`` then, it became the full buffer), else in ``values`` (the unit's full fp32 values)."""
+        shard = piece.unit.shard
+        if shard.dtype == torch.float32:
+            return _local(piece, shard)
+        return values.narrow(0, piece.unit.offsets[piece.index] + piece.start, piece.numel)
+
+    # ------------------------------------------------------------ the store's side
+    def view(self, piece: Piece) -> Optional[torch.Tensor]:
+        return None if self.in_files else _local(piece, piece.unit.shard)
+
+    def values(self, piece: Piece) -> torch.Tensor:
+        # a copy even in fp32: a view of a shard kept in a file would be its host copy, kept alive past its
+        # eviction and no longer the shard
+        values = _local(piece, piece.unit.shard).to(torch.float32, copy=True)
+        piece.unit.shard_released()  # only read: a shard kept in a file may leave (`max_in_cpu`)
+        return values
+
+    def write(self, runs: Runs, last: bool = False) -> None:
+        """Cast into the units' shards: with the shards in memory, through fixed views, all in one ``foreach``
+        call; kept in files, one write per unit (a shard not in memory takes them in the file, unread), and units
+        the write is past may let their shards go (all of them once the ``last`` write is done)."""
+        if not self.in_files:
+            if not runs:  # (a load with nothing of this rank's to write: foreach refuses empty lists)
+                return
+            torch._foreach_copy_([self._in_shard(piece).narrow(0, at, values.numel()) for piece, at, values in runs],
+                                 [values for _, _, values in runs])
+            return
+        parts: dict[Unit, list[tuple[int, torch.Tensor]]] = {}  # per unit, in shard order
+        for piece, at, values in runs:
+            parts.setdefault(piece.unit, []).append((piece.offset + at, values))
+        for unit, written in parts.items():
+            unit.write_shard(written)
+        self._release(list(parts))
+        if last:
+            self._release([])
+
+    def _in_shard(self, piece: Piece) -> torch.Tensor:
+        """The piece's elements of its unit's shard, kept in memory: a view made once per shard tensor."""
+        shard = piece.unit.storage.shard
+        cached = self._views.get(id(piece))
+        if cached is None or cached[0] is not shard:
+            cached = self._views[id(piece)] = (shard, _local(piece, shard))
+        return cached[1]
+
+    def settle(self) -> None:
+        if self.in_files:  # (shards in memory hold no place between writes)
+            self._release([])
+
+    def _release(self, units: list[Unit]) -> None:
+        """Units whose masters are all written may let their shards leave host memory (an offloaded shard); the
+        last one may go on into the next sub-group, so it waits (read and written once a step, not twice)."""
+        waiting = units[-1:]
+        done = [unit for unit in dict.fromkeys([*self._waiting, *units]) if unit not in waiting]
+        for unit in waiting:
+            unit.pin_shard(True)  # before any release below lets the cache choose what leaves
+        for unit in done:
+            unit.pin_shard(False)
+            unit.shard_released()
+        self._waiting = waiting
+
+    # ---------------------------------------------------- values written into the units
+    def on_params_modified(self, unit: Unit) -> None:
+        """New values were scattered into ``unit``'s shard: masters (kept ones too) follow."""
+        for piece in self.by_unit.get(unit, ()):
+            self.store.take(piece, _local(piece, unit.shard))
+
+    def on_written(self, unit: Unit) -> None:
+        """A forward wrote ``unit``'s gathered values in place: this rank's slice becomes its shard and masters.
+
+        Only the parameters whose slice changed are copied, so the fp32 masters of the others keep
+        their exact values (a copy from the compute dtype would round them).
+        """
+        with torch._C.DisableTorchFunctionSubclass():
+            fresh = unit.local(unit.full)
+            if torch.equal(fresh, unit.shard):
+                return
+            for piece in self.by_unit.get(unit, ()):
+                values = _local(piece, fresh)
+                if not torch.equal(values, _local(piece, unit.shard)):
+                    self.store.take(piece, values)
+            unit.shard.copy_(fresh)
+
+    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
+        """``zero.load_state_dict`` gave ``unit`` fp32 ``values``: masters (kept ones too) take them exactly."""
+        for piece in self.by_unit.get(unit, ()):
+            if piece.index in loaded:
+                self.store.take(piece, _local(piece, values))
+
+    def fill(self, unit: Unit, shard: torch.Tensor) -> None:
+        """Write the masters (kept ones too) of ``unit``'s pieces into ``shard``, a full-precision copy of its shard."""
+        for piece in self.by_unit.get(unit, ()):
+            master = self.store.master_or_kept(piece)
+            if master is not None:
+                _local(piece, shard).copy_(master)
+
+
+def _local(piece: Piece, shard: torch.Tensor) -> torch.Tensor:
+    """The piece's elements of its unit's shard (or of a tensor laid out as it)."""
+    return shard.narrow(0, piece.offset, piece.numel)
+
+
+def piece_runs(units: Iterable[Sequence[torch.Tensor]], group_of: dict[int, int], rank: int, world: int) -> list[Run]:
+    """The runs of the shard that :meth:`UnitSide.pieces` fills on ``rank`` for units holding the parameters
+    ``units``, in order, before the units are built (as :class:`~.params.Unit` pads and cuts them)."""
+    runs: list[Run] = []
+    at = 0
+    with torch._C.DisableTorchFunctionSubclass():
+        for params in units:
+            numels = [p.numel() for p in params]
+            shard = max(1, -(-sum(numels) // world))
+            for index, start, end, _ in _cuts(numels, shard, rank):
+                if id(params[index]) in group_of:
+                    runs.append(Run(len(runs), 0, end - start, at))
+                    at += end - start
+    return runs
+
+
+def _cuts(numels: Sequence[int], shard: int, rank: int) -> Iterator[tuple[int, int, int, int]]:
+    """For each parameter (of ``numels`` elements, laid one after the other) with elements in slice ``rank`` of
+    ``shard`` elements: its index, ``[start, end)`` of its elements there, and where they start in the slice."""
+    lo, offset = rank * shard, 0
+    for index, numel in enumerate(numels):
+        start, end = max(lo, offset), min(lo + shard, offset + numel)
+        if start < end:
+            yield index, start - offset, end - offset, start - lo
+        offset += numel

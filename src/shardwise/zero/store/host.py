@@ -6,7 +6,7 @@ trains on the device.  Per step:
 * **Gradients down.**  Each trainable piece's key (its fp32 master, a tensor of its own in host memory) has its
   view of one host gradient buffer as ``.grad``; the stages' reduced gradients are copied into it as each
   bucket (the flat stages) or unit (stage 3) lands, overlapped with the rest of backward
-  (:class:`~.copies.DeviceCopies`; the hooks of :class:`~.home.Home`).  The gradient norm is taken on the
+  (:class:`~.copies.DeviceCopies`; the hooks of :class:`~.store.Home`).  The gradient norm is taken on the
   device, as without offload.
 * **The step** waits for those copies, then steps the inner optimizer sub-group by sub-group: a sub-group is a
   run of whole pieces of at most ``sub_group_size`` elements (:func:`~.plan.whole_sub_groups`, as DeepSpeed's),
@@ -17,7 +17,7 @@ trains on the device.  Per step:
   the model without waiting, so the copy runs while the next sub-group steps (:meth:`~.copies.DeviceCopies.publish`).
 
 ``offload_optimizer.ratio`` below 1 is DeepSpeed's partial offload: of the ``n`` sub-groups, the first
-``int((1 - ratio) * n)`` keep their masters and state on the device (a :class:`~.resident.Resident` home of
+``int((1 - ratio) * n)`` keep their masters and state on the device (a :class:`~.store.Resident` home of
 their own: the model's storage in fp32, else fp32 copies beside it), stepped there first with no copy; the
 rest live in host memory.  The optimizer state of every piece is in the inner optimizer's ``state``, keyed by
 its master, as in memory: checkpoints, freezing and thawing see it as the in-memory home's.
@@ -34,9 +34,8 @@ import torch
 from ...optim.param_state import OptimizerSlot, StateSlot
 from .copies import DeviceCopies
 from .frozen import Kept
-from .home import Home, ModelSide, Piece, Run
 from .plan import OffloadSpec, whole_sub_groups
-from .resident import Resident
+from .store import Home, ModelSide, Piece, Run
 from .subgroups import stepping_only
 
 __all__ = ["Host", "fused_on_host"]
@@ -72,12 +71,13 @@ class _PlacedSlot(OptimizerSlot):
 class Host(Home):
     """fp32 masters, gradients and optimizer state of this rank's pieces in host memory (module docstring)."""
 
-    def __init__(self, side: ModelSide, spec: OffloadSpec, copies: DeviceCopies, in_model: bool) -> None:
+    def __init__(self, side: ModelSide, spec: OffloadSpec, copies: DeviceCopies, near: Home) -> None:
         super().__init__(side, copies)
         self.spec = spec
         self.device_copies = copies
-        #: the pieces before :attr:`split` (``ratio`` below 1): on the device, as without offload
-        self.near = Resident(side, in_model)
+        #: the pieces before :attr:`split` (``ratio`` below 1): on the device, as without offload (the in-memory
+        #: home, :class:`~.store.Resident`, given by the store: it lives beside the store, which imports this file)
+        self.near = near
         #: the shard's elements ``[0, split)`` stay on the device
         self.split = 0
         self._runs: list[Run] = []

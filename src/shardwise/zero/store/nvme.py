@@ -11,7 +11,7 @@ unused-parameter rule see it unchanged.
 The step (:meth:`Nvme.step`) cuts the shard into sub-groups (:mod:`.plan`); for each, one background thread
 reads master and state into a pool buffer ahead of time, the chunks' tensors are pointed at it, torch's own
 ``step`` runs over that sub-group only, the updated masters go to the model through the stage's
-:class:`~.home.ModelSide`, and the thread writes the sub-group back while the next one is stepped
+:class:`~.store.ModelSide`, and the thread writes the sub-group back while the next one is stepped
 (:class:`~.subgroups.SubGroupStepper`).  A chunk whose key has no gradient (a frozen piece, or one no rank
 had a gradient for) is passed by, and a sub-group of such chunks only is neither read nor written.  Between
 steps the inner optimizer's ``state`` is empty.
@@ -36,8 +36,8 @@ from ..offload.files import NvmeFiles
 from ..offload.readahead import BufferPool
 from .copies import DeviceCopies
 from .frozen import Kept
-from .home import Home, ModelSide, Piece, Run
 from .plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, say_split, state_bytes_per_element
+from .store import Home, ModelSide, Piece, Run
 from .subgroups import OffloadSlot, SubGroupStepper, placeholder, pool_for
 
 __all__ = ["Nvme"]

@@ -1,41 +1,282 @@
 """One master store for every ZeRO stage: this rank's fp32 master weights and optimizer state.
 
-A :class:`MasterStore` holds this rank's pieces (:class:`~.home.Piece`): the flat stages' slices of their
+A :class:`MasterStore` holds this rank's pieces (:class:`Piece`): the flat stages' slices of their
 layout and stage 3's parts of its units alike.  Where their masters and state live is its home, chosen
-once (:func:`choose_home`): :class:`~.resident.Resident` in memory, :class:`~.nvme.Nvme` in files,
+once (:func:`~shardwise.zero.store.choose_home`): :class:`Resident` in memory, :class:`~.nvme.Nvme` in files,
 :class:`~.host.Host` in host memory for a model on an accelerator.  What the store does once, for every stage
 and home:
 
 * the inner optimizer's param groups hold the trainable pieces' keys (:meth:`MasterStore.keys_for`);
 * the step (:meth:`MasterStore.step`): gradients scaled, pieces no rank had a gradient for left alone as
   torch leaves a parameter whose ``.grad`` is None, the home stepped, updated masters published through the
-  stage's :class:`~.home.ModelSide`;
+  stage's :class:`ModelSide`;
 * freezing: a piece that stops training leaves the optimizer, its master and state kept
   (:class:`~.frozen.FrozenStore`) until it trains again (:meth:`MasterStore.refresh`; the flat stages
   rebuild their layout instead, :meth:`MasterStore.adopt` taking back what :mod:`.carry` kept);
 * checkpoints: each piece as a :class:`~shardwise.optim.param_state.ParamShard`, frozen ones included
   (:meth:`MasterStore.shards`);
 * byte accounting; and values written into the model: the masters follow (:meth:`MasterStore.take`).
+
+A :class:`Piece` is the part of one parameter this rank owns: elements ``[start, end)`` of it, flattened, at
+``at`` in this rank's *shard* (its pieces one after the other, as the flat layout or stage 3's units cut
+them).  The store keeps each piece's fp32 master and optimizer state; *where* they live is its :class:`Home`,
+chosen once at initialize (:func:`~shardwise.zero.store.choose_home`):
+
+* :class:`Resident`: in memory.  The master is the model's own storage where the model holds fp32
+  values in memory (stage 0's parameters, the flat stages' slices of their parameter buffer, stage 3's
+  shards), else a separate fp32 copy; the inner optimizer's ``state`` holds the state.
+* :class:`~.nvme.Nvme`: in files, stepped sub-group by sub-group (``offload_optimizer: {device: nvme}``,
+  ``ratio`` keeping the first sub-groups in memory).
+* :class:`~.host.Host`: in host memory for a model on an accelerator (``offload_optimizer: {device: cpu}``,
+  ZeRO-Offload), stepped there sub-group by sub-group.
+
+Where the state is in host memory and the model on an accelerator (the host home; NVMe on a GPU job), the
+home's :attr:`Home.copies` (:class:`~.copies.DeviceCopies`) moves reduced gradients down as they land and
+updated values up; the hooks :meth:`Home.grad_for`, :meth:`Home.arrived` and :meth:`Home.add_grads` are
+where the stages hand their gradients over (they keep them on the device for the other homes).
+
+What differs between the stages is the :class:`ModelSide`: where a piece's values are in the model and how
+updated masters get there (:mod:`..flat.side`: this rank's slice of the flat parameter buffer, all-gathered
+after the step; ``UnitSide`` in :mod:`..stage3.strategy`: the units' shards).  How gradients arrive is the
+stages' own: the flat stages point each key's ``.grad`` at a fixed view of the reduced gradient buffer, stage 3
+adds each unit's reduction as it finishes (:meth:`MasterStore.add_reduced`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, MutableMapping, NamedTuple, Optional, Sequence
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Iterator, MutableMapping, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
-from ...optim.param_state import ParamShard
+from ...optim.param_state import KeptSlot, OptimizerSlot, ParamShard, StateSlot
 from ..base import tensor_bytes
+from ..flat.layout import Piece as Run
 from .copies import DeviceCopies
 from .frozen import FrozenStore, Kept
-from .home import Home, ModelSide, Piece, Run, sum_sq
-from .host import Host
-from .nvme import Nvme
-from .plan import OffloadSpec
-from .resident import Resident
 
-__all__ = ["MasterStore", "NormShare", "Resident", "choose_home"]
+__all__ = ["Home", "MasterStore", "ModelSide", "NormShare", "Piece", "Resident", "Run", "Runs", "sum_sq"]
+
+
+@dataclass(eq=False)
+class Piece:
+    """Elements ``[start, end)`` of ``param`` (flattened, of shape ``shape``) that this rank owns, at ``at`` in its
+    shard (-1: a frozen parameter of the flat stages, kept whole outside it), in param group ``group``.
+
+    ``key`` is the tensor the inner optimizer steps for it (None while frozen); ``grad`` its reduced fp32
+    gradient where one accumulates (stage 3).  ``index`` and ``offset`` say where it is in the model: the
+    parameter's index in the flat layout, or in ``unit`` and the piece's place in that unit's shard."""
+
+    param: torch.Tensor
+    name: str
+    shape: torch.Size
+    start: int
+    end: int
+    at: int
+    group: int
+    index: int
+    offset: int = 0
+    unit: Any = None
+    key: Optional[torch.Tensor] = None
+    grad: Optional[torch.Tensor] = None
+    #: ``end - start`` (a field, not a property: read on the gradient's path)
+    numel: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.numel = self.end - self.start
+
+
+#: updated values for the model: ``values`` into elements ``[at, at + len(values))`` of the piece
+Runs = Sequence[tuple[Piece, int, torch.Tensor]]
+
+
+class ModelSide(Protocol):
+    """Where a piece's values are in the model, and how updated masters get there (a stage's side of the store)."""
+
+    def view(self, piece: Piece) -> Optional[torch.Tensor]:
+        """The piece's values in the model as a tensor the optimizer may step in place (fp32, in memory), else None."""
+        ...
+
+    def values(self, piece: Piece) -> torch.Tensor:
+        """A new fp32 copy of the piece's values in the model."""
+        ...
+
+    def write(self, runs: Runs, last: bool = False) -> None:
+        """Updated masters into the model (cast to its dtype); ``last``: no write of this publication follows (as
+        :meth:`settle` after it, in the same call: a publication in one write asks once)."""
+        ...
+
+    def settle(self) -> None:
+        """After the last :meth:`write` of a publication (stage 3 lets the last shard it wrote leave memory)."""
+        ...
+
+
+class Home(ABC):
+    """Where the masters and optimizer state of a store's pieces live (see the module docstring).
+
+    The store calls :meth:`plan` once, then :meth:`add` for each piece (in shard order);
+    :meth:`freeze` and :meth:`thaw` when a piece stops or starts training (stage 3), :meth:`step` for each
+    optimizer step."""
+
+    #: whether the masters are the model's own storage (nothing to publish, no copy held apart)
+    in_model = False
+
+    def __init__(self, side: ModelSide, copies: Optional[DeviceCopies] = None) -> None:
+        self.side = side
+        #: every piece added, in shard order
+        self.pieces: list[Piece] = []
+        #: the copies between the model's device and host memory, where the state is on the host and the model
+        #: is not (None: the optimizer reads the stage's own gradients)
+        self.copies = copies
+        #: whether the optimizer reads gradients this home holds apart from the stage's (host copies): the
+        #: store's step scales those (:meth:`scale`), not the stage's (an attribute: read on every step)
+        self.grads_apart = copies is not None
+
+    def apart(self, piece: Piece) -> bool:
+        """Whether ``piece``'s gradient is copied to host memory for its step."""
+        return self.copies is not None
+
+    def plan(self, runs: Sequence[Run], numel: int, inner: Any) -> None:
+        """Before the first :meth:`add`: the runs of the shard the pieces will fill, in order, within its
+        ``numel`` elements (a home keeping them outside memory lays out its files), for ``inner``."""
+
+    def add(self, piece: Piece, initial: Optional[torch.Tensor]) -> None:
+        """Take the next piece of the shard; one trainable now (``initial``: its exact values, any dtype; None:
+        frozen) gets its key."""
+        self.pieces.append(piece)
+        if initial is not None:
+            piece.key = self.start(piece, initial)
+
+    @abstractmethod
+    def start(self, piece: Piece, initial: torch.Tensor) -> torch.Tensor:
+        """The key of a piece trainable when added, its master starting at ``initial``."""
+
+    @abstractmethod
+    def master(self, piece: Piece) -> torch.Tensor:
+        """A trainable piece's fp32 master, 1-D and writable (a checkpoint load writes through it)."""
+
+    @abstractmethod
+    def slot(self, piece: Piece, state: MutableMapping[Any, Any]) -> StateSlot:
+        """Where a trainable piece's optimizer state lives (``state``: the inner optimizer's)."""
+
+    @abstractmethod
+    def freeze(self, piece: Piece, state: MutableMapping[Any, Any]) -> Kept:
+        """A piece stops training: its master and optimizer state, taken out to keep."""
+
+    @abstractmethod
+    def thaw(self, piece: Piece, kept: Optional[Kept], state: MutableMapping[Any, Any]) -> None:
+        """A piece trains again: its key, master and state from ``kept`` (None: from the model's values)."""
+
+    @abstractmethod
+    def step(self, inner: Any) -> None:
+        """Step the inner optimizer over the trainable keys and publish the updated masters into the model."""
+
+    @abstractmethod
+    def publish(self) -> None:
+        """Every trainable master into the model, where they are not the model's storage already."""
+
+    # ------------------------------------------------------------ gradients
+    def grad_for(self, piece: Piece, grad: torch.Tensor) -> torch.Tensor:
+        """What a trainable piece's key holds as ``.grad`` for the stage's reduced gradient ``grad`` (a fixed view,
+        the flat stages'): ``grad``, or where the piece's state is in host memory its view of the host gradient
+        buffer, which :meth:`arrived` fills."""
+        if self.copies is None or not self.apart(piece):
+            return grad
+        view = self.copies.view(piece.at, piece.numel)
+        self.copies.register(piece, view, grad)
+        return view
+
+    def arrived(self, pieces: Sequence[Piece]) -> None:
+        """The reduced gradients of ``pieces`` (given by :meth:`grad_for`) landed: start copying them to host
+        memory, overlapped with the rest of backward."""
+        if self.copies is not None:
+            self.copies.down(pieces)
+
+    def add_grads(self, parts: Sequence[tuple[Piece, torch.Tensor]], scale: float) -> None:
+        """Stage 3: add ``scale`` times each ``part`` (a trainable piece's elements of one reduction, on the
+        device) to the piece's fp32 gradient, and point its key's ``.grad`` at it.  The first reduction after
+        the gradients were dropped makes the gradient; where it goes to host memory it is scaled on the device,
+        its norm taken there, and copied down without waiting."""
+        fresh: list[tuple[Piece, torch.Tensor]] = []
+        for piece, part in parts:
+            if piece.grad is None:
+                fresh.append((piece, part.float().mul(scale)))
+                continue
+            if self.copies is not None and self.apart(piece):
+                self.copies.wait()  # a second reduction before the step (rare): added on the host
+                self.copies.norms.pop(piece, None)
+                piece.grad.add_(part.to(piece.grad.device), alpha=scale)
+            else:
+                piece.grad.add_(part, alpha=scale)
+            assert piece.key is not None
+            piece.key.grad = piece.grad
+        down = [(piece, grad) for piece, grad in fresh if self.copies is not None and self.apart(piece)]
+        if down:
+            assert self.copies is not None
+            norms = torch._foreach_norm([grad for _, grad in down])
+            views = [self.copies.view(piece.at, piece.numel) for piece, _ in down]
+            for (piece, _), norm in zip(down, norms):
+                self.copies.norms[piece] = norm
+            self.copies.down_fresh(list(zip(views, [grad for _, grad in down])))
+            for (piece, _), view in zip(down, views):
+                piece.grad = view
+        for piece, grad in fresh:
+            if piece.grad is None:
+                piece.grad = grad
+            assert piece.key is not None
+            piece.key.grad = piece.grad
+
+    def norm_sq(self, grads: Sequence[tuple[Piece, torch.Tensor]]) -> torch.Tensor:
+        """The sum of squares of the gradients ``(piece, its key's .grad)``, in order: those copied to host memory
+        by their norms taken on the device as they arrived."""
+        if self.copies is None:
+            return sum_sq([grad for _, grad in grads])
+        norms = self.copies.norms
+        missing = [(p, grad) for p, grad in grads if p not in norms]
+        if any(self.apart(p) for p, _ in missing):
+            self.copies.wait()
+        taken = dict(zip([p for p, _ in missing], torch._foreach_norm([g for _, g in missing]))) if missing else {}
+        if not grads:
+            return torch.zeros((), dtype=torch.float32)
+        return torch.stack([(norms[p] if p in norms else taken[p]).to(self.copies.device) for p, _ in grads]).square().sum()
+
+    def settle_grads(self) -> None:
+        """The gradients the optimizer reads are complete (copies to host memory finished)."""
+        if self.copies is not None:
+            self.copies.wait()
+
+    def scale(self, factor: float) -> None:
+        """Multiply the gradients the optimizer reads by ``factor`` (unscale and clip)."""
+        self.settle_grads()
+        grads = [p.key.grad for p in self.pieces if p.key is not None and p.key.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+
+    def loading(self) -> None:
+        """A checkpoint load may write the masters (:meth:`publish` then takes them to the model)."""
+
+    def check_whole(self, doing: str) -> None:
+        """Raise where the state cannot be ``doing`` (a step of an offloaded state failed part-way)."""
+
+    def nbytes(self) -> int:
+        """Bytes of masters held apart from the model (the kept masters of frozen pieces aside)."""
+        return 0
+
+    def state_nbytes(self) -> int:
+        """Bytes of optimizer state held outside the inner optimizer's ``state`` (a partial offload's resident part)."""
+        return 0
+
+    def close(self) -> None:
+        """Let go of what is held outside memory (files)."""
+
+
+def sum_sq(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of squares of ``grads``, from their norms (zero for none)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack(torch._foreach_norm(grads)).square().sum()
 
 
 class NormShare(NamedTuple):
@@ -47,22 +288,62 @@ class NormShare(NamedTuple):
     seen: tuple[tuple[torch.Tensor, torch.Tensor, int], ...]
 
 
-def choose_home(side: ModelSide, offload: Optional[OffloadSpec], fp32_in_memory: bool, device: torch.device,
-                dtype: torch.dtype = torch.float32) -> Home:
-    """Where the state lives, once, for a model on ``device`` computing in ``dtype``: in files where ``offload``
-    asks for NVMe, in host memory where it asks for ``cpu`` (both with copies to and from the device where the
-    model is not in host memory: ``offload.copies``); else in memory, the masters the model's own storage where
-    it holds fp32 values in memory."""
-    if offload is None:
-        return Resident(side, fp32_in_memory)
-    copies = DeviceCopies(device, dtype, offload.pin_memory)
-    if offload.device == "cpu":  # (asked for only where it moves the state: `offload.copies`)
-        return Host(side, offload, copies, fp32_in_memory)
-    return Nvme(side, offload, pin=offload.pin_memory and device.type == "cuda", copies=copies if offload.copies else None)
+class Resident(Home):
+    """Masters in memory: the model's own storage (``in_model``) or separate fp32 copies; state in the optimizer."""
+
+    def __init__(self, side: ModelSide, in_model: bool) -> None:
+        super().__init__(side)
+        self.in_model = in_model
+
+    def start(self, piece: Piece, initial: torch.Tensor) -> torch.Tensor:
+        if self.in_model:
+            view = self.side.view(piece)
+            if view is None:
+                raise RuntimeError(f"`{piece.name}` has no fp32 values in memory to step in place (a bug in "
+                                   "shardwise); please report it")
+            return view
+        return initial.to(torch.float32, copy=True)
+
+    def master(self, piece: Piece) -> torch.Tensor:
+        assert piece.key is not None
+        return piece.key.detach().view(-1)
+
+    def slot(self, piece: Piece, state: MutableMapping[Any, Any]) -> StateSlot:
+        assert piece.key is not None
+        return OptimizerSlot(state, piece.key)
+
+    def freeze(self, piece: Piece, state: MutableMapping[Any, Any]) -> Kept:
+        key = piece.key  # (1-D: stage 3's; kept itself, so a view of the model stays one)
+        assert key is not None
+        kept = Kept(piece.start, piece.end, key, KeptSlot(OptimizerSlot(state, key).get()))
+        state.pop(key, None)
+        return kept
+
+    def thaw(self, piece: Piece, kept: Optional[Kept], state: MutableMapping[Any, Any]) -> None:
+        if kept is None:  # frozen since initialize: the model's values are the best there are
+            piece.key = self.side.view(piece) if self.in_model else self.side.values(piece)
+            return
+        piece.key = kept.master
+        if kept.state:
+            OptimizerSlot(state, kept.master).set(kept.state)
+
+    def step(self, inner: Any) -> None:
+        inner.step()
+        self.publish()
+
+    def publish(self) -> None:
+        if self.in_model:
+            return  # the optimizer stepped the model's own values
+        self.side.write([(p, 0, p.key) for p in self.pieces if p.key is not None], last=True)
+
+    def nbytes(self) -> int:
+        if self.in_model:
+            return 0
+        return sum(p.key.numel() * p.key.element_size() for p in self.pieces if p.key is not None)
 
 
 class MasterStore:
-    """This rank's pieces with their masters and optimizer state, in one :class:`~.home.Home` (module docstring)."""
+    """This rank's pieces with their masters and optimizer state, in one :class:`Home` (module docstring)."""
 
     def __init__(self, home: Home, frozen: Optional[FrozenStore] = None) -> None:
         self.home = home
