@@ -733,10 +733,15 @@ def hold(units: Sequence[Unit], ahead: Sequence[Unit] = ()) -> None:
     ``units``'s waited for.  Module hooks call it once per module call, not once per unit."""
     starting = [unit for unit in dict.fromkeys([*units, *ahead]) if unit.state is UnitState.SHARDED]
     if starting:
-        for unit in starting:
-            # every shard read before any unit moves: one that fails to read from its file leaves them all
-            # sharded, none gathering with no all-gather issued (a shard read stays in host memory for the gather)
-            unit.shard  # noqa: B018
+        try:
+            for unit in starting:
+                # every shard read before any unit moves: one that fails to read from its file leaves them all
+                # sharded, none gathering with no all-gather issued (a shard read stays in host memory for the gather)
+                unit.shard  # noqa: B018
+        except BaseException:
+            for unit in starting:
+                unit.shard_released()  # the shards read before the failure may leave host memory, as after a gather
+            raise
         pairs = [(unit.full, unit._gathering()) for unit in starting]
         works = starting[0].comm.all_gather_each(pairs, [unit.label for unit in starting])
         for unit, work in zip(starting, works):
