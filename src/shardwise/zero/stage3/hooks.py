@@ -255,24 +255,29 @@ class Gatherer:
 
     def _prefetch(self, trace: list[Unit], start: int) -> int:
         """Start gathers for ``trace[start:]`` up to the prefetch budget; returns where it stopped."""
-        ahead, index = self._ahead(trace, start)
-        if ahead:
-            self._hold((), ahead)
+        ahead, index, later = self._ahead(trace, start)
+        self._hold((), ahead, later)
         return index
 
-    def _hold(self, units: Sequence[Unit], ahead: Sequence[Unit]) -> None:
-        """:func:`~.params.hold`; where it raises (a shard that failed to read from its file), the units it left
-        sharded are not live: nothing frees them at the end of the pass."""
-        try:
-            hold(units, ahead)
-        except BaseException:
-            self._live.difference_update([u for u in (*units, *ahead) if u.state is UnitState.SHARDED])
-            raise
+    def _hold(self, units: Sequence[Unit], ahead: Sequence[Unit], later: Sequence[Unit]) -> None:
+        """:func:`~.params.hold`, then the shards of ``later`` read ahead from their files (after: the shards needed
+        now are read first); where it raises (a shard that failed to read), the units it left sharded are not
+        live: nothing frees them at the end of the pass."""
+        if units or ahead:
+            try:
+                hold(units, ahead)
+            except BaseException:
+                self._live.difference_update([u for u in (*units, *ahead) if u.state is UnitState.SHARDED])
+                raise
+        for unit in later:
+            unit.read_ahead()  # shards kept in files: read while this stretch computes, gathered later
+            self._read_ahead[unit] = None
 
-    def _ahead(self, trace: list[Unit], start: int, coming: Sequence[Unit] = ()) -> tuple[list[Unit], int]:
+    def _ahead(self, trace: list[Unit], start: int,
+               coming: Sequence[Unit] = ()) -> tuple[list[Unit], int, list[Unit]]:
         """The units of ``trace[start:]`` to gather ahead, within the prefetch budget (``coming``: units about to be
-        gathered, counted as live), and where the budget stopped; those become live, and the shards of the next
-        ones start coming from their files (``offload_param: nvme``)."""
+        gathered, counted as live), which become live; where the budget stopped; and the next units, whose shards
+        to read ahead from their files (``offload_param: nvme``)."""
         budget, live = self.prefetch_numel, None
         index, ahead = start, []
         while index < len(trace) and budget > 0:
@@ -287,10 +292,7 @@ class Gatherer:
                 budget -= unit.numel
             index += 1
         self._live.update(ahead)
-        for unit in trace[index : index + self.read_ahead]:
-            unit.read_ahead()  # shards kept in files: read while this stretch computes, gathered later
-            self._read_ahead[unit] = None
-        return ahead, index
+        return ahead, index, trace[index : index + self.read_ahead]
 
     def _settle_read_aheads(self) -> None:
         """A pass ended: shards read ahead for units it did not gather (a branch not taken) stop holding
@@ -525,21 +527,22 @@ class Gatherer:
         self._ensure_backward_callback()
         self._live.update(unit for unit in call.units if not unit.gathered)
         # the call's own gathers and the next ones in one call, then the call's waited for
-        self._hold(call.units, self._ahead_backward(call))
+        self._hold(call.units, *self._ahead_backward(call))
         call.held = list(call.units)
         self._bw_calls.append(call)
         if not call.post:
             for unit in call.units:
                 self.held_for_grads.setdefault(unit, []).append(call)
 
-    def _ahead_backward(self, call: _Call) -> list[Unit]:
+    def _ahead_backward(self, call: _Call) -> tuple[list[Unit], list[Unit]]:
         """What backward gathers ahead of ``call``: the units after the call's in the reversed forward order."""
         trace = self._bw_trace
         for index in range(self._bw_cursor, len(trace)):
             if trace[index] in call.units:
                 self._bw_cursor = index + 1
                 break
-        return self._ahead(trace, self._bw_cursor, call.units)[0]
+        ahead, _, later = self._ahead(trace, self._bw_cursor, call.units)
+        return ahead, later
 
     def post_backward(self, call: _Call) -> None:
         held, call.held = call.held, []
