@@ -1,46 +1,20 @@
 """Making sure every rank takes part in a collective call, without the training group.
 
-A communication tool beside :mod:`.distributed`, used by the checkpoint layer
-and by both engines' construction (:mod:`.construction`).
-``save_checkpoint`` and ``load_checkpoint`` are collective.  Before they issue
-a single collective on the process group, the ranks meet through the c10d
-*store* (the key-value store the process group was built on), never through a
-collective: a collective could silently pair with the gradient all-reduce of a
-rank that skipped the call (``if rank == 0: engine.save_checkpoint(...)``) and
-both would hang or, worse, exchange the wrong data.
+Used by the checkpoint layer and by the engines' construction (:mod:`.construction`).  Before a collective call
+issues anything on the process group, the ranks meet through the c10d store, never a collective (one could pair
+with the gradient all-reduce of a rank that skipped the call).  Per call, with no state kept in the process: each
+rank draws its call number from a per-rank counter in the store, publishes its payload and joins the member list
+with ``compare_set``, and polls until every rank joined; at ``checkpoint.timeout`` it closes the call with
+``compare_set``, and a rank arriving after the close moves on to its next number, so ranks realign
+(docs/checkpoints.md has the protocol).  Once they met, :func:`join` announces the operation
+(:meth:`~.faults.announce.Scope.agreed`); a call whose missing ranks all wait in an announcement of their own
+(:func:`~.faults.control.waiting_in_next`) is closed as ``elsewhere`` and announced at once, naming both
+operations within seconds.  :meth:`Session.step` then gives bounded, error-propagating steps between phases.
 
-Protocol, per process group, with no state kept in the process:
-
-* each rank draws its next call number from a per-rank counter *in the store*
-  (so a fresh store after re-initialisation starts everyone at 1);
-* it publishes its payload (operation, tag, directory) and adds itself to the
-  member list of that call with ``compare_set`` (atomic);
-* it polls until every rank is a member.  At ``checkpoint.timeout`` it *closes*
-  the call by swapping the member list for a closed marker, again with
-  ``compare_set``: from then on the outcome is fixed for everyone.  A member
-  sees the close and raises; a rank arriving after the close knows that call
-  is over and moves to its next number, so ranks realign after a failure.
-
-A checkpoint operation announces itself on the group's control group (:mod:`.faults.announce`) only once
-the ranks met here: :func:`join` calls the operation's :meth:`~.faults.announce.Scope.agreed`.  While it
-waits, it also looks whether every rank still missing waits in an announcement of its own (a rank that
-skipped the save and trains on, :func:`~.faults.control.waiting_in_next`): then it closes the call (marked
-``elsewhere``) and announces at once, and the announcement names both operations on every rank, within
-seconds instead of at ``checkpoint.timeout``.
-
-After joining, :meth:`Session.step` gives timeout-bounded, error-propagating
-checkpoints between phases (a rank that fails while preparing makes every rank
-raise instead of leaving the others inside a collective).
-
-Every value crosses the store as JSON (:mod:`.checkpoint.store_codec`: DCP's save plans
-through a fixed allow-list of types, never a pickle), at most
-``MAX_STORE_VALUE_BYTES`` long; a value that is not what a rank wrote is a
-:class:`~.checkpoint.files.StoreValueError` on every rank that reads it.
-
-Every wait here also watches the other ranks' heartbeats
-(:class:`~shardwise.faults.liveness.PeerWatch`): a rank that was killed or
-crashed makes the others raise :class:`~shardwise.faults.RankGoneError` within a
-few heartbeat intervals, not at ``checkpoint.timeout``.
+Values cross the store as JSON (:mod:`.checkpoint.store_codec`, never a pickle), at most
+``MAX_STORE_VALUE_BYTES`` long; one no rank wrote is a :class:`~.checkpoint.files.StoreValueError`.  Every wait
+watches the heartbeats (:class:`~shardwise.faults.liveness.PeerWatch`): a dead rank is named within a few
+heartbeat intervals, not at ``checkpoint.timeout``.
 """
 
 from __future__ import annotations
@@ -59,8 +33,7 @@ from ..checkpoint.files import CheckpointError
 from ..faults import control
 from ..faults.diagnose import RESTART, short_cause
 from ..faults.errors import PeerFailedError, RankGoneError
-from ..faults.liveness import PeerWatch
-from ..faults.store import store_host
+from ..faults.liveness import PeerWatch, store_host
 from .distributed import Comm
 
 __all__ = ["Session", "join"]

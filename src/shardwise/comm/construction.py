@@ -1,13 +1,9 @@
 """Ranks that built different engines are stopped at ``initialize``, naming the first difference.
 
-The ranks already meet through the c10d store before an engine's first
-collective (:func:`shardwise.comm.agreement.join`).  Their payloads carry
-the digests of the fingerprints of :mod:`shardwise.comm.fingerprint` (64 hex
-characters each), so agreeing costs nothing more than the meeting itself.
-Only when a digest differs do the ranks exchange the entries behind it, in one
-more timeout-bounded step of the same session, and every rank raises
-:class:`~shardwise.faults.CollectiveMismatchError` naming the first parameter
-(or config key, or optimizer setting) that differs with its value on each rank.
+The ranks' payloads at their store meeting (:func:`shardwise.comm.agreement.join`) carry the digests of
+:mod:`.fingerprint`, so agreeing costs nothing more than the meeting.  Only when a digest differs do they
+exchange the entries behind it, in one more step of the same session, and every rank raises
+:class:`~shardwise.faults.CollectiveMismatchError` naming the first difference with its value on each rank.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """The one place that calls ``torch.distributed``.
 
-Everything else in shardwise talks to a :class:`Comm`: a process group plus the
-handful of collectives the engine needs, each of which counts the bytes this
-rank sends (ring-algorithm accounting), so tests and the benchmark can compare
-traffic with ZeRO theory.  With world size 1 every collective is a no-op, which
-is what lets a one-process run work with no launcher at all.
-
-No collective waits forever.  Each is issued with ``comms.timeout`` as its own
-backend timeout (so gloo itself gives up, and nothing is left running that
-could block the process's exit), and a failure (a peer's socket closed, the
-timeout passed) becomes a :class:`~shardwise.faults.CommError` that names every
-rank and the collective it was in (:mod:`shardwise.faults`).  Every collective
-is recorded in its group's ledger: a sequence number, a rolling fingerprint the
-engine's step check compares across ranks, and a short log for the messages.
-
-On gloo, an engine's ``Comm`` also carries its all-reduce, reduce-scatter and
-all-gather of CPU tensors through shared memory when every rank is on one host
-(its handle ``Comm.shm``, set up by :mod:`.shm`); the ledger, the byte counts and
-the failures are the same whichever way a collective travels.
+Everything else talks to a :class:`Comm`: a process group and the collectives the engine needs, each counting
+the bytes this rank sends (ring-algorithm accounting, compared with ZeRO theory by tests and benchmarks).  With
+world size 1 every collective is a no-op, so one process runs with no launcher.  No collective waits forever:
+each has ``comms.timeout`` as its backend timeout, is recorded in its group's ledger, and a failure becomes a
+:class:`~shardwise.faults.CommError` naming every rank and where it was (:mod:`shardwise.faults`).  On gloo,
+data collectives of CPU tensors may travel through shared memory (``Comm.shm``, :mod:`.shm`) with the same
+ledger, counts and failures.
 """
 
 from __future__ import annotations

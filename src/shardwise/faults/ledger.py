@@ -1,20 +1,11 @@
 """What this process is doing, kept cheaply enough to stay on in every run.
 
-Two records, both plain Python objects written on the training thread:
-
-* the **activity**: the engine call running now (``backward`` of
-  ``engine (stage 2, Net)``), pushed and popped by :func:`doing`;
-* one **ledger** per process group: every collective issued on it gets a
-  sequence number, joins a rolling fingerprint of the group's collective
-  sequence, and goes into a short log (the last :data:`LOG_LENGTH` entries),
-  with the activity it was issued in.
-
-The collectives are recorded by :class:`~shardwise.comm.distributed.Comm` as
-it issues them (a dictionary lookup, a multiply-xor and a deque append, in the
-file that issues the collective: this file is not on a gradient's path);
-descriptions are only formatted when something went wrong (or by the
-heartbeat thread, a few times a minute).  The fingerprint is what the step
-check compares across ranks (:mod:`.control`), the log is what an error shows.
+Two records, plain Python objects written on the training thread: the **activity** (the engine call running
+now, pushed and popped by :class:`doing`) and one **ledger** per process group (every collective issued on it
+gets a sequence number, joins a rolling fingerprint, and goes into a log of the last :data:`LOG_LENGTH`, with
+the activity it was issued in).  :class:`~shardwise.comm.distributed.Comm` records each collective as it issues
+it (in its own file: this one is not on a gradient's path); descriptions are formatted only when something went
+wrong.  The step check compares the fingerprint (:mod:`.control`), an error shows the log.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """``ShardwiseStrategy``: Lightning's Trainer training through a shardwise engine.
 
-The strategy is Lightning's ``DDPStrategy`` for everything about processes (launch, environment
-detection, ``reduce``/``barrier``/``broadcast`` for ``self.log(sync_dist=True)``), and hands the model
-to :func:`shardwise.initialize` at ``setup``. Lightning keeps running the loop: it calls
-``training_step`` through the engine's forward (so stage 3 gathers and trainability changes are seen),
-runs accumulation under the engine's ``no_sync`` and steps at its boundaries (the engine's own
-accumulation is 1), and steps its LR schedulers on the user's optimizer, whose hyperparameters reach
-the engine before each step (:mod:`.groups`).
-
-Checkpoints are the engine's: ``trainer.save_checkpoint(path)`` writes a collective, resharding
-checkpoint directory at ``path`` (as ``DeepSpeedStrategy`` does) with Lightning's own state (loops,
-callbacks, schedulers, hyperparameters) as its ``client_state``; ``fit(ckpt_path=path)`` restores it,
-at any world size or stage. Nothing on the way reaches a Lightning collective first, so a save called
-on some ranks only fails in the engine's checkpoint agreement, naming the ranks that did not come.
-
-The class is built once per Lightning package (:mod:`.flavour`): ``ShardwiseStrategy(...)`` returns the
-one for the package the program imported.
+Lightning's ``DDPStrategy`` for everything about processes (launch, environment, ``reduce``/``barrier``/
+``broadcast``), handing the model to :func:`shardwise.initialize` at ``setup``.  Lightning runs the loop: it
+calls ``training_step`` through the engine's forward, accumulates under the engine's ``no_sync`` and steps at its
+boundaries, and steps its LR schedulers on the user's optimizer (:mod:`.groups`).  Checkpoints are the engine's
+(a collective, resharding directory with Lightning's state as its ``client_state``), so a save on some ranks only
+fails in the engine's checkpoint agreement, naming the missing ranks.  The class is built once per Lightning
+package (:mod:`.flavour`).  See docs/lightning.md.
 """
 
 from __future__ import annotations

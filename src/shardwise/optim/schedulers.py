@@ -16,26 +16,16 @@ and the schedules are
 where `T` = `total_num_steps`. Iteration -1 is "not started": `warmup_min_lr` (WarmupCosineLR: 0 in
 every group), as DeepSpeed's `get_lr` before its first step.
 
-Where the schedule starts is a constructor option, `deepspeed_start`:
-- False (the default, `shardwise.initialize`): stepping follows torch. Construction writes the lr of
-  iteration `last_batch_iteration + 1` (0 for a fresh schedule) into the param groups, so optimizer
-  step `k` runs at the schedule's lr for iteration `k` when `step()` is called after each optimizer step.
-- True (the `shardwise.deepspeed` dialect, config `scheduler.deepspeed_start`): as DeepSpeed 0.19,
-  construction writes the lr of iteration `last_batch_iteration` (-1 for a fresh schedule: the
-  minimum, or 0 for WarmupCosineLR) and does not step, so optimizer step `k` runs at iteration `k - 1`.
+Where the schedule starts, `deepspeed_start` (docs/from-deepspeed.md): False (`shardwise.initialize`) follows
+torch: construction writes iteration `last_batch_iteration + 1`'s lr, so optimizer step `k` runs at iteration
+`k`. True (the `shardwise.deepspeed` dialect) as DeepSpeed 0.19: construction writes iteration
+`last_batch_iteration`'s lr and does not step, so step `k` runs at `k - 1`. Either way a state loaded with
+`last_batch_iteration: n` writes iteration `n`'s lr: a checkpoint continues at the lr it was saved at.
 
-Either way the groups hold the lr of `last_batch_iteration` after construction's write, and a state
-loaded with `last_batch_iteration: n` writes the lr of iteration `n`: a checkpoint (shardwise's or
-DeepSpeed's) continues with the lr it was saved at, whichever way the schedule started.
-
-Differences from DeepSpeed, on purpose (in both modes):
-- DeepSpeed silently raises `warmup_num_steps` below 2 to 2; here 0 means no warmup and 1 means one
-  warmup step at the minimum.
-- Bad arguments raise ValueError instead of a logged warning.
-
-The classes subclass `torch.optim.lr_scheduler.LRScheduler` (so `isinstance` checks and torch tooling
-see a scheduler) but do not run its constructor, which insists on a `torch.optim.Optimizer` and
-patches `optimizer.step`: any object with a `param_groups` list of dicts works, e.g. a sharded wrapper.
+On purpose unlike DeepSpeed: `warmup_num_steps` 0 means no warmup and 1 one step at the minimum (DeepSpeed
+silently raises it to 2), and bad arguments raise ValueError instead of a logged warning.  The classes subclass
+`torch.optim.lr_scheduler.LRScheduler` without running its constructor (which insists on a
+`torch.optim.Optimizer` and patches `step`): any object with a `param_groups` list of dicts works.
 """
 
 from __future__ import annotations
