@@ -34,7 +34,7 @@ from ..faults import control
 from ..faults.diagnose import RESTART, short_cause
 from ..faults.errors import PeerFailedError, RankGoneError
 from ..faults.liveness import PeerWatch, store_host
-from .distributed import Comm
+from .distributed import Comm, group_key
 
 __all__ = ["Session", "join"]
 
@@ -171,21 +171,9 @@ class Session:
         _raise_if_failed(watch, [self.global_ranks[r] for r in missing], self.rank, f"{name} for `{self.op}`")
         gone = watch.gone(self.global_ranks[r] for r in missing)
         if gone:
-            seen = "; ".join(f"rank {r} was last seen in {watch.last_seen(r)}" for r in gone)
-            raise RankGoneError(
-                f"rank {self.rank}: rank(s) {gone} are gone (killed, crashed or exited) while this rank waited "
-                f"for them to finish {name} for `{self.op}` ({seen}); {RESTART}" + (
-                    ". The previous checkpoint and `latest` are untouched (a save is visible only once every rank "
-                    "finished)" if self.op.startswith("save") else ""),
-                rank=self.rank, gone=gone, where={r: watch.last_seen(r) for r in gone},
-            )
-
-
-def _group_key(comm: Comm) -> str:
-    group = comm.group if comm.group is not None else dist.group.WORLD
-    name = getattr(group, "group_name", "") or "default"
-    ranks = dist.get_process_group_ranks(group)
-    return f"{name}[{','.join(map(str, ranks))}]"
+            raise _gone(self.rank, gone, watch, f" while this rank waited for them to finish {name} for `{self.op}`",
+                        ". The previous checkpoint and `latest` are untouched (a save is visible only once every rank "
+                        "finished)" if self.op.startswith("save") else "")
 
 
 def join(comm: Comm, op: str, payload: dict[str, Any], timeout: float) -> Session:
@@ -207,8 +195,7 @@ def join(comm: Comm, op: str, payload: dict[str, Any], timeout: float) -> Sessio
         payloads = [_payload(store, prefix, r, comm.rank) for r in range(comm.world_size)]
     if announces is not None:
         announces.agreed()
-    ranks = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
-    return Session(op, comm.rank, comm.world_size, timeout, payloads, store, prefix, ranks)
+    return Session(op, comm.rank, comm.world_size, timeout, payloads, store, prefix, comm.ledger.ranks)
 
 
 class _Elsewhere(Exception):
@@ -222,7 +209,7 @@ class _Elsewhere(Exception):
 def _enter(store: Any, comm: Comm, op: str, payload: dict[str, Any], timeout: float, look: bool) -> str:
     """Join the next call every rank makes, and wait until they all have; returns the call's key prefix.
     ``look``: also look whether the ranks missing wait in announcements (:class:`_Elsewhere`)."""
-    root = f"{_ROOT}/{_group_key(comm)}"
+    root = f"{_ROOT}/{group_key(comm.group)}"
     deadline = time.monotonic() + timeout
     while True:
         call = store.add(f"{root}/next/{comm.rank}", 1)
@@ -286,8 +273,7 @@ def _arrive(store: Any, key: str, rank: int, world_size: int) -> bool:
 
 def _await_everyone(store: Any, key: str, comm: Comm, op: str, timeout: float, deadline: float,
                     look: bool) -> None:
-    watch = PeerWatch()
-    ranks = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
+    watch, ranks = PeerWatch(), comm.ledger.ranks
     attempt = 0
     looked = time.monotonic()
     while True:
@@ -310,7 +296,7 @@ def _await_everyone(store: Any, key: str, comm: Comm, op: str, timeout: float, d
             closed = _CLOSED + (_ELSEWHERE if away else "") + value
             if store.compare_set(key, value, closed).decode() == closed:
                 if gone:
-                    raise _gone(comm, op, gone, watch)
+                    raise _gone(comm.rank, gone, watch, f", so `engine.{op}` cannot start")
                 if away:
                     raise _Elsewhere(present)
                 raise _not_joined(comm, op, timeout, present)
@@ -337,11 +323,10 @@ def _raise_if_failed(watch: PeerWatch, ranks: list[int], rank: int, what: str) -
             "has its traceback)", rank=rank, failed={peer: error})
 
 
-def _gone(comm: Comm, op: str, gone: list[int], watch: PeerWatch) -> RankGoneError:
+def _gone(rank: int, gone: list[int], watch: PeerWatch, when: str, tail: str = "") -> RankGoneError:
     seen = "; ".join(f"rank {r} was last seen in {watch.last_seen(r)}" for r in gone)
-    return RankGoneError(
-        f"rank {comm.rank}: rank(s) {gone} are gone (killed, crashed or exited), so `engine.{op}` cannot start "
-        f"({seen}); {RESTART}", rank=comm.rank, gone=gone, where={r: watch.last_seen(r) for r in gone})
+    return RankGoneError(f"rank {rank}: rank(s) {gone} are gone (killed, crashed or exited){when} ({seen}); "
+                         f"{RESTART}{tail}", rank=rank, gone=gone, where={r: watch.last_seen(r) for r in gone})
 
 
 def _not_joined(comm: Comm, op: str, timeout: float, present: set[int]) -> CheckpointError:

@@ -1,8 +1,7 @@
 """The Engine: the user-facing training loop around a model.
 
-It owns the counters, accumulation and the precision policy, and delegates
-everything about *where* tensors live to a ZeRO strategy.  It knows no stage
-internals.
+It owns the counters, accumulation and the precision policy, and delegates everything about *where* tensors
+live to a ZeRO strategy: it knows no stage internals.
 """
 
 from __future__ import annotations
@@ -67,7 +66,8 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         #: the engine's name (``initialize(..., name=...)``); names its checkpoints among several engines
         self.name = name
         self.comm = Comm(process_group, timeout=config.comms.timeout, debug=config.comms.debug)
-        self._label = self._make_label()
+        self._label = f"engine `{name}`" if name else \
+            f"engine (stage {config.zero_optimization.stage}, {type(module).__name__})"
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -157,20 +157,17 @@ class Engine(DeepSpeedGetters, WeightsSurface):
 
     def _prepare_module(self) -> None:
         """Move to the process group's device, cast, and make all ranks start identical."""
-        if _backend(self.comm) == "nccl" and not any(p.is_cuda for p in self.module.parameters()):
+        backend = dist.get_backend(self.comm.group) if self.comm.distributed or dist.is_initialized() else "gloo"
+        if backend == "nccl" and not any(p.is_cuda for p in self.module.parameters()):
             self.module.to(torch.device("cuda", torch.cuda.current_device()))
-        self._broadcast_state()
+        if self.comm.distributed:
+            # Parameters `zero.Init` partitioned were already broadcast from rank 0 when partitioned.
+            params = [p for p in {id(p): p for p in self.module.parameters()}.values() if not is_partitioned(p)]
+            self._broadcast_from_rank0([p.data for p in params] + list(self.module.buffers()), "parameters and buffers")
         # Keep the fp32 values so master weights start exact, not rounded to bf16/fp16.
         self._initial_values = {id(p): p.data for p in self.module.parameters() if not is_partitioned(p)}
         if self.precision.low_precision:
             self.module.to(self.precision.dtype)
-
-    def _broadcast_state(self) -> None:
-        if not self.comm.distributed:
-            return
-        # Parameters `zero.Init` partitioned were already broadcast from rank 0 when partitioned.
-        params = [p for p in _unique(self.module.parameters()) if not is_partitioned(p)]
-        self._broadcast_from_rank0([p.data for p in params] + list(self.module.buffers()), "parameters and buffers")
 
     def _broadcast_from_rank0(self, tensors: list[torch.Tensor], label: str) -> None:
         """Give every rank rank 0's values of ``tensors``: one broadcast per dtype."""
@@ -221,7 +218,7 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         )
 
     def _require_optimizer(self, what: str) -> ZeroOptimizer:
-        if self.optimizer is None:
+        if self.optimizer is None:  # an inference-only engine
             raise RuntimeError(
                 f"{what} needs an optimizer, but this engine is inference-only: pass `optimizer=` to "
                 "`shardwise.initialize` or add an `optimizer` section to the config"
@@ -379,11 +376,6 @@ class Engine(DeepSpeedGetters, WeightsSurface):
     def label(self) -> str:
         """How messages name this engine: ``engine `student` `` or ``engine (stage 2, Net)``."""
         return self._label
-
-    def _make_label(self) -> str:
-        if self.name:
-            return f"engine `{self.name}`"
-        return f"engine (stage {self.config.zero_optimization.stage}, {type(self.module).__name__})"
 
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary; True if an update was applied."""
@@ -577,22 +569,8 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         return f"Engine(stage={self.strategy.stage}, dtype={self.precision.dtype}, module={type(self.module).__name__})"
 
 
-register("Engine.forward", "forward")
-register("Engine.backward", "backward")
-register("Engine.step", "step")
-register("Engine.destroy", "destroy")
-register("Engine.refresh_trainable", "refresh_trainable")
-register("Engine.generate", "generate")
+for _operation in ("forward", "backward", "step", "destroy", "refresh_trainable", "generate"):
+    register(f"Engine.{_operation}", _operation)
 register("Engine.__init__", "initialize")
 
-
-def _unique(params: Any) -> list[torch.Tensor]:
-    seen: dict[int, torch.Tensor] = {}
-    for p in params:
-        seen.setdefault(id(p), p)
-    return list(seen.values())
-
-
-def _backend(comm: Comm) -> str:
-    return dist.get_backend(comm.group) if comm.distributed or dist.is_initialized() else "gloo"
 
