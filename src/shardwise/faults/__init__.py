@@ -9,8 +9,6 @@ raises one of the errors below naming the rank that is gone, failed or elsewhere
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch.distributed as dist
 
 from . import heartbeat as _heartbeat
@@ -48,7 +46,3 @@ def _publish_error(exc: BaseException, where: str) -> None:
     text = f"{type(exc).__name__}: {exc}"
     _heartbeat.publish_fault(text[:_MAX_ERROR_CHARS], comm=False, doing=where)
 
-
-def last_error() -> Optional[str]:
-    """The error this process published last (None: none, or withdrawn once its ranks agreed on an operation)."""
-    return _heartbeat.published()

@@ -66,7 +66,7 @@ class Announcer:
         self.owner = owner
         # an engine's method is held weakly: a stage-3 model kept after its engine was dropped announces
         # through its hooks' announcer, which must not keep the engine (and its strategy) alive
-        fixed = counters if counters is not None else _no_counters
+        fixed = counters if counters is not None else (lambda: (0, 0))
         self._counters: Callable[[], Optional[Callable[[], tuple[int, int]]]] = (
             weakref.WeakMethod(fixed) if inspect.ismethod(fixed) else lambda: fixed)
         self.index = -1
@@ -89,10 +89,6 @@ class Announcer:
         steps, micro = counters() if counters is not None else (0, 0)  # (0, 0): its engine is gone
         what = WHAT.format(operation=_name(operation), owner=self.owner, detail=detail, steps=steps, micro=micro)
         comm.agree([control.ANNOUNCE, code(operation + detail), self.index, steps, micro], control.ANNOUNCED, what)
-
-
-def _no_counters() -> tuple[int, int]:
-    return 0, 0
 
 
 def _name(operation: str) -> str:
@@ -131,8 +127,8 @@ class Scope:
             self.owned = True
         else:
             self.deferred = False  # one process, or inside another operation: nothing to announce
-        if not self.deferred:
-            _ledger.start(self.call)
+        if not self.deferred and self.call is not None:
+            self.call.started = True  # its ranks agreed on it: a failure from now on counts
         return self
 
     def agreed(self) -> None:
@@ -143,7 +139,8 @@ class Scope:
             self.deferred = False
             if self.announce:
                 self.announcer.announce(self.operation, self.detail)
-            _ledger.start(self.call)
+            if self.call is not None:
+                self.call.started = True
 
     def close(self) -> None:
         if self.owned:

@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 __all__ = ["ACTIVITY", "IDLE", "Entry", "Ledger", "LOG_LENGTH", "current_activity", "current_phase", "doing", "failed",
-           "innermost", "ledger_for", "ledgers", "start"]
+           "innermost", "ledger_for", "ledgers"]
 
 #: how many recent collectives each ledger keeps for error messages
 LOG_LENGTH = 64
@@ -68,27 +68,15 @@ def innermost() -> Optional["doing"]:
     return ACTIVITY[-1] if ACTIVITY else None
 
 
-def start(call: Optional["doing"] = None) -> None:
-    """Engine call ``call`` (default: the innermost) has started changing state (its ranks agreed on it): a
-    failure from now on counts in :attr:`doing.failures` (an argument refused before this point, or an
-    agreement that did not come about, changes nothing, and does not)."""
-    if call is None:
-        call = innermost()
-    if call is not None:
-        call.started = True
-
-
 class doing:  # noqa: N801 - used as a context manager, reads like one
     """``with doing("backward", engine.label):`` marks what this process does until the block ends.
 
-    An exception leaving the block is published for the other ranks (their
-    errors then say this rank failed and why, instead of only that it stopped
-    answering), once however many blocks it leaves.  When the call had
-    :func:`start` ed, it also counts in :attr:`failures`, which every
-    announcement and step check compares across ranks (:mod:`.control`): a
-    failure on some ranks only can never be followed by a silent pairing of
-    the ranks' next collectives.  A class, not a generator: it runs three times
-    per training step.
+    An exception leaving the block is published for the other ranks (their errors then say this rank failed
+    and why), once however many blocks it leaves.  When the call had ``started`` (its ranks agreed on it: an
+    announced :class:`~.announce.Scope` opened; an argument refused before that changes nothing), it also counts
+    in :attr:`failures`, which every announcement and step check compares across ranks (:mod:`.control`): a
+    failure on some ranks only is never followed by a silent pairing of the ranks' next collectives.  A class,
+    not a generator: it runs three times per training step.
     """
 
     __slots__ = ("phase", "text", "started")
@@ -170,10 +158,6 @@ class Ledger:
             "waiting": waiting.describe() if waiting is not None else None,
             "waited": round(time.monotonic() - waiting.issued, 3) if waiting is not None else 0.0,
         }
-
-    def recent(self, count: int = 8) -> list[str]:
-        """The last ``count`` collectives, oldest first."""
-        return [entry.describe() for entry in list(self.log)[-count:]]
 
 
 _LEDGERS: dict[str, tuple[Ledger, Any]] = {}
