@@ -72,9 +72,8 @@ def _parse_torchrun(args: Sequence[str]) -> argparse.Namespace:
 def torchrun_args(args: Sequence[str]) -> list[str]:
     """The argument list for ``torch.distributed.run.main``: ``args`` plus ``--standalone`` when needed.
 
-    ``--standalone`` is added only on a single node (``--nnodes`` 1) with no
-    rendezvous option given, so every explicit multi-node setup passes through
-    untouched. Bad arguments exit with torchrun's usage message (status 2).
+    ``--standalone`` is added only on a single node (``--nnodes`` 1) with no rendezvous option given, so every
+    explicit multi-node setup passes through untouched. Bad arguments exit with torchrun's usage message (status 2).
     """
     parsed = _parse_torchrun(args)
     _, max_nodes = torchrun.parse_min_max_nnodes(parsed.nnodes)

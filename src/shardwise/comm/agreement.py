@@ -95,14 +95,11 @@ class Session:
     def step(self, name: str, fn: Callable[[], _T], share: bool = False, objects: Any = None) -> tuple[_T, list[Any]]:
         """Run ``fn`` here, then wait for every rank's outcome of the same step.
 
-        Returns ``fn``'s result and, with ``share``, every rank's result (which
-        must then be JSON-able; else a list of None).  ``objects`` is the type
-        of every rank's result (e.g. ``list[SavePlan]``) when it holds DCP's
-        save plans or write results: those cross the store through
-        :mod:`.checkpoint.store_codec`, and a rank's value of another type is a
-        :class:`~.checkpoint.files.StoreValueError`.  If ``fn`` raised on any rank, every
-        rank raises: the failing rank its own error, the others a
-        :class:`CheckpointError` naming it.
+        Returns ``fn``'s result and, with ``share``, every rank's result (which must then be JSON-able; else a list
+        of None).  ``objects`` is the type of every rank's result (e.g. ``list[SavePlan]``) when it holds DCP's save
+        plans or write results: those cross the store through :mod:`.checkpoint.store_codec`, and a rank's value of
+        another type is a :class:`~.checkpoint.files.StoreValueError`.  If ``fn`` raised on any rank, every rank
+        raises: the failing rank its own error, the others a :class:`CheckpointError` naming it.
         """
         error: Optional[BaseException] = None
         data: Any = None

@@ -84,15 +84,12 @@ def _env_int(name: str) -> Optional[int]:
 def init_distributed(
     backend: Optional[str] = None, timeout: float = 1800.0, set_device: bool = True
 ) -> None:
-    """Initialise the default process group from torchrun's environment.
+    """Initialise the default process group from torchrun's environment (nothing when one exists).
 
-    Reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` as torchrun sets
-    them; picks NCCL when CUDA is available and gloo otherwise.  Without those
-    variables (a plain ``python train.py``) it creates a one-rank gloo group that
-    needs no network, so code written for many ranks runs unchanged on one.
-    Calling it when a group already exists does nothing.  With NCCL, a
-    ``LOCAL_RANK`` that names no visible GPU is a :class:`~shardwise.comm.placement.DeviceError`
-    saying so, before CUDA's "invalid device ordinal" can.
+    Reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` as torchrun sets them; NCCL when CUDA is
+    available, else gloo.  Without them (a plain ``python train.py``) a one-rank gloo group that needs no network,
+    so code written for many ranks runs unchanged on one.  With NCCL, a ``LOCAL_RANK`` naming no visible GPU is a
+    :class:`~shardwise.comm.placement.DeviceError` saying so, before CUDA's "invalid device ordinal" can.
     """
     if dist.is_initialized():
         return
@@ -250,15 +247,11 @@ atexit.register(_settle)
 class Comm:
     """A process group and the collectives shardwise uses, with byte counters.
 
-    ``bytes_sent`` maps a collective's name to the bytes this rank sent through
-    it, using ring-algorithm accounting: all-reduce ``2(N-1)/N·S``,
-    reduce-scatter and all-gather ``(N-1)/N·S`` of the full-size tensor,
-    broadcast ``S`` from the source, scatter ``(N-1)/N·S`` from the source,
-    ``send`` ``S`` from the sender.
-
-    ``timeout`` bounds every collective (seconds); ``debug`` checks before each
-    one that every rank issues the same (``comms.debug``).  A collective's
-    optional ``label`` says what it carries (``unit 3 `fc.weight` ``) in errors.
+    ``bytes_sent`` maps a collective's name to the bytes this rank sent through it, in ring-algorithm accounting:
+    all-reduce ``2(N-1)/N·S``, reduce-scatter and all-gather ``(N-1)/N·S`` of the full-size tensor, broadcast
+    ``S`` from the source, scatter ``(N-1)/N·S`` from the source, ``send`` ``S`` from the sender.  ``timeout``
+    bounds every collective (seconds); ``debug`` checks before each one that every rank issues the same
+    (``comms.debug``).  A collective's optional ``label`` says what it carries (``unit 3 `fc.weight` ``) in errors.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, timeout: float = DEFAULT_TIMEOUT,

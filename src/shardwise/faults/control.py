@@ -68,11 +68,8 @@ class ControlGroup:
     (with MAX: the first :data:`WIDTH` values are the maxima, the rest the negated minima)."""
 
     def __init__(self, ledger: Ledger, rank: int, timeout: float) -> None:
-        store = dist.distributed_c10d._get_default_store()
-        prefix = dist.PrefixStore(f"shardwise/control/{ledger.key}", store)
-        self.group = _connect(prefix, ledger, rank, timeout)
-        self.store = store
-        self.timeout = timeout
+        self.store, self.timeout = dist.distributed_c10d._get_default_store(), timeout
+        self.group = _connect(dist.PrefixStore(f"shardwise/control/{ledger.key}", self.store), ledger, rank, timeout)
         #: exchanges issued on the group so far (what :func:`waiting_in_next` compares)
         self.count = 0
         self.options = dist.AllreduceOptions()

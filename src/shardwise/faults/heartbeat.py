@@ -24,17 +24,12 @@ from . import ledger as _ledger
 from .errors import StoreRecordError
 from .ledger import current_activity, ledgers
 
-__all__ = ["PUBLISHED_KEY", "Heartbeat", "clear_fault", "fault_record", "heartbeat", "innermost", "publish_fault", "published",
-           "read_json", "read_record", "start"]
+__all__ = ["PUBLISHED_KEY", "Heartbeat", "clear_fault", "fault_record", "heartbeat", "innermost", "publish_fault",
+           "published", "read_json", "read_record", "start"]
 
 _ROOT = "shardwise/faults"
 MIN_INTERVAL = 0.05
 MAX_INTERVAL = 5.0
-
-
-def interval_for(timeout: float) -> float:
-    """The beat interval that lets a peer be judged gone well within ``timeout``."""
-    return min(max(timeout / 30.0, MIN_INTERVAL), MAX_INTERVAL)
 
 
 def _alive_key(rank: int) -> str:
@@ -127,7 +122,7 @@ def heartbeat() -> Optional[Heartbeat]:
 def start(store: Any, rank: int, timeout: float) -> Heartbeat:
     """Make sure this process beats into ``store`` at least as often as ``timeout`` needs."""
     global _CURRENT
-    wanted = interval_for(timeout)
+    wanted = min(max(timeout / 30.0, MIN_INTERVAL), MAX_INTERVAL)  # a peer is judged gone well within `timeout`
     with _LOCK:
         current = _CURRENT
         if current is not None and current.store is store and current.rank == rank and current.running:

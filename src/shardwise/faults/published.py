@@ -46,9 +46,8 @@ class PeerErrors:
         self._records: dict[int, dict[str, Any]] = {}
 
     def find(self, key: Optional[str] = None, seq: Optional[int] = None) -> Optional[tuple[int, str]]:
-        """A peer whose published error means it will not join (see the module docstring): its rank and the
-        error in words; None if none.  ``seq``: this rank waits on collective ``seq`` of group ``key`` (None:
-        an agreement)."""
+        """A peer whose published error means it will not join (see the module docstring): its rank and the error in
+        words; None if none.  ``seq``: this rank waits on collective ``seq`` of group ``key`` (None: an agreement)."""
         count = int(self.store.add(PUBLISHED_KEY, 0))
         if count != self._count:
             self._count = count
@@ -92,7 +91,7 @@ def errors_of(ledger: Ledger, rank: int) -> Optional[PeerErrors]:
 # ------------------------------------------------------------ works whose own wait cannot be cut
 class Waited:
     """A work waited for on a :class:`Waiter`'s thread: ``done`` is set once it finished, ``error`` is what it
-    raised (``Comm`` waits for ``done`` in slices, as for every work a thread of shardwise finishes)."""
+    raised (``Comm`` waits for ``done`` in slices)."""
 
     __slots__ = ("work", "done", "error", "worker")
 
@@ -113,11 +112,8 @@ class Waited:
 
 
 class Waiter:
-    """One thread that waits, in order, for the works handed to it (a group's reduce-scatters over gloo).
-
-    The thread ends after :data:`_IDLE_S` seconds without work and starts again with the next one, so a
-    dropped group leaves no thread behind.
-    """
+    """One thread that waits, in order, for the works handed to it (a group's reduce-scatters over gloo); it ends
+    after :data:`_IDLE_S` seconds without work and starts again with the next one (a dropped group leaves none)."""
 
     _IDLE_S = 5.0
 

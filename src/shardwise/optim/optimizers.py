@@ -77,10 +77,9 @@ def resolve_optimizer(optimizer: OptimizerArg, config: Config, params: list[Any]
 class ShardwiseOptimizer(torch.optim.Optimizer):
     """Base class of the optimizers an :class:`~shardwise.Engine` exposes.
 
-    It wraps the inner optimizer (``self.inner``) and shares its
-    ``param_groups`` list, so learning-rate schedulers built on either object
-    move the same ``lr``.  Subclasses implement :meth:`step` (which returns
-    whether the update was applied) and :meth:`zero_grad`.
+    It wraps the inner optimizer (``self.inner``) and shares its ``param_groups`` list, so learning-rate schedulers
+    built on either object move the same ``lr``.  Subclasses implement :meth:`step` (which returns whether the
+    update was applied) and :meth:`zero_grad`.
 
     It deliberately skips ``torch.optim.Optimizer.__init__``: the parameters
     it steps are owned by the inner optimizer.

@@ -24,12 +24,10 @@ __all__ = ["LossScaler", "Precision", "Stepping", "ZeroOptimizer"]
 class LossScaler:
     """Dynamic (or static) loss scale with hysteresis.
 
-    On overflow the scale is halved, unless hysteresis still has credit, in
-    which case only the credit drops.  A clean step that follows ``window``
-    clean steps since the last overflow (or the start) doubles the scale and
-    restores the credit; so does every ``window``-th clean step after that.
-    That is DeepSpeed's rule (0.19's ``stable_interval``): with window 2 and no
-    overflow the scale doubles after steps 2, 4, 6, ..., not after 1, 3, 5.
+    On overflow the scale is halved, unless hysteresis still has credit, in which case only the credit drops.  A
+    clean step that follows ``window`` clean steps since the last overflow (or the start) doubles the scale and
+    restores the credit; so does every ``window``-th clean step after that: DeepSpeed's rule (0.19's
+    ``stable_interval``; with window 2 and no overflow the scale doubles after steps 2, 4, 6, not 1, 3, 5).
     """
 
     def __init__(self, initial_scale: float = 2.0**16, dynamic: bool = True, window: int = 1000, hysteresis: int = 2,
@@ -101,10 +99,9 @@ _REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 class Precision:
     """The compute dtype of the model and its loss scaler.
 
-    The module computes in ``dtype``; the optimizer always updates fp32 master
-    weights (the strategies keep them).  Gradients travel between ranks in
-    ``reduce_dtype`` (fp32 unless ``communication_data_type`` says bf16/fp16)
-    and are averaged into fp32.
+    The module computes in ``dtype``; the optimizer always updates fp32 master weights (the strategies keep them).
+    Gradients travel between ranks in ``reduce_dtype`` (fp32 unless ``communication_data_type`` says bf16/fp16) and
+    are averaged into fp32.
     """
 
     def __init__(self, dtype: torch.dtype, scaler: LossScaler, reduce_dtype: torch.dtype = torch.float32) -> None:
