@@ -127,8 +127,8 @@ class Scope:
             self.owned = True
         else:
             self.deferred = False  # one process, or inside another operation: nothing to announce
-        if not self.deferred and self.call is not None:
-            self.call.started = True  # its ranks agreed on it: a failure from now on counts
+        if not self.deferred:
+            _ledger.start(self.call)
         return self
 
     def agreed(self) -> None:
@@ -139,8 +139,7 @@ class Scope:
             self.deferred = False
             if self.announce:
                 self.announcer.announce(self.operation, self.detail)
-            if self.call is not None:
-                self.call.started = True
+            _ledger.start(self.call)
 
     def close(self) -> None:
         if self.owned:

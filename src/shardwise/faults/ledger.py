@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 __all__ = ["ACTIVITY", "IDLE", "Entry", "Ledger", "LOG_LENGTH", "current_activity", "current_phase", "doing", "failed",
-           "innermost", "ledger_for", "ledgers"]
+           "innermost", "ledger_for", "ledgers", "start"]
 
 #: how many recent collectives each ledger keeps for error messages
 LOG_LENGTH = 64
@@ -68,11 +68,19 @@ def innermost() -> Optional["doing"]:
     return ACTIVITY[-1] if ACTIVITY else None
 
 
+def start(call: Optional["doing"] = None) -> None:
+    """Engine call ``call`` (default: the innermost) has started changing state (its ranks agreed on it): a
+    failure from now on counts in :attr:`doing.failures` (an argument refused before this point does not)."""
+    call = call if call is not None else innermost()
+    if call is not None:
+        call.started = True
+
+
 class doing:  # noqa: N801 - used as a context manager, reads like one
     """``with doing("backward", engine.label):`` marks what this process does until the block ends.
 
     An exception leaving the block is published for the other ranks (their errors then say this rank failed
-    and why), once however many blocks it leaves.  When the call had ``started`` (its ranks agreed on it: an
+    and why), once however many blocks it leaves.  When the call had :func:`start` ed (its ranks agreed on it: an
     announced :class:`~.announce.Scope` opened; an argument refused before that changes nothing), it also counts
     in :attr:`failures`, which every announcement and step check compares across ranks (:mod:`.control`): a
     failure on some ranks only is never followed by a silent pairing of the ranks' next collectives.  A class,
