@@ -18,7 +18,7 @@ import pytest
 import torch.distributed as dist
 from _faults_common import COMMS_TIMEOUT, die, make_engine, outcome, record_row, train_step
 
-from shardwise.faults.store import store_host
+from shardwise.faults.liveness import store_host
 from shardwise.testing import run_distributed
 
 HOST = 0

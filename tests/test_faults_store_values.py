@@ -26,7 +26,8 @@ import torch.distributed as dist
 from _faults_common import COMMS_TIMEOUT, bounded_outcome, die, make_engine, outcome, record_row, train_step
 from _store_forger import forge, store_prefix
 
-from shardwise.comm.agreement import _ROOT, _group_key
+from shardwise.comm.agreement import _ROOT
+from shardwise.comm.distributed import group_key
 from shardwise.faults.heartbeat import Heartbeat
 from shardwise.testing import run_distributed
 
@@ -59,7 +60,7 @@ def _forged_member_list(root: str) -> dict[str, Any]:
     rank, port, engine = _trained_engine()
     result: dict[str, Any] = {}
     if rank == 0:  # only rank 0 saves; a third process lists rank 1 as having joined
-        group = f"{_ROOT}/{_group_key(engine.comm)}"  # the agreement's keys for this group
+        group = f"{_ROOT}/{group_key(engine.comm.group)}"  # the agreement's keys for this group
         call = _store().add(f"{group}/next/0", 0) + 1
         forge(port, {f"{store_prefix()}{group}/{call}/members": "0,1"})
         result = bounded_outcome(lambda: engine.save_checkpoint(root), LIMIT)

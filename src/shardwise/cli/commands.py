@@ -1,27 +1,26 @@
 """The ``shardwise`` console command.
 
-``shardwise run`` builds arguments for ``torch.distributed.run`` (torchrun) and
-delegates; it launches nothing itself (Lightning Fabric's CLI is the model).
-``shardwise config validate`` checks a config file and prints it resolved.
-``shardwise generate`` samples from a trained example model, ``shardwise env``
-prints versions and hardware, ``shardwise plot`` draws a Trainer's metrics.
-
-Commands live in a registry, :data:`COMMANDS`: each entry adds its subparser
-and sets a ``handler``. A new command (``shardwise checkpoint inspect`` /
-``consolidate``) is one function decorated with :func:`command`; see the note
-at the end of the command section.
+``shardwise run`` builds arguments for ``torch.distributed.run`` (torchrun) and delegates, launching nothing
+itself (Lightning Fabric's CLI is the model); ``config validate`` checks a config file and prints it resolved;
+``generate`` samples from a trained example model, ``env`` prints what a bug report needs, ``plot`` draws a
+Trainer's metrics.  Each command is one function registered with :func:`command` in :data:`COMMANDS`, which adds
+its subparser and sets a ``handler``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import platform
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+import torch.distributed as dist
 import yaml
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -31,16 +30,13 @@ from ..comm.placement import plan_placement, visible_gpus
 from ..config import Config, ConfigError, load_configs, read_config_file
 from ..model_io.generate import ModelSpecError, generate_text, load_model
 from ..trainer.metrics import plot_metrics
-from .env import describe_environment
 
-__all__ = ["COMMANDS", "build_parser", "command", "launch", "main", "torchrun_args"]
+__all__ = ["COMMANDS", "build_parser", "command", "describe_environment", "launch", "main", "torchrun_args"]
 
-# A command builder receives the `add_subparsers()` object of `shardwise`
-# (argparse gives its type no public name, hence Any).
+#: a command builder receives the `add_subparsers()` object of `shardwise` (argparse gives its type no public name)
 AddCommand = Callable[[Any], None]
 
-# name -> function that adds the command's parser (with `handler` set by
-# `set_defaults(handler=...)`, a function `Namespace -> exit code`).
+#: name -> the function that adds the command's parser, with `set_defaults(handler=...)` (`Namespace -> exit code`)
 COMMANDS: dict[str, AddCommand] = {}
 
 
@@ -57,9 +53,7 @@ def command(name: str) -> Callable[[AddCommand], AddCommand]:
 
 
 # ----------------------------------------------------------------- shardwise run
-
-# torchrun options that choose a rendezvous; if the user gave none of them on
-# one node, `--standalone` makes the launch work with no setup.
+#: torchrun options that choose a rendezvous; with none of them on one node, `--standalone` needs no setup
 _RENDEZVOUS_DESTS = (
     "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "master_addr", "master_port", "standalone",
 )
@@ -75,25 +69,18 @@ def _parse_torchrun(args: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(list(args))
 
 
-def _rendezvous_given(parsed: argparse.Namespace) -> bool:
-    """Whether the command line or torchrun's ``PET_*`` environment picks a rendezvous."""
-    on_command_line = any(getattr(parsed, dest) is not _UNSET for dest in _RENDEZVOUS_DESTS)
-    in_environment = any(f"PET_{dest.upper()}" in os.environ for dest in _RENDEZVOUS_DESTS)
-    return on_command_line or in_environment
-
-
 def torchrun_args(args: Sequence[str]) -> list[str]:
     """The argument list for ``torch.distributed.run.main``: ``args`` plus ``--standalone`` when needed.
 
-    ``--standalone`` is added only on a single node (``--nnodes`` 1) with no
-    rendezvous option given, so every explicit multi-node setup passes through
-    untouched. Bad arguments exit with torchrun's usage message (status 2).
+    ``--standalone`` is added only on a single node (``--nnodes`` 1) with no rendezvous option given, so every
+    explicit multi-node setup passes through untouched. Bad arguments exit with torchrun's usage message (status 2).
     """
     parsed = _parse_torchrun(args)
     _, max_nodes = torchrun.parse_min_max_nnodes(parsed.nnodes)
-    if max_nodes == 1 and not _rendezvous_given(parsed):
-        return ["--standalone", *args]
-    return list(args)
+    # a rendezvous picked on the command line or in torchrun's `PET_*` environment
+    given = any(getattr(parsed, dest) is not _UNSET or f"PET_{dest.upper()}" in os.environ
+                for dest in _RENDEZVOUS_DESTS)
+    return list(args) if max_nodes != 1 or given else ["--standalone", *args]
 
 
 def _exit_code(error: BaseException) -> int:
@@ -102,14 +89,6 @@ def _exit_code(error: BaseException) -> int:
     codes = [getattr(f, "exitcode", 1) for f in failures.values()]
     code = next((c for c in codes if c != 0), 1)
     return code if 0 < code < 256 else 1
-
-
-def _local_ranks(nproc_per_node: str) -> Optional[int]:
-    """How many ranks torchrun starts on this node for ``--nproc-per-node``; None for ``gpu``/``auto``/``xpu``,
-    which torchrun sizes to the devices it finds (never more ranks than GPUs)."""
-    if nproc_per_node.isdigit():
-        return int(nproc_per_node)
-    return os.cpu_count() if nproc_per_node == "cpu" else None
 
 
 def _launch_environment(args: Sequence[str], gpus: Optional[int] = None) -> None:
@@ -129,15 +108,16 @@ def _launch_environment(args: Sequence[str], gpus: Optional[int] = None) -> None
       0 of 8 with a fresh store per restart.
     """
     parsed = _parse_torchrun(args)
-    nproc = _local_ranks(str(parsed.nproc_per_node))
+    # ranks torchrun starts on this node; None for `gpu`/`auto`/`xpu`, which it sizes to the devices it finds
+    per_node = str(parsed.nproc_per_node)
+    nproc = int(per_node) if per_node.isdigit() else os.cpu_count() if per_node == "cpu" else None
     if nproc is not None:
         placement = plan_placement(nproc, visible_gpus() if gpus is None else gpus)
         os.environ.update(placement.env)
         if placement.note:
             print(placement.note, file=sys.stderr, flush=True)
     if "OMP_NUM_THREADS" not in os.environ and nproc is not None and nproc > 1:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, _usable_cores() // nproc))
     if int(parsed.max_restarts) > 0:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
@@ -157,10 +137,6 @@ def launch(args: Sequence[str], gpus: Optional[int] = None) -> int:
     return 0
 
 
-def _run(ns: argparse.Namespace) -> int:
-    return launch(ns.args)
-
-
 @command("run")
 def _add_run(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -175,7 +151,7 @@ def _add_run(subparsers: Any) -> None:
         prefix_chars=" ",
     )
     parser.add_argument("args", nargs=argparse.REMAINDER)
-    parser.set_defaults(handler=_run)
+    parser.set_defaults(handler=lambda ns: launch(ns.args))
 
 
 # ------------------------------------------- shardwise generate / env / plot
@@ -222,11 +198,6 @@ def _add_generate(subparsers: Any) -> None:
     parser.set_defaults(handler=_generate)
 
 
-def _env(ns: argparse.Namespace) -> int:
-    print(describe_environment())
-    return 0
-
-
 @command("env")
 def _add_env(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -234,7 +205,42 @@ def _add_env(subparsers: Any) -> None:
         description="Print what a bug report needs: Python, shardwise, torch and related versions, "
         "the distributed backends this torch has, usable CPU cores and GPUs.",
     )
-    parser.set_defaults(handler=_env)
+    parser.set_defaults(handler=lambda ns: print(describe_environment()) or 0)
+
+
+_PACKAGES = ("shardwise", "torch", "numpy", "pydantic", "PyYAML", "safetensors", "tqdm", "matplotlib", "tensorboard",
+             "transformers")
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def describe_environment() -> str:
+    """What a bug report needs, as ``name: value`` lines: versions, distributed backends, CPU cores and GPUs."""
+    backends = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available, "mpi": dist.is_mpi_available}
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        gpus = f"{len(names)} (CUDA {torch.version.cuda}): " + ", ".join(names)
+    else:
+        gpus = f"none (CUDA not available; torch built with CUDA {torch.version.cuda or 'none'})"
+    rows = [
+        ("python", f"{platform.python_version()} ({sys.executable})"),
+        ("platform", platform.platform()),
+        ("packages", ", ".join(f"{p} {_version(p)}" for p in _PACKAGES)),
+        ("distributed backends", ", ".join(f"{name} {'yes' if check() else 'no'}" for name, check in backends.items())),
+        ("default backend", "nccl" if torch.cuda.is_available() else "gloo"),
+        ("CPU cores", f"{_usable_cores()} usable of {os.cpu_count()}; torch threads {torch.get_num_threads()}"),
+        ("GPUs", gpus),
+    ]
+    return "\n".join(f"{name}: {value}" for name, value in rows)
 
 
 def _plot(ns: argparse.Namespace) -> int:
@@ -266,8 +272,7 @@ def _add_plot(subparsers: Any) -> None:
 
 def _resolved(config: Any, world_size: int) -> dict[str, Any]:
     """``config`` as a dict with its batch sizes resolved for ``world_size`` (``auto`` where still pending)."""
-    data: dict[str, Any] = config.to_dict() | config.batch_sizes(world_size).as_keys()
-    return data
+    return config.to_dict() | config.batch_sizes(world_size).as_keys()  # type: ignore[no-any-return]
 
 
 def _explained(config: Any, name: str | None = None) -> list[str]:
@@ -276,12 +281,6 @@ def _explained(config: Any, name: str | None = None) -> list[str]:
     lines = [f"note: {where}{note}" for note in config.notes]
     lines += [f"note: {where}`{path}: auto` resolves at initialize: {how}" for path, how in config.pending.items()]
     return lines
-
-
-def _render(data: dict[str, Any], fmt: str, header: str) -> str:
-    if fmt == "json":
-        return json.dumps(data, indent=2)
-    return f"# {header}\n" + yaml.safe_dump(data, sort_keys=False)
 
 
 def _in_dialect(config: Any, dialect: str, name: str | None = None) -> tuple[Any, list[str]]:
@@ -315,7 +314,8 @@ def _validate(ns: argparse.Namespace) -> int:
     # The config goes to stdout (still a valid file); the notes go to stderr.
     for line in notes:
         print(line, file=sys.stderr)
-    print(_render(data, fmt, f"{path}: valid; batch sizes resolved for world_size {ns.world_size}"))
+    header = f"# {path}: valid; batch sizes resolved for world_size {ns.world_size}\n"
+    print(json.dumps(data, indent=2) if fmt == "json" else header + yaml.safe_dump(data, sort_keys=False))
     return 0
 
 
@@ -350,8 +350,7 @@ def _add_config(subparsers: Any) -> None:
     validate.set_defaults(handler=_validate)
 
 
-# More commands go here: an `@command(name)` function, or a builder from the
-# module that owns the feature registered with `command(name)(builder)`.
+# More commands: an `@command(name)` function, or the feature's own builder registered with `command(name)(builder)`.
 from ..checkpoint.cli import add_checkpoint_commands  # noqa: E402 - registered with the others
 
 command("checkpoint")(add_checkpoint_commands)

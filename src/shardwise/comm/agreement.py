@@ -1,46 +1,20 @@
 """Making sure every rank takes part in a collective call, without the training group.
 
-A communication tool beside :mod:`.distributed`, used by the checkpoint layer
-and by both engines' construction (:mod:`.construction`).
-``save_checkpoint`` and ``load_checkpoint`` are collective.  Before they issue
-a single collective on the process group, the ranks meet through the c10d
-*store* (the key-value store the process group was built on), never through a
-collective: a collective could silently pair with the gradient all-reduce of a
-rank that skipped the call (``if rank == 0: engine.save_checkpoint(...)``) and
-both would hang or, worse, exchange the wrong data.
+Used by the checkpoint layer and by the engines' construction (:mod:`.construction`).  Before a collective call
+issues anything on the process group, the ranks meet through the c10d store, never a collective (one could pair
+with the gradient all-reduce of a rank that skipped the call).  Per call, with no state kept in the process: each
+rank draws its call number from a per-rank counter in the store, publishes its payload and joins the member list
+with ``compare_set``, and polls until every rank joined; at ``checkpoint.timeout`` it closes the call with
+``compare_set``, and a rank arriving after the close moves on to its next number, so ranks realign
+(docs/checkpoints.md has the protocol).  Once they met, :func:`join` announces the operation
+(:meth:`~.faults.announce.Scope.agreed`); a call whose missing ranks all wait in an announcement of their own
+(:func:`~.faults.control.waiting_in_next`) is closed as ``elsewhere`` and announced at once, naming both
+operations within seconds.  :meth:`Session.step` then gives bounded, error-propagating steps between phases.
 
-Protocol, per process group, with no state kept in the process:
-
-* each rank draws its next call number from a per-rank counter *in the store*
-  (so a fresh store after re-initialisation starts everyone at 1);
-* it publishes its payload (operation, tag, directory) and adds itself to the
-  member list of that call with ``compare_set`` (atomic);
-* it polls until every rank is a member.  At ``checkpoint.timeout`` it *closes*
-  the call by swapping the member list for a closed marker, again with
-  ``compare_set``: from then on the outcome is fixed for everyone.  A member
-  sees the close and raises; a rank arriving after the close knows that call
-  is over and moves to its next number, so ranks realign after a failure.
-
-A checkpoint operation announces itself on the group's control group (:mod:`.faults.announce`) only once
-the ranks met here: :func:`join` calls the operation's :meth:`~.faults.announce.Scope.agreed`.  While it
-waits, it also looks whether every rank still missing waits in an announcement of its own (a rank that
-skipped the save and trains on, :func:`~.faults.control.waiting_in_next`): then it closes the call (marked
-``elsewhere``) and announces at once, and the announcement names both operations on every rank, within
-seconds instead of at ``checkpoint.timeout``.
-
-After joining, :meth:`Session.step` gives timeout-bounded, error-propagating
-checkpoints between phases (a rank that fails while preparing makes every rank
-raise instead of leaving the others inside a collective).
-
-Every value crosses the store as JSON (:mod:`.checkpoint.store_codec`: DCP's save plans
-through a fixed allow-list of types, never a pickle), at most
-``MAX_STORE_VALUE_BYTES`` long; a value that is not what a rank wrote is a
-:class:`~.checkpoint.files.StoreValueError` on every rank that reads it.
-
-Every wait here also watches the other ranks' heartbeats
-(:class:`~shardwise.faults.liveness.PeerWatch`): a rank that was killed or
-crashed makes the others raise :class:`~shardwise.faults.RankGoneError` within a
-few heartbeat intervals, not at ``checkpoint.timeout``.
+Values cross the store as JSON (:mod:`.checkpoint.store_codec`, never a pickle), at most
+``MAX_STORE_VALUE_BYTES`` long; one no rank wrote is a :class:`~.checkpoint.files.StoreValueError`.  Every wait
+watches the heartbeats (:class:`~shardwise.faults.liveness.PeerWatch`): a dead rank is named within a few
+heartbeat intervals, not at ``checkpoint.timeout``.
 """
 
 from __future__ import annotations
@@ -59,9 +33,8 @@ from ..checkpoint.files import CheckpointError
 from ..faults import control
 from ..faults.diagnose import RESTART, short_cause
 from ..faults.errors import PeerFailedError, RankGoneError
-from ..faults.liveness import PeerWatch
-from ..faults.store import store_host
-from .distributed import Comm
+from ..faults.liveness import PeerWatch, store_host
+from .distributed import Comm, group_key
 
 __all__ = ["Session", "join"]
 
@@ -122,14 +95,11 @@ class Session:
     def step(self, name: str, fn: Callable[[], _T], share: bool = False, objects: Any = None) -> tuple[_T, list[Any]]:
         """Run ``fn`` here, then wait for every rank's outcome of the same step.
 
-        Returns ``fn``'s result and, with ``share``, every rank's result (which
-        must then be JSON-able; else a list of None).  ``objects`` is the type
-        of every rank's result (e.g. ``list[SavePlan]``) when it holds DCP's
-        save plans or write results: those cross the store through
-        :mod:`.checkpoint.store_codec`, and a rank's value of another type is a
-        :class:`~.checkpoint.files.StoreValueError`.  If ``fn`` raised on any rank, every
-        rank raises: the failing rank its own error, the others a
-        :class:`CheckpointError` naming it.
+        Returns ``fn``'s result and, with ``share``, every rank's result (which must then be JSON-able; else a list
+        of None).  ``objects`` is the type of every rank's result (e.g. ``list[SavePlan]``) when it holds DCP's save
+        plans or write results: those cross the store through :mod:`.checkpoint.store_codec`, and a rank's value of
+        another type is a :class:`~.checkpoint.files.StoreValueError`.  If ``fn`` raised on any rank, every rank
+        raises: the failing rank its own error, the others a :class:`CheckpointError` naming it.
         """
         error: Optional[BaseException] = None
         data: Any = None
@@ -198,21 +168,9 @@ class Session:
         _raise_if_failed(watch, [self.global_ranks[r] for r in missing], self.rank, f"{name} for `{self.op}`")
         gone = watch.gone(self.global_ranks[r] for r in missing)
         if gone:
-            seen = "; ".join(f"rank {r} was last seen in {watch.last_seen(r)}" for r in gone)
-            raise RankGoneError(
-                f"rank {self.rank}: rank(s) {gone} are gone (killed, crashed or exited) while this rank waited "
-                f"for them to finish {name} for `{self.op}` ({seen}); {RESTART}" + (
-                    ". The previous checkpoint and `latest` are untouched (a save is visible only once every rank "
-                    "finished)" if self.op.startswith("save") else ""),
-                rank=self.rank, gone=gone, where={r: watch.last_seen(r) for r in gone},
-            )
-
-
-def _group_key(comm: Comm) -> str:
-    group = comm.group if comm.group is not None else dist.group.WORLD
-    name = getattr(group, "group_name", "") or "default"
-    ranks = dist.get_process_group_ranks(group)
-    return f"{name}[{','.join(map(str, ranks))}]"
+            raise _gone(self.rank, gone, watch, f" while this rank waited for them to finish {name} for `{self.op}`",
+                        ". The previous checkpoint and `latest` are untouched (a save is visible only once every rank "
+                        "finished)" if self.op.startswith("save") else "")
 
 
 def join(comm: Comm, op: str, payload: dict[str, Any], timeout: float) -> Session:
@@ -234,8 +192,7 @@ def join(comm: Comm, op: str, payload: dict[str, Any], timeout: float) -> Sessio
         payloads = [_payload(store, prefix, r, comm.rank) for r in range(comm.world_size)]
     if announces is not None:
         announces.agreed()
-    ranks = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
-    return Session(op, comm.rank, comm.world_size, timeout, payloads, store, prefix, ranks)
+    return Session(op, comm.rank, comm.world_size, timeout, payloads, store, prefix, comm.ledger.ranks)
 
 
 class _Elsewhere(Exception):
@@ -249,7 +206,7 @@ class _Elsewhere(Exception):
 def _enter(store: Any, comm: Comm, op: str, payload: dict[str, Any], timeout: float, look: bool) -> str:
     """Join the next call every rank makes, and wait until they all have; returns the call's key prefix.
     ``look``: also look whether the ranks missing wait in announcements (:class:`_Elsewhere`)."""
-    root = f"{_ROOT}/{_group_key(comm)}"
+    root = f"{_ROOT}/{group_key(comm.group)}"
     deadline = time.monotonic() + timeout
     while True:
         call = store.add(f"{root}/next/{comm.rank}", 1)
@@ -313,8 +270,7 @@ def _arrive(store: Any, key: str, rank: int, world_size: int) -> bool:
 
 def _await_everyone(store: Any, key: str, comm: Comm, op: str, timeout: float, deadline: float,
                     look: bool) -> None:
-    watch = PeerWatch()
-    ranks = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
+    watch, ranks = PeerWatch(), comm.ledger.ranks
     attempt = 0
     looked = time.monotonic()
     while True:
@@ -337,7 +293,7 @@ def _await_everyone(store: Any, key: str, comm: Comm, op: str, timeout: float, d
             closed = _CLOSED + (_ELSEWHERE if away else "") + value
             if store.compare_set(key, value, closed).decode() == closed:
                 if gone:
-                    raise _gone(comm, op, gone, watch)
+                    raise _gone(comm.rank, gone, watch, f", so `engine.{op}` cannot start")
                 if away:
                     raise _Elsewhere(present)
                 raise _not_joined(comm, op, timeout, present)
@@ -364,11 +320,10 @@ def _raise_if_failed(watch: PeerWatch, ranks: list[int], rank: int, what: str) -
             "has its traceback)", rank=rank, failed={peer: error})
 
 
-def _gone(comm: Comm, op: str, gone: list[int], watch: PeerWatch) -> RankGoneError:
+def _gone(rank: int, gone: list[int], watch: PeerWatch, when: str, tail: str = "") -> RankGoneError:
     seen = "; ".join(f"rank {r} was last seen in {watch.last_seen(r)}" for r in gone)
-    return RankGoneError(
-        f"rank {comm.rank}: rank(s) {gone} are gone (killed, crashed or exited), so `engine.{op}` cannot start "
-        f"({seen}); {RESTART}", rank=comm.rank, gone=gone, where={r: watch.last_seen(r) for r in gone})
+    return RankGoneError(f"rank {rank}: rank(s) {gone} are gone (killed, crashed or exited){when} ({seen}); "
+                         f"{RESTART}{tail}", rank=rank, gone=gone, where={r: watch.last_seen(r) for r in gone})
 
 
 def _not_joined(comm: Comm, op: str, timeout: float, present: set[int]) -> CheckpointError:

@@ -1,13 +1,9 @@
 """Ranks that built different engines are stopped at ``initialize``, naming the first difference.
 
-The ranks already meet through the c10d store before an engine's first
-collective (:func:`shardwise.comm.agreement.join`).  Their payloads carry
-the digests of the fingerprints of :mod:`shardwise.comm.fingerprint` (64 hex
-characters each), so agreeing costs nothing more than the meeting itself.
-Only when a digest differs do the ranks exchange the entries behind it, in one
-more timeout-bounded step of the same session, and every rank raises
-:class:`~shardwise.faults.CollectiveMismatchError` naming the first parameter
-(or config key, or optimizer setting) that differs with its value on each rank.
+The ranks' payloads at their store meeting (:func:`shardwise.comm.agreement.join`) carry the digests of
+:mod:`.fingerprint`, so agreeing costs nothing more than the meeting.  Only when a digest differs do they
+exchange the entries behind it, in one more step of the same session, and every rank raises
+:class:`~shardwise.faults.CollectiveMismatchError` naming the first difference with its value on each rank.
 """
 
 from __future__ import annotations
@@ -46,11 +42,8 @@ _FIXES = {
 def engine_fingerprints(module: nn.Module, config: Config, optimizer: Any, lr_scheduler: Any,
                         model_parameters: Optional[list[Any]]) -> dict[str, Fingerprint]:
     """What the ranks of one engine compare: its model, its config, and what was passed besides."""
-    return {
-        "parameters": module_fingerprint(module),
-        "config": config_fingerprint(config),
-        "client": client_fingerprint(module, optimizer, lr_scheduler, model_parameters),
-    }
+    return {"parameters": module_fingerprint(module), "config": config_fingerprint(config),
+            "client": client_fingerprint(module, optimizer, lr_scheduler, model_parameters)}
 
 
 def digests(fingerprints: Mapping[str, Fingerprint]) -> dict[str, str]:
@@ -61,9 +54,8 @@ def digests(fingerprints: Mapping[str, Fingerprint]) -> dict[str, str]:
 def require_same_construction(session: Session, fingerprints: Mapping[str, Fingerprint], label: str) -> None:
     """Raise on every rank if any rank's payload ``fingerprints`` digests differ from rank 0's.
 
-    Every rank sees the same payloads, so every rank takes the same branch: on a
-    mismatch all of them exchange the entries of the differing fingerprints (one
-    more step of ``session``, bounded by its timeout) and raise the same error.
+    Every rank sees the same payloads, so every rank takes the same branch: on a mismatch all of them exchange
+    the entries of the differing fingerprints (one more step of ``session``) and raise the same error.
     """
     differing = _differing(session.payloads, list(fingerprints))
     if not differing:

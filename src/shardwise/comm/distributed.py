@@ -1,23 +1,12 @@
 """The one place that calls ``torch.distributed``.
 
-Everything else in shardwise talks to a :class:`Comm`: a process group plus the
-handful of collectives the engine needs, each of which counts the bytes this
-rank sends (ring-algorithm accounting), so tests and the benchmark can compare
-traffic with ZeRO theory.  With world size 1 every collective is a no-op, which
-is what lets a one-process run work with no launcher at all.
-
-No collective waits forever.  Each is issued with ``comms.timeout`` as its own
-backend timeout (so gloo itself gives up, and nothing is left running that
-could block the process's exit), and a failure (a peer's socket closed, the
-timeout passed) becomes a :class:`~shardwise.faults.CommError` that names every
-rank and the collective it was in (:mod:`shardwise.faults`).  Every collective
-is recorded in its group's ledger: a sequence number, a rolling fingerprint the
-engine's step check compares across ranks, and a short log for the messages.
-
-On gloo, an engine's ``Comm`` also carries its all-reduce, reduce-scatter and
-all-gather of CPU tensors through shared memory when every rank is on one host
-(its handle ``Comm.shm``, set up by :mod:`.shm`); the ledger, the byte counts and
-the failures are the same whichever way a collective travels.
+Everything else talks to a :class:`Comm`: a process group and the collectives the engine needs, each counting
+the bytes this rank sends (ring-algorithm accounting, compared with ZeRO theory by tests and benchmarks).  With
+world size 1 every collective is a no-op, so one process runs with no launcher.  No collective waits forever:
+each has ``comms.timeout`` as its backend timeout, is recorded in its group's ledger, and a failure becomes a
+:class:`~shardwise.faults.CommError` naming every rank and where it was (:mod:`shardwise.faults`).  On gloo,
+data collectives of CPU tensors may travel through shared memory (``Comm.shm``, :mod:`.shm`) with the same
+ledger, counts and failures.
 """
 
 from __future__ import annotations
@@ -95,15 +84,12 @@ def _env_int(name: str) -> Optional[int]:
 def init_distributed(
     backend: Optional[str] = None, timeout: float = 1800.0, set_device: bool = True
 ) -> None:
-    """Initialise the default process group from torchrun's environment.
+    """Initialise the default process group from torchrun's environment (nothing when one exists).
 
-    Reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` as torchrun sets
-    them; picks NCCL when CUDA is available and gloo otherwise.  Without those
-    variables (a plain ``python train.py``) it creates a one-rank gloo group that
-    needs no network, so code written for many ranks runs unchanged on one.
-    Calling it when a group already exists does nothing.  With NCCL, a
-    ``LOCAL_RANK`` that names no visible GPU is a :class:`~shardwise.comm.placement.DeviceError`
-    saying so, before CUDA's "invalid device ordinal" can.
+    Reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` as torchrun sets them; NCCL when CUDA is
+    available, else gloo.  Without them (a plain ``python train.py``) a one-rank gloo group that needs no network,
+    so code written for many ranks runs unchanged on one.  With NCCL, a ``LOCAL_RANK`` naming no visible GPU is a
+    :class:`~shardwise.comm.placement.DeviceError` saying so, before CUDA's "invalid device ordinal" can.
     """
     if dist.is_initialized():
         return
@@ -261,15 +247,11 @@ atexit.register(_settle)
 class Comm:
     """A process group and the collectives shardwise uses, with byte counters.
 
-    ``bytes_sent`` maps a collective's name to the bytes this rank sent through
-    it, using ring-algorithm accounting: all-reduce ``2(N-1)/N·S``,
-    reduce-scatter and all-gather ``(N-1)/N·S`` of the full-size tensor,
-    broadcast ``S`` from the source, scatter ``(N-1)/N·S`` from the source,
-    ``send`` ``S`` from the sender.
-
-    ``timeout`` bounds every collective (seconds); ``debug`` checks before each
-    one that every rank issues the same (``comms.debug``).  A collective's
-    optional ``label`` says what it carries (``unit 3 `fc.weight` ``) in errors.
+    ``bytes_sent`` maps a collective's name to the bytes this rank sent through it, in ring-algorithm accounting:
+    all-reduce ``2(N-1)/N·S``, reduce-scatter and all-gather ``(N-1)/N·S`` of the full-size tensor, broadcast
+    ``S`` from the source, scatter ``(N-1)/N·S`` from the source, ``send`` ``S`` from the sender.  ``timeout``
+    bounds every collective (seconds); ``debug`` checks before each one that every rank issues the same
+    (``comms.debug``).  A collective's optional ``label`` says what it carries (``unit 3 `fc.weight` ``) in errors.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, timeout: float = DEFAULT_TIMEOUT,

@@ -1,21 +1,10 @@
 """What must be equal on every rank for an engine to train right, as canonical text and its digest.
 
-At ``initialize`` the ranks compare three fingerprints (:mod:`shardwise.comm.construction`):
-
-* ``parameters``: every parameter and buffer in registration order, each with its
-  name, shape, dtype, ``requires_grad`` and, for a tensor registered twice (tied
-  weights), the name it is tied to.  The broadcast of rank 0's weights and the
-  flat gradient buckets pair tensors by position, so a different order or shape
-  on one rank mixes unrelated values without a word;
-* ``config``: every resolved config value except :data:`PER_RANK_KEYS`;
-* ``client``: what ``initialize`` got besides the config: the optimizer (its
-  type, and each param group's hyperparameters and parameters), the lr
-  scheduler (its type and state) and ``model_parameters``.
-
-A fingerprint is an ordered list of ``(key, value)`` texts; each value is
-bounded (a long one keeps a prefix and the digest of the whole), so the list is
-JSON of a size proportional to the number of entries.  Only the digests of the
-three lists cross the store while the ranks agree.
+Three fingerprints, compared at ``initialize`` (:mod:`.construction`; docs/faults.md, "Ranks that build different
+engines"): ``parameters`` (every parameter and buffer in registration order: name, shape, dtype,
+``requires_grad``, the name a tied one is tied to), ``config`` (every resolved value except
+:data:`PER_RANK_KEYS`) and ``client`` (the optimizer, lr scheduler and ``model_parameters`` given besides the
+config).  Each is an ordered list of bounded ``(key, value)`` texts; only the digests cross the store.
 """
 
 from __future__ import annotations

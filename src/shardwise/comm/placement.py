@@ -1,18 +1,10 @@
 """Where a launch's ranks run: on the GPUs when there is one for each local rank, otherwise on the CPU.
 
-``shardwise run`` asks :func:`plan_placement` before it starts any process.
-With at least as many visible GPUs as local ranks, nothing changes: each rank
-takes GPU ``LOCAL_RANK`` and the group uses NCCL.  With fewer (two ranks on a
-one-GPU machine, README command 1 there), the ranks get an empty
-``CUDA_VISIBLE_DEVICES``: they see no GPU, so ``init_distributed`` picks gloo
-and the engine keeps the model on the CPU, and the launch says so in one line
-naming both numbers and the fixes.  The alternative, NCCL, cannot put two ranks
-on one GPU: rank 1 dies in ``torch.cuda.set_device(1)``.
-
-A job launched with ``torchrun`` directly gets the same facts from
-:func:`require_gpu`, which ``init_distributed`` calls before it picks a
-device: an error naming ``LOCAL_RANK``, the GPUs seen and the fixes, instead
-of CUDA's "invalid device ordinal".
+``shardwise run`` asks :func:`plan_placement` before it starts any process: with fewer visible GPUs than local ranks
+(two ranks on a one-GPU machine, README command 1 there) the ranks get an empty ``CUDA_VISIBLE_DEVICES``, so they
+use gloo on the CPU, and the launch says so in one line (NCCL cannot put two ranks on one GPU: rank 1 dies in
+``torch.cuda.set_device(1)``).  Under ``torchrun`` directly, ``init_distributed`` calls :func:`require_gpu` for an
+error naming ``LOCAL_RANK``, the GPUs seen and the fixes, instead of CUDA's "invalid device ordinal".
 """
 
 from __future__ import annotations

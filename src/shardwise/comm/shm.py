@@ -1,52 +1,27 @@
 """Collectives through shared memory, for the CPU ranks of one host.
 
-gloo moves every byte of a collective through a loopback TCP socket: a copy
-into the kernel, a copy out, and the kernel's network stack in between, all on
-the cores training needs.  Ranks on one host can read each other's data where
-it lies instead.  Measured on a 2-core Xeon, 2 ranks, a 20 MB fp32 all-reduce:
-gloo 12-19 ms, this module 6-8 ms, with bit-identical results.
+gloo moves every byte through a loopback TCP socket (two copies and the kernel's network stack, on the cores
+training needs); ranks on one host can read each other's data where it lies.  Measured on a 2-core Xeon, 2
+ranks, a 20 MB fp32 all-reduce: gloo 12-19 ms, this module 6-8 ms, bit-identical (docs/benchmarks.md).
 
-How.  The ranks of a group map one segment under ``/dev/shm``: a header of
-per-rank flags and, per rank, two slots of :data:`CHUNK` bytes.  A collective
-runs chunk by chunk, each chunk with the group's next sequence number ``s``.
-A rank copies its part of the chunk into its slot ``s % 2``, publishes
-``s + 1`` in its flag, waits until every rank's flag reads at least ``s + 1``,
-then reads what it needs from every slot: a sum taken in rank order (the same
-bits on every rank), or the pieces of an all-gather.  Two slots suffice: a
-rank writes slot ``s % 2`` again only at ``s + 2``, after it saw every flag
-reach ``s + 1``, which a rank publishes only once it has read chunk ``s``.
+How.  The ranks map one segment under ``/dev/shm``: per-rank flags and, per rank, two slots of :data:`CHUNK` bytes.
+A collective runs chunk by chunk, chunk ``s`` in slot ``s % 2``: a rank copies its part in, publishes ``s + 1`` in
+its flag, waits until every flag reads at least ``s + 1``, then reads every slot (a sum in rank order, the same bits
+on every rank, or an all-gather's pieces).  Two slots suffice: a rank writes slot ``s % 2`` again only at ``s + 2``,
+after every flag reached ``s + 1``, which a rank publishes only once it read chunk ``s``.  Collectives run in issue
+order on one worker thread per segment, so an asynchronous one overlaps backward as gloo's does.  A rank polls its
+peers' flags with a growing sleep (20 µs up to 0.5 ms, 5 ms after a second) and gives up after ``comms.timeout`` or
+once a peer's heartbeat stops, with a ``RuntimeError`` the fault layer names.  Buffers every rank maps
+(:meth:`SharedSegment.allocate`) need no staging: each rank sums its 1/N of the region across the N copies, fenced
+by two flags ("written", "done reading"), a fifth of the staged path's bytes at 2 ranks.
 
-Collectives run on one worker thread per segment, in the order they were
-issued (the order every rank issues them), so an asynchronous one overlaps
-backward as gloo's does (torch kernels release the GIL).  A rank waits for
-its peers by polling their flags with a growing sleep (20 µs up to 0.5 ms,
-5 ms once it has waited a second); it gives up after
-``comms.timeout``, or as soon as a peer's heartbeat stops (a dead peer never
-publishes), with a ``RuntimeError`` the fault layer turns into an error that
-names the rank (:mod:`shardwise.faults`).
-
-Buffers every rank maps (:meth:`SharedSegment.allocate`; the flat stages keep
-their gradients in one) need no staging: a collective over a region of one
-reads the peers' copies where they lie.  For an all-reduce each rank sums its
-1/N of the region across the N copies (in rank order) and writes the result
-into all N; for a reduce-scatter, its own slice only.  Two flags fence it:
-"my region is written" before anyone reads, "I am done with yours" before
-anyone writes that region again.  That moves a fifth of the bytes the staged
-path moves at 2 ranks (measured: see docs/benchmarks.md).
-
-Set up once per :class:`~shardwise.comm.distributed.Comm` that asks for it (through
-the :class:`SharedMemory` handle it keeps), a collective step of its own: rank 0 creates the file, every rank maps it and
-checks a random token, and the segment is used only if every rank succeeded.
-No file outlives its set-up: every rank that knows a file's name removes it
-on every way out of the set-up (right after the vote that says every rank
-mapped it, or when a collective of the set-up raises: a peer raised, was
-killed or timed out), so a peer killed with ``SIGKILL``, whose own clean-up
-never runs, leaves nothing either.  The one gap, a creator killed before its
-peers learnt the name, is closed by the next set-up on the host: a file of
-this user named after a process that no longer exists is removed
-(:func:`sweep`).  Otherwise (ranks on several hosts, no ``/dev/shm``, no
-room) the group keeps gloo.  x86-64 only: there stores become visible to other cores in
-program order, so a peer that reads a flag also sees the data written before.
+Set up once per :class:`~shardwise.comm.distributed.Comm` that asks (its :class:`SharedMemory` handle), a
+collective step of its own: rank 0 creates the file, every rank maps it and checks a random token, and it is
+used only if every rank succeeded.  Every rank that knows the file's name removes it on every way out of the
+set-up, so a peer killed with ``SIGKILL`` leaves nothing; a creator killed before its peers learnt the name is
+swept by the next set-up on the host (:func:`sweep`: a file of this user named after a process that no longer
+exists).  Otherwise (several hosts, no ``/dev/shm``, no room) the group keeps gloo.  x86-64 only: there stores
+become visible to other cores in program order, so a peer that reads a flag also sees the data written before.
 """
 
 from __future__ import annotations
@@ -101,8 +76,7 @@ def supported(world: int) -> str:
 @dataclasses.dataclass(eq=False)
 class ShmWork:
     """An issued shared-memory collective: ``done`` is set once the worker finished it, with ``error`` what it
-    raised (``Comm`` waits for ``done`` in slices, as for every work a thread of shardwise finishes); ``wait``
-    for a caller of the segment's own methods."""
+    raised (``Comm`` waits for ``done`` in slices); ``wait`` for a caller of the segment's own methods."""
 
     #: the segment's worker thread, which finishes it (its end before then is an error)
     worker: threading.Thread
@@ -318,8 +292,7 @@ class SharedSegment:
                  agree: Callable[[bool], bool]) -> Optional[torch.Tensor]:
         """Collective: a zeroed flat tensor in memory every rank maps, or None (then allocate privately).
 
-        ``exchange(offer)`` returns every rank's bytes (an all-gather); ``agree(ok)`` as for
-        :func:`open_segment`.
+        ``exchange(offer)`` returns every rank's bytes (an all-gather); ``agree(ok)`` as for :func:`open_segment`.
         """
         nbytes = max(numel * torch.empty(0, dtype=dtype).element_size(), 1)
         offer, reason = _create(_HEADER + nbytes)
@@ -412,9 +385,8 @@ Fault = Callable[[str, BaseException], BaseException]
 class SharedMemory:
     """One group's shared-memory transport, set up on request: the handle a ``Comm`` keeps.
 
-    Holds the segment (None until :meth:`open` succeeded on every rank) and runs the set-up collectives
-    itself, straight on the process group and outside the ledger: every rank issues them at the same point.
-    ``pg`` is None where shared memory cannot apply (one rank, a backend other than gloo).
+    Holds the segment (None until :meth:`open` succeeded on every rank) and runs the set-up collectives itself,
+    on the process group outside the ledger.  ``pg`` is None where shared memory cannot apply (one rank, not gloo).
     """
 
     _OFFER = 512  # bytes: a segment's path and token
@@ -533,7 +505,9 @@ def open_segment(rank: int, world: int, peers: list[int], timeout: float,
         offer, reason = _create(size)
     try:
         offer = share(offer)
-        mapped, reason = _map_offer(offer, size, reason)
+        mapped: Optional[mmap.mmap] = None
+        if not reason:
+            mapped, reason = _attach(offer, size) if offer else (None, "rank 0 could not create the segment")
         usable = agree(not reason)
     finally:
         # Once the vote passed every rank has mapped the file; on an error, a peer is gone or will not map it.
@@ -543,15 +517,6 @@ def open_segment(rank: int, world: int, peers: list[int], timeout: float,
         return None, reason or "another rank could not map the segment"
     assert mapped is not None
     return SharedSegment(mapped, rank, world, peers, timeout), ""
-
-
-def _map_offer(offer: bytes, size: int, reason: str) -> tuple[Optional[mmap.mmap], str]:
-    """Map the segment rank 0 offered (None, with the reason, when there is none or it cannot be mapped)."""
-    if reason:
-        return None, reason
-    if not offer:
-        return None, "rank 0 could not create the segment"
-    return _attach(offer, size)
 
 
 def _create(size: int) -> tuple[bytes, str]:
@@ -568,7 +533,7 @@ def _create(size: int) -> tuple[bytes, str]:
         finally:
             os.close(fd)
     except OSError as exc:
-        _remove(path.encode())
+        _remove_all([path.encode()])
         return b"", f"cannot create {path} ({size} bytes): {exc.strerror}"
     return f"{path}\n{token}".encode(), ""
 
@@ -588,18 +553,13 @@ def _attach(offer: bytes, size: int) -> tuple[Optional[mmap.mmap], str]:
     return mapped, ""
 
 
-def _remove(offer: bytes) -> None:
-    path = offer.decode().split("\n")[0]
-    try:
-        os.unlink(path)
-    except OSError:
-        pass  # already removed by another rank
-
-
 def _remove_all(offers: list[bytes]) -> None:
     for offer in offers:
         if offer:
-            _remove(offer)
+            try:
+                os.unlink(offer.decode().split("\n")[0])
+            except OSError:
+                pass  # already removed by another rank
 
 
 def sweep() -> list[str]:

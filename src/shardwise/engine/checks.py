@@ -1,8 +1,7 @@
 """Checks of what users hand the engine, before anything is built or communicated.
 
-Each raises an error naming the value, what was expected and the fix; they run
-on one rank without collectives, so a rank that fails one raises at once and
-the others learn of it through :mod:`shardwise.faults` (its published error).
+Each raises an error naming the value, what was expected and the fix; they run on one rank without
+collectives, so a rank that fails one raises at once and the others read its published error.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """``engine.compile()``: DeepSpeed's way to ``torch.compile`` the wrapped module in place.
 
-Every stage also takes a model compiled before ``shardwise.initialize``
-(``torch.compile(model)``, or ``block.compile()`` per block as FSDP2
-recommends); ``engine.compile`` is the same thing after it.  At stage 3 the
-hooks that gather parameters run between graphs, never inside one (see
-``zero/stage3/traced.py``); docs/stage3.md gives the graph counts.
+Every stage also takes a model compiled before ``shardwise.initialize`` (``torch.compile(model)``, or
+``block.compile()`` per block as FSDP2 recommends).  At stage 3 the gathering hooks run between graphs, never
+inside one (``zero/stage3/traced.py``; docs/stage3.md gives the graph counts).
 """
 
 from __future__ import annotations
@@ -27,14 +25,8 @@ def is_compiled_module(module: nn.Module) -> bool:
     return type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
 
 
-def compile_module(
-    module: nn.Module,
-    backend: Any,
-    compile_kwargs: Optional[dict[str, Any]],
-    schedule: Any,
-    compiled_autograd_enabled: bool,
-    rank: int,
-) -> None:
+def compile_module(module: nn.Module, backend: Any, compile_kwargs: Optional[dict[str, Any]], schedule: Any,
+                   compiled_autograd_enabled: bool, rank: int) -> None:
     """``module.compile(backend=backend, **compile_kwargs)``, in place, after checking what shardwise lacks."""
     if schedule is not None:
         raise ValueError(

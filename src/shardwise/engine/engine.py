@@ -1,8 +1,7 @@
 """The Engine: the user-facing training loop around a model.
 
-It owns the counters, accumulation and the precision policy, and delegates
-everything about *where* tensors live to a ZeRO strategy.  It knows no stage
-internals.
+It owns the counters, accumulation and the precision policy, and delegates everything about *where* tensors
+live to a ZeRO strategy: it knows no stage internals.
 """
 
 from __future__ import annotations
@@ -44,10 +43,9 @@ logger = logging.getLogger("shardwise")
 class Engine(DeepSpeedGetters, WeightsSurface):
     """A model wrapped for data-parallel training; build it with :func:`shardwise.initialize`.
 
-    ``engine(batch)`` runs the forward, ``engine.backward(loss)`` the scaled,
-    accumulation-aware backward, and ``engine.step()`` the optimizer update at
-    accumulation boundaries.  Any attribute the engine lacks resolves on the
-    wrapped module, so ``engine.generate(...)`` calls the model's own method.
+    ``engine(batch)`` runs the forward, ``engine.backward(loss)`` the scaled, accumulation-aware backward, and
+    ``engine.step()`` the optimizer update at accumulation boundaries.  Any attribute the engine lacks resolves on
+    the wrapped module, so ``engine.generate(...)`` calls the model's own method.
     """
 
     def __init__(
@@ -67,14 +65,14 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         #: the engine's name (``initialize(..., name=...)``); names its checkpoints among several engines
         self.name = name
         self.comm = Comm(process_group, timeout=config.comms.timeout, debug=config.comms.debug)
-        self._label = self._make_label()
+        self._label = f"engine `{name}`" if name else \
+            f"engine (stage {config.zero_optimization.stage}, {type(module).__name__})"
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
         #: what announces this engine's collective operations to the other ranks (:mod:`.faults.announce`)
         self._announcer = Announcer(self.comm, self._label, self._counters)
-        #: ``backward`` and ``step``, the calls on every gradient's path: their records, announcement codes and
-        #: scopes, made once (:meth:`_running`, :meth:`_announced`)
+        #: ``backward`` and ``step`` (on every gradient's path): records, codes and scopes made once (:meth:`_running`)
         self._calls = {phase: doing(phase, self._label) for phase in ("backward", "step")}
         self._codes = {phase: code(phase) for phase in self._calls}
         self._scopes = {phase: self._announcer.scope(phase) for phase in self._calls}
@@ -137,12 +135,9 @@ class Engine(DeepSpeedGetters, WeightsSurface):
     def _agree_on_construction(self, optimizer: Any, lr_scheduler: Any, model_parameters: Optional[list[Any]]) -> None:
         """Every rank of the group builds this same engine as its next one (before any collective).
 
-        Ranks that build engines in different orders would pair the first
-        broadcast of one engine with another's and hang or mix weights; ranks
-        whose models (order, shapes, dtypes, ties), configs or optimizers differ
-        would train silently wrong.  The c10d store names the mismatch instead,
-        within ``checkpoint.timeout``: each rank's payload carries the digests
-        of :mod:`shardwise.comm.fingerprint`, and only a mismatch exchanges more.
+        Ranks that build engines in different orders would pair one engine's first broadcast with another's;
+        ranks whose models, configs or optimizers differ would train silently wrong.  The c10d store names the
+        mismatch instead, within ``checkpoint.timeout`` (:mod:`shardwise.comm.construction`).
         """
         if not self.comm.distributed:
             return
@@ -157,20 +152,17 @@ class Engine(DeepSpeedGetters, WeightsSurface):
 
     def _prepare_module(self) -> None:
         """Move to the process group's device, cast, and make all ranks start identical."""
-        if _backend(self.comm) == "nccl" and not any(p.is_cuda for p in self.module.parameters()):
+        backend = dist.get_backend(self.comm.group) if self.comm.distributed or dist.is_initialized() else "gloo"
+        if backend == "nccl" and not any(p.is_cuda for p in self.module.parameters()):
             self.module.to(torch.device("cuda", torch.cuda.current_device()))
-        self._broadcast_state()
+        if self.comm.distributed:
+            # Parameters `zero.Init` partitioned were already broadcast from rank 0 when partitioned.
+            params = [p for p in {id(p): p for p in self.module.parameters()}.values() if not is_partitioned(p)]
+            self._broadcast_from_rank0([p.data for p in params] + list(self.module.buffers()), "parameters and buffers")
         # Keep the fp32 values so master weights start exact, not rounded to bf16/fp16.
         self._initial_values = {id(p): p.data for p in self.module.parameters() if not is_partitioned(p)}
         if self.precision.low_precision:
             self.module.to(self.precision.dtype)
-
-    def _broadcast_state(self) -> None:
-        if not self.comm.distributed:
-            return
-        # Parameters `zero.Init` partitioned were already broadcast from rank 0 when partitioned.
-        params = [p for p in _unique(self.module.parameters()) if not is_partitioned(p)]
-        self._broadcast_from_rank0([p.data for p in params] + list(self.module.buffers()), "parameters and buffers")
 
     def _broadcast_from_rank0(self, tensors: list[torch.Tensor], label: str) -> None:
         """Give every rank rank 0's values of ``tensors``: one broadcast per dtype."""
@@ -184,8 +176,7 @@ class Engine(DeepSpeedGetters, WeightsSurface):
                 tensor.copy_(value)
 
     def _buffers_to_sync(self) -> list[torch.Tensor]:
-        """What :meth:`_sync_buffers` broadcasts in this forward (looked up each time: a model may replace its
-        buffers); none inside ``no_sync``, without grad, or with ``broadcast_buffers: false``."""
+        """What :meth:`_sync_buffers` broadcasts in this forward (looked up each time: a model may replace them)."""
         if not (self._broadcasts_buffers and torch.is_grad_enabled() and not self._in_no_sync):
             return []
         return list(self.module.buffers())
@@ -193,9 +184,9 @@ class Engine(DeepSpeedGetters, WeightsSurface):
     def _sync_buffers(self, buffers: Optional[list[torch.Tensor]] = None) -> None:
         """Before a training forward: rank 0's buffers on every rank, as DDP's ``broadcast_buffers=True``.
 
-        Running statistics (BatchNorm) would otherwise drift apart per rank, and evaluation and the
-        checkpoint (which keeps rank 0's) would see different models.  Not inside ``no_sync`` and not
-        without grad, where DDP does not either; ``broadcast_buffers: false`` turns it off.
+        Running statistics (BatchNorm) would otherwise drift apart per rank, and evaluation and the checkpoint
+        (rank 0's) would see different models.  Not inside ``no_sync`` or without grad, where DDP does not either;
+        ``broadcast_buffers: false`` turns it off.
         """
         buffers = self._buffers_to_sync() if buffers is None else buffers
         if buffers:
@@ -221,7 +212,7 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         )
 
     def _require_optimizer(self, what: str) -> ZeroOptimizer:
-        if self.optimizer is None:
+        if self.optimizer is None:  # an inference-only engine
             raise RuntimeError(
                 f"{what} needs an optimizer, but this engine is inference-only: pass `optimizer=` to "
                 "`shardwise.initialize` or add an `optimizer` section to the config"
@@ -257,8 +248,7 @@ class Engine(DeepSpeedGetters, WeightsSurface):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of ``loss`` scaled for fp16 and divided by the accumulation steps.
 
-        Gradients are reduced across ranks only at an accumulation boundary and
-        outside :meth:`no_sync`.
+        Gradients are reduced across ranks only at an accumulation boundary and outside :meth:`no_sync`.
         """
         with self._running("backward") as call:
             self._require_optimizer("`engine.backward`")
@@ -303,10 +293,8 @@ class Engine(DeepSpeedGetters, WeightsSurface):
 
     @contextlib.contextmanager
     def _running(self, phase: str) -> Iterator[doing]:
-        """Around ``backward`` and ``step``, the calls on every gradient's path: what ``with doing(...)`` does
-        (messages name the call; a failure once it started is counted and published for the other ranks,
-        :mod:`shardwise.faults.ledger`), with the call's record made once, at initialize, so that the path leaves
-        this file only when the call fails."""
+        """``with doing(...)`` (:mod:`shardwise.faults.ledger`) inline, around ``backward`` and ``step``: the call's
+        record is made once, at initialize, so that every gradient's path leaves this file only when it fails."""
         call = self._calls[phase]
         call.started = False
         ACTIVITY.append(call)
@@ -322,10 +310,10 @@ class Engine(DeepSpeedGetters, WeightsSurface):
 
     @contextlib.contextmanager
     def _announced(self, call: doing, operation: str, announce: bool) -> Iterator[None]:
-        """What an announced scope (:class:`~shardwise.faults.announce.Scope`) does around ``backward`` and
-        ``step``, here: with more than one rank and no operation covering the group already, ``announce`` it to
-        the other ranks (one exchange, :meth:`~shardwise.comm.distributed.Comm.agree`) and cover the group for
-        its length; from then on the call has started (a failure counts)."""
+        """An announced :class:`~shardwise.faults.announce.Scope` inline, around ``backward`` and ``step`` (the
+        shared form would add its file to every gradient's path): with more than one rank and no operation
+        covering the group, ``announce`` it (one :meth:`~shardwise.comm.distributed.Comm.agree`) and cover the
+        group for its length; from then on the call has started (a failure counts)."""
         comm = self.comm
         ledger = comm.ledger
         if not comm.distributed or ledger.scope is not None:
@@ -379,11 +367,6 @@ class Engine(DeepSpeedGetters, WeightsSurface):
     def label(self) -> str:
         """How messages name this engine: ``engine `student` `` or ``engine (stage 2, Net)``."""
         return self._label
-
-    def _make_label(self) -> str:
-        if self.name:
-            return f"engine `{self.name}`"
-        return f"engine (stage {self.config.zero_optimization.stage}, {type(self.module).__name__})"
 
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary; True if an update was applied."""
@@ -537,11 +520,10 @@ class Engine(DeepSpeedGetters, WeightsSurface):
     def destroy(self, restore_params: bool = True) -> None:
         """Remove every hook shardwise put on the module, and let go of its parameters.
 
-        At stage 3 the parameters get their full values back, gathered onto every rank (collective), so the
-        module is a plain module again. ``restore_params=False`` leaves each of its parameters empty
-        (0 elements, the persistent ones too) instead, and gathers nothing: for a model that is dropped
-        next and that no rank could hold whole (one trained with ``offload_param``). Other stages hold
-        full parameters already and ignore it."""
+        At stage 3 the parameters get their full values back, gathered onto every rank (collective), so the module
+        is a plain module again. ``restore_params=False`` leaves each of its parameters empty (0 elements, the
+        persistent ones too) instead, and gathers nothing: for a model that is dropped next and that no rank could
+        hold whole (one trained with ``offload_param``). Other stages hold full parameters already and ignore it."""
         with doing("destroy", self._label), self._announcer.scope("destroy", self.strategy.gathers and restore_params):
             self.strategy.close(restore_params)
         self.comm.close_shared_memory()
@@ -577,22 +559,8 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         return f"Engine(stage={self.strategy.stage}, dtype={self.precision.dtype}, module={type(self.module).__name__})"
 
 
-register("Engine.forward", "forward")
-register("Engine.backward", "backward")
-register("Engine.step", "step")
-register("Engine.destroy", "destroy")
-register("Engine.refresh_trainable", "refresh_trainable")
-register("Engine.generate", "generate")
+for _operation in ("forward", "backward", "step", "destroy", "refresh_trainable", "generate"):
+    register(f"Engine.{_operation}", _operation)
 register("Engine.__init__", "initialize")
 
-
-def _unique(params: Any) -> list[torch.Tensor]:
-    seen: dict[int, torch.Tensor] = {}
-    for p in params:
-        seen.setdefault(id(p), p)
-    return list(seen.values())
-
-
-def _backend(comm: Comm) -> str:
-    return dist.get_backend(comm.group) if comm.distributed or dist.is_initialized() else "gloo"
 

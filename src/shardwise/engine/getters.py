@@ -1,7 +1,6 @@
 """DeepSpeed's engine getters and the pipeline calls a plain engine refuses: a part of :class:`~.Engine`.
 
-Kept apart so that ``engine/engine.py`` reads as the training loop; every name here is
-DeepSpeed's, with DeepSpeed's meaning (shared/DESIGN.md).
+Kept apart so that ``engine/engine.py`` reads as the training loop; every name here is DeepSpeed's, with its meaning.
 """
 
 from __future__ import annotations

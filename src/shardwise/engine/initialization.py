@@ -1,7 +1,7 @@
 """``shardwise.initialize``: a model, an optimizer and a config in, an engine out.
 
-Its own module (re-exported by the package) so the trainer, which builds
-engines too, imports it without importing the package's ``__init__``.
+Its own module (re-exported by the package) so the trainer, which builds engines too, imports it without
+importing the package's ``__init__``.
 """
 
 from __future__ import annotations
@@ -22,29 +22,19 @@ from .engine import Engine
 __all__ = ["initialize"]
 
 
-def initialize(
-    model: nn.Module,
-    optimizer: Any = None,
-    config: Union[Config, dict[str, Any], str, "os.PathLike[str]", None] = None,
-    lr_scheduler: Any = None,
-    model_parameters: Any = None,
-    process_group: Optional[dist.ProcessGroup] = None,
-    name: Optional[str] = None,
-) -> Engine:
+def initialize(model: nn.Module, optimizer: Any = None,
+               config: Union[Config, dict[str, Any], str, "os.PathLike[str]", None] = None, lr_scheduler: Any = None,
+               model_parameters: Any = None, process_group: Optional[dist.ProcessGroup] = None,
+               name: Optional[str] = None) -> Engine:
     """Wrap ``model`` for training (or inference) across the ranks of ``process_group``.
 
-    ``optimizer`` may be a ``torch.optim.Optimizer``, an object exposing
-    ``param_groups``/``step``/``zero_grad``/``state_dict``/``load_state_dict``, a
-    callable ``params -> optimizer``, or None (then the config's ``optimizer``
-    section is used; with neither, the engine is inference-only).  ``config`` is
-    a :class:`Config`, a dict, or a path to a ``.json``/``.yaml`` file.  If no
-    process group exists yet one is created (:func:`init_distributed`), so a
-    plain one-process run needs no launcher.  ``name`` names the engine (its
-    checkpoints, its log lines) when several live in one process.
-
-    A :class:`shardwise.pipe.PipelineModule` with more than one stage gets a
-    pipeline engine (``engine.train_batch(data_iter)``); with one stage it is
-    an ordinary module and gets an ordinary engine.
+    ``optimizer`` may be a ``torch.optim.Optimizer``, an object exposing ``param_groups``/``step``/``zero_grad``/
+    ``state_dict``/``load_state_dict``, a callable ``params -> optimizer``, or None (then the config's
+    ``optimizer`` section is used; with neither, the engine is inference-only).  ``config`` is a :class:`Config`,
+    a dict, or a path to a ``.json``/``.yaml`` file.  If no process group exists yet one is created
+    (:func:`init_distributed`), so a plain one-process run needs no launcher.  ``name`` names the engine (its
+    checkpoints, its log lines) when several live in one process.  A :class:`shardwise.pipe.PipelineModule`
+    with more than one stage gets a pipeline engine (``engine.train_batch(data_iter)``).
     """
     install_default_handler()  # before the config's info lines
     loaded = Config.load(config if config is not None else {})
@@ -57,18 +47,9 @@ def initialize(
         world_size=replicas or dist.get_world_size(process_group), model=model, optimizer=optimizer,
         lr_scheduler=lr_scheduler, device="cuda" if backend == "nccl" else "cpu",
     )
-    engine_class: type[Engine] = Engine
-    if replicas:
-        engine_class = PipelineEngine  # stages × replicas: `train_batch` / `eval_batch`
-    return engine_class(
-        model,
-        resolved,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
-        model_parameters=model_parameters,
-        process_group=process_group,
-        name=name,
-    )
+    engine_class: type[Engine] = PipelineEngine if replicas else Engine  # stages × replicas: `train_batch`
+    return engine_class(model, resolved, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                        model_parameters=model_parameters, process_group=process_group, name=name)
 
 
 def _pipeline_replicas(model: nn.Module) -> Optional[int]:

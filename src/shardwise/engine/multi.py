@@ -1,8 +1,7 @@
 """Several engines saved and loaded together: ``shardwise.save_checkpoints`` / ``load_checkpoints``.
 
-Thin wrappers that hand each engine to the checkpoint layer through its
-``checkpointable()`` view; the layout and the atomic commit are in
-:mod:`shardwise.checkpoint.group`.
+Thin wrappers that hand each engine's ``checkpointable()`` view to :mod:`shardwise.checkpoint.group`, which
+holds the layout and the atomic commit.
 """
 
 from __future__ import annotations
@@ -19,9 +18,8 @@ def save_checkpoints(save_dir: Any, engines: Mapping[str, Engine], tag: Optional
                      client_state: Optional[dict[str, Any]] = None) -> str:
     """Collectively save ``{name: engine}`` into ``save_dir/TAG/<name>/`` with one ``latest``; returns ``save_dir/TAG``.
 
-    Every rank calls it with the engines it holds; the tag appears with all of
-    them or not at all.  ``tag`` defaults to ``global_step{N}`` of the first
-    engine by name; ``client_state`` is kept with every engine.
+    Every rank calls it with the engines it holds; the tag appears with all of them or not at all.  ``tag``
+    defaults to ``global_step{N}`` of the first engine by name; ``client_state`` is kept with every engine.
     """
     from ..checkpoint.group import save_checkpoints as save  # here: the checkpoint layer imports DCP (~1.4 s)
 
@@ -32,9 +30,8 @@ def load_checkpoints(load_dir: Any, engines: Mapping[str, Engine], tag: Optional
                      **options: Any) -> tuple[Optional[str], Optional[dict[str, Any]]]:
     """Collectively restore ``{name: engine}`` from ``load_dir/TAG/<name>/`` (``TAG``: the one ``latest`` names).
 
-    Returns ``(load_dir/TAG, client_state)``, or ``(None, None)`` with a
-    warning when there is no checkpoint yet.  ``options`` are those of
-    ``engine.load_checkpoint`` (``load_optimizer_states=``, ``strict=``...).
+    Returns ``(load_dir/TAG, client_state)``, or ``(None, None)`` with a warning when there is no checkpoint
+    yet.  ``options`` are those of ``engine.load_checkpoint`` (``load_optimizer_states=``, ``strict=``...).
     """
     from ..checkpoint.group import load_checkpoints as load  # here: the checkpoint layer imports DCP (~1.4 s)
 

@@ -1,11 +1,8 @@
 """Which engine a parameter belongs to: one parameter, one engine.
 
-Two engines that both hold one parameter would each reduce its gradient and
-each step it (twice the update, or a partitioned tensor re-partitioned under
-the other's feet). Each engine marks its parameters with a weak reference to
-itself at ``initialize`` and unmarks them at ``destroy()``; a second engine
-finding a live mark refuses the module, naming both engines.  The mark lives on
-the parameter object, not in any process-wide table.
+Two engines that both hold one parameter would each reduce its gradient and each step it.  Each engine marks its
+parameters with a weak reference to itself at ``initialize`` (on the parameter object, not in a process-wide table)
+and unmarks them at ``destroy()``; a second engine finding a live mark refuses the module, naming both engines.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The engine as the checkpoint layer sees it (:class:`~shardwise.checkpoint.protocol.Checkpointable`).
 
-``Engine.checkpointable()`` returns an :class:`EngineState`: the engine's
-pieces (strategy, optimizer, scheduler, precision, counters) behind the
-protocol, so ``shardwise.checkpoint`` needs no knowledge of stages or of the
-engine's attributes.  The counters are a small ``Stateful`` that accepts only
-its three keys with non-negative integers.
+``Engine.checkpointable()`` returns an :class:`EngineState`: the engine's pieces (strategy, optimizer,
+scheduler, precision, counters) behind the protocol, so ``shardwise.checkpoint`` knows no stage and no engine
+attribute.  The counters are a small ``Stateful`` that accepts only its three keys, as non-negative integers.
 """
 
 from __future__ import annotations
@@ -55,8 +53,7 @@ class Counters:
         return {name: int(getattr(self._engine, name)) for name in COUNTERS}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        values = check_counters(state_dict)
-        for name, value in values.items():
+        for name, value in check_counters(state_dict).items():
             setattr(self._engine, name, value)
 
 

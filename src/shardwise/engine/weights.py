@@ -39,35 +39,19 @@ class WeightsSurface:
         return save_checkpoint(self.checkpointable(), save_dir, tag=tag, client_state=client_state)
 
     @collective("load_checkpoint", after_agreement=True)
-    def load_checkpoint(
-        self,
-        load_dir: str,
-        tag: Optional[str] = None,
-        *,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False,
-        module_load_fn: Any = None,
-        strict: bool = True,
-    ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, *, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        module_load_fn: Any = None, strict: bool = True) -> tuple[Optional[str], Optional[dict[str, Any]]]:
         """Collectively restore a checkpoint (any world size or stage).
 
-        Returns ``(load_path, client_state)`` as DeepSpeed does, or ``(None, None)``
-        with a warning when ``load_dir`` holds no checkpoint (so resume-if-present
-        code needs no special case).
+        Returns ``(load_path, client_state)`` as DeepSpeed does, or ``(None, None)`` with a warning when
+        ``load_dir`` holds no checkpoint (so resume-if-present code needs no special case).
         """
         from ..checkpoint import load_checkpoint  # here: the checkpoint layer imports DCP (~1.4 s)
 
-        loaded = load_checkpoint(
-            self.checkpointable(),
-            load_dir,
-            tag=tag,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only,
-            module_load_fn=module_load_fn,
-            strict=strict,
-        )
+        loaded = load_checkpoint(self.checkpointable(), load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                                 module_load_fn=module_load_fn, strict=strict)
         if loaded[0] is not None and not load_module_only:
             self._failed_step = None  # weights and optimizer state restored: a step that failed partway is undone
         return loaded
@@ -76,9 +60,8 @@ class WeightsSurface:
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Write the full weights in the compute dtype to ``save_dir/save_filename`` on rank 0 (collective).
 
-        As DeepSpeed's: fp16/bf16 weights for a mixed-precision engine, fp32
-        otherwise; ``.safetensors`` names get a safetensors file, anything else
-        ``torch.save``.  Tied weights are stored once.  Returns True on every rank.
+        As DeepSpeed's: fp16/bf16 weights for a mixed-precision engine, fp32 otherwise; ``.safetensors`` names
+        get a safetensors file, anything else ``torch.save``.  Tied weights are stored once.  True on every rank.
         """
         state = self.state_dict_16bit()
         if self.comm.rank == 0:

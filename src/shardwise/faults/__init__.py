@@ -1,29 +1,13 @@
 """Faults across ranks: no collective waits forever, and every failure names the ranks involved.
 
-What is always on (measured in ``docs/faults.md``):
-
-* every collective shardwise issues has ``comms.timeout`` as its own backend
-  timeout and is recorded in its group's ledger (:mod:`.ledger`);
-* a heartbeat thread per process writes, a few times a minute, what the
-  process is doing into the c10d store (:mod:`.heartbeat`);
-* once per optimizer step the engine compares the ranks' collective
-  sequences over a small control group (:mod:`.control`);
-* every collective operation (``full_state_dict``, a stage-3 forward, a
-  reducing backward, a save...) first announces itself over that group, so
-  ranks in different operations raise before any data moves (:mod:`.announce`);
-* every wait reads, between short slices, the errors the other ranks
-  published: a rank that raised and will not come is named at once
-  (:mod:`.published`).
-
-When a collective fails, :func:`diagnose` reads the other ranks' records and
-raises one of the errors below, naming the rank that is gone, failed or
-elsewhere, and the operation each was in.  ``comms.debug: true`` adds a check
-before every collective.
+Always on (measured in docs/faults.md): ``comms.timeout`` as every collective's backend timeout and a ledger
+per group (:mod:`.ledger`), a heartbeat thread per process (:mod:`.heartbeat`), a step check over a small
+control group (:mod:`.control`), an announcement before every collective operation (:mod:`.announce`), and
+waits that read the errors other ranks published (:mod:`.published`).  When a collective fails, :func:`diagnose`
+raises one of the errors below naming the rank that is gone, failed or elsewhere.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -62,7 +46,3 @@ def _publish_error(exc: BaseException, where: str) -> None:
     text = f"{type(exc).__name__}: {exc}"
     _heartbeat.publish_fault(text[:_MAX_ERROR_CHARS], comm=False, doing=where)
 
-
-def last_error() -> Optional[str]:
-    """The error this process published last (None: none, or withdrawn once its ranks agreed on an operation)."""
-    return _heartbeat.published()

@@ -1,36 +1,18 @@
 """Every collective operation announces itself: the ranks agree on it before any of its data moves.
 
 A collective API called on some ranks only (``if rank == 0: engine.full_state_dict()``) used to pair its
-gathers with whatever the other ranks ran next (a forward's gathers, a backward's reductions): wrong weights,
-wrong tokens, files written from them, and an error, if any, only at the next step check.  Now each such
-operation first *announces* itself over the group's control group (:meth:`~shardwise.comm.distributed.Comm.agree`): which
-operation, of which engine (its index on the group), at which step, and how many engine calls of the
-process failed so far.  Ranks in different operations raise :class:`~.errors.CollectiveMismatchError` on
-every rank before any data moves ("rank 0 is in `full_state_dict` ..., rank 1 is in a stage-3 forward ..."),
-and since nothing was exchanged the group stays usable.
+gathers with whatever the other ranks ran next.  Now each such operation first announces, over the group's
+control group (:meth:`~shardwise.comm.distributed.Comm.agree`, one exchange per operation), which operation of
+which engine at which step, and how many engine calls of the process failed; ranks in different operations
+raise :class:`~.errors.CollectiveMismatchError` on every rank before any data moves, and the group stays usable.
 
-What announces (one exchange each, never one per collective; ``comms.debug`` keeps its per-collective check):
-
-* the engine's collective methods, through :func:`collective` (``full_state_dict``, ``save_checkpoint``...)
-  or a :class:`Scope` of their own (``destroy``, ``refresh_trainable``, ``initialize``);
-* ``forward`` where it moves data (every forward at stage 3; a buffer broadcast at stages 0-2), a
-  ``backward`` that reduces (every backward at stage 3, which re-gathers); ``step``'s step check is its
-  agreement;
-* a stage-3 forward or backward that does not go through the engine (``engine.module(x)``, a model's own
-  ``generate`` loop, ``loss.backward()``): the module hooks announce each outermost pass;
-* ``GatheredParameters`` (when it gathers), ``shardwise.save_checkpoints``/``load_checkpoints``.
-
-A checkpoint operation (``save_checkpoint``, ``load_checkpoint``, ``save_checkpoints``, ``load_checkpoints``)
-announces *after* its store agreement (:func:`shardwise.comm.agreement.join`), which ``checkpoint.timeout`` bounds:
-a rank in no shardwise call at all is waited for until then (a slow rank cannot be told from an absent
-one), and the call is closed in the store so the ranks realign; a rank in another announced operation is seen
-waiting in its exchange (:func:`.control.waiting_in_next`) and the announcement then names both operations on
-every rank within seconds.
-
-An announcement inside another on the same group is skipped: the outer one covers everything the
-operation does.  :data:`OPERATIONS` lists what announces, by qualified name, for the test that every public
-collective does; ``SHARDWISE_STRICT_COLLECTIVES=1`` makes a collective issued outside any announced
-operation an error (the same test's tour of the API).
+What announces: the engine's collective methods (:func:`collective`, or a :class:`Scope` of their own),
+``forward`` and ``backward`` where they move data, stage 3's module hooks for a pass outside the engine,
+``GatheredParameters`` and ``save_checkpoints``/``load_checkpoints``.  A checkpoint operation announces after
+its store agreement (:func:`shardwise.comm.agreement.join`).  An announcement inside another on the same group
+is skipped.  :data:`OPERATIONS` lists what announces, for the test that every public collective does;
+``SHARDWISE_STRICT_COLLECTIVES=1`` makes a collective outside any announced operation an error.
+docs/faults.md ("Announcements") has the table of waits.
 """
 
 from __future__ import annotations
@@ -84,7 +66,7 @@ class Announcer:
         self.owner = owner
         # an engine's method is held weakly: a stage-3 model kept after its engine was dropped announces
         # through its hooks' announcer, which must not keep the engine (and its strategy) alive
-        fixed = counters if counters is not None else _no_counters
+        fixed = counters if counters is not None else (lambda: (0, 0))
         self._counters: Callable[[], Optional[Callable[[], tuple[int, int]]]] = (
             weakref.WeakMethod(fixed) if inspect.ismethod(fixed) else lambda: fixed)
         self.index = -1
@@ -107,10 +89,6 @@ class Announcer:
         steps, micro = counters() if counters is not None else (0, 0)  # (0, 0): its engine is gone
         what = WHAT.format(operation=_name(operation), owner=self.owner, detail=detail, steps=steps, micro=micro)
         comm.agree([control.ANNOUNCE, code(operation + detail), self.index, steps, micro], control.ANNOUNCED, what)
-
-
-def _no_counters() -> tuple[int, int]:
-    return 0, 0
 
 
 def _name(operation: str) -> str:

@@ -1,55 +1,19 @@
 """Checking that the ranks issued the same collectives, over a group of its own.
 
-Each process group gets, on first use, a small *control* group: a gloo
-backend built directly on a prefix of the c10d store, with ``comms.timeout``
-as its own timeout, outside torch's group registry (so creating it is not a
-collective of the world, and its messages can never pair with a data
-collective).  Every message on it is the same 16 int64s (8 values and their
-negatives, reduced with MAX: one all-reduce gives every rank the maximum and
-the minimum of each value), so two checks can never disagree about size.
+Each process group gets, on first use, a small gloo *control* group built on a prefix of the c10d store
+(outside torch's group registry: making it is no collective of the world, and its messages never pair with a
+data collective).  Every exchange is the same 16 int64s, 8 values and their negatives reduced with MAX, so one
+all-reduce gives every rank each value's maximum and minimum; the last value is how many engine calls of the
+process failed after they started (:attr:`~.ledger.doing.failures`: ranks that differ there failed apart).
+The kinds: the step check (:data:`CHECK`, once per optimizer step), ``comms.debug``'s check before every
+collective (:data:`DEBUG`), and an operation's announcement (:data:`ANNOUNCE`, :mod:`.announce`).
 
-* the step check (:data:`CHECK`, always on): once per optimizer step the
-  engine compares the group's collective count and fingerprint and its own
-  counters.  Ranks whose collectives paired up silently but wrongly (same
-  sizes, different units) are caught before the step applies their gradients.
-* the collective check (:data:`DEBUG`, ``comms.debug``): before every collective, its kind, size,
-  dtype and label; a mismatch raises on every rank before any data moves.
-* the announcement (:data:`ANNOUNCE`, always on): before each collective *operation*
-  (``full_state_dict``, a stage-3 forward, a backward that reduces, a save...;
-  :mod:`.announce` decides when), which operation of which engine, its step
-  counters.  Ranks in different operations raise on every rank before any
-  data moves, naming what each rank is in; the group stays usable (nothing
-  was exchanged), so ranks that catch the error can go on together.
-
-The exchange itself is :meth:`shardwise.comm.distributed.Comm.agree`, beside the
-collectives (a step check and a backward's announcement are on every
-gradient's path); this module sets the control group up (:func:`open_group`,
-once per group) and, when values differ or the exchange fails, says how
-(:func:`disagreement`, :func:`failed`).
-
-Every message also carries, last, how many engine calls of the process
-failed after they started (:attr:`~.ledger.doing.failures`): ranks that
-differ there failed apart (one rank raised mid-backward, the other did not),
-their next collectives would pair silently wrong, and every rank raises
-naming the failure, with the group marked broken.
-
-When values differ, every rank sees it (they all hold the same maxima and
-minima) and each publishes its recent collectives in the store; the error
-shows the first place they differ.  Each exchange waits in slices, reading
-between them what the peers published (:mod:`.published`): a peer that
-raised and will not come is named within a fraction of a second, not at
-``comms.timeout``.
-
-An exchange that is still waiting after 50 ms says so in the store
-(:func:`waiting_in_next`): a checkpoint operation, which meets the other ranks
-in the store first (:mod:`shardwise.comm.agreement`, bounded by
-``checkpoint.timeout``), announces itself only once every rank joined it, or
-once every rank that did not is waiting in such an exchange (then the
-announcement names both operations on every rank within seconds).  So no
-exchange is ever issued and then abandoned: a gloo work left in flight would
-pair with whatever the peer sends next, and holds its process group's
-destruction (and the process's exit) until its own timeout (measured: a group
-dropped with a pending all-reduce took 19.5 s to go, its timeout being 20 s).
+The exchange itself is :meth:`shardwise.comm.distributed.Comm.agree`, beside the collectives (it is on every
+gradient's path); this module sets the group up (:func:`open_group`) and, when values differ or the exchange
+fails, says how (:func:`disagreement`, :func:`failed`).  An exchange still waiting after 50 ms says so in the
+store (:func:`waiting_in_next`), so a checkpoint's agreement never issues one and abandons it: a gloo group
+dropped with an all-reduce in flight holds its exit until the work's timeout (measured: 19.5 s of 20 s).
+docs/faults.md ("How it works") tells the whole story.
 """
 
 from __future__ import annotations
@@ -104,11 +68,8 @@ class ControlGroup:
     (with MAX: the first :data:`WIDTH` values are the maxima, the rest the negated minima)."""
 
     def __init__(self, ledger: Ledger, rank: int, timeout: float) -> None:
-        store = dist.distributed_c10d._get_default_store()
-        prefix = dist.PrefixStore(f"shardwise/control/{ledger.key}", store)
-        self.group = _connect(prefix, ledger, rank, timeout)
-        self.store = store
-        self.timeout = timeout
+        self.store, self.timeout = dist.distributed_c10d._get_default_store(), timeout
+        self.group = _connect(dist.PrefixStore(f"shardwise/control/{ledger.key}", self.store), ledger, rank, timeout)
         #: exchanges issued on the group so far (what :func:`waiting_in_next` compares)
         self.count = 0
         self.options = dist.AllreduceOptions()

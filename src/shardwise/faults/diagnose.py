@@ -1,22 +1,11 @@
 """Turn a failed collective into an error that names every rank and what it was doing.
 
-Called on the rank whose collective failed (the backend raised: a peer's
-socket closed, or the per-collective ``comms.timeout`` passed), and never
-issuing a collective itself: it publishes this rank's failure, then reads the
-other ranks' records from the c10d store for at most a few heartbeat
-intervals, and sorts each peer into one of
-
-* **failed**: it published an error of its own (it raised in an engine call);
-* **gone**: its heartbeat stood still (killed, crashed, exited);
-* **alive**: it beats, and says which collective it waits on, or that it is busy.
-
-The error class follows the most telling peer: :class:`PeerFailedError`,
-then :class:`RankGoneError`, then :class:`CollectiveMismatchError` (alive
-ranks at different collectives), else a plain :class:`CommError`.
-
-When no record can be read at all, the store itself is gone: its host died
-(rank 0 for ``env://`` rendezvous, :mod:`.store`), and the error names that
-rank and the store, instead of calling every peer one that never beat.
+Called on the rank whose collective failed, and issuing no collective itself: it publishes this rank's failure,
+reads the other ranks' records from the c10d store for a few heartbeat intervals, and sorts each peer into
+**failed** (it published an error), **gone** (its heartbeat stood still) or **alive** (and where).  The error
+class follows the most telling peer: :class:`PeerFailedError`, :class:`RankGoneError`,
+:class:`CollectiveMismatchError`, else :class:`CommError`.  A store that answers no read is its host gone
+(:func:`.liveness.store_host`).  See docs/faults.md ("Diagnosis").
 """
 
 from __future__ import annotations
@@ -29,7 +18,7 @@ from typing import Any, Optional
 from .errors import CollectiveMismatchError, CommError, PeerFailedError, RankGoneError, StoreRecordError
 from .heartbeat import fault_record, heartbeat, publish_fault, read_record
 from .ledger import Ledger
-from .store import StoreHost, store_host
+from .liveness import StoreHost, store_host
 
 __all__ = ["AGREE", "RESTART", "Failure", "diagnose", "short_cause"]
 

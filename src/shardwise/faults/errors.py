@@ -10,11 +10,10 @@ __all__ = ["CollectiveMismatchError", "CommError", "PeerFailedError", "RankGoneE
 class CommError(RuntimeError):
     """A collective could not complete; the message names every rank involved and what it was doing.
 
-    ``where`` maps each rank of the process group (global ranks) to the
-    operation it was in, as far as this rank could find out; ``gone`` lists the
-    ranks that stopped (no heartbeat), ``failed`` the ranks that raised an error
-    of their own (rank -> that error).  After a ``CommError`` the process group
-    is unusable: exit (``shardwise run --max-restarts N`` then restarts the job).
+    ``where`` maps each rank of the process group (global ranks) to the operation it was in, as far as this rank
+    could find out; ``gone`` lists the ranks that stopped (no heartbeat), ``failed`` the ranks that raised an error
+    of their own (rank -> that error).  After a ``CommError`` the process group is unusable: exit
+    (``shardwise run --max-restarts N`` then restarts the job).
     """
 
     def __init__(

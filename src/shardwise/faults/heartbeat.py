@@ -1,22 +1,10 @@
 """Liveness records in the c10d store: a heartbeat per rank, and a note from a rank that failed.
 
-A daemon thread per process writes ``alive/<rank>`` every ``interval``
-seconds: a beat counter, what the process is doing (the engine call, and per
-process group the collective it last issued and the one it waits on).  A
-rank blocked inside a collective still beats (the collective releases the
-GIL); a rank that was killed, crashed or exited stops.  So when a collective
-fails, the other ranks can tell *gone* (the counter stands still) from
-*alive but elsewhere* (it moves, and says where).
-
-A rank that raises (inside an engine call, or a collective it saw fail)
-writes ``fault/<rank>`` first, so its peers name its error instead of only
-its silence, and adds one to ``published``: a rank waiting for its peers reads
-that one counter a few times a second and the records only when it moved
-(:mod:`.published`).
-
-Nothing here is on the training path: the thread wakes every ``interval``
-(``comms.timeout / 30``, between 0.05 and 5 seconds) and performs one store
-``set``.
+A daemon thread per process writes ``alive/<rank>`` every ``comms.timeout / 30`` seconds (0.05 to 5): a beat
+counter and what the process is doing.  A rank blocked in a collective still beats (it releases the GIL); a
+dead one stops, so the others tell *gone* from *alive but elsewhere*.  A rank that raises writes
+``fault/<rank>`` and adds one to ``published`` (what waiting peers poll, :mod:`.published`).  Nothing here is
+on the training path: one store ``set`` per beat.  See docs/faults.md.
 """
 
 from __future__ import annotations
@@ -36,17 +24,12 @@ from . import ledger as _ledger
 from .errors import StoreRecordError
 from .ledger import current_activity, ledgers
 
-__all__ = ["PUBLISHED_KEY", "Heartbeat", "clear_fault", "fault_record", "heartbeat", "publish_fault", "published",
-           "read_json", "read_record", "start"]
+__all__ = ["PUBLISHED_KEY", "Heartbeat", "clear_fault", "fault_record", "heartbeat", "innermost", "publish_fault",
+           "published", "read_json", "read_record", "start"]
 
 _ROOT = "shardwise/faults"
 MIN_INTERVAL = 0.05
 MAX_INTERVAL = 5.0
-
-
-def interval_for(timeout: float) -> float:
-    """The beat interval that lets a peer be judged gone well within ``timeout``."""
-    return min(max(timeout / 30.0, MIN_INTERVAL), MAX_INTERVAL)
 
 
 def _alive_key(rank: int) -> str:
@@ -112,15 +95,19 @@ class Heartbeat:
 def _own_connection(store: Any) -> Any:
     """A connection of its own to ``store`` when it is a TCPStore (perhaps under prefixes); else ``store``
     (a FileStore's `wait` polls the file and holds nothing up: 39 beats of 40 in a 2 s wait, measured)."""
-    base = store
-    while isinstance(base, dist.PrefixStore):
-        base = base.underlying_store
-    if not isinstance(base, dist.TCPStore):
+    if not isinstance(innermost(store), dist.TCPStore):
         return store
     try:
         return store.clone()
     except (RuntimeError, AttributeError):  # a torch without `Store.clone`, or a store that cannot be cloned
         return store
+
+
+def innermost(store: Any) -> Any:
+    """The store under any prefix stores."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
 
 
 _CURRENT: Optional[Heartbeat] = None
@@ -135,7 +122,7 @@ def heartbeat() -> Optional[Heartbeat]:
 def start(store: Any, rank: int, timeout: float) -> Heartbeat:
     """Make sure this process beats into ``store`` at least as often as ``timeout`` needs."""
     global _CURRENT
-    wanted = interval_for(timeout)
+    wanted = min(max(timeout / 30.0, MIN_INTERVAL), MAX_INTERVAL)  # a peer is judged gone well within `timeout`
     with _LOCK:
         current = _CURRENT
         if current is not None and current.store is store and current.rank == rank and current.running:
@@ -166,39 +153,26 @@ def publish_fault(error: str, comm: bool, doing: Optional[str] = None) -> None:
     ``doing`` names the engine call the error left (the activity has been popped by then).
     """
     beat = _CURRENT
-    if beat is None or _keeps_root_cause(comm):
+    # a collective failing after this rank's own error was published (a peer gave up because of it) leaves that
+    # error in the record: it is the cause the peers must name, and a record a peer is reading
+    if beat is None or (comm and _ROOT_CAUSE):
         return
-    record = {"error": error, "comm": comm, "time": time.time(), **snapshot(), **_standing()}
+    # `failures`: how many engine calls of this process had failed once this one did (a waiting peer judges the
+    # record by it, :mod:`.published`)
+    record = {"error": error, "comm": comm, "time": time.time(), **snapshot(), "failures": _ledger.doing.failures}
     if doing is not None:
         record["doing"] = doing
     try:
         beat.store.set(_fault_key(beat.rank), json.dumps(record))
         PUBLISHED[:] = [error]
         _ROOT_CAUSE[:] = [] if comm else [True]
-        _count_publication(beat.store)
+        beat.store.add(PUBLISHED_KEY, 1)  # waiting peers read the records only when this count moved
     except Exception:  # noqa: BLE001 - the store is unreachable: the peers will see this rank as gone
         pass
 
 
 #: whether the record published is this rank's own error (not a collective it saw fail)
 _ROOT_CAUSE: list[bool] = []
-
-
-def _keeps_root_cause(comm: bool) -> bool:
-    """A collective failing after this rank's own error was published (a peer gave up because of it) leaves
-    that error in the record: it is the cause the peers must name, and a record a peer is reading."""
-    return comm and bool(_ROOT_CAUSE)
-
-
-def _standing() -> dict[str, Any]:
-    """What a waiting peer needs to judge a fault record (:mod:`.published`): how many engine calls of this
-    process had failed once this one did (:attr:`doing.failures`)."""
-    return {"failures": _ledger.doing.failures}
-
-
-def _count_publication(store: Any) -> None:
-    """Tell waiting peers that a fault record changed (they read the records only when this count moved)."""
-    store.add(PUBLISHED_KEY, 1)
 
 
 def published() -> Optional[str]:
@@ -216,7 +190,7 @@ def clear_fault() -> None:
     _ROOT_CAUSE.clear()
     try:
         beat.store.delete_key(_fault_key(beat.rank))
-        _count_publication(beat.store)
+        beat.store.add(PUBLISHED_KEY, 1)
     except Exception:  # noqa: BLE001 - best effort: a stale note only adds a line to a peer's message
         pass
 

@@ -1,20 +1,11 @@
 """What this process is doing, kept cheaply enough to stay on in every run.
 
-Two records, both plain Python objects written on the training thread:
-
-* the **activity**: the engine call running now (``backward`` of
-  ``engine (stage 2, Net)``), pushed and popped by :func:`doing`;
-* one **ledger** per process group: every collective issued on it gets a
-  sequence number, joins a rolling fingerprint of the group's collective
-  sequence, and goes into a short log (the last :data:`LOG_LENGTH` entries),
-  with the activity it was issued in.
-
-The collectives are recorded by :class:`~shardwise.comm.distributed.Comm` as
-it issues them (a dictionary lookup, a multiply-xor and a deque append, in the
-file that issues the collective: this file is not on a gradient's path);
-descriptions are only formatted when something went wrong (or by the
-heartbeat thread, a few times a minute).  The fingerprint is what the step
-check compares across ranks (:mod:`.control`), the log is what an error shows.
+Two records, plain Python objects written on the training thread: the **activity** (the engine call running
+now, pushed and popped by :class:`doing`) and one **ledger** per process group (every collective issued on it
+gets a sequence number, joins a rolling fingerprint, and goes into a log of the last :data:`LOG_LENGTH`, with
+the activity it was issued in).  :class:`~shardwise.comm.distributed.Comm` records each collective as it issues
+it (in its own file: this one is not on a gradient's path); descriptions are formatted only when something went
+wrong.  The step check compares the fingerprint (:mod:`.control`), an error shows the log.
 """
 
 from __future__ import annotations
@@ -79,10 +70,8 @@ def innermost() -> Optional["doing"]:
 
 def start(call: Optional["doing"] = None) -> None:
     """Engine call ``call`` (default: the innermost) has started changing state (its ranks agreed on it): a
-    failure from now on counts in :attr:`doing.failures` (an argument refused before this point, or an
-    agreement that did not come about, changes nothing, and does not)."""
-    if call is None:
-        call = innermost()
+    failure from now on counts in :attr:`doing.failures` (an argument refused before this point does not)."""
+    call = call if call is not None else innermost()
     if call is not None:
         call.started = True
 
@@ -90,14 +79,12 @@ def start(call: Optional["doing"] = None) -> None:
 class doing:  # noqa: N801 - used as a context manager, reads like one
     """``with doing("backward", engine.label):`` marks what this process does until the block ends.
 
-    An exception leaving the block is published for the other ranks (their
-    errors then say this rank failed and why, instead of only that it stopped
-    answering), once however many blocks it leaves.  When the call had
-    :func:`start` ed, it also counts in :attr:`failures`, which every
-    announcement and step check compares across ranks (:mod:`.control`): a
-    failure on some ranks only can never be followed by a silent pairing of
-    the ranks' next collectives.  A class, not a generator: it runs three times
-    per training step.
+    An exception leaving the block is published for the other ranks (their errors then say this rank failed
+    and why), once however many blocks it leaves.  When the call had :func:`start` ed (its ranks agreed on it: an
+    announced :class:`~.announce.Scope` opened; an argument refused before that changes nothing), it also counts
+    in :attr:`failures`, which every announcement and step check compares across ranks (:mod:`.control`): a
+    failure on some ranks only is never followed by a silent pairing of the ranks' next collectives.  A class,
+    not a generator: it runs three times per training step.
     """
 
     __slots__ = ("phase", "text", "started")
@@ -179,10 +166,6 @@ class Ledger:
             "waiting": waiting.describe() if waiting is not None else None,
             "waited": round(time.monotonic() - waiting.issued, 3) if waiting is not None else 0.0,
         }
-
-    def recent(self, count: int = 8) -> list[str]:
-        """The last ``count`` collectives, oldest first."""
-        return [entry.describe() for entry in list(self.log)[-count:]]
 
 
 _LEDGERS: dict[str, tuple[Ledger, Any]] = {}

@@ -1,29 +1,52 @@
 """While a rank waits on others through the c10d store, tell which of them stopped beating.
 
-The checkpoint layer's steps wait in store polls, not collectives, so no
-backend error ever says a peer died: :class:`PeerWatch` reads the peers'
-heartbeat records now and then (every half interval at most) and reports a
-peer whose beat counter has not moved for 2.5 of its intervals.  A rank that
-never beat (no heartbeat thread: a single process, or the peer never got that
-far) is never reported: the caller's own timeout covers it.  A store that
-stops answering every read for as long is reported as its host gone (rank 0
-for ``env://`` rendezvous, :mod:`.store`): the store died with that process,
-and no other record can be read any more.  :meth:`PeerWatch.failed` names a
-peer that is alive but raised, and published an error that means it will not
-come (:mod:`.published`), within a fraction of a second.
+Store polls (the checkpoint layer's steps) get no backend error when a peer dies: :class:`PeerWatch` reads the
+peers' heartbeat records (every half interval at most) and reports a peer whose beat stood still for 2.5 of its
+intervals; a rank that never beat is left to the caller's own timeout.  A store that fails every read for as
+long is reported as its host gone (:func:`store_host`: the store died with the process that served it, rank 0
+for ``env://`` and ``tcp://`` rendezvous, or torchrun's agent when ``TORCHELASTIC_USE_AGENT_STORE=True``; a
+file store has no host).  :meth:`PeerWatch.failed` names a peer that raised and will not come (:mod:`.published`).
 """
 
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from .errors import StoreRecordError
-from .heartbeat import heartbeat, read_record
-from .published import SLICE_S, PeerErrors
-from .store import store_host
+import torch.distributed as dist
 
-__all__ = ["PeerWatch"]
+from .errors import StoreRecordError
+from .heartbeat import heartbeat, innermost, read_record
+from .published import SLICE_S, PeerErrors
+
+__all__ = ["PeerWatch", "StoreHost", "store_host"]
+
+
+@dataclass(frozen=True)
+class StoreHost:
+    """Where a store lives: its address, and the global rank whose process serves it (None: no rank's)."""
+
+    address: str
+    rank: Optional[int]
+
+    def describe(self) -> str:
+        """The store and its host, in words."""
+        if self.rank is not None:
+            return f"the c10d store at {self.address} (hosted by rank {self.rank})"
+        return f"the c10d store at {self.address} (hosted by torchrun's agent, or the process that created it)"
+
+
+def store_host(store: Any) -> Optional[StoreHost]:
+    """Who hosts ``store`` (None for a store without a server, such as a file store)."""
+    base = innermost(store)
+    if not isinstance(base, dist.TCPStore):
+        return None
+    address = f"{base.host}:{base.port}"
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return StoreHost(address, None)
+    return StoreHost(address, 0)  # env:// and tcp:// rendezvous: rank 0 serves it (`is_master`)
 
 
 class PeerWatch:

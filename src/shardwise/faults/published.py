@@ -1,38 +1,15 @@
 """While a rank waits for the others, it reads the errors they published: a rank that raised will not come.
 
-A rank that raises in an engine call publishes its error (:mod:`.heartbeat`),
-and the ranks waiting for it used to read that only after their own wait
-failed, at ``comms.timeout``.  Now every wait is cut into slices of
-:data:`SLICE_S`: the work is waited for a slice at a time, and between slices
-the waiter reads one store counter that every publication moves, and the
-peers' records only when it moved (:meth:`PeerErrors.find`).  A slice that completes costs nothing more
-than the wait itself; the backend's own timeout (``comms.timeout``) still
-ends the work.  The slices are waited for by :class:`~shardwise.comm.distributed.Comm`, beside the collectives
-(every gradient's path waits on some); what the peers published is read here, once a slice ran out.
+Every wait is cut into slices of :data:`SLICE_S`; between them the waiter reads one store counter that every
+publication moves, and the peers' records only when it moved (:meth:`PeerErrors.find`).  ``Comm`` waits the
+slices, beside the collectives (every gradient's path waits on some); this module reads what the peers
+published.  torch 2.13's gloo reduce-scatter ignores a timed wait and never reports itself completed
+(measured, docs/faults.md), so it is waited for on a helper thread (:class:`Waiter`) whose signal is waited
+for in slices.  NCCL's data collectives are waited for whole (a timed wait may abort the communicator).
 
-What torch 2.13's gloo works do with ``Work.wait(timeout)`` (measured, two
-ranks, the peer 1 s late): an all-reduce, all-gather or broadcast raises
-``Operation timed out!`` when the slice runs out and stays in flight: a later
-wait completes it with the right result (9 slices of 0.1 s, then the sum).
-A reduce-scatter (``reduce_scatter_single`` and the list form alike) ignores
-the timeout and blocks until done, and its ``is_completed()`` stays False even
-after it finished, so it cannot be polled either: such a work is waited for on
-a helper thread (:class:`Waiter`), and its waiter waits for that thread's
-signal in slices.  The backend's timeout still ends it there.  NCCL's data
-collectives are waited for as before (a NCCL wait orders CUDA streams, and a
-timed one may abort the communicator); the gloo control group's exchanges
-read published errors on every backend.
-
-Which published error means "that rank will not come" (a stale one must not stop a healthy job):
-
-* a peer whose collective failed (``comm``): its process group is broken, it
-  issues nothing more on it;
-* a peer whose engine calls failed more often than this rank's
-  (:attr:`~.ledger.doing.failures`; every agreement compares the counts, so
-  they were equal at the last one): it failed in the operation now running
-  and this rank did not, so it will not come to the next agreement as an
-  equal.  For a data collective, only when the peer had not issued that
-  collective when it failed (``seq``): one it issued completes.
+A published error means "that rank will not come" (a stale one must not stop a healthy job) when the peer's
+collective failed (its group is broken), or when its engine calls failed more often than this rank's (every
+agreement compares the counts) and, for a data collective, it had not issued that collective when it failed.
 """
 
 from __future__ import annotations
@@ -69,9 +46,8 @@ class PeerErrors:
         self._records: dict[int, dict[str, Any]] = {}
 
     def find(self, key: Optional[str] = None, seq: Optional[int] = None) -> Optional[tuple[int, str]]:
-        """A peer whose published error means it will not join (see the module docstring): its rank and the
-        error in words; None if none.  ``seq``: this rank waits on collective ``seq`` of group ``key`` (None:
-        an agreement)."""
+        """A peer whose published error means it will not join (see the module docstring): its rank and the error in
+        words; None if none.  ``seq``: this rank waits on collective ``seq`` of group ``key`` (None: an agreement)."""
         count = int(self.store.add(PUBLISHED_KEY, 0))
         if count != self._count:
             self._count = count
@@ -115,7 +91,7 @@ def errors_of(ledger: Ledger, rank: int) -> Optional[PeerErrors]:
 # ------------------------------------------------------------ works whose own wait cannot be cut
 class Waited:
     """A work waited for on a :class:`Waiter`'s thread: ``done`` is set once it finished, ``error`` is what it
-    raised (``Comm`` waits for ``done`` in slices, as for every work a thread of shardwise finishes)."""
+    raised (``Comm`` waits for ``done`` in slices)."""
 
     __slots__ = ("work", "done", "error", "worker")
 
@@ -136,11 +112,8 @@ class Waited:
 
 
 class Waiter:
-    """One thread that waits, in order, for the works handed to it (a group's reduce-scatters over gloo).
-
-    The thread ends after :data:`_IDLE_S` seconds without work and starts again with the next one, so a
-    dropped group leaves no thread behind.
-    """
+    """One thread that waits, in order, for the works handed to it (a group's reduce-scatters over gloo); it ends
+    after :data:`_IDLE_S` seconds without work and starts again with the next one (a dropped group leaves none)."""
 
     _IDLE_S = 5.0
 

@@ -1,10 +1,8 @@
 """PyTorch Lightning on a shardwise engine: ``Trainer(strategy=ShardwiseStrategy(stage=3))``.
 
-An optional extra (``pip install 'shardwise[lightning]'``); ``import shardwise`` never imports Lightning.
-Works with ``lightning.pytorch`` and with ``pytorch_lightning``: the strategy is built for the package the
-program imported, and importing this module registers the names ``"shardwise"``,
-``"shardwise_stage_0"`` ... ``"shardwise_stage_3_offload"`` in the registry of each one already imported.
-See docs/lightning.md.
+An optional extra (``pip install 'shardwise[lightning]'``; ``import shardwise`` never imports Lightning) for
+``lightning.pytorch`` and ``pytorch_lightning``: importing it registers ``"shardwise"``, ``"shardwise_stage_0"``
+... ``"shardwise_stage_3_offload"`` in each one already imported.  See docs/lightning.md.
 """
 
 from __future__ import annotations

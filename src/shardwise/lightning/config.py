@@ -1,15 +1,10 @@
 """The engine's config for a Lightning run: the strategy's arguments (or a DeepSpeed config), then the Trainer's.
 
-``ShardwiseStrategy(config=..., stage=..., offload_optimizer=...)`` takes a config as Lightning's
-``DeepSpeedStrategy`` does: a dict or a path, in DeepSpeed's keys, read by shardwise's config layer and
-given the DeepSpeed dialect's defaults (:mod:`shardwise.deepspeed.defaults`), so a user's DeepSpeed
-config file works unchanged. Arguments fill in what the config leaves unsaid; an argument that
-contradicts the config is an error (``DeepSpeedStrategy`` ignores every argument once a config is given).
-
-What the Trainer says comes next, at ``setup``, and has the same rule: precision, gradient clipping
-and accumulation come from the Trainer, and a config that says otherwise is an error naming both.
-Lightning runs the accumulation itself (``no_sync`` until its boundary), so the engine is built with
-``gradient_accumulation_steps: 1``.
+``ShardwiseStrategy(config=..., stage=..., offload_optimizer=...)`` takes a config as ``DeepSpeedStrategy`` does
+(a dict or a path, in DeepSpeed's keys, with the DeepSpeed dialect's defaults); arguments fill in what it leaves
+unsaid, and one that contradicts it is an error (``DeepSpeedStrategy`` ignores every argument once a config is
+given).  At ``setup`` the Trainer's precision, clipping and accumulation follow the same rule; Lightning runs the
+accumulation itself, so the engine gets ``gradient_accumulation_steps: 1`` (docs/lightning.md).
 """
 
 from __future__ import annotations

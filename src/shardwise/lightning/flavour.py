@@ -1,8 +1,8 @@
 """Which Lightning package a strategy is built for: ``lightning.pytorch`` or ``pytorch_lightning``.
 
-The two install the same classes under two names, and each Trainer accepts only strategies built on
-its own package's ``Strategy``: the strategy class is therefore built once per package, from the same
-source (:mod:`.strategy`), and :func:`chosen` picks the package a plain ``ShardwiseStrategy(...)`` is for.
+Each Trainer accepts only strategies built on its own package's ``Strategy``, so the strategy class is built once
+per package from one source (:mod:`.strategy`), and :func:`chosen` picks the package a plain
+``ShardwiseStrategy(...)`` is for.
 """
 
 from __future__ import annotations

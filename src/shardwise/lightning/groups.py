@@ -1,18 +1,11 @@
 """The optimizer a Lightning user holds, mirrored into the one the engine steps.
 
-Everything in a Lightning run acts on the optimizer ``configure_optimizers`` returned: its LR
-schedulers, ``LearningRateMonitor``, and ``BaseFinetuning``, which finds a backbone's parameters
-missing from its param groups (by identity) and calls ``add_param_group``. The engine, though, steps
-fp32 master shards, which its optimizer's param groups hold instead of the model's parameters. So
-the engine gets a copy (:attr:`GroupBridge.engine_optimizer`, the same class and hyperparameters) and
-the user's optimizer stays as the user built it; before every engine step, :meth:`GroupBridge.push`
-copies each group's hyperparameters (``lr`` and all) into the copy.
-
-A parameter in none of the user's groups (a frozen backbone ``BaseFinetuning`` adds later) gets a
-one-parameter group of its own in the copy, inert (``lr`` and ``weight_decay`` 0) until the user's
-optimizer holds it in a group, whose hyperparameters it then takes: what ``add_param_group`` does,
-without rebuilding the engine. While it is frozen the engine leaves it alone, as torch leaves a
-parameter whose ``.grad`` is None; it starts with fresh optimizer state the first step it trains.
+Lightning acts on the optimizer ``configure_optimizers`` returned (LR schedulers, ``LearningRateMonitor``,
+``BaseFinetuning``'s ``add_param_group``), while the engine steps fp32 master shards.  So the engine gets a copy
+(:attr:`GroupBridge.engine_optimizer`: the same class and hyperparameters), and before every engine step
+:meth:`GroupBridge.push` copies each user group's hyperparameters into it.  A parameter in none of the user's
+groups gets an inert one-parameter group (``lr`` and ``weight_decay`` 0) until the user's optimizer holds it,
+whose hyperparameters it then takes: ``add_param_group`` without rebuilding the engine (docs/lightning.md).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The precision plugin of a ``ShardwiseStrategy``: Lightning's precision flag, carried out by the engine.
 
-The Trainer picks a precision plugin from ``precision=...`` (autocast for ``"bf16-mixed"``, a
-``GradScaler`` for ``"16-mixed"``) and hands it to the strategy; the strategy keeps only its flag
-(:data:`.config.PRECISIONS` maps it onto the engine's ``bf16``/``fp16`` sections) and uses this plugin,
-which does nothing to the module or the inputs (the engine casts both) and sends ``backward`` and the
-optimizer step to the engine, which scales the loss, reduces, unscales and clips (``gradient_clip_val``).
+The strategy keeps only the flag of the plugin the Trainer picked (:data:`.config.PRECISIONS` maps it onto the
+engine's ``bf16``/``fp16`` sections) and uses this plugin, which leaves the module and inputs to the engine's
+casts and sends ``backward`` and the optimizer step to the engine (it scales, reduces, unscales and clips).
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """``ShardwiseStrategy``: Lightning's Trainer training through a shardwise engine.
 
-The strategy is Lightning's ``DDPStrategy`` for everything about processes (launch, environment
-detection, ``reduce``/``barrier``/``broadcast`` for ``self.log(sync_dist=True)``), and hands the model
-to :func:`shardwise.initialize` at ``setup``. Lightning keeps running the loop: it calls
-``training_step`` through the engine's forward (so stage 3 gathers and trainability changes are seen),
-runs accumulation under the engine's ``no_sync`` and steps at its boundaries (the engine's own
-accumulation is 1), and steps its LR schedulers on the user's optimizer, whose hyperparameters reach
-the engine before each step (:mod:`.groups`).
-
-Checkpoints are the engine's: ``trainer.save_checkpoint(path)`` writes a collective, resharding
-checkpoint directory at ``path`` (as ``DeepSpeedStrategy`` does) with Lightning's own state (loops,
-callbacks, schedulers, hyperparameters) as its ``client_state``; ``fit(ckpt_path=path)`` restores it,
-at any world size or stage. Nothing on the way reaches a Lightning collective first, so a save called
-on some ranks only fails in the engine's checkpoint agreement, naming the ranks that did not come.
-
-The class is built once per Lightning package (:mod:`.flavour`): ``ShardwiseStrategy(...)`` returns the
-one for the package the program imported.
+Lightning's ``DDPStrategy`` for everything about processes (launch, environment, ``reduce``/``barrier``/
+``broadcast``), handing the model to :func:`shardwise.initialize` at ``setup``.  Lightning runs the loop: it
+calls ``training_step`` through the engine's forward, accumulates under the engine's ``no_sync`` and steps at its
+boundaries, and steps its LR schedulers on the user's optimizer (:mod:`.groups`).  Checkpoints are the engine's
+(a collective, resharding directory with Lightning's state as its ``client_state``), so a save on some ranks only
+fails in the engine's checkpoint agreement, naming the missing ranks.  The class is built once per Lightning
+package (:mod:`.flavour`).  See docs/lightning.md.
 """
 
 from __future__ import annotations
@@ -27,6 +18,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
+import torch
+
 import shardwise
 from shardwise.config import Config
 from shardwise.engine.engine import Engine
@@ -34,8 +27,7 @@ from shardwise.optim.optimizers import build_optimizer
 from shardwise.optim.schedulers import build_scheduler
 
 from . import flavour as flavours
-from .checks import refuse_unsupported, single_optimizer
-from .config import ConfigSource, StrategyConfig, TrainerFacts
+from .config import PRECISIONS, ConfigSource, StrategyConfig, TrainerFacts
 from .groups import GroupBridge
 from .precision import ShardwisePrecision, as_shardwise, precision_class
 
@@ -83,27 +75,14 @@ class ShardwiseStrategy(_Base, metaclass=_PackageChooser):
     strategy_name = "shardwise"
     _flavour: flavours.Flavour
 
-    def __init__(
-        self,
-        config: ConfigSource = None,
-        stage: Optional[int] = None,
-        offload_optimizer: bool = False,
-        offload_parameters: bool = False,
-        offload_optimizer_device: str = "cpu",
-        offload_params_device: str = "cpu",
-        nvme_path: str = "/local_nvme",
-        loss_scale: Optional[float] = None,
-        initial_scale_power: Optional[int] = None,
-        loss_scale_window: Optional[int] = None,
-        hysteresis: Optional[int] = None,
-        min_loss_scale: Optional[float] = None,
-        accelerator: Any = None,
-        parallel_devices: Optional[list[Any]] = None,
-        cluster_environment: Any = None,
-        precision_plugin: Any = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = None,
-    ) -> None:
+    def __init__(self, config: ConfigSource = None, stage: Optional[int] = None, offload_optimizer: bool = False,
+                 offload_parameters: bool = False, offload_optimizer_device: str = "cpu",
+                 offload_params_device: str = "cpu", nvme_path: str = "/local_nvme", loss_scale: Optional[float] = None,
+                 initial_scale_power: Optional[int] = None, loss_scale_window: Optional[int] = None,
+                 hysteresis: Optional[int] = None, min_loss_scale: Optional[float] = None, accelerator: Any = None,
+                 parallel_devices: Optional[list[Any]] = None, cluster_environment: Any = None,
+                 precision_plugin: Any = None, process_group_backend: Optional[str] = None,
+                 timeout: Optional[timedelta] = None) -> None:
         extra = {"timeout": timeout} if timeout is not None else {}
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin,
@@ -341,3 +320,49 @@ def strategy_class(flavour: flavours.Flavour) -> type:
         if name not in registry:
             registry.register(name, built, description=f"shardwise engine {arguments or ''}".rstrip(), **arguments)
     return built
+
+
+# ------------------------------------------------ what the strategy refuses at `setup`
+# Lightning features it would otherwise carry out differently: each refusal names the feature and what to do
+# instead; none is a silent difference.
+def refuse_unsupported(flavour: flavours.Flavour, trainer: Any, module: Any, precision: str, chosen_by: str,
+                       fitting: bool) -> None:
+    """Raise for the first Lightning feature of this run the strategy does not carry out as Lightning would
+    (outside ``fit``, only the precision matters)."""
+    overridden = flavour.is_overridden
+    if precision not in PRECISIONS:
+        by = f" (the plugin `{chosen_by}`)" if chosen_by else ""
+        raise ValueError(f"ShardwiseStrategy does not support `precision={precision!r}`{by}; use one of "
+                         f"{sorted(PRECISIONS)}")
+    if not fitting:
+        return
+    if overridden("backward", module, flavour.LightningModule):
+        raise ValueError("`LightningModule.backward` is overridden, but ShardwiseStrategy runs the backward in the "
+                         "engine (loss scaling, gradient reduction); remove the override and put extra work in "
+                         "`on_before_backward` / `on_after_backward`")
+    if overridden("configure_gradient_clipping", module, flavour.LightningModule):
+        raise ValueError("`configure_gradient_clipping` is overridden, but the engine clips the reduced gradients "
+                         "itself, by global norm; remove the override and set `Trainer(gradient_clip_val=...)`")
+    algorithm = getattr(trainer, "gradient_clip_algorithm", None)
+    if getattr(algorithm, "value", algorithm) == "value":
+        raise ValueError("`Trainer(gradient_clip_algorithm='value')`: the engine clips by global norm only (as "
+                         "DeepSpeedStrategy); use `gradient_clip_algorithm='norm'`")
+
+
+def single_optimizer(optimizers: list[Any], schedulers: list[Any]) -> Any:
+    """The one optimizer ``configure_optimizers`` returned (its schedulers must act on it), or None when it returned
+    none (the config's ``optimizer`` section may give one, as for DeepSpeedStrategy)."""
+    if len(optimizers) == 1 and type(optimizers[0]).__name__ == "_MockOptimizer":
+        return None
+    if len(optimizers) != 1:
+        raise ValueError(f"`configure_optimizers` returned {len(optimizers)} optimizers; ShardwiseStrategy trains "
+                         "with one (use param groups for different settings, or DDPStrategy for several optimizers)")
+    optimizer = optimizers[0]
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("LBFGS evaluates its closure several times per step, which ShardwiseStrategy (as "
+                         "DeepSpeedStrategy) does not support; use another optimizer")
+    for config in schedulers:
+        if getattr(config.scheduler, "optimizer", optimizer) is not optimizer:
+            raise ValueError("an LR scheduler from `configure_optimizers` acts on another optimizer than the one "
+                             "returned; build it on that optimizer")
+    return optimizer

@@ -1,9 +1,8 @@
 """Writing a full ``state_dict`` to one file: safetensors or ``torch.save``.
 
-safetensors refuses tensors that share storage, so tied weights are stored
-once and the other names are recorded in the file's metadata
-(``shardwise_aliases``); :func:`shardwise.checkpoint.load_consolidated` puts
-them back.  ``torch.save`` keeps the sharing as it is.
+safetensors refuses tensors that share storage, so tied weights are stored once and the other names are recorded in
+the file's metadata (``shardwise_aliases``); :func:`shardwise.checkpoint.load_consolidated` puts them back.
+``torch.save`` keeps the sharing as it is.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """``shardwise generate``: sample text from a trained byte-level language model, in one CPU process.
 
-The weights come from a sharded checkpoint (a ``checkpoint_dir`` or one tag
-directory in it: put together here with no process group) or from a
-consolidated file (``shardwise checkpoint consolidate``).  The model is rebuilt
-from ``model.json``, which ``examples/train_gpt.py`` writes into its run
-directory and which is looked up in the checkpoint's directory and in its run
-directory only (:mod:`shardwise.model_io.model_spec`: a ``source`` file is run only with
-``trust_source``, the CLI's ``--trust-model-source``)::
-
-    {"source": "/path/to/gpt.py", "class": "GPT", "config_class": "GPTConfig",
-     "config": {...}, "tokenizer": "bytes"}
-
-The model must have ``generate(idx, max_new_tokens, temperature)``, as the
-example GPT does; tokens are UTF-8 bytes.
+The weights come from a sharded checkpoint (a ``checkpoint_dir`` or one tag directory in it, put together here
+with no process group) or a consolidated file; the model is rebuilt from ``model.json``
+(:mod:`.model_spec`), which ``examples/train_gpt.py`` writes into its run directory.  The model must have
+``generate(idx, max_new_tokens, temperature)``, as the example GPT does; tokens are UTF-8 bytes.
 """
 
 from __future__ import annotations

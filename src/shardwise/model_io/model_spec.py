@@ -5,21 +5,12 @@ A ``model.json`` describes how to build the model a checkpoint holds, in one of 
     {"module": "pkg.mod:GPT", "config_class": "GPTConfig", "config": {...}, "tokenizer": "bytes"}
     {"source": "gpt.py",      "class": "GPT", "config_class": "GPTConfig", "config": {...}, "tokenizer": "bytes"}
 
-``module`` names a module that is already installed (importable from ``sys.path``,
-never from the current directory): it is imported as any installed package is.
-``source`` names a Python file (a relative one is taken from the ``model.json``'s
-own folder); importing it executes it, so it is run only with ``trust_source``
-(``shardwise generate --trust-model-source``), as Hugging Face asks for
-``trust_remote_code=True``.  Without that the build is refused with an error that
-shows the file and how to allow it.
-
-Either way only an ``nn.Module`` subclass is built, from a dataclass config (or
-keyword arguments) holding JSON values: a ``model.json`` cannot make shardwise
-call ``subprocess.run`` or any other function an installed module happens to hold.
-
-A ``model.json`` is looked for only in the checkpoint's own directory and in its
-run directory (the folder that holds the ``checkpoint_dir``), never further up: a
-file planted in a parent folder such as a downloads folder is not found.
+``module`` names an installed module (importable from ``sys.path``, never from the current directory). ``source``
+names a Python file (a relative one from the ``model.json``'s folder); importing it runs it, so only with
+``trust_source`` (``shardwise generate --trust-model-source``, as Hugging Face's ``trust_remote_code``), otherwise
+the error shows the file and how to allow it.  Either way only an ``nn.Module`` subclass is built, from a dataclass
+config (or keyword arguments) of JSON values.  A ``model.json`` is looked for only in the checkpoint's own directory
+and its run directory, never further up (a file planted in a downloads folder is not found).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """``engine.save_pretrained(dir)``: a folder Hugging Face's ``from_pretrained`` loads, from any ZeRO stage.
 
-The full fp32 weights are gathered to rank 0 (:meth:`Engine.full_state_dict`,
-collective), then rank 0 writes ``model.safetensors`` (tied weights once, as
-Hugging Face stores them) and, when the model has a ``config`` with
-``to_json_string`` (a ``PretrainedConfig``), ``config.json``, plus
-``generation_config.json`` when it has one.  The files are written into a
-temporary folder next to ``dir`` and moved in only when all are complete: a
-failed gather or write leaves ``dir`` as it was.  ``module.save_pretrained``
-itself cannot do this at stage 3: it reads the module's parameters, which are
-empty shards there.
+The full fp32 weights are gathered to rank 0 (:meth:`Engine.full_state_dict`, collective), then rank 0 writes
+``model.safetensors`` (tied weights once, as Hugging Face stores them) and, from a ``PretrainedConfig``,
+``config.json`` and ``generation_config.json``.  They are written into a temporary folder next to ``dir`` and
+moved in only when all are complete: a failed gather or write leaves ``dir`` as it was.
+(``module.save_pretrained`` cannot do this at stage 3: the module's parameters are empty shards there.)
 """
 
 from __future__ import annotations
@@ -36,7 +32,7 @@ def save_pretrained(engine: Any, save_dir: str | os.PathLike[str]) -> str:
     error: BaseException | None = None
     if engine.comm.rank == 0:
         try:
-            _write(engine.module, state, target)
+            _write_folder(state, target, lambda folder: _write_configs(engine.module, folder))
         except Exception as caught:  # told to every rank first: none may return while another still waits
             error = caught
     failed = engine.comm.broadcast_object(error is not None, src=0)
@@ -95,10 +91,6 @@ def _is_hf_config(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and "model_type" in data
-
-
-def _write(module: Any, state: dict[str, torch.Tensor], target: Path) -> None:
-    _write_folder(state, target, lambda folder: _write_configs(module, folder))
 
 
 def _write_folder(state: dict[str, torch.Tensor], target: Path, write_configs: Callable[[Path], None]) -> None:

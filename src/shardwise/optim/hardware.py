@@ -1,10 +1,9 @@
 """Facts about the CPU that change what a config costs: native bf16 or not.
 
-On an x86 CPU without ``avx512_bf16`` or AMX, torch runs bf16 matrix products
-through conversions to fp32 and back, an order of magnitude slower than fp32
-(measured on this project's 2-core machines).  A bf16 config that was meant to
-speed training up then slows it down, silently.  :func:`warn_if_slow_bf16`
-says so once per process at ``initialize``, with the factor measured there.
+On an x86 CPU without ``avx512_bf16`` or AMX, torch runs bf16 matrix products through conversions to fp32 and back,
+an order of magnitude slower than fp32 (measured on this project's 2-core machines).  A bf16 config that was meant
+to speed training up then slows it down, silently.  :func:`warn_if_slow_bf16` says so once per process at
+``initialize``, with the factor measured there.
 """
 
 from __future__ import annotations

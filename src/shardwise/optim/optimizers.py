@@ -1,12 +1,9 @@
 """Optimizers: building one from config, accepting the user's, and the base class.
 
-shardwise never reimplements an optimizer.  Whatever the user hands over (a
-``torch.optim.Optimizer``, a callable ``params -> optimizer``, or a wrapper
-object in the style of fairseq's that is not a torch Optimizer but exposes
-``param_groups``/``step``/``zero_grad``/``state_dict``/``load_state_dict``)
-becomes the *inner* optimizer; a ZeRO strategy points its param groups at the
-fp32 master pieces this rank owns.  ``engine.optimizer`` is a
-:class:`ShardwiseOptimizer`, so client code can detect it with ``isinstance``.
+shardwise never reimplements an optimizer.  Whatever the user hands over (a ``torch.optim.Optimizer``, a
+callable ``params -> optimizer``, or a fairseq-style wrapper exposing ``param_groups``/``step``/``zero_grad``/
+``state_dict``/``load_state_dict``) becomes the *inner* optimizer, whose param groups a ZeRO strategy points at
+this rank's fp32 master pieces.  ``engine.optimizer`` is a :class:`ShardwiseOptimizer` (``isinstance`` tells it).
 """
 
 from __future__ import annotations
@@ -80,10 +77,9 @@ def resolve_optimizer(optimizer: OptimizerArg, config: Config, params: list[Any]
 class ShardwiseOptimizer(torch.optim.Optimizer):
     """Base class of the optimizers an :class:`~shardwise.Engine` exposes.
 
-    It wraps the inner optimizer (``self.inner``) and shares its
-    ``param_groups`` list, so learning-rate schedulers built on either object
-    move the same ``lr``.  Subclasses implement :meth:`step` (which returns
-    whether the update was applied) and :meth:`zero_grad`.
+    It wraps the inner optimizer (``self.inner``) and shares its ``param_groups`` list, so learning-rate schedulers
+    built on either object move the same ``lr``.  Subclasses implement :meth:`step` (which returns whether the
+    update was applied) and :meth:`zero_grad`.
 
     It deliberately skips ``torch.optim.Optimizer.__init__``: the parameters
     it steps are owned by the inner optimizer.
@@ -91,13 +87,10 @@ class ShardwiseOptimizer(torch.optim.Optimizer):
 
     def __init__(self, inner: Any) -> None:  # noqa: D107 - documented on the class
         self.inner = inner
-        # Attributes torch's schedulers and hooks expect on an Optimizer.
-        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        # Attributes torch's schedulers and hooks expect on an Optimizer (typed there).
+        for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
+                      "load_state_dict_post"):
+            setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]

@@ -1,12 +1,10 @@
 """One parameter's piece on this rank and its optimizer state.
 
-The vocabulary the ZeRO stages and the checkpoint layer share.  A stage keeps,
-for every parameter it trains (and every frozen one that keeps state to resume
-later), the fp32 master of the elements ``[start, end)`` of the flattened
-parameter that this rank owns, and the optimizer state of those elements.  A
-:class:`ParamShard` describes one such piece; its :class:`StateSlot` says
-where that piece's optimizer state lives (inside the inner optimizer, or in the
-store of a frozen parameter), so nobody outside the stage needs to know.
+The vocabulary the ZeRO stages and the checkpoint layer share.  A stage keeps, for every parameter it trains (and
+every frozen one that keeps state to resume later), the fp32 master of the elements ``[start, end)`` of the
+flattened parameter that this rank owns, and the optimizer state of those elements.  A :class:`ParamShard` describes
+one such piece; its :class:`StateSlot` says where that piece's optimizer state lives (inside the inner optimizer, or
+in the store of a frozen parameter), so nobody outside the stage needs to know.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Precision: the compute dtype, the loss scaler that goes with it, and the optimizer step that applies them.
 
-One object owns the dtype and the scaler, with one ``state_dict``, so a checkpoint restores the
-scale exactly.  fp16 uses DeepSpeed's dynamic scaling rules (``loss_scale`` 0
-= dynamic, ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
-``min_loss_scale``); bf16 and fp32 use a fixed scale of 1 but still skip a step
-whose gradients hold an inf or NaN.
-
-:class:`ZeroOptimizer` (``engine.optimizer``) is that step, for every ZeRO stage: the overflow check
-across ranks, the unscale and the clip, then the stage's own step, then the scaler's update (the
-``precision`` box of the data flow in the design); it knows a stage only through :class:`Stepping`.
+One object owns the dtype and the scaler, with one ``state_dict``, so a checkpoint restores the scale exactly.
+fp16 uses DeepSpeed's dynamic scaling rules (``loss_scale`` 0 = dynamic, ``initial_scale_power``,
+``loss_scale_window``, ``hysteresis``, ``min_loss_scale``); bf16 and fp32 use a fixed scale of 1 but still
+skip a step whose gradients hold an inf or NaN.  :class:`ZeroOptimizer` (``engine.optimizer``) is that step for
+every ZeRO stage (overflow check across ranks, unscale, clip, the stage's step, the scaler's update); it knows a
+stage only through :class:`Stepping`.
 """
 
 from __future__ import annotations
@@ -27,39 +24,23 @@ __all__ = ["LossScaler", "Precision", "Stepping", "ZeroOptimizer"]
 class LossScaler:
     """Dynamic (or static) loss scale with hysteresis.
 
-    On overflow the scale is halved, unless hysteresis still has credit, in
-    which case only the credit drops.  A clean step that follows ``window``
-    clean steps since the last overflow (or the start) doubles the scale and
-    restores the credit; so does every ``window``-th clean step after that.
-    That is DeepSpeed's rule (0.19's ``stable_interval``): with window 2 and no
-    overflow the scale doubles after steps 2, 4, 6, ..., not after 1, 3, 5.
+    On overflow the scale is halved, unless hysteresis still has credit, in which case only the credit drops.  A
+    clean step that follows ``window`` clean steps since the last overflow (or the start) doubles the scale and
+    restores the credit; so does every ``window``-th clean step after that: DeepSpeed's rule (0.19's
+    ``stable_interval``; with window 2 and no overflow the scale doubles after steps 2, 4, 6, not 1, 3, 5).
     """
 
-    def __init__(
-        self,
-        initial_scale: float = 2.0**16,
-        dynamic: bool = True,
-        window: int = 1000,
-        hysteresis: int = 2,
-        min_scale: float = 1.0,
-        consecutive_hysteresis: bool = False,
-        factor: float = 2.0,
-    ) -> None:
+    def __init__(self, initial_scale: float = 2.0**16, dynamic: bool = True, window: int = 1000, hysteresis: int = 2,
+                 min_scale: float = 1.0, consecutive_hysteresis: bool = False, factor: float = 2.0) -> None:
         #: the scale the next backward uses: ``override`` when set, else ``scale`` (an attribute, not a property:
         #: every backward and step reads it, and its setters keep it current)
         self.current = float(initial_scale)
         self._scale: Optional[float] = None  # (both set just below)
         self._override: Optional[float] = None
         self.scale = float(initial_scale)
-        self.dynamic = dynamic
-        self.window = window
-        self.hysteresis = hysteresis
-        self.min_scale = min_scale
-        self.consecutive_hysteresis = consecutive_hysteresis
-        self.factor = factor
-        self.credit = hysteresis
-        self.iteration = 0
-        self.last_overflow = -1
+        self.dynamic, self.window, self.hysteresis, self.min_scale = dynamic, window, hysteresis, min_scale
+        self.consecutive_hysteresis, self.factor = consecutive_hysteresis, factor
+        self.credit, self.iteration, self.last_overflow = hysteresis, 0, -1
         self.override = None
 
     @property
@@ -87,27 +68,21 @@ class LossScaler:
         """Account one optimizer step (applied, or skipped for ``overflow``)."""
         if self.dynamic and self.override is None:
             if overflow:
-                self._on_overflow()
+                if self.credit <= 1:
+                    self.scale = max(self.scale / self.factor, self.min_scale)
+                else:
+                    self.credit -= 1
+                self.last_overflow = self.iteration
             else:
-                self._on_clean_step()
+                if self.consecutive_hysteresis:
+                    self.credit = self.hysteresis
+                # DeepSpeed counts the clean steps before this one, so the first doubling comes one step later
+                # than `(iteration - last_overflow) % window` would put it.
+                stable = self.iteration - self.last_overflow - 1
+                if stable > 0 and stable % self.window == 0:
+                    self.credit = self.hysteresis
+                    self.scale *= self.factor
         self.iteration += 1
-
-    def _on_overflow(self) -> None:
-        if self.credit <= 1:
-            self.scale = max(self.scale / self.factor, self.min_scale)
-        else:
-            self.credit -= 1
-        self.last_overflow = self.iteration
-
-    def _on_clean_step(self) -> None:
-        if self.consecutive_hysteresis:
-            self.credit = self.hysteresis
-        # DeepSpeed counts the clean steps before this one, so the first doubling comes one step later
-        # than `(iteration - last_overflow) % window` would put it.
-        stable = self.iteration - self.last_overflow - 1
-        if stable > 0 and stable % self.window == 0:
-            self.credit = self.hysteresis
-            self.scale *= self.factor
 
     def state_dict(self) -> dict[str, Any]:
         keys = ("scale", "credit", "iteration", "last_overflow", "override", "dynamic")
@@ -124,10 +99,9 @@ _REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 class Precision:
     """The compute dtype of the model and its loss scaler.
 
-    The module computes in ``dtype``; the optimizer always updates fp32 master
-    weights (the strategies keep them).  Gradients travel between ranks in
-    ``reduce_dtype`` (fp32 unless ``communication_data_type`` says bf16/fp16)
-    and are averaged into fp32.
+    The module computes in ``dtype``; the optimizer always updates fp32 master weights (the strategies keep them).
+    Gradients travel between ranks in ``reduce_dtype`` (fp32 unless ``communication_data_type`` says bf16/fp16) and
+    are averaged into fp32.
     """
 
     def __init__(self, dtype: torch.dtype, scaler: LossScaler, reduce_dtype: torch.dtype = torch.float32) -> None:
@@ -143,14 +117,8 @@ class Precision:
         if fp16.enabled:
             dynamic = fp16.loss_scale == 0
             initial = 2.0**fp16.initial_scale_power if dynamic else fp16.loss_scale
-            scaler = LossScaler(
-                initial_scale=initial,
-                dynamic=dynamic,
-                window=fp16.loss_scale_window,
-                hysteresis=fp16.hysteresis,
-                min_scale=fp16.min_loss_scale,
-                consecutive_hysteresis=fp16.consecutive_hysteresis,
-            )
+            scaler = LossScaler(initial, dynamic, fp16.loss_scale_window, fp16.hysteresis, fp16.min_loss_scale,
+                                fp16.consecutive_hysteresis)
             return cls(torch.float16, scaler, reduce_dtype)
         dtype = torch.bfloat16 if config.bf16.enabled else torch.float32
         return cls(dtype, LossScaler(initial_scale=1.0, dynamic=False), reduce_dtype)
@@ -163,10 +131,7 @@ class Precision:
         """Cast floating-point tensors in a nested structure to the compute dtype."""
         if not self.low_precision:
             return value
-        return _map_tensors(value, self._cast)
-
-    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+        return _map_tensors(value, lambda t: t.to(self.dtype) if t.is_floating_point() else t)
 
     def state_dict(self) -> dict[str, Any]:
         return {"dtype": str(self.dtype).replace("torch.", ""), "scaler": self.scaler.state_dict()}
@@ -205,25 +170,15 @@ class Stepping(Protocol):
 class ZeroOptimizer(ShardwiseOptimizer):
     """Steps the inner optimizer over the master weights a ZeRO stage keeps.
 
-    One all-reduce (the squared gradient norm, for sharded gradients, with
-    stage 3's "had a gradient" flags beside it) serves both clipping and
-    overflow detection: an inf or NaN anywhere makes the global sum non-finite
-    on every rank, so all ranks skip the same step.  The strategy is asked twice: for this rank's terms of the
-    sums (the norm's share, without a pipeline stage's tied copies counted
-    on another stage: ``FlatStrategy.count_elsewhere``; stage 3's "had a
-    gradient" flags ride along), and for the step itself with the factor that unscales and
-    clips.
+    One all-reduce (the squared gradient norm, for sharded gradients, with stage 3's "had a gradient" flags
+    beside it) serves both clipping and overflow detection: an inf or NaN anywhere makes the global sum
+    non-finite on every rank, so all ranks skip the same step.  The strategy is asked twice: for this rank's
+    terms of the sums (without a pipeline stage's tied copies counted on another stage:
+    ``FlatStrategy.count_elsewhere``), and for the step itself with the factor that unscales and clips.
     """
 
-    def __init__(
-        self,
-        inner: Any,
-        strategy: "Stepping",
-        precision: Precision,
-        comm: Comm,
-        clip: float,
-        model_parallel_comm: Optional[Comm] = None,
-    ) -> None:
+    def __init__(self, inner: Any, strategy: "Stepping", precision: Precision, comm: Comm, clip: float,
+                 model_parallel_comm: Optional[Comm] = None) -> None:
         super().__init__(inner)
         self.strategy = strategy
         self.precision = precision

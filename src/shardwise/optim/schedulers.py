@@ -16,26 +16,16 @@ and the schedules are
 where `T` = `total_num_steps`. Iteration -1 is "not started": `warmup_min_lr` (WarmupCosineLR: 0 in
 every group), as DeepSpeed's `get_lr` before its first step.
 
-Where the schedule starts is a constructor option, `deepspeed_start`:
-- False (the default, `shardwise.initialize`): stepping follows torch. Construction writes the lr of
-  iteration `last_batch_iteration + 1` (0 for a fresh schedule) into the param groups, so optimizer
-  step `k` runs at the schedule's lr for iteration `k` when `step()` is called after each optimizer step.
-- True (the `shardwise.deepspeed` dialect, config `scheduler.deepspeed_start`): as DeepSpeed 0.19,
-  construction writes the lr of iteration `last_batch_iteration` (-1 for a fresh schedule: the
-  minimum, or 0 for WarmupCosineLR) and does not step, so optimizer step `k` runs at iteration `k - 1`.
+Where the schedule starts, `deepspeed_start` (docs/from-deepspeed.md): False (`shardwise.initialize`) follows
+torch: construction writes iteration `last_batch_iteration + 1`'s lr, so optimizer step `k` runs at iteration
+`k`. True (the `shardwise.deepspeed` dialect) as DeepSpeed 0.19: construction writes iteration
+`last_batch_iteration`'s lr and does not step, so step `k` runs at `k - 1`. Either way a state loaded with
+`last_batch_iteration: n` writes iteration `n`'s lr: a checkpoint continues at the lr it was saved at.
 
-Either way the groups hold the lr of `last_batch_iteration` after construction's write, and a state
-loaded with `last_batch_iteration: n` writes the lr of iteration `n`: a checkpoint (shardwise's or
-DeepSpeed's) continues with the lr it was saved at, whichever way the schedule started.
-
-Differences from DeepSpeed, on purpose (in both modes):
-- DeepSpeed silently raises `warmup_num_steps` below 2 to 2; here 0 means no warmup and 1 means one
-  warmup step at the minimum.
-- Bad arguments raise ValueError instead of a logged warning.
-
-The classes subclass `torch.optim.lr_scheduler.LRScheduler` (so `isinstance` checks and torch tooling
-see a scheduler) but do not run its constructor, which insists on a `torch.optim.Optimizer` and
-patches `optimizer.step`: any object with a `param_groups` list of dicts works, e.g. a sharded wrapper.
+On purpose unlike DeepSpeed: `warmup_num_steps` 0 means no warmup and 1 one step at the minimum (DeepSpeed
+silently raises it to 2), and bad arguments raise ValueError instead of a logged warning.  The classes subclass
+`torch.optim.lr_scheduler.LRScheduler` without running its constructor (which insists on a
+`torch.optim.Optimizer` and patches `step`): any object with a `param_groups` list of dicts works.
 """
 
 from __future__ import annotations
@@ -97,22 +87,16 @@ def _warmup_fraction(iteration: int, warmup_num_steps: int, warmup_type: str) ->
 class _WarmupSchedule(LRScheduler):
     """Shared stepping and state for the closed-form schedules below; subclasses define `_lrs_at`."""
 
-    def __init__(
-        self, optimizer: Any, warmup_num_steps: int, warmup_type: str, last_batch_iteration: int,
-        deepspeed_start: bool,
-    ) -> None:
+    def __init__(self, optimizer: Any, warmup_num_steps: int, warmup_type: str, last_batch_iteration: int,
+                 deepspeed_start: bool) -> None:
         # LRScheduler.__init__ is skipped on purpose (see the module docstring).
         groups = _param_groups(optimizer)
-        self.optimizer = optimizer
-        self.warmup_num_steps = warmup_num_steps
-        self.warmup_type = warmup_type
+        self.optimizer, self.warmup_num_steps, self.warmup_type = optimizer, warmup_num_steps, warmup_type
         # torch's convention: `initial_lr` survives optimizer checkpoints, so a resumed schedule
         # measures against the original lr rather than an already-scheduled one.
         base_lrs: list[float | torch.Tensor] = [float(g.setdefault("initial_lr", g["lr"])) for g in groups]
         self.base_lrs = base_lrs
-        self.deepspeed_start = deepspeed_start
-        self.last_batch_iteration = last_batch_iteration
-        self._last_lr = []
+        self.deepspeed_start, self.last_batch_iteration, self._last_lr = deepspeed_start, last_batch_iteration, []
         # DeepSpeed's constructor writes the current iteration's lr without stepping; torch's steps once.
         self.step(last_batch_iteration if deepspeed_start else None)
 
@@ -168,10 +152,7 @@ class _WarmupSchedule(LRScheduler):
         return {"last_batch_iteration": self.last_batch_iteration, "base_lrs": list(self.base_lrs)}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict` and write its lrs into the groups.
-
-        DeepSpeed's `{'last_batch_iteration': n}` loads too.
-        """
+        """Restore a :meth:`state_dict` (or DeepSpeed's `{'last_batch_iteration': n}`) and write its lrs."""
         if "last_batch_iteration" not in state_dict:
             raise KeyError(
                 f"{type(self).__name__}.load_state_dict: no 'last_batch_iteration' in keys {sorted(state_dict)}; "
@@ -195,17 +176,9 @@ class WarmupLR(_WarmupSchedule):
     `warmup_type` is `"log"` or `"linear"`.
     """
 
-    def __init__(
-        self,
-        optimizer: Any,
-        warmup_min_lr: float | Sequence[float] = 0.0,
-        warmup_max_lr: float | Sequence[float] = 0.001,
-        warmup_num_steps: int = 1000,
-        warmup_type: str = "log",
-        last_batch_iteration: int = -1,
-        *,
-        deepspeed_start: bool = False,
-    ) -> None:
+    def __init__(self, optimizer: Any, warmup_min_lr: float | Sequence[float] = 0.0,
+                 warmup_max_lr: float | Sequence[float] = 0.001, warmup_num_steps: int = 1000,
+                 warmup_type: str = "log", last_batch_iteration: int = -1, *, deepspeed_start: bool = False) -> None:
         _raise_on_problems(type(self).__name__, self._arguments(locals()))
         count = len(_param_groups(optimizer))
         self.min_lrs = _per_group(warmup_min_lr, count, "warmup_min_lr")
@@ -230,24 +203,13 @@ class WarmupLR(_WarmupSchedule):
 class WarmupDecayLR(WarmupLR):
     """WarmupLR, then decay linearly from `warmup_max_lr` to `warmup_min_lr` at `total_num_steps`."""
 
-    def __init__(
-        self,
-        optimizer: Any,
-        total_num_steps: int,
-        warmup_min_lr: float | Sequence[float] = 0.0,
-        warmup_max_lr: float | Sequence[float] = 0.001,
-        warmup_num_steps: int = 1000,
-        warmup_type: str = "log",
-        last_batch_iteration: int = -1,
-        *,
-        deepspeed_start: bool = False,
-    ) -> None:
+    def __init__(self, optimizer: Any, total_num_steps: int, warmup_min_lr: float | Sequence[float] = 0.0,
+                 warmup_max_lr: float | Sequence[float] = 0.001, warmup_num_steps: int = 1000,
+                 warmup_type: str = "log", last_batch_iteration: int = -1, *, deepspeed_start: bool = False) -> None:
         _raise_on_problems(type(self).__name__, self._arguments(locals()))
         self.total_num_steps = total_num_steps
-        super().__init__(
-            optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration,
-            deepspeed_start=deepspeed_start,
-        )
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration,
+                         deepspeed_start=deepspeed_start)
 
     def _gamma(self, iteration: int) -> float:
         if iteration < self.warmup_num_steps:
@@ -259,22 +221,12 @@ class WarmupCosineLR(_WarmupSchedule):
     """Scale each group's initial lr: warm the ratio up from `warmup_min_ratio` to 1, then follow a
     cosine down to `cos_min_ratio` at `total_num_steps` (and stay there)."""
 
-    def __init__(
-        self,
-        optimizer: Any,
-        total_num_steps: int,
-        warmup_min_ratio: float = 0.0,
-        warmup_num_steps: int = 1000,
-        cos_min_ratio: float = 0.0001,
-        warmup_type: str = "log",
-        last_batch_iteration: int = -1,
-        *,
-        deepspeed_start: bool = False,
-    ) -> None:
+    def __init__(self, optimizer: Any, total_num_steps: int, warmup_min_ratio: float = 0.0,
+                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log",
+                 last_batch_iteration: int = -1, *, deepspeed_start: bool = False) -> None:
         _raise_on_problems(type(self).__name__, WarmupLR._arguments(locals()))
         self.total_num_steps = total_num_steps
-        self.warmup_min_ratio = float(warmup_min_ratio)
-        self.cos_min_ratio = float(cos_min_ratio)
+        self.warmup_min_ratio, self.cos_min_ratio = float(warmup_min_ratio), float(cos_min_ratio)
         super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration, deepspeed_start)
 
     def _ratio(self, iteration: int) -> float:
