@@ -225,7 +225,7 @@ class GradStorage(ABC):
 
     def hook(self, index: int) -> Callable[[torch.Tensor], None]:
         """Parameter ``index``'s post-accumulate hook: :meth:`on_grad`, with this storage held weakly (a dropped
-        engine is freed, :mod:`..weak_hooks`), the gradient landing in this file first."""
+        engine is freed, :func:`..base.remove_with`), the gradient landing in this file first."""
         return functools.partial(_on_grad, weakref.ref(self), index)
 
     def on_grad(self, index: int, param: torch.Tensor) -> None:

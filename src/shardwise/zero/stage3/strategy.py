@@ -62,13 +62,12 @@ from torch import nn
 
 from ...comm.distributed import Comm, Work, wait_all
 from ...optim.param_state import ParamShard
-from ..base import Apply, Strategy, module_order, tensor_bytes
+from ..base import Apply, Strategy, module_order, remove_with, tensor_bytes
 from ..offload.host_shards import HostShards
 from ..offload.shards import ShardCache, params_home, shard_cache
 from ..store import choose_home
 from ..store.plan import offload_spec
 from ..store.store import MasterStore, Piece, Run, Runs
-from ..weak_hooks import remove_with
 from .gathered import GatheredParameters
 from .hooks import Gatherer
 from .params import Unit, UnitError, UnitState, is_partitioned, restore_parameter, unit_of
@@ -189,7 +188,7 @@ class Stage3(Strategy):
             if unit is not None and param.requires_grad:
                 index = param.__dict__["_shardwise_index"]
                 self._trainable.setdefault(unit, []).append(index)
-                if id(param) not in self._grad_hooks:  # held weakly: a dropped engine is freed (:mod:`.weak_hooks`)
+                if id(param) not in self._grad_hooks:  # held weakly: a dropped engine is freed (:func:`..base.remove_with`)
                     hook = functools.partial(_on_grad, weakref.ref(self), weakref.ref(unit), index)
                     added.append(param.register_post_accumulate_grad_hook(hook))
                     self._grad_hooks[id(param)] = added[-1]
