@@ -1,23 +1,12 @@
 """The files one rank's offloaded optimizer state lives in (``offload_optimizer: {device: nvme}``).
 
-Each rank of each engine makes its own folder under ``nvme_path`` with
-:func:`tempfile.mkdtemp` (a unique name, created atomically, that names the
-host and process: :mod:`.nvme_folder`), so two jobs or two engines pointing at
-the same ``nvme_path`` never share a file.  The folder is removed when the
-engine is destroyed and, failing that, when the process exits
-(``weakref.finalize`` runs at exit); a killed process's folder is removed by
-the next set-up on the host (:func:`.nvme_folder.sweep`).
-
-Reads and writes are plain ``pread``/``pwrite`` into and out of tensors the
-caller owns, so host memory holds only what the caller preallocated.  The bytes
-moved are counted for the measurement in docs/offload.md.  Every failing
-operation raises :class:`OffloadIOError` naming the rank, the file, the
-operation, where in the file, the caller's context and the fix.
-
-Every write records a digest of the bytes written, and every read and map checks
-the bytes it finds against it (:mod:`.nvme_sums`): bytes changed between a write
-and a read raise :class:`OffloadChecksumError`, after which these files refuse
-every read, write and map (nothing read wrong is trained on or saved).
+Each rank of each engine makes its own folder under ``nvme_path`` (:mod:`.folder`), so two jobs or engines on
+one ``nvme_path`` never share a file; it is removed when the engine is destroyed, else at exit
+(``weakref.finalize``), else by the next set-up on the host (:func:`.folder.sweep`).  Reads and writes are
+plain ``pread``/``pwrite`` into tensors the caller owns; the bytes moved are counted (docs/offload.md).  A
+failing operation raises :class:`OffloadIOError` naming the rank, the file, the operation, the offset, the
+caller's context and the fix.  Every write records a digest that every read and map checks (:mod:`.sums`):
+changed bytes raise :class:`OffloadChecksumError`, after which the files refuse every read, write and map.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Whose an offload folder under ``nvme_path`` is, and removing the folders of processes that are gone.
 
-A rank's folder is named after its creator: ``shardwise-<host>-ns<pid namespace>-pid<pid>-rank<r>-<random>``
-(the random part from :func:`tempfile.mkdtemp`, which makes the name unique and the folder atomically).
-``engine.destroy()`` and the exit of the process remove it; a process killed with ``SIGKILL`` cannot, so
-the next set-up on the host sweeps (:func:`sweep`) every folder whose creator no longer runs, as
-:func:`shardwise.comm.shm.sweep` does for shared-memory files.
-
-Only folders this host can judge are touched: the host name and the pid namespace in the name must be this
-process's (a process id means nothing on another host of a shared file system, or in another container
-sharing the disk), the folder must belong to this user, and its creator must not run.  A process id that
-was reused by an unrelated process keeps its folder (a leak, never a loss).
+A rank's folder is ``shardwise-<host>-ns<pid namespace>-pid<pid>-rank<r>-<random>`` (:func:`tempfile.mkdtemp`:
+unique, made atomically).  A process killed with ``SIGKILL`` cannot remove it, so the next set-up on the host
+sweeps (:func:`sweep`) every folder whose creator no longer runs, as :func:`shardwise.comm.shm.sweep` does.
+Only folders this host can judge are touched: host name and pid namespace must be this process's (a pid means
+nothing on another host or container), the folder this user's, its creator not running.  A reused pid keeps
+its folder (a leak, never a loss).
 """
 
 from __future__ import annotations

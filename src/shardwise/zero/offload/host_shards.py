@@ -1,18 +1,12 @@
 """Stage 3's local shards in host memory for a model on an accelerator (``offload_param: {device: cpu}``).
 
-Each unit's shard (this rank's 1/N of it, in the compute dtype) lives in host memory, pinned with
-``pin_memory`` (:class:`HostShard`, a :class:`~..stage3.params.ShardStorage` in place of device memory).
-Reading ``unit.shard`` gives a copy on the device: the one read ahead (the gatherer asks for it
-``offload_param.buffer_count`` units past those it prefetches: the copy runs on a stream of its own, beside
-the compute), else one made then.  So the all-gather of a gather reads the shard on the device, and the
-existing prefetch fetches it.  The device copy goes once no view of it is held
-(:meth:`~..stage3.params.Unit.shard_released`: a unit freed after use, its masters published, a shard read
-outside a gather), written back to host memory first if something wrote it (torch's version counter says so).
-A step publishing updated masters into a shard with no device copy writes them into host memory: nothing goes
-up in the step, the next gather takes them.
-
-On a CPU job under :func:`~..store.plan.host_path_on_cpu` the "device" copy is a second tensor in host memory,
-made and written back the same way (no stream), so the CPU suite runs this path.
+Each unit's shard lives in pinned host memory (:class:`HostShard`, a :class:`~..stage3.params.ShardStorage`).
+Reading ``unit.shard`` gives a copy on the device: the one read ahead (``buffer_count`` units past those the
+gatherer prefetches, on a stream of its own), else one made then, so the all-gather reads it on the device.
+The device copy goes once no view of it is held (:meth:`~..stage3.params.Unit.shard_released`), written back
+first if torch's version counter says it was written.  A step publishing into a shard with no device copy
+writes host memory: the next gather takes it.  On a CPU job under :func:`~..store.plan.host_path_on_cpu` the
+"device" copy is a second host tensor, so the CPU suite runs this path.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Read ahead and write behind, with at most ``count`` buffers alive: the offloaded step's I/O pipeline.
 
-One background thread does every read and write, in the order they were
-asked for (a disk serves one stream best, and order keeps a sub-group's write
-before any later read of it).  The caller steps sub-group ``i`` while the
-thread writes ``i - 1`` and reads ``i + 1 ... i + count - 2``; a buffer goes
-back to the pool once its write is done, so host memory never holds more than
-``count`` sub-groups of state.
+One background thread does every read and write in the order asked (a disk serves one stream best, and order
+keeps a sub-group's write before any later read of it).  The caller steps sub-group ``i`` while the thread
+writes ``i - 1`` and reads ``i + 1 ... i + count - 2``; host memory never holds more than ``count`` sub-groups.
 """
 
 from __future__ import annotations

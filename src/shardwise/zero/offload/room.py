@@ -1,15 +1,11 @@
 """Room on the disk under ``nvme_path`` for every rank of this host that offloads there, checked before training.
 
-Several ranks of one host usually share one ``nvme_path`` and so one disk; each needs its own share, and a
-check that looks at one rank passes for each of them while together they fill the disk mid-training.  So a
-rank first writes what it needs into its own folder (a *claim*: ``.room``, written whole by a rename), then
-adds up the claims of every live folder of this host on the same file system (same ``st_dev``), less what
-each has written already (that has left the free space), and compares the total with the free space.
-
-Ranks start at about the same time; the claim is written before the others are read, so of any two ranks
-the later to check sees both claims: when the ranks together do not fit, at least one of them raises, and
-the others learn it from the fault layer.  Folders of other hosts on a shared file system are not counted
-(their processes cannot be checked from here, see :mod:`.nvme_folder`).
+Ranks of one host usually share one disk: a check of one rank passes for each while together they fill it.
+So a rank first writes its need into its own folder (a *claim*, ``.room``, written whole by a rename), then adds
+up the claims of every live folder of this host on the same file system (``st_dev``), less what each has
+written already, and compares with the free space.  Of any two ranks the later to check sees both claims, so
+when they do not fit at least one raises (the others learn it from the fault layer).  Folders of other hosts
+are not counted (:mod:`.folder`).
 """
 
 from __future__ import annotations

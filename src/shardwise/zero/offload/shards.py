@@ -1,27 +1,16 @@
 """Stage 3's local shards in a file (``offload_param: {device: nvme}``), at most ``max_in_cpu`` elements in memory.
 
-Each unit's shard (this rank's 1/N of it, in the compute dtype) gets a run of bytes in one ``params`` file in
-a folder of this rank's own under ``offload_param.nvme_path`` (:class:`~.nvme_files.NvmeFiles`), and a
-:class:`NvmeShard` in place of its in-memory storage (:class:`~.params.ShardStorage`).  Reading
-``unit.shard`` brings it into host memory (waiting for a read ahead in flight, or reading it then): the
-all-gather of a gather reads it there, and code that reads or writes the shard outside a gather (a step
-publishing masters, ``GatheredParameters(modifier_rank=...)``, a checkpoint, ``full_state_dict``) finds it
-the same way.
+Each unit's shard gets a run of bytes in one ``params`` file (:class:`~.files.NvmeFiles`) and an
+:class:`NvmeShard` as its storage (:class:`~..stage3.params.ShardStorage`).  Reading ``unit.shard`` brings it
+into host memory (a read ahead in flight, or a read then), for a gather or anything else that reads it.
 
-The host copy is a tensor of its own, made anew each time the shard is read (a view of a copy that left
-keeps that copy's memory alive rather than pointing at freed memory).  Whether it was written is
-read from torch's version counter, which every in-place write through it or a view of it bumps: only a
-written shard is written back.  Shards leave host memory, least recently used first, when the cache holds
-more than ``max_in_cpu`` elements, and only at points where no view of them is held
-(:meth:`~.params.Unit.shard_released`: a unit freed after use, a unit's masters published, a shard read
-outside a gather: re-gathered, loaded, turned into masters); a shard an
-all-gather is still reading never leaves, nor one read ahead (at most ``offload_param.buffer_count`` of
-those, past the units the gatherer prefetches) before its gather takes it; a read ahead that the pass which
-asked for it did not use becomes an ordinary host copy when the pass ends (:meth:`NvmeShard.settle_read_ahead`).
-
-A read becomes the host copy only once it succeeded: a read that fails or is interrupted part-way leaves
-the shard only in its file, so the next use reads it again (and a failed read ahead is forgotten once
-its error was raised), never a half-read copy used as the weights or written back over the file.
+The host copy is a tensor of its own, made anew at each read (a view of a copy that left keeps its memory
+rather than pointing at freed memory); only a copy torch's version counter says was written is written back.
+Shards leave least recently used first, past ``max_in_cpu`` elements, and only where no view is held
+(:meth:`~..stage3.params.Unit.shard_released`); never one an all-gather reads, nor one read ahead (at most
+``buffer_count``) before its gather; an unused read ahead becomes an ordinary copy when its pass ends.  A read
+becomes the host copy only once it succeeded: a failed or interrupted read leaves the shard in its file, never
+a half-read copy used as weights or written back.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Digests of what a rank wrote into its offload files, checked against what it reads back.
 
-A file under ``nvme_path`` can change between a write and the next read without any error: another process
-or a clean-up job writes into it, the disk or the page cache flips bits.  Trained on, such bytes make the
-loss inf or move weights silently, and a checkpoint then saves them.  So every write of a run of bytes
-records a 64-bit digest of them (xxHash's XXH3, chosen by measurement: docs/offload.md), held here in memory,
-and every read checks each recorded run that lies inside what it read: no byte is read twice for it.
-
-Runs are what the callers write at once: a sub-group's bytes of one kind of state, a unit's shard.  Runs
-never overlap; a write drops the digests of the runs it overlaps (a write of part of a run loses the digest
-of the rest: those bytes are not in memory to sum).  Bytes a read finds with no digest (never written by
-this rank, or the rest of such a run) get one from that read: checked from the next read on.
-
-A memory map hands out bytes that may be written through it (a checkpoint load writes through the maps it
-is given; a save only reads): the runs a map touches are checked when it is made, then their digests are
-suspended while any map of them lives, and taken anew from the file once the last one is freed.
+A file under ``nvme_path`` can change between a write and a read with no error (another process, the disk,
+the page cache); trained on, such bytes make the loss inf or move weights silently.  So every write of a run of
+bytes records a 64-bit digest (xxHash's XXH3, chosen by measurement: docs/offload.md), and every read checks
+each recorded run inside what it read.  Runs never overlap; a write drops the digests of runs it overlaps.
+Bytes a read finds with no digest get one from that read.  A memory map may be written through (a checkpoint
+load): the runs it touches are checked when it is made, their digests suspended while a map lives, and taken
+anew from the file once the last one is freed.
 """
 
 from __future__ import annotations

@@ -1,49 +1,27 @@
-"""Module hooks that gather stage 3 parameters exactly while they are needed.
+"""Module hooks that gather stage 3 parameters exactly while they are needed (docs/stage3.md, "Hooks").
 
-Every submodule of the engine's model gets a forward pre-hook and a forward
-hook, so the entry point does not matter: ``engine(x)``, ``engine.module(x)``,
-``engine.generate(...)`` and nested calls all run them.
+Every submodule gets a forward pre-hook and a forward hook, so the entry point does not matter
+(``engine(x)``, ``engine.module(x)``, ``engine.generate(...)``, nested calls).
 
-* **forward**: the pre-hook opens a *call* for the module and gathers its
-  units (the units holding its direct parameters, plus any registered with
-  ``register_external_parameter``); the post-hook releases them.  A parameter
-  that the running forward reads but does not own (``F.linear(x,
-  self.child.weight)``, a tied head reading the embedding) is noticed by the
-  parameter's ``__torch_function__`` and gathered *for the innermost running
-  call*, so it is released with that call and re-gathered for its backward.
-* **backward**: a hook on the call's outputs fires before the module's
-  backward and re-gathers every unit the call used; an identity autograd
-  function on the call's inputs fires after it and releases them.  A call
-  whose inputs need no gradient (the first layer) releases a unit when all of
-  its trainable parameters' gradients have arrived, or at the end of backward.
-* **in-place writes**: a write to a parameter while a forward (or backward)
-  holds it (``w.clamp_(...)``, ``w.data.mul_(...)``, ``w.copy_(...)``) changes
-  the gathered copy only; when the call that holds the unit ends, each rank
-  copies its slice of the new values into its shard and fp32 master, so the
-  write persists.  A write through ``param.data`` is found by comparing a
-  checksum of the values from the ``.data`` access to the end of the call.
-  Each write is folded into the group's ledger with a checksum of the new
-  values, so ranks that wrote different values fail the next step check.
-* **prefetch**: the units acquired in a forward are recorded; the next forward
-  starts all-gathers for the upcoming units ahead of use
-  (``stage3_prefetch_bucket_size`` elements, at most
-  ``stage3_max_live_parameters`` gathered), and backward does the same in
-  reverse; with ``offload_param: nvme`` the shards of the next
-  ``buffer_count`` units past those start reading from their file.  A
-  unit released in forward stays gathered when the recording says it is
-  used again within ``stage3_max_reuse_distance`` elements.  When the
-  order changes (a branch), prefetches only go to waste: gathering on use is
-  what guarantees correctness.
+* **forward**: the pre-hook opens a *call* and gathers the module's units (its direct parameters' and those
+  registered with ``register_external_parameter``); the post-hook releases them.  A parameter the running
+  forward reads but does not own (``F.linear(x, self.child.weight)``, a tied head) is noticed by its
+  ``__torch_function__`` and gathered for the innermost running call.
+* **backward**: a hook on the call's outputs re-gathers its units before the module's backward; an identity
+  autograd function on its inputs releases them after.  A call whose inputs need no gradient releases a unit
+  once its trainable parameters' gradients have all arrived, or at the end of backward.
+* **in-place writes** to a held parameter (``w.clamp_(...)``, ``w.data.mul_(...)``; ``.data`` found by a
+  checksum) are copied into each rank's shard and fp32 master when the call ends, and folded into the
+  group's ledger so ranks that wrote different values fail the next step check (docs/faults.md).
+* **prefetch**: the order recorded in one forward drives all-gathers ahead of use in the next, and in reverse
+  in backward (``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``,
+  ``stage3_max_reuse_distance``; with ``offload_param: nvme`` the next ``buffer_count`` shards start reading).
+  A changed order only wastes prefetches: gathering on use is what guarantees correctness.
+* **announcements**: a pass that does not go through an announced engine call (``engine.module(x)``,
+  ``loss.backward()``) announces each outermost pass before its first gather (:mod:`shardwise.faults.announce`).
 
-* **announcements**: a forward or backward that does not go through an
-  announced engine call (``engine.module(x)``, the model's own ``generate``
-  loop, ``engine.generate``, ``loss.backward()``) announces each outermost pass
-  to the other ranks before its first gather (:mod:`shardwise.faults.announce`):
-  a rank running one alone raises, with the others, before any data moves.
-
-Collectives are issued in program order, so all ranks must run the same
-modules in the same order in a given forward (the usual ZeRO-3 / FSDP
-requirement); which modules run may change from one forward to the next.
+Collectives are issued in program order, so all ranks must run the same modules in the same order in a given
+forward (the usual ZeRO-3 / FSDP requirement).
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
-"""``zero.Init``: build a model already partitioned, one submodule at a time.
+"""``zero.Init``: build a model already partitioned, one submodule at a time (docs/stage3.md, "zero.Init").
 
-Inside the context, a module is partitioned the moment it is fully built:
-when it is assigned to its parent (``self.block = Block()`` runs the
-parent's registration hook after ``Block.__init__`` returned).  Modules that
-never get a parent (the model itself) are partitioned on exit.  So peak memory
-while building is about one submodule, and each submodule's own ``__init__``
-(``reset_parameters``, in-place init, ``F.linear`` on its weights) runs on
-ordinary full tensors.
-
-Values are taken from rank 0 (one broadcast per module), so every rank ends
-up with the same model whatever its random state, as ``shardwise.initialize``
-would make it.  Code that later reads or writes an already partitioned
-parameter *inside* the context (a parent's ``_init_weights`` calling
-``nn.init.normal_(p)``) still works: the operation runs on the gathered
-parameter and, when it writes, rank 0's result is re-partitioned.  Reading
-``param.data`` keeps the parameter gathered until the next submodule is
-registered (or the context ends), since what is done with that tensor cannot
-be seen.
-
-The interception is two ``torch.nn`` module-registration hooks, removed on
-exit; nothing else in the process changes.
+A module is partitioned the moment it is assigned to its parent (torch's module-registration hook runs after
+its ``__init__`` returned); modules that never get a parent (the model itself) on exit.  So peak memory while
+building is about one submodule, and each ``__init__`` runs on ordinary full tensors.  Values are taken from
+rank 0 (one broadcast per module), as ``shardwise.initialize`` would make them.  An operation on an already
+partitioned parameter inside the context runs on it gathered (a write: rank 0's result is re-partitioned);
+``param.data`` keeps it gathered until the next submodule is registered or the context ends.  The two
+registration hooks are removed on exit; nothing else in the process changes.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
-"""Partitioned parameters: the storage model of ZeRO stage 3 and ``zero.Init``.
+"""Partitioned parameters: the storage model of ZeRO stage 3 and ``zero.Init`` (docs/stage3.md, "How parameters
+are stored").
 
-A :class:`Unit` is a group of parameters (normally the *direct* parameters of
-one module) laid out in one flat buffer of ``padded`` elements, split into N
-equal slices: rank ``r`` keeps slice ``r`` (``unit.shard``) at all times.  The
-full flat tensor ``unit.full`` exists only while the unit is gathered: its
-storage is resized to zero bytes when freed and re-allocated (and all-gathered)
-when needed.  Every parameter is a view into ``unit.full`` with its full shape,
-so a parameter never has a wrong shape; while the unit is freed its storage
-is simply absent.
+A :class:`Unit` is a group of parameters (normally one module's direct parameters) in one flat buffer of
+``padded`` elements split into N equal slices: rank ``r`` keeps slice ``r`` (``unit.shard``) at all times.
+``unit.full`` has storage only while the unit is gathered; every parameter is a full-shape view into it.
 
-Each partitioned parameter's class is swapped (the way
-``UninitializedParameter.materialize`` does it) for a subclass whose
-``__torch_function__`` notices any operation that would read or write its
-values while its unit is freed and asks the unit's *owner* what to do: the
-stage 3 engine gathers it for the running module's forward (an "external"
-parameter), ``zero.Init`` gathers it for the duration of the operation, and
-anywhere else the user gets an error naming ``GatheredParameters``.
-Metadata (shape, dtype, ``requires_grad``, ``.grad``, hooks) is always
-readable.  The interception is per parameter object and undone by
+Each partitioned parameter's class is swapped (as ``UninitializedParameter.materialize`` does) for a subclass
+whose ``__torch_function__`` notices an operation on values while the unit is freed and asks the unit's
+*owner* (:class:`UnitOwner`: the stage 3 engine, ``zero.Init``) to gather it, or raises naming
+``GatheredParameters``.  Metadata is always readable.  The interception is per parameter object and undone by
 :func:`restore_parameter`: nothing process-wide is patched.
 """
 

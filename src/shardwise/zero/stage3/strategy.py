@@ -1,53 +1,28 @@
-"""Stage 3: parameters, gradients, master weights and optimizer state all sharded.
+"""Stage 3: parameters, gradients, master weights and optimizer state all sharded (docs/stage3.md).
 
-Layout.  Every module's *direct* floating-point parameters form one
-:class:`~.params.Unit` (a flat buffer padded to a multiple of N; rank ``r``
-keeps slice ``r`` in the compute dtype).  Units of at most
-``stage3_param_persistence_threshold`` elements are merged into one
-*persistent* unit that stays gathered.  A tied parameter belongs to the first
-module that holds it; every module holding it gathers that unit.
+Layout.  Every module's *direct* floating-point parameters form one :class:`~.params.Unit` (a flat buffer
+padded to a multiple of N; rank ``r`` keeps slice ``r`` in the compute dtype).  Units of at most
+``stage3_param_persistence_threshold`` elements are merged into one *persistent* unit that stays gathered.  A
+tied parameter belongs to the first module that holds it; every module holding it gathers that unit.
 
-Master weights.  For each trainable parameter this rank owns a *piece*: the
-elements ``[start, end)`` of the flattened parameter that fall into its slice
-of the unit, as a standalone fp32 tensor (in fp32 runs, a view into the
-unit's slice itself: the slice *is* the master weight, as in torch FSDP).  The inner optimizer's param groups
-hold these pieces in place of the model's parameters (same groups,
-hyperparameters untouched), so any torch optimizer, or a wrapper exposing
-``param_groups``, steps exactly this rank's 1/N.  A piece's ``.grad`` is None
-while its parameter is frozen (or got no gradient this step anywhere), so the
-optimizer skips it exactly as torch skips a parameter whose ``.grad`` is None.
+Gradients.  Autograd writes full-size gradients into ``param.grad``; between accumulation boundaries they
+accumulate there.  At a boundary (``sync``), once every trainable parameter of a unit has its gradient, the
+unit's gradients are copied into one fp32 flat tensor and reduce-scattered (asynchronously, a couple in
+flight); the result, divided by N, is added to the pieces' gradients (allocated by the first reduction after
+``zero_grad``, dropped by it) and ``param.grad`` is released.  Units are reduced in a fixed order (reverse
+order of first use in forward, then the rest), so all ranks issue the same collectives in the same order.
 
-Gradients.  Autograd writes full-size gradients into ``param.grad``; between
-accumulation boundaries they just accumulate there.  At a boundary
-(``sync``), once every trainable parameter of a unit has its gradient, the
-unit's gradients are copied into one fp32 flat tensor and reduce-scattered
-(asynchronously, a couple in flight); the result, divided by N, is added to
-the pieces' gradients (allocated by the first reduction after ``zero_grad``,
-dropped by it) and ``param.grad`` is released.  Units are reduced in
-a fixed order (reverse order of first use in forward, then the rest), so all
-ranks issue the same collectives in the same order.
-
-Step.  ``step`` (the master store's) copies the updated pieces into the local slice of each
-unit (nothing to copy in fp32): no communication, the next forward gathers
-the new values.  Only the persistent unit is re-gathered.
-
-The pieces, their masters and optimizer state are the master store's (:mod:`..store`, the same store as
-the flat stages', its home chosen once: in memory, or in files with ``offload_optimizer: nvme``); its
-model side, the units' shards, is :class:`UnitSide`, here (how gradients arrive and how updated values leave
-are the two things a stage adds to the store); shards kept in a file (``offload_param: nvme``)
-in :mod:`..offload.shards`; the hooks that gather and free units in :mod:`.hooks`.
-
-The store's side (:class:`UnitSide`).  For each of its optimizer's parameters a stage 3 rank owns a *piece*: the
-elements ``[start, end)`` of the flattened parameter that fall into its slice of the unit
-(:meth:`UnitSide.pieces`), laid one after the other in this rank's shard of the store.  In fp32 with the shards
-in memory the store's masters are views of the shards themselves, as in torch FSDP: nothing is copied after a
-step, and values written into a shard are the masters' values already.  Otherwise (fp16/bf16, or shards kept in a
-file, ``offload_param: {device: nvme}``, where a view would leave host memory with the shard) the masters are
-apart, and updated ones are cast into the shards (:meth:`UnitSide.write`): a shard kept in a file takes them
-there, unread, and may leave host memory once the step is past it.  Values written into the units that did not
-come from a step (``GatheredParameters(modifier_rank=...)``, an in-place write in a forward,
-``zero.load_state_dict``) reach the masters, kept ones too, through this side: it is the gatherer's
-:class:`~.hooks.MasterValues`.
+Masters and step.  The pieces, their masters and optimizer state are the master store's (:mod:`..store`, its
+home chosen once); its model side is :class:`UnitSide`, here.  For each trainable parameter this rank owns a
+*piece*: the elements ``[start, end)`` of the flattened parameter in its slice of the unit.  The inner
+optimizer's param groups hold the pieces' keys in place of the parameters, so any torch optimizer steps exactly
+this rank's 1/N, skipping a piece whose ``.grad`` is None (frozen, or no gradient anywhere this step).  In fp32
+with the shards in memory the masters are views of the shards, as in torch FSDP: a step copies nothing, and the
+next forward gathers the new values (only the persistent unit is re-gathered).  Otherwise (fp16/bf16, or shards
+in a file, :mod:`..offload.shards`, where a view would leave host memory with the shard) the masters are apart
+and updated ones are cast into the shards (:meth:`UnitSide.write`).  Values written into the units outside a
+step (``GatheredParameters(modifier_rank=...)``, an in-place write in a forward, ``zero.load_state_dict``)
+reach the masters through this side: it is the gatherer's :class:`~.hooks.MasterValues` (:mod:`.hooks`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""Partitioned parameters inside ``torch.compile``d code.
+"""Partitioned parameters inside ``torch.compile``d code (docs/stage3.md, "torch.compile").
 
-Eagerly, a partitioned parameter's ``__torch_function__`` looks at every
-operation on it (see :mod:`.params`).  Dynamo cannot trace that bookkeeping
-(it reads the parameter's ``__dict__``) and must not: a graph replays without
-Python, so a check inside it would run once, at trace time, and never again.
-So while Dynamo traces, an operation on a partitioned parameter goes straight
-to torch, and what the eager check would do happens once, when the graph is
-traced: :func:`_check_read` runs in Python then (``assume_constant_result``)
-and asks the parameter's owner, which makes sure every later replay of the
-same code finds the parameter gathered (stage 3 registers a parameter its
-running module does not own as an external parameter of that module, so its
-hooks gather it on every call) or raises.  The stage 3 hooks themselves never enter a graph
-(``torch._dynamo.disable``): gathering is a collective, and a graph breaks at
-each module call instead.
+Dynamo cannot trace the eager ``__torch_function__`` bookkeeping (:mod:`.params`), and must not: a graph
+replays without Python.  So while Dynamo traces, an operation on a partitioned parameter goes straight to torch,
+and the check runs once, at trace time (:func:`_check_read`, ``assume_constant_result``): the owner makes every
+replay find the parameter gathered (stage 3 registers it as an external parameter of the running module) or
+raises.  The stage 3 hooks never enter a graph (``torch._dynamo.disable``): a graph breaks at each module call.
 """
 
 from __future__ import annotations

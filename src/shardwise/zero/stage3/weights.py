@@ -1,17 +1,10 @@
 """``zero.load_state_dict``: full weights into a partitioned model, one unit at a time.
 
-A model too large for one rank is built under ``zero.Init`` (or wrapped by a
-stage-3 engine), so no rank ever holds all of it.  Loading real weights into
-it must not change that: rank 0 reads the source *lazily* (a safetensors file
-tensor by tensor, a ``torch.save`` file memory-mapped), assembles one unit's
-full fp32 values at a time, and scatters them, so each rank receives only its
-own slice.  Peak memory on rank 0 is about one unit, on the others one slice.
-Parameters that are not partitioned (and buffers) are broadcast one by one.
-
-The source is a ``state_dict``, a ``.safetensors`` file (Hugging Face's
-``model.safetensors``, shardwise's consolidated export: tied names stored once
-are found under any of their names), a ``*.safetensors.index.json`` of a
-sharded save, or a ``.pt``/``.bin`` file.  Collective: every rank calls it.
+Rank 0 reads the source lazily (a safetensors file tensor by tensor, a ``torch.save`` file memory-mapped),
+assembles one unit's full fp32 values at a time and scatters them: peak memory is about one unit on rank 0,
+one slice elsewhere.  Parameters that are not partitioned, and buffers, are broadcast one by one.  The source
+is a ``state_dict``, a ``.safetensors`` file (tied names stored once are found under any of their names), a
+``*.safetensors.index.json`` or a ``.pt``/``.bin`` file.  Collective: every rank calls it.
 """
 
 from __future__ import annotations

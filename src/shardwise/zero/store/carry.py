@@ -1,13 +1,10 @@
 """Carrying master weights and optimizer state across a rebuild of the flat layout.
 
-When the set of trainable parameters changes, buckets and partitions are
-rebuilt and every rank may own different element ranges than before.  Before
-the rebuild, each parameter's fp32 master value and optimizer state are
-re-assembled at full size (one all-gather per state kind, :func:`export_state`);
-after it, each rank slices out its new pieces (:meth:`.MasterStore.adopt`).
-Parameters that stop training keep their full entry in the
-:class:`~.frozen.FrozenStore`, so unfreezing resumes exactly where they left
-off (Adam's ``step`` included).
+When the trainable set changes, buckets and partitions are rebuilt and a rank may own other element ranges:
+before, each parameter's fp32 master and optimizer state are re-assembled at full size (one all-gather per
+state kind, :func:`export_state`); after, each rank slices out its new pieces (:meth:`.MasterStore.adopt`).
+A parameter that stops training keeps its full entry in the :class:`~.frozen.FrozenStore`, so unfreezing
+resumes exactly where it left off (Adam's ``step`` included).
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """What frozen parameters keep until they train again: fp32 master weights and optimizer state.
 
-A parameter that stops training leaves the optimizer (it gets no gradient and
-no update, exactly as ``torch.optim`` treats a parameter whose ``.grad`` is
-None), but its fp32 master and its optimizer state (Adam's moments and
-``step``) are kept here, so unfreezing resumes exactly where it stopped.  Every
-stage's :class:`~.store.MasterStore` holds one :class:`FrozenStore`:
-
-* the flat stages (0-2) keep each entry whole, replicated on every rank (their
-  layout is rebuilt when the trainable set changes, so a rank cannot know which
-  piece it will own next);
-* stage 3 keeps this rank's piece (its partitioning never changes).
-
-Checkpoints carry the kept state like a trainable parameter's
-(:meth:`~.store.MasterStore.shards`), and a load can hand state to a parameter
-that has been frozen since ``initialize``.
+A parameter that stops training leaves the optimizer (as ``torch.optim`` treats one whose ``.grad`` is None),
+but its fp32 master and state (Adam's moments and ``step``) are kept here, so unfreezing resumes exactly where
+it stopped.  The flat stages keep each entry whole, replicated (their layout is rebuilt, so a rank cannot know
+which piece it will own next); stage 3 keeps this rank's piece.  Checkpoints carry the kept state like a
+trainable parameter's (:meth:`~.store.MasterStore.shards`).
 """
 
 from __future__ import annotations

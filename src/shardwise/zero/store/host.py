@@ -1,26 +1,16 @@
 """The store's home in host memory for a model on an accelerator (``offload_optimizer: {device: cpu}``, ZeRO-Offload).
 
-This rank's fp32 masters, gradients and optimizer state live in host memory; the model (in the compute dtype)
-trains on the device.  Per step:
+This rank's fp32 masters, gradients and optimizer state live in host memory; the model trains on the device.
+Gradients go down as each bucket or unit lands (:class:`~.copies.DeviceCopies`; the norm is taken on the
+device).  The step waits for those copies, then steps the inner optimizer sub-group by sub-group (runs of whole
+pieces of at most ``sub_group_size`` elements, :func:`~.plan.whole_sub_groups`, as DeepSpeed's), each scaled
+just before its step; torch's Adam and AdamW use their fused CPU kernel (:func:`fused_on_host`; 4-8x their
+for-loop and foreach kernels on this machine's CPU, ``python -m benchmarks.offload_adam``) unless built asking
+for another.  Each sub-group's updated masters go up in the compute dtype while the next one steps.
 
-* **Gradients down.**  Each trainable piece's key (its fp32 master, a tensor of its own in host memory) has its
-  view of one host gradient buffer as ``.grad``; the stages' reduced gradients are copied into it as each
-  bucket (the flat stages) or unit (stage 3) lands, overlapped with the rest of backward
-  (:class:`~.copies.DeviceCopies`; the hooks of :class:`~.store.Home`).  The gradient norm is taken on the
-  device, as without offload.
-* **The step** waits for those copies, then steps the inner optimizer sub-group by sub-group: a sub-group is a
-  run of whole pieces of at most ``sub_group_size`` elements (:func:`~.plan.whole_sub_groups`, as DeepSpeed's),
-  its gradients multiplied by the unscale/clip factor just before its step.  torch's Adam and AdamW step there
-  with their fused CPU kernel (:func:`fused_on_host`; 4-8x their for-loop and foreach kernels on this
-  machine's CPU, ``python -m benchmarks.offload_adam``), unless the optimizer was built asking for another.
-* **Values up.**  Each sub-group's updated masters are cast into the compute dtype on the host and copied into
-  the model without waiting, so the copy runs while the next sub-group steps (:meth:`~.copies.DeviceCopies.publish`).
-
-``offload_optimizer.ratio`` below 1 is DeepSpeed's partial offload: of the ``n`` sub-groups, the first
-``int((1 - ratio) * n)`` keep their masters and state on the device (a :class:`~.store.Resident` home of
-their own: the model's storage in fp32, else fp32 copies beside it), stepped there first with no copy; the
-rest live in host memory.  The optimizer state of every piece is in the inner optimizer's ``state``, keyed by
-its master, as in memory: checkpoints, freezing and thawing see it as the in-memory home's.
+``offload_optimizer.ratio`` below 1 is DeepSpeed's partial offload: of ``n`` sub-groups the first
+``int((1 - ratio) * n)`` stay on the device (a :class:`~.store.Resident` home of their own), stepped there first.
+The state of every piece is in the inner optimizer's ``state``, keyed by its master, as in memory.
 """
 
 from __future__ import annotations

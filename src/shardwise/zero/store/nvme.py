@@ -1,28 +1,18 @@
 """The store's home in files (``offload_optimizer: {device: nvme}``): fp32 masters and optimizer state on disk.
 
-Each piece of the shard gets a run of elements at ``piece.at`` in a ``master`` file and in one file per kind
-of per-element optimizer state (``exp_avg``, ...), all laid out as this rank's shard, in a folder of this
-rank's own under ``nvme_path`` (:class:`~..nvme_files.NvmeFiles`); with ``offload_optimizer.ratio`` below 1
-the first sub-groups' elements stay in host memory instead (:mod:`.subgroups`), and the files hold the rest.
-The tensor the inner optimizer holds for a trainable piece (its key) is a placeholder of its size that holds
-one element; its ``.grad`` is the piece's fp32 gradient, in memory as without offload, so clipping and the
-unused-parameter rule see it unchanged.
+Each piece gets a run of elements at ``piece.at`` in a ``master`` file and one file per kind of per-element
+state (``exp_avg``, ...), laid out as this rank's shard, in a folder of this rank's own
+(:class:`~..offload.files.NvmeFiles`); with ``ratio`` below 1 the first sub-groups stay in host memory
+(:mod:`.subgroups`).  The tensor the inner optimizer holds for a piece (its key) is a one-element placeholder
+whose ``.grad`` is the piece's fp32 gradient, in memory as without offload, so clipping and the unused-parameter
+rule see it unchanged.
 
-The step (:meth:`Nvme.step`) cuts the shard into sub-groups (:mod:`.plan`); for each, one background thread
-reads master and state into a pool buffer ahead of time, the chunks' tensors are pointed at it, torch's own
-``step`` runs over that sub-group only, the updated masters go to the model through the stage's
-:class:`~.store.ModelSide`, and the thread writes the sub-group back while the next one is stepped
-(:class:`~.subgroups.SubGroupStepper`).  A chunk whose key has no gradient (a frozen piece, or one no rank
-had a gradient for) is passed by, and a sub-group of such chunks only is neither read nor written.  Between
-steps the inner optimizer's ``state`` is empty.
-
-A checkpoint sees a trainable piece's master and state as memory maps of the files, or views of host memory
-where the piece is resident (:class:`~.subgroups.OffloadSlot`); a piece that stops training takes them out
-into the store's kept entries, as the other homes keep them, and puts them back when it trains again.
-
-On a job on an accelerator the sub-groups are stepped in host memory as on a CPU job: the pieces' gradients
-are copied down into a host buffer as they land (the key's ``.grad`` is its view of it), and the updated
-masters go up in the compute dtype (:class:`~.copies.DeviceCopies`, as the host home's).
+The step (:class:`~.subgroups.SubGroupStepper`) reads each sub-group ahead on a background thread, runs torch's
+``step`` over it, publishes its masters through the stage's :class:`~.store.ModelSide` and writes it back while
+the next one steps; a sub-group whose chunks have no gradient is neither read nor written.  Between steps the
+inner optimizer's ``state`` is empty.  A checkpoint sees a piece's master and state as memory maps of the files
+(:class:`~.subgroups.OffloadSlot`); a piece that stops training takes them out into the store's kept entries.
+On a job on an accelerator gradients come down and masters go up through :class:`~.copies.DeviceCopies`.
 """
 
 from __future__ import annotations

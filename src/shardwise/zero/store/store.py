@@ -1,45 +1,27 @@
 """One master store for every ZeRO stage: this rank's fp32 master weights and optimizer state.
 
-A :class:`MasterStore` holds this rank's pieces (:class:`Piece`): the flat stages' slices of their
-layout and stage 3's parts of its units alike.  Where their masters and state live is its home, chosen
-once (:func:`~shardwise.zero.store.choose_home`): :class:`Resident` in memory, :class:`~.nvme.Nvme` in files,
-:class:`~.host.Host` in host memory for a model on an accelerator.  What the store does once, for every stage
-and home:
+A :class:`MasterStore` holds this rank's pieces (:class:`Piece`: elements ``[start, end)`` of one flattened
+parameter, at ``at`` in this rank's *shard*), the flat stages' slices and stage 3's parts of units alike.
+Where their masters and state live is its :class:`Home`, chosen once at initialize
+(:func:`~shardwise.zero.store.choose_home`):
 
-* the inner optimizer's param groups hold the trainable pieces' keys (:meth:`MasterStore.keys_for`);
-* the step (:meth:`MasterStore.step`): gradients scaled, pieces no rank had a gradient for left alone as
-  torch leaves a parameter whose ``.grad`` is None, the home stepped, updated masters published through the
-  stage's :class:`ModelSide`;
-* freezing: a piece that stops training leaves the optimizer, its master and state kept
-  (:class:`~.frozen.FrozenStore`) until it trains again (:meth:`MasterStore.refresh`; the flat stages
-  rebuild their layout instead, :meth:`MasterStore.adopt` taking back what :mod:`.carry` kept);
-* checkpoints: each piece as a :class:`~shardwise.optim.param_state.ParamShard`, frozen ones included
-  (:meth:`MasterStore.shards`);
-* byte accounting; and values written into the model: the masters follow (:meth:`MasterStore.take`).
+* :class:`Resident`: in memory; the master is the model's own storage where it holds fp32 values (stage 0's
+  parameters, the flat stages' buffer slices, stage 3's shards), else a separate fp32 copy;
+* :class:`~.nvme.Nvme`: in files, stepped sub-group by sub-group;
+* :class:`~.host.Host`: in host memory for a model on an accelerator (ZeRO-Offload).
 
-A :class:`Piece` is the part of one parameter this rank owns: elements ``[start, end)`` of it, flattened, at
-``at`` in this rank's *shard* (its pieces one after the other, as the flat layout or stage 3's units cut
-them).  The store keeps each piece's fp32 master and optimizer state; *where* they live is its :class:`Home`,
-chosen once at initialize (:func:`~shardwise.zero.store.choose_home`):
+What the store does once for every stage and home: the optimizer's param groups hold the pieces' keys
+(:meth:`MasterStore.keys_for`); the step (scale, leave alone pieces no rank had a gradient for, step, publish);
+freezing (:class:`~.frozen.FrozenStore`, :meth:`MasterStore.refresh`; the flat stages rebuild their layout and
+:meth:`MasterStore.adopt` takes back what :mod:`.carry` kept); checkpoint shards (:meth:`MasterStore.shards`);
+byte accounting; and masters following values written into the model (:meth:`MasterStore.take`).  Where the
+state is in host memory and the model on an accelerator, :attr:`Home.copies` moves gradients down and values
+up; :meth:`Home.grad_for`, :meth:`Home.arrived` and :meth:`Home.add_grads` are where stages hand gradients over.
 
-* :class:`Resident`: in memory.  The master is the model's own storage where the model holds fp32
-  values in memory (stage 0's parameters, the flat stages' slices of their parameter buffer, stage 3's
-  shards), else a separate fp32 copy; the inner optimizer's ``state`` holds the state.
-* :class:`~.nvme.Nvme`: in files, stepped sub-group by sub-group (``offload_optimizer: {device: nvme}``,
-  ``ratio`` keeping the first sub-groups in memory).
-* :class:`~.host.Host`: in host memory for a model on an accelerator (``offload_optimizer: {device: cpu}``,
-  ZeRO-Offload), stepped there sub-group by sub-group.
-
-Where the state is in host memory and the model on an accelerator (the host home; NVMe on a GPU job), the
-home's :attr:`Home.copies` (:class:`~.copies.DeviceCopies`) moves reduced gradients down as they land and
-updated values up; the hooks :meth:`Home.grad_for`, :meth:`Home.arrived` and :meth:`Home.add_grads` are
-where the stages hand their gradients over (they keep them on the device for the other homes).
-
-What differs between the stages is the :class:`ModelSide`: where a piece's values are in the model and how
-updated masters get there (:mod:`..flat.side`: this rank's slice of the flat parameter buffer, all-gathered
-after the step; ``UnitSide`` in :mod:`..stage3.strategy`: the units' shards).  How gradients arrive is the
-stages' own: the flat stages point each key's ``.grad`` at a fixed view of the reduced gradient buffer, stage 3
-adds each unit's reduction as it finishes (:meth:`MasterStore.add_reduced`).
+The stages differ in their :class:`ModelSide` (where a piece's values are in the model and how updated masters
+get there: :mod:`..flat.side`, ``UnitSide`` in :mod:`..stage3.strategy`) and in how gradients arrive (the flat
+stages point each key's ``.grad`` at a fixed view of the reduced buffer; stage 3 adds each unit's reduction,
+:meth:`MasterStore.add_reduced`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """The step of the store's home in files (:mod:`.nvme`): sub-group by sub-group, read ahead, step, write behind.
 
-The home keeps each piece's fp32 master and per-element optimizer state as a run of elements in files laid
-out alike (``master``, ``exp_avg``, ...), cut into chunks and sub-groups by :mod:`.plan`.  A
-:class:`SubGroupStepper` holds what the inner optimizer keeps of each chunk between steps (its other, small
-state values and which kinds of state it has in the files) and runs the step: it reads a sub-group into a
-pool buffer (:mod:`..readahead`), points the chunks' tensors, gradients and state at that buffer, runs torch's
-own ``step`` over those chunks only, takes their state back out, hands the updated masters to the
-home (:class:`Arrangement`), and writes the buffer back while the next sub-group is stepped.  The home
-says which tensor the inner optimizer holds for a piece (its ``.grad`` the gradient; the param group
-holding it is the chunk's), which chunks a step passes by, and takes the updated masters to the model.
+A :class:`SubGroupStepper` holds what the inner optimizer keeps of each chunk between steps (its small state
+values, which kinds of state are in the files) and runs the step: it reads a sub-group into a pool buffer
+(:mod:`..offload.readahead`), points the chunks' tensors, gradients and state at it, runs torch's ``step`` over
+those chunks only, takes their state back out, hands the updated masters to the home (:class:`Arrangement`),
+and writes the buffer back while the next sub-group steps.
 
-A partial offload (``offload_optimizer.ratio`` below 1) keeps the shard's first ``resident`` elements, whole
-sub-groups (:func:`.plan.resident_split`), in host memory: one tensor per kind, stepped in place with
-no buffer and no I/O, published as the others.  The files hold the elements after ``resident`` only (element
-``x`` of the shard at element ``x - resident`` of each file); :meth:`SubGroupStepper.region` and
-:meth:`SubGroupStepper.write` say where a run of elements lives, so checkpoints and trainability changes see
-one layout whichever side a piece is on.
+A partial offload (``ratio`` below 1) keeps the shard's first ``resident`` elements, whole sub-groups, in host
+memory: one tensor per kind, stepped in place with no I/O.  The files hold the elements after ``resident``
+only (element ``x`` of the shard at ``x - resident`` of each file); :meth:`SubGroupStepper.region` and
+:meth:`SubGroupStepper.write` say where a run lives, so checkpoints see one layout whichever side a piece is on.
 """
 
 from __future__ import annotations
