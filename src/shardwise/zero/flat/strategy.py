@@ -39,7 +39,6 @@ from torch import nn
 from ...optim.param_state import ParamShard
 from ..base import Strategy, group_index, module_order, remove_with, tensor_bytes
 from ..store import choose_home
-from ..store.carry import export_state
 from ..store.plan import OffloadSpec, offload_spec
 from ..store.store import MasterStore, Piece, Resident
 from .grads import (
@@ -54,7 +53,7 @@ from .grads import (
     reduce_scatter_slice,
 )
 from .layout import FlatLayout
-from .side import FlatSide, PendingGathers
+from .side import FlatSide, PendingGathers, export_state
 
 __all__ = ["FlatStrategy", "Stage0", "Stage1", "Stage2", "uses_reduce_scatter"]
 

@@ -25,8 +25,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .folder import folder_prefix, sweep
-from .room import claim_room
+from .folder import claim_room, folder_prefix, sweep
 from .sums import Mismatch, Sums, digest
 
 __all__ = ["OPTIMIZER_KEY", "NvmeFiles", "OffloadChecksumError", "OffloadIOError"]

@@ -23,9 +23,8 @@ import torch
 
 from ...optim.param_state import OptimizerSlot, StateSlot
 from .copies import DeviceCopies
-from .frozen import Kept
 from .plan import OffloadSpec, whole_sub_groups
-from .store import Home, ModelSide, Piece, Run
+from .store import Home, Kept, ModelSide, Piece, Run
 from .subgroups import stepping_only
 
 __all__ = ["Host", "fused_on_host"]

@@ -1,4 +1,5 @@
-"""One master store for every ZeRO stage: this rank's fp32 master weights and optimizer state.
+"""One master store for every ZeRO stage: this rank's fp32 master weights and optimizer state, and what frozen
+parameters keep until they train again.
 
 A :class:`MasterStore` holds this rank's pieces (:class:`Piece`: elements ``[start, end)`` of one flattened
 parameter, at ``at`` in this rank's *shard*), the flat stages' slices and stage 3's parts of units alike.
@@ -12,8 +13,8 @@ Where their masters and state live is its :class:`Home`, chosen once at initiali
 
 What the store does once for every stage and home: the optimizer's param groups hold the pieces' keys
 (:meth:`MasterStore.keys_for`); the step (scale, leave alone pieces no rank had a gradient for, step, publish);
-freezing (:class:`~.frozen.FrozenStore`, :meth:`MasterStore.refresh`; the flat stages rebuild their layout and
-:meth:`MasterStore.adopt` takes back what :mod:`.carry` kept); checkpoint shards (:meth:`MasterStore.shards`);
+freezing (:class:`FrozenStore`, :meth:`MasterStore.refresh`; the flat stages rebuild their layout and
+:meth:`MasterStore.adopt` takes back what :func:`..flat.side.export_state` kept); checkpoint shards (:meth:`MasterStore.shards`);
 byte accounting; and masters following values written into the model (:meth:`MasterStore.take`).  Where the
 state is in host memory and the model on an accelerator, :attr:`Home.copies` moves gradients down and values
 up; :meth:`Home.grad_for`, :meth:`Home.arrived` and :meth:`Home.add_grads` are where stages hand gradients over.
@@ -33,13 +34,77 @@ from typing import Any, Iterator, MutableMapping, NamedTuple, Optional, Protocol
 
 import torch
 
-from ...optim.param_state import KeptSlot, OptimizerSlot, ParamShard, StateSlot
+from ...optim.param_state import KeptSlot, OptimizerSlot, ParamShard, StateSlot, copy_value, is_per_element
 from ..base import tensor_bytes
 from ..flat.layout import Piece as Run
 from .copies import DeviceCopies
-from .frozen import FrozenStore, Kept
 
-__all__ = ["Home", "MasterStore", "ModelSide", "NormShare", "Piece", "Resident", "Run", "Runs", "sum_sq"]
+__all__ = [
+    "FrozenStore", "Home", "Kept", "MasterStore", "ModelSide", "NormShare", "Piece", "Resident", "Run", "Runs", "sum_sq",
+]
+
+
+@dataclass
+class Kept:
+    """Elements ``[start, end)`` of one parameter: fp32 master (1-D) and optimizer state."""
+
+    start: int
+    end: int
+    master: torch.Tensor
+    slot: KeptSlot = field(default_factory=lambda: KeptSlot({}))
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self.slot.state
+
+    def piece(self, start: int, end: int) -> "Kept":
+        """A copy of the elements ``[start, end)`` (inside this entry): master and per-element state."""
+        lo, count = start - self.start, end - start
+        state = {
+            k: (v.narrow(0, lo, count).clone() if is_per_element(v, self.numel) else copy_value(v))
+            for k, v in self.state.items()
+        }
+        return Kept(start, end, self.master.narrow(0, lo, count).clone(), KeptSlot(state))
+
+
+class FrozenStore:
+    """What frozen parameters keep until they train again, by parameter: a parameter that stops training leaves
+    the optimizer (as ``torch.optim`` treats one whose ``.grad`` is None), but its fp32 master and state (Adam's
+    moments and ``step``) stay here, so unfreezing resumes exactly where it stopped.  The flat stages keep each
+    entry whole, replicated (their layout is rebuilt: a rank cannot know which piece it will own next); stage 3
+    keeps this rank's piece.  Checkpoints carry the kept state like a trainable one's (:meth:`MasterStore.shards`)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, Kept] = {}
+
+    def keep(self, param: torch.Tensor, kept: Kept) -> None:
+        self._kept[id(param)] = kept
+
+    def get(self, param: torch.Tensor) -> Optional[Kept]:
+        return self._kept.get(id(param))
+
+    def take(self, param: torch.Tensor) -> Optional[Kept]:
+        """Remove and return ``param``'s entry (it trains again)."""
+        return self._kept.pop(id(param), None)
+
+    def master_bytes(self) -> int:
+        """Bytes of the kept fp32 masters that hold memory of their own (a view of the model's values holds none)."""
+        return sum(kept.master.numel() * kept.master.element_size() for kept in self._kept.values()
+                   if not kept.master._is_view())
+
+    def state_bytes(self) -> int:
+        """Bytes of the kept optimizer-state tensors."""
+        return sum(
+            v.numel() * v.element_size()
+            for kept in self._kept.values()
+            for v in kept.state.values()
+            if isinstance(v, torch.Tensor)
+        )
+
 
 
 @dataclass(eq=False)
