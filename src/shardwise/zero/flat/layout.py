@@ -67,9 +67,7 @@ class Bucket:
 class FlatLayout:
     """Buckets over ``params`` split into ``num_shards`` equal slices; this rank is ``rank``."""
 
-    def __init__(
-        self, params: Sequence[torch.Tensor], bucket_numel: int, num_shards: int, rank: int
-    ) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], bucket_numel: int, num_shards: int, rank: int) -> None:
         self.params = list(params)
         self.num_shards = num_shards
         self.rank = rank

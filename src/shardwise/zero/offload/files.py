@@ -47,8 +47,7 @@ class OffloadIOError(RuntimeError):
 
     def extended(self, more: str) -> OffloadIOError:
         """The same error with ``more`` said after its message (what the caller's state is now)."""
-        return type(self)(f"{self}. {more}", rank=self.rank, path=self.path, operation=self.operation,
-                          error=self.errno)
+        return type(self)(f"{self}. {more}", rank=self.rank, path=self.path, operation=self.operation, error=self.errno)
 
 
 class OffloadChecksumError(OffloadIOError):

@@ -127,8 +127,7 @@ class Gatherer:
     is told about every change of their values that did not come from a step.
     """
 
-    def __init__(self, module: nn.Module, units: list[Unit], zero_config: Any, values: MasterValues,
-                 rank: int) -> None:
+    def __init__(self, module: nn.Module, units: list[Unit], zero_config: Any, values: MasterValues, rank: int) -> None:
         self.module = module
         self.rank = rank
         self.units = units

@@ -112,7 +112,7 @@ def move(rank: int, what: str, current: _S, to: _S, allowed: Mapping[_S, frozens
 # ------------------------------------------------------------- the local shard
 class ShardStorage(Protocol):
     """Where a unit's local shard lives: in memory (:class:`InMemoryShard`), or in a file with a bounded host
-    cache (``offload_param: {device: nvme}``, :mod:`.offloaded_shards`)."""
+    cache (:mod:`..offload.shards`)."""
 
     @property
     def device(self) -> torch.device:
@@ -289,8 +289,7 @@ class Unit:
             self.storage.read_ahead()
 
     def settle_read_ahead(self) -> None:
-        """The pass that read this unit's shard ahead ended: a read ahead its gather did not take stops
-        holding one of the ``buffer_count`` slots and may leave host memory."""
+        """The pass that read this shard ahead ended: an unused read ahead frees its ``buffer_count`` slot."""
         self.storage.settle_read_ahead()
 
     @property
@@ -303,8 +302,7 @@ class Unit:
         self._shard_pinned = pinned
 
     def write_shard(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """Elements ``[at, at + len(values))`` of this rank's slice take ``values`` (cast to its dtype), for each
-        ``(at, values)``; a shard kept in a file and not in host memory takes them in the file, unread."""
+        """Each ``(at, values)`` into this rank's slice (cast); a shard kept in a file takes them there, unread."""
         self.storage.write(parts)
 
     def shard_released(self) -> None:
@@ -312,14 +310,12 @@ class Unit:
         self.storage.released()
 
     def discard_shard(self) -> None:
-        """``engine.destroy()`` restored this unit's parameters: a host copy of a shard kept in a file goes,
-        unwritten, so destroying holds one unit's shard at a time, not every one it read."""
+        """``engine.destroy()`` restored the parameters: a host copy of a shard kept in a file goes, unwritten."""
         self.storage.discard()
 
     # ------------------------------------------------------------- holders
     @property
     def holders(self) -> int:
-        """How many holds are taken (see :meth:`acquire`)."""
         return self._holders
 
     def acquire(self) -> None:
@@ -349,10 +345,8 @@ class Unit:
         return flat
 
     def build(self, flat: torch.Tensor, dtype: torch.dtype) -> None:
-        """Take the full flat values ``flat`` (same on every rank), keep this rank's slice, free the rest.
-
-        ``flat`` itself becomes the gathered buffer when it already has ``dtype``.
-        """
+        """Take the full flat values ``flat`` (same on every rank; the gathered buffer itself when of ``dtype``),
+        keep this rank's slice, free the rest."""
         self.full = flat.to(dtype)
         self.shard = self.local(self.full).clone()
         if self._persistent:
@@ -399,14 +393,11 @@ class Unit:
             self.wait()
 
     def _gathering(self) -> torch.Tensor:
-        """A sharded unit is about to be all-gathered: its shard (what it sends), and its full buffer's storage
-        back (what it receives)."""
-        # The shard first: reading it from its file may fail (or be interrupted), and the unit must then stay
-        # sharded, not be left gathering with no all-gather to fill its full buffer.
+        """A sharded unit is about to be all-gathered: its shard (what it sends), its full buffer's storage back."""
+        # the shard first: a read from its file that fails leaves the unit sharded, not gathering with no all-gather
         shard = self.shard
         self._move(UnitState.GATHERING, "start a gather")
-        storage = self.full.untyped_storage()
-        storage.resize_(self.padded * self.full.element_size())
+        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
         return shard
 
     def wait(self) -> None:
@@ -434,8 +425,7 @@ class Unit:
         self.settle()
 
     def free(self) -> None:
-        """Drop the full values (the shard stays); a gather in flight finishes first, and a persistent
-        unit stays gathered.  Freeing a sharded unit, or one still held, raises."""
+        """Drop the full values (a persistent unit stays gathered); freeing a sharded or held unit raises."""
         if self._holders:
             raise UnitError(
                 f"rank {self.comm.rank}: {self!r} was freed while {self._holders} holder(s) still need its "
@@ -455,8 +445,7 @@ class Unit:
         self.shard.copy_(self.local(self.full))
 
     def load_shard(self, values: torch.Tensor) -> None:
-        """This rank's slice becomes ``values`` (fp32, cast to the unit's dtype); a gathered copy follows
-        (collective when gathered, and every rank's unit is gathered alike)."""
+        """This rank's slice becomes ``values`` (fp32, cast); a gathered copy follows (collective when gathered)."""
         self.settle()
         self.shard.copy_(values)
         if self.pristine is not None:

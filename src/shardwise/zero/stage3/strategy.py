@@ -38,8 +38,7 @@ from torch import nn
 from ...comm.distributed import Comm, Work, wait_all
 from ...optim.param_state import ParamShard
 from ..base import Apply, Strategy, module_order, remove_with, tensor_bytes
-from ..offload.host_shards import HostShards
-from ..offload.shards import ShardCache, params_home, shard_cache
+from ..offload.shards import HostShards, ShardCache, params_home, shard_cache
 from ..store import choose_home
 from ..store.plan import offload_spec
 from ..store.store import MasterStore, Piece, Run, Runs

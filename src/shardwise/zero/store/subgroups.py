@@ -301,8 +301,7 @@ class SubGroupStepper:
 class OffloadSlot:
     """One offloaded piece's optimizer state: per-element tensors map its files, the rest is its first chunk's."""
 
-    def __init__(self, stepper: SubGroupStepper, piece: int, numel: int,
-                 region: Callable[[str], torch.Tensor]) -> None:
+    def __init__(self, stepper: SubGroupStepper, piece: int, numel: int, region: Callable[[str], torch.Tensor]) -> None:
         """``region(kind)``: the piece's ``numel`` elements of file ``kind`` as a memory map."""
         self.stepper, self.chunks, self.numel, self.region = stepper, stepper.chunks_of.get(piece, []), numel, region
 
