@@ -1,35 +1,24 @@
-"""Where the flat stages keep gradients, from autograd's hooks to the reduced gradient.
+"""Where the flat stages keep gradients, from autograd's hooks to the reduced gradient (docs/life-of-a-gradient.md).
 
-Chosen once per stage, beside where the masters live (the master store's home, :mod:`.store`).  Two storages, one class each:
+Two storages, chosen once per stage:
 
-* :class:`FlatGrads` (stages 0 and 1): one full-size flat buffer that
-  ``param.grad`` views into, as DDP's ``gradient_as_bucket_view``; a bucket is
-  reduced straight from its region of it.  The buffer comes from the allocator
-  the strategy passes in: private memory, or memory every rank maps when the
-  collectives go through shared memory (the reduction then reads in place).
-* :class:`StagedGrads` (stage 2): no full-size buffer.  Between boundaries
-  gradients accumulate in ``param.grad`` where autograd puts them; at a
-  boundary each is copied (in fp32) into its bucket's staging tensor and
-  released, and the staging goes once the bucket is reduced.
+* :class:`FlatGrads` (stages 0 and 1): one full-size flat buffer that ``param.grad`` views into, as DDP's
+  ``gradient_as_bucket_view``; a bucket is reduced straight from its region.  The buffer comes from the
+  allocator the strategy passes in: private memory, or memory every rank maps when the collectives go through
+  shared memory (the reduction then reads in place).
+* :class:`StagedGrads` (stage 2): no full-size buffer.  Between boundaries gradients accumulate in
+  ``param.grad``; at a boundary each is copied (in fp32) into its bucket's staging tensor and released, and the
+  staging goes once the bucket is reduced.
 
-Each also says where this rank's averaged fp32 gradient lands
-(:class:`ReducedGrads`: inside the full buffer when it is fp32, else a separate
-shard) and whether ``param.grad`` holds the full-size gradient the masters may
-step in place (:attr:`GradStorage.in_params`).
+Each says where this rank's averaged fp32 gradient lands (:class:`ReducedGrads`: inside the full buffer when it
+is fp32, else a separate shard) and whether ``param.grad`` holds the full-size gradient the masters may step in
+place (:attr:`GradStorage.in_params`).  Each parameter's post-accumulate hook is :meth:`GradStorage.on_grad`:
+at a boundary it counts the bucket's arrivals, and a complete bucket (every earlier one launched, so all ranks
+issue the same collectives in the same order) goes to the stage's collective (one of the functions below).
+:meth:`GradStorage.finish` waits for every bucket in one call and takes the norm's share of each.
 
-The storage is where a gradient goes first: each parameter's post-accumulate
-hook is :meth:`GradStorage.on_grad`.  At a boundary it counts the bucket's
-arrivals, and a bucket complete (with every earlier one launched, so all ranks
-issue the same collectives in the same order) is handed to the stage's
-collective (the ``reduce`` it was built with, one of the functions below: the
-one thing stages 0, 1 and 2 do differently there).  :meth:`GradStorage.finish`
-waits for every bucket (in one call: a step's path does not grow with its
-buckets) and takes the gradient norm's share of each.
-
-``param.grad`` is the truth, as in plain PyTorch: whatever cleared it (the
-engine's ``zero_grad``, ``module.zero_grad()``, ``p.grad = None``) discarded
-what the storage held, and autograd hands over a fresh tensor that holds
-everything since; it is copied over the storage, never added.
+``param.grad`` is the truth, as in plain PyTorch: whatever cleared it (``zero_grad``, ``p.grad = None``)
+discarded what the storage held, and autograd's fresh tensor is copied over the storage, never added.
 """
 
 from __future__ import annotations

@@ -1,35 +1,22 @@
 """The flat stages' side of the master store: their parameters in one flat buffer, this rank's slice of it, and
 the state carried across a rebuild of the layout.
 
-For a layout (:class:`~.layout.FlatLayout`) the trainable parameters become views of one flat buffer of the
-compute dtype, bucket after bucket, so that this rank's slice of each bucket is where its updated values go
-and one all-gather per bucket, in place, brings the others' (:meth:`FlatSide.gather_pairs`).  In fp32 that
-slice is the masters itself: the store's :class:`~.store.Resident` home steps it in place and nothing is
-copied.  With one shard and the gradients in ``param.grad`` (stage 0 in fp32) the parameters keep their own
-storage and are stepped themselves, as in plain DDP (:attr:`FlatSide.whole`).  A frozen parameter keeps its
-own storage too; the store keeps its master whole, replicated (a rank cannot know which piece of it it will
-own once it trains again).
+For a :class:`~.layout.FlatLayout` the trainable parameters become views of one flat buffer of the compute
+dtype, so this rank's slice of each bucket is where its updated values go and one all-gather per bucket, in
+place, brings the others' (:meth:`FlatSide.gather_pairs`).  In fp32 that slice is the masters itself (the
+store's :class:`~..store.store.Resident` home steps it in place).  With one shard and the gradients in
+``param.grad`` (stage 0 in fp32) the parameters keep their own storage and are stepped themselves, as in DDP
+(:attr:`FlatSide.whole`).  A frozen parameter keeps its own storage; the store keeps its master whole.
 
-The all-gather runs behind the next forward (:class:`PendingGathers`, here with the buffer it fills).
-After ``step()`` each rank holds updated values only for its own slice of
-every bucket; one all-gather per bucket brings the others'.  torch's
-``ZeroRedundancyOptimizer`` waits for its broadcasts inside ``step()``.  Here
-the gathers are started in forward order and ``step()`` returns at once; a
-bucket is waited for only when one of its parameters is first used, so the
-first layers compute while the later layers' values are still arriving.
-
-"Used" means any torch function applied to the parameter: the module's own
-forward, a parent reading a child's weight through ``F.linear``, ``state_dict()``,
-a user's ``p.norm()`` in a callback, ``.data``.  While its bucket is in
-flight a parameter's class is :class:`GatheringParameter`, whose
-``__torch_function__`` waits for the bucket and turns the bucket's parameters
-back into plain ``nn.Parameter`` before the function runs, so code that reads
-parameters between ``step()`` and the next forward sees the updated values,
-as with DDP.  Reading or setting ``.grad`` and reading ``.requires_grad``
-are not uses: they touch no values and do not wait.  Once every bucket has
-been waited for, no parameter is special and the hot path costs nothing.  The strategy waits for everything itself
-before anything that writes parameters or master weights (backward, the next
-step, loading, changing the trainable set, closing).
+The all-gathers run behind the next forward (:class:`PendingGathers`).  torch's ``ZeroRedundancyOptimizer``
+waits for its broadcasts inside ``step()``; here ``step()`` returns at once and a bucket is waited for only
+when one of its parameters is first used (any torch function on it: a forward, ``F.linear`` on a child's
+weight, ``state_dict()``, ``p.norm()``, ``.data``), so the first layers compute while later layers' values
+arrive.  While its bucket is in flight a parameter's class is :class:`GatheringParameter`, whose
+``__torch_function__`` waits for the bucket and makes its parameters plain ``nn.Parameter`` again first.
+Reading or setting ``.grad`` and reading ``.requires_grad`` touch no values and do not wait.  The strategy
+waits for everything itself before anything that writes parameters or masters (backward, step, loading,
+changing the trainable set, closing).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The flat stages 0, 1 and 2 (``Stage0``, ``Stage1``, ``Stage2``) over their shared base: full parameters on every rank.
 
-What the three stages share lives here: the :class:`~.layout.FlatLayout`,
-the optimizer step over this rank's masters, the all-gather of the updated
-slices behind the next forward, and carrying state across a change of the
-trainable set.  Where gradients live is the stage's
-:attr:`FlatStrategy.grad_storage` (:mod:`.grads`), built once per layout with
-the allocator the transport offers: each parameter's post-accumulate hook is
-the storage's, which launches a complete bucket itself.  The masters and
-optimizer state are the master store's (:mod:`.store`), in the home chosen
-once at initialize; the store's model side here is :mod:`.side` (this
-rank's slice of the flat parameter buffer), and each piece's ``.grad`` is a
-fixed view of the reduced gradients.  A stage differs only in how it reduces
-(its ``_reduction``) and which storage it uses:
+What the three share lives in :class:`FlatStrategy`: the :class:`~.layout.FlatLayout`, the step over this
+rank's masters (the master store's, :mod:`..store`, its model side :mod:`.side`), the all-gather of the updated
+slices behind the next forward, and carrying state across a change of the trainable set.  Where gradients live
+is the stage's :attr:`FlatStrategy.grad_storage` (:mod:`.grads`), whose hooks launch complete buckets
+themselves; each piece's ``.grad`` is a fixed view of the reduced gradients.  A stage differs only in how it
+reduces (its ``_reduction``) and which storage it uses:
 
 * stage 0 (:class:`Stage0`): plain data parallel; one shard, each bucket is all-reduced and the step writes
   every parameter itself (in fp32 the parameters are the masters, so memory matches DDP);
@@ -20,10 +14,6 @@ fixed view of the reduced gradients.  A stage differs only in how it reduces
 * stage 2 (:class:`Stage2`): as stage 1, with gradients staged per bucket at the boundary instead of living in
   a full-size buffer (:class:`~.grads.StagedGrads`); between boundaries (accumulation, ``no_sync``) they
   accumulate in ``param.grad`` at full size, trading that memory for communicating once per step.
-
-A bucket is launched once all of its parameters' gradients are in *and* every
-earlier bucket has been launched, so all ranks issue the same collectives in
-the same order even when their autograd orders differ.
 """
 
 from __future__ import annotations

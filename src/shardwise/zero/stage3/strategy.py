@@ -52,8 +52,8 @@ _MAX_IN_FLIGHT = 2
 
 
 class InFlight(NamedTuple):
-    """One unit's reduce-scatter, launched: ``source`` (the unit's local gradients) stays alive until it is
-    waited for; ``output`` receives this rank's slice; ``trainable``: the indices of its trainable params."""
+    """One unit's reduce-scatter: ``source`` (its local gradients) lives until waited for, ``output`` receives this
+    rank's slice; ``trainable``: the indices of its trainable params."""
 
     work: Work
     unit: Unit
@@ -72,9 +72,7 @@ class Stage3(Strategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.units: list[Unit] = []
-        #: this rank's pieces with their masters and optimizer state, the home chosen once: in fp32 the shards
-        #: are the masters, unless they live in files or host memory (masters apart from them), or the state
-        #: goes to files or host memory
+        # the store's home, chosen once: in fp32 the shards are the masters unless they live in files
         self._device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         in_files = params_home(self.zero_config, self._device) is not None
         self.side = UnitSide(self.comm.rank, in_files)
@@ -83,8 +81,7 @@ class Stage3(Strategy):
         self.store = MasterStore(choose_home(self.side, offload, fp32 and not in_files, self._device,
                                              self.precision.dtype))
         self.side.store = self.store
-        #: the shards' file and host cache where `offload_param` is nvme, their host home where it is cpu on an
-        #: accelerator (made with the units)
+        #: the shards' file and host cache (`offload_param: nvme`), or host home (cpu, on an accelerator)
         self.shards: Optional[ShardCache | HostShards] = None
         self.gatherer = Gatherer(self.module, self.units, self.zero_config, self.side, self.comm.rank)
         self._params: list[nn.Parameter] = []  # the optimizer's parameters, module order
@@ -141,7 +138,6 @@ class Stage3(Strategy):
             self.units.append(unit)
 
     def _point_optimizer(self) -> None:
-        """Put this rank's fp32 pieces into the inner optimizer's groups in place of the parameters."""
         for group, originals in zip(self.inner.param_groups, self._groups):
             group["params"] = self.store.keys_for(originals)
 
@@ -232,9 +228,8 @@ class Stage3(Strategy):
             del self._works[: -_MAX_IN_FLIGHT]
 
     def _land(self, flights: list[InFlight], last: bool) -> None:
-        """Wait for ``flights`` (one call), and hand the store each unit's trainable pieces with this rank's slice
-        of their reduced gradients, to add to the pieces' gradients (which of them no rank had a gradient for,
-        :meth:`step` is told); ``last``: the reduction is over."""
+        """Wait for ``flights`` (one call); the store adds each unit's slice to its pieces' gradients (``last``: the
+        reduction is over)."""
         wait_all([flight.work for flight in flights])
         by_unit = self.side.by_unit
         reduced = [([p for p in by_unit.get(f.unit, ()) if p.index in f.trainable], f.output) for f in flights]
@@ -251,8 +246,7 @@ class Stage3(Strategy):
         self.gatherer.abort_backward()
 
     def _drain(self) -> None:
-        """Wait for the reduce-scatters still in flight and drop their results (a backward that raised: they
-        must not land in the next step's gradients)."""
+        """Wait for the reduce-scatters in flight and drop them (a backward raised: not into the next step's)."""
         works, self._works = self._works, []
         for flight in works:
             flight.work.wait()
@@ -300,8 +294,7 @@ class Stage3(Strategy):
         self._refresh_gathered()
 
     def _refresh_gathered(self) -> None:
-        """Gathered units of trainable parameters hold stale full values after a step: a persistent unit, or
-        one something holds, is re-gathered; any other is dropped (the next use gathers it)."""
+        """After a step, gathered trainable units are stale: a persistent or held one is re-gathered, others dropped."""
         for unit in self.units:
             state = unit.state
             if unit not in self._trainable or state is UnitState.SHARDED:
@@ -317,11 +310,7 @@ class Stage3(Strategy):
         self.store.drop_grads()
 
     def _forget_grads(self) -> None:
-        """What zero_grad forgets here, beside the pieces' gradients."""
-        self._dirty = False
-        self._arrived = {}
-        self._ready = set()
-        self._had = set()
+        self._dirty, self._arrived, self._ready, self._had = False, {}, set(), set()
         with torch._C.DisableTorchFunctionSubclass():
             for unit in self.units:
                 for param in unit.params:
@@ -374,8 +363,7 @@ class Stage3(Strategy):
                 unit.refresh()
 
     def save_entries(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Partitioned entries are gathered one at a time; entry ``i`` of them is written by rank
-        ``i % N``, so no rank holds more than its share (collective)."""
+        """Partitioned entries are gathered one at a time, entry ``i`` written by rank ``i % N`` (collective)."""
         owned = super().save_entries({n: t for n, t in live.items() if not is_partitioned(t)})
         partitioned = [n for n, t in live.items() if is_partitioned(t)]
         for index, name in enumerate(partitioned):
@@ -405,8 +393,7 @@ class Stage3(Strategy):
 
     # =============================================================== close
     def close(self, restore_params: bool = True) -> None:
-        """Remove every hook and give each parameter back its full storage (collective); without
-        ``restore_params``, an empty one instead (nothing gathered: a model no rank could hold whole)."""
+        """Without ``restore_params`` each parameter gets an empty storage (a model no rank could hold whole)."""
         held = [unit for unit in self.units if unit.holders]
         if held:
             raise UnitError(
@@ -445,8 +432,7 @@ class Stage3(Strategy):
 
 
 def _on_grad(strategy: "weakref.ref[Stage3]", unit: "weakref.ref[Unit]", index: int, param: torch.Tensor) -> None:
-    """A trainable parameter's post-accumulate hook (the gradient lands in this file first); the strategy and the
-    unit held weakly (the unit holds this engine's machinery)."""
+    """A trainable parameter's post-accumulate hook, landing in this file first; both held weakly."""
     held, of = strategy(), unit()
     if held is not None and of is not None:
         held._on_grad(of, index, param)
@@ -490,8 +476,8 @@ def _check_module(module: nn.Module, comm: Comm) -> None:
 
 
 def _initial_flat(unit: Unit, initial: dict[int, torch.Tensor]) -> torch.Tensor:
-    """The unit's full fp32 values (``initial``: exact values by id; from ``zero.Init`` shards where the
-    model was built partitioned)."""
+    """The unit's full fp32 values (``initial``: exact values by id; where the model was built under ``zero.Init``,
+    its units' shards gathered, from the fp32 ``pristine`` where they were cast down)."""
     gathered: dict[int, torch.Tensor] = {}
     values = []
     for param in unit.params:
@@ -500,18 +486,13 @@ def _initial_flat(unit: Unit, initial: dict[int, torch.Tensor]) -> torch.Tensor:
             values.append(initial.get(id(param), param.data))
             continue
         if id(source) not in gathered:
-            gathered[id(source)] = _gather_fp32(source)
+            shard = source.pristine if source.pristine is not None else source.shard
+            full = torch.empty(source.padded, dtype=shard.dtype, device=shard.device)
+            source.comm.all_gather(full, shard)
+            gathered[id(source)] = full.float()
         values.append(source.param_view(gathered[id(source)], param.__dict__["_shardwise_index"]))
     device = values[0].device if values else torch.device("cpu")
     return unit.flatten(values, torch.float32, device)
-
-
-def _gather_fp32(unit: Unit) -> torch.Tensor:
-    """The full flat fp32 values of a ``zero.Init`` unit (exact when it was cast down)."""
-    source = unit.pristine if unit.pristine is not None else unit.shard
-    gathered = torch.empty(unit.padded, dtype=source.dtype, device=source.device)
-    unit.comm.all_gather(gathered, source)
-    return gathered.float()
 
 
 def unit_specs(module: nn.Module, threshold: int) -> list[tuple[list[nn.Parameter], list[str], bool]]:
@@ -546,8 +527,7 @@ class UnitSide:
     """This rank's pieces of stage 3's units (see the module docstring); ``in_files``: the shards live in a file."""
 
     def __init__(self, rank: int, in_files: bool) -> None:
-        self.rank = rank
-        self.in_files = in_files
+        self.rank, self.in_files = rank, in_files
         #: the store whose masters follow the values written into the units (set once it is made)
         self.store: MasterStore
         self.by_unit: dict[Unit, list[Piece]] = {}
@@ -593,9 +573,8 @@ class UnitSide:
         return values
 
     def write(self, runs: Runs, last: bool = False) -> None:
-        """Cast into the units' shards: with the shards in memory, through fixed views, all in one ``foreach``
-        call; kept in files, one write per unit (a shard not in memory takes them in the file, unread), and units
-        the write is past may let their shards go (all of them once the ``last`` write is done)."""
+        """Cast into the units' shards: in memory through fixed views, one ``foreach`` call; in files one write per
+        unit, the units the write is past letting their shards go (all once the ``last`` write is done)."""
         if not self.in_files:
             if not runs:  # (a load with nothing of this rank's to write: foreach refuses empty lists)
                 return
@@ -642,11 +621,8 @@ class UnitSide:
             self.store.take(piece, _local(piece, unit.shard))
 
     def on_written(self, unit: Unit) -> None:
-        """A forward wrote ``unit``'s gathered values in place: this rank's slice becomes its shard and masters.
-
-        Only the parameters whose slice changed are copied, so the fp32 masters of the others keep
-        their exact values (a copy from the compute dtype would round them).
-        """
+        """A forward wrote ``unit``'s gathered values in place: this rank's slice becomes its shard and masters
+        (only pieces that changed: the others' fp32 masters keep their exact values, a copy would round them)."""
         with torch._C.DisableTorchFunctionSubclass():
             fresh = unit.local(unit.full)
             if torch.equal(fresh, unit.shard):

@@ -62,10 +62,8 @@ class Host(Home):
 
     def __init__(self, side: ModelSide, spec: OffloadSpec, copies: DeviceCopies, near: Home) -> None:
         super().__init__(side, copies)
-        self.spec = spec
-        self.device_copies = copies
-        #: the pieces before :attr:`split` (``ratio`` below 1): on the device, as without offload (the in-memory
-        #: home, :class:`~.store.Resident`, given by the store: it lives beside the store, which imports this file)
+        self.spec, self.device_copies = spec, copies
+        #: the pieces before :attr:`split` (``ratio`` below 1): on the device, in a :class:`~.store.Resident` home
         self.near = near
         #: the shard's elements ``[0, split)`` stay on the device
         self.split = 0
@@ -175,8 +173,7 @@ class Host(Home):
 
     # ----------------------------------------------------------- accounting
     def nbytes(self) -> int:
-        """Bytes of the masters apart from the model (on the device before the split, in host memory after it)
-        and of the host gradient and staging buffers."""
+        """Bytes of the masters apart from the model (either side of the split) and the copies' buffers."""
         host = sum(p.key.numel() * 4 for pieces in self._groups for p in pieces if p.key is not None)
         return self.near.nbytes() + host + self.device_copies.nbytes()
 

@@ -88,7 +88,7 @@ class Nvme(Home):
         super().add(piece, initial)
 
     def start(self, piece: Piece, initial: torch.Tensor) -> torch.Tensor:
-        self._plan().write("master", piece.at, initial.float().contiguous(), "the initial masters")
+        self.stepper.write("master", piece.at, initial.float().contiguous(), "the initial masters")
         return placeholder(piece.numel)
 
     @property
@@ -98,16 +98,13 @@ class Nvme(Home):
                                "build a new engine")
         return self.files
 
-    def _plan(self) -> SubGroupStepper:
+    @property
+    def stepper(self) -> SubGroupStepper:
         """The sub-groups of the shard and the step over them (planned in :meth:`plan`)."""
         if self._stepper is None:
             raise RuntimeError(f"rank {self.spec.rank}: the offloaded masters were used before they were planned "
                                "(a bug in shardwise); please report it")
         return self._stepper
-
-    @property
-    def stepper(self) -> SubGroupStepper:
-        return self._plan()
 
     @property
     def resident(self) -> int:
@@ -120,54 +117,47 @@ class Nvme(Home):
 
     # ------------------------------------------------- where a piece's state is
     def region(self, kind: str, piece: Piece) -> torch.Tensor:
-        """The piece's elements of ``kind``: a memory map of its file, or a view of host memory where the piece is
-        resident (writes go there)."""
-        return self._plan().region(kind, piece.at, piece.numel, self.kinds.get(kind, torch.float32))
+        """The piece's elements of ``kind``: a memory map of its file, or a view of host memory (writes go there)."""
+        return self.stepper.region(kind, piece.at, piece.numel, self.kinds.get(kind, torch.float32))
 
     def master(self, piece: Piece) -> torch.Tensor:
         return self.region("master", piece)
 
     def slot(self, piece: Piece, state: MutableMapping[Any, Any]) -> OffloadSlot:
-        """The piece's optimizer state, as memory maps of its files and its chunks' small values."""
-        return OffloadSlot(self._plan(), self._index[piece], piece.numel, lambda kind: self.region(kind, piece))
+        return OffloadSlot(self.stepper, self._index[piece], piece.numel, lambda kind: self.region(kind, piece))
 
     # -------------------------------------------------------- trainability
     def freeze(self, piece: Piece, state: MutableMapping[Any, Any]) -> Kept:
         kept_state = {k: copy_value(v) for k, v in self.slot(piece, state).get().items()}
         kept = Kept(piece.start, piece.end, self.region("master", piece).clone(), KeptSlot(kept_state))
-        self._plan().forget(self._index[piece])
+        self.stepper.forget(self._index[piece])
         return kept
 
     def thaw(self, piece: Piece, kept: Optional[Kept], state: MutableMapping[Any, Any]) -> None:
         self.region("master", piece).copy_(kept.master if kept is not None else self.side.values(piece))
-        self._plan().forget(self._index[piece])
+        self.stepper.forget(self._index[piece])
         if kept is not None and kept.state:
             self.slot(piece, state).set(kept.state)
         piece.key = placeholder(piece.numel)
 
     # ------------------------------------------------------------------- step
     def step(self, inner: Any) -> None:
-        """One optimizer step over every sub-group with something to step: read ahead, step, publish, write
-        behind (a step that fails part-way leaves the engine refusing to step or save:
-        :meth:`.SubGroupStepper.step`)."""
         self.publish()  # after a load: the files' masters into the model first
         self.side.settle()  # (a shard a failed step left held)
         self.settle_grads()
-        self._plan().step(inner, self)
+        self.stepper.step(inner, self)
         self.side.settle()
 
     def stepped(self, chunk: Chunk) -> Optional[torch.Tensor]:
-        """The chunk's key where its piece trains and has a gradient this step (else torch would leave it alone:
-        the step passes it by)."""
+        """The chunk's key where its piece trains and has a gradient this step (else the step passes it by)."""
         key = self.pieces[chunk.piece].key
         return key if key is not None and key.grad is not None else None
 
     def publish_sub_group(self, updated: list[tuple[Chunk, torch.Tensor]]) -> None:
-        """The updated masters into the model."""
         self._write([(self.pieces[chunk.piece], chunk.at, master) for chunk, master in updated])
 
     def _write(self, runs: list[tuple[Piece, int, torch.Tensor]]) -> None:
-        """Into the model: through the copies up where it is on an accelerator."""
+        """Into the model (through the copies up where it is on an accelerator)."""
         if self.copies is not None:
             self.copies.publish(self.side.write, runs)
         else:
@@ -186,13 +176,11 @@ class Nvme(Home):
 
     # ----------------------------------------------------------- accounting
     def nbytes(self) -> int:
-        """Host bytes of the read-ahead/write-behind buffers and the resident masters (the others are on disk), and
-        of the gradient and staging buffers of the copies to an accelerator."""
+        """Host bytes of the I/O buffers, the resident masters and the copies' gradient and staging buffers."""
         resident = self._stepper.memory_bytes(master=True) if self._stepper is not None else 0
         return self.pool.nbytes() + resident + (self.copies.nbytes() if self.copies is not None else 0)
 
     def state_nbytes(self) -> int:
-        """Host bytes of the resident sub-groups' optimizer state."""
         return self._stepper.memory_bytes(master=False) if self._stepper is not None else 0
 
     def close(self) -> None:
