@@ -1,21 +1,18 @@
-"""The interface every ZeRO stage implements, and the helpers the stages share (hooks that hold their engine weakly, so a dropped engine is freed).
+"""The interface every ZeRO stage implements, and the helpers the stages share (hooks that hold their engine weakly, so
+a dropped engine is freed).
 
-The engine and :class:`~shardwise.optim.precision.ZeroOptimizer` know only this
-interface; what a stage keeps where (replicated, sharded, gathered on demand) is
-the stage's business.  The step pipeline is the same for all stages
+The engine and :class:`~shardwise.optim.precision.ZeroOptimizer` know only this interface; what a stage keeps where
+(replicated, sharded, gathered on demand) is the stage's business.  The step pipeline is the same for all stages
 (``run_backward`` runs its first three for the engine, in one call):
 
-``start_backward(sync)`` → autograd (the stage's hooks reduce gradients when
-``sync``) → ``finish_backward()`` → ``step_sums()`` (local) → [all-reduce if
-``shards_grads``] → overflow check and the unscale/clip factor (the optimizer) →
-``step(inner, factor, sums, release)``: gradients scaled, the inner optimizer
-stepped over the stage's masters (parameters no rank had a gradient for left
-alone), the updated masters written into the model's parameters, and with
+``start_backward(sync)`` → autograd (the stage's hooks reduce gradients when ``sync``) → ``finish_backward()`` →
+``step_sums()`` (local) → [all-reduce if ``shards_grads``] → overflow check and the unscale/clip factor (the optimizer)
+→ ``step(inner, factor, sums, release)``: gradients scaled, the inner optimizer stepped over the stage's masters
+(parameters no rank had a gradient for left alone), the updated masters written into the model's parameters, and with
 ``release`` (the engine's step) the gradients dropped as ``zero_grad()`` does.
 
-``start_backward`` and ``finish_backward`` are each stage's own (no shared
-``super()`` part): they are on every gradient's path, and what they share is
-three fields of :class:`Backward`.
+``start_backward`` and ``finish_backward`` are each stage's own (no shared ``super()`` part): they are on every
+gradient's path, and what they share is three fields of :class:`Backward`.
 """
 
 from __future__ import annotations
@@ -102,9 +99,8 @@ def _remove(handles: Iterable[Any]) -> None:
 
 @dataclass
 class Backward:
-    """What one engine's current backward is doing: written by the stage's ``start_backward`` and
-    ``finish_backward``, read by its gradient hooks (which may live on another object: the flat stages'
-    gradient storage)."""
+    """What one engine's current backward is doing: written by the stage's ``start_backward`` and ``finish_backward``,
+    read by its gradient hooks (which may live on another object: the flat stages' gradient storage)."""
 
     #: whether this backward reduces (an accumulation boundary outside ``no_sync``)
     sync: bool = False
@@ -217,14 +213,12 @@ class Strategy(ABC):
 
     @abstractmethod
     def checkpoint_shards(self, loading: bool, wanted: frozenset[str] = frozenset()) -> contextlib.AbstractContextManager[list[ParamShard]]:
-        """This rank's pieces of every parameter with a master: the trainable ones and the frozen
-        ones that keep state to resume (empty for inference).
+        """This rank's pieces of every parameter with a master: the trainable ones and the frozen ones that keep state
+        to resume (empty for inference).
 
-        Saving: the pieces to write.  Loading: frozen parameters named in
-        ``wanted`` (those the checkpoint has optimizer state for) get a piece
-        too, so the state lands where it is kept until they train again; on a
-        clean exit the frozen pieces' loaded masters are written into the model
-        (collective).
+        Saving: the pieces to write.  Loading: frozen parameters named in ``wanted`` (those the checkpoint has optimizer
+        state for) get a piece too, so the state lands where it is kept until they train again; on a clean exit the
+        frozen pieces' loaded masters are written into the model (collective).
         """
 
     def save_entries(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

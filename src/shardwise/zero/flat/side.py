@@ -1,22 +1,21 @@
-"""The flat stages' side of the master store: their parameters in one flat buffer, this rank's slice of it, and
-the state carried across a rebuild of the layout.
+"""The flat stages' side of the master store: their parameters in one flat buffer, this rank's slice of it, and the
+state carried across a rebuild of the layout.
 
-For a :class:`~.layout.FlatLayout` the trainable parameters become views of one flat buffer of the compute
-dtype, so this rank's slice of each bucket is where its updated values go and one all-gather per bucket, in
-place, brings the others' (:meth:`FlatSide.gather_pairs`).  In fp32 that slice is the masters itself (the
-store's :class:`~..store.store.Resident` home steps it in place).  With one shard and the gradients in
-``param.grad`` (stage 0 in fp32) the parameters keep their own storage and are stepped themselves, as in DDP
-(:attr:`FlatSide.whole`).  A frozen parameter keeps its own storage; the store keeps its master whole.
+For a :class:`~.layout.FlatLayout` the trainable parameters become views of one flat buffer of the compute dtype, so
+this rank's slice of each bucket is where its updated values go and one all-gather per bucket, in place, brings the
+others' (:meth:`FlatSide.gather_pairs`).  In fp32 that slice is the masters itself (the store's
+:class:`~..store.store.Resident` home steps it in place).  With one shard and the gradients in ``param.grad`` (stage 0
+in fp32) the parameters keep their own storage and are stepped themselves, as in DDP (:attr:`FlatSide.whole`).  A frozen
+parameter keeps its own storage; the store keeps its master whole.
 
-The all-gathers run behind the next forward (:class:`PendingGathers`).  torch's ``ZeroRedundancyOptimizer``
-waits for its broadcasts inside ``step()``; here ``step()`` returns at once and a bucket is waited for only
-when one of its parameters is first used (any torch function on it: a forward, ``F.linear`` on a child's
-weight, ``state_dict()``, ``p.norm()``, ``.data``), so the first layers compute while later layers' values
-arrive.  While its bucket is in flight a parameter's class is :class:`GatheringParameter`, whose
-``__torch_function__`` waits for the bucket and makes its parameters plain ``nn.Parameter`` again first.
-Reading or setting ``.grad`` and reading ``.requires_grad`` touch no values and do not wait.  The strategy
-waits for everything itself before anything that writes parameters or masters (backward, step, loading,
-changing the trainable set, closing).
+The all-gathers run behind the next forward (:class:`PendingGathers`).  torch's ``ZeroRedundancyOptimizer`` waits for
+its broadcasts inside ``step()``; here ``step()`` returns at once and a bucket is waited for only when one of its
+parameters is first used (any torch function on it: a forward, ``F.linear`` on a child's weight, ``state_dict()``,
+``p.norm()``, ``.data``), so the first layers compute while later layers' values arrive.  While its bucket is in flight
+a parameter's class is :class:`GatheringParameter`, whose ``__torch_function__`` waits for the bucket and makes its
+parameters plain ``nn.Parameter`` again first. Reading or setting ``.grad`` and reading ``.requires_grad`` touch no
+values and do not wait.  The strategy waits for everything itself before anything that writes parameters or masters
+(backward, step, loading, changing the trainable set, closing).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The flat stages 0, 1 and 2 (``Stage0``, ``Stage1``, ``Stage2``) over their shared base: full parameters on every rank.
+"""The flat stages 0, 1 and 2 (``Stage0``, ``Stage1``, ``Stage2``) over their shared base: full parameters on every
+rank.
 
 What the three share lives in :class:`FlatStrategy`: the :class:`~.layout.FlatLayout`, the step over this
 rank's masters (the master store's, :mod:`..store`, its model side :mod:`.side`), the all-gather of the updated

@@ -1,19 +1,17 @@
-"""Offload folders under ``nvme_path``: whose each is, removing those of processes that are gone, and room on the
-disk for every rank of this host that offloads there, checked before training.
+"""Offload folders under ``nvme_path``: whose each is, removing those of processes that are gone, and room on the disk
+for every rank of this host that offloads there, checked before training.
 
-A rank's folder is ``shardwise-<host>-ns<pid namespace>-pid<pid>-rank<r>-<random>`` (:func:`tempfile.mkdtemp`:
-unique, made atomically).  A process killed with ``SIGKILL`` cannot remove it, so the next set-up on the host
-sweeps (:func:`sweep`) every folder whose creator no longer runs, as :func:`shardwise.comm.shm.sweep` does.
-Only folders this host can judge are touched: host name and pid namespace must be this process's (a pid means
-nothing on another host or container), the folder this user's, its creator not running.  A reused pid keeps
-its folder (a leak, never a loss).
+A rank's folder is ``shardwise-<host>-ns<pid namespace>-pid<pid>-rank<r>-<random>`` (:func:`tempfile.mkdtemp`: unique,
+made atomically).  A process killed with ``SIGKILL`` cannot remove it, so the next set-up on the host sweeps
+(:func:`sweep`) every folder whose creator no longer runs, as :func:`shardwise.comm.shm.sweep` does. Only folders this
+host can judge are touched: host name and pid namespace must be this process's (a pid means nothing on another host or
+container), the folder this user's, its creator not running.  A reused pid keeps its folder (a leak, never a loss).
 
-Room: ranks of one host usually share one disk, and a check of one rank passes for each while together they
-fill it.  So a rank first writes its need into its own folder (a *claim*, ``.room``, written whole by a
-rename), then adds up the claims of every live folder of this host on the same file system (``st_dev``), less
-what each has written already, and compares with the free space (:func:`claim_room`).  Of any two ranks the
-later to check sees both claims, so when they do not fit at least one raises (the others learn it from the
-fault layer).  Folders of other hosts are not counted.
+Room: ranks of one host usually share one disk, and a check of one rank passes for each while together they fill it.  So
+a rank first writes its need into its own folder (a *claim*, ``.room``, written whole by a rename), then adds up the
+claims of every live folder of this host on the same file system (``st_dev``), less what each has written already, and
+compares with the free space (:func:`claim_room`).  Of any two ranks the later to check sees both claims, so when they
+do not fit at least one raises (the others learn it from the fault layer).  Folders of other hosts are not counted.
 """
 
 from __future__ import annotations
@@ -29,7 +27,9 @@ from typing import Optional
 
 from ...comm.processes import running
 
-__all__ = ["CLAIM", "Claim", "Owner", "claim_room", "claims_beside", "folder_prefix", "is_ours_to_judge", "owner_of", "sweep"]
+__all__ = [
+    "CLAIM", "Claim", "Owner", "claim_room", "claims_beside", "folder_prefix", "is_ours_to_judge", "owner_of", "sweep",
+]
 
 _NAME = re.compile(r"shardwise-(?P<host>[A-Za-z0-9.-]+)-ns(?P<ns>\d+)-pid(?P<pid>\d+)-rank(?P<rank>\d+)-[A-Za-z0-9_]+")
 

@@ -1,12 +1,11 @@
 """Digests of what a rank wrote into its offload files, checked against what it reads back.
 
-A file under ``nvme_path`` can change between a write and a read with no error (another process, the disk,
-the page cache); trained on, such bytes make the loss inf or move weights silently.  So every write of a run of
-bytes records a 64-bit digest (xxHash's XXH3, chosen by measurement: docs/offload.md), and every read checks
-each recorded run inside what it read.  Runs never overlap; a write drops the digests of runs it overlaps.
-Bytes a read finds with no digest get one from that read.  A memory map may be written through (a checkpoint
-load): the runs it touches are checked when it is made, their digests suspended while a map lives, and taken
-anew from the file once the last one is freed.
+A file under ``nvme_path`` can change between a write and a read with no error (another process, the disk, the page
+cache); trained on, such bytes make the loss inf or move weights silently.  So every write of a run of bytes records a
+64-bit digest (xxHash's XXH3, chosen by measurement: docs/offload.md), and every read checks each recorded run inside
+what it read.  Runs never overlap; a write drops the digests of runs it overlaps. Bytes a read finds with no digest get
+one from that read.  A memory map may be written through (a checkpoint load): the runs it touches are checked when it is
+made, their digests suspended while a map lives, and taken anew from the file once the last one is freed.
 """
 
 from __future__ import annotations

@@ -30,9 +30,8 @@ class GatheredParameters:
             if dist.get_rank() == 0:
                 model.head.weight[:10].zero_()
 
-    ``fwd_module`` is accepted for DeepSpeed compatibility and ignored.  Collective, so it announces
-    itself first (:mod:`shardwise.faults.announce`): a rank entering it alone raises, with the others, before
-    anything is gathered.
+    ``fwd_module`` is accepted for DeepSpeed compatibility and ignored.  Collective, so it announces itself first
+    (:mod:`shardwise.faults.announce`): a rank entering it alone raises, with the others, before anything is gathered.
     """
 
     def __init__(
@@ -121,12 +120,10 @@ register("GatheredParameters.__enter__", "GatheredParameters")
 def register_external_parameter(module: nn.Module, parameter: torch.Tensor) -> None:
     """Gather ``parameter`` whenever ``module`` runs, like its own parameters.
 
-    A parameter read inside a module's forward that belongs to another module
-    (``F.linear(x, self.child.weight)`` on a child the forward never calls) is
-    gathered automatically at stage 3; registering it only lets the gather
-    happen up front, with prefetching, instead of at the first read.  Works
-    before or after ``shardwise.initialize``; a no-op for parameters that are
-    not partitioned.
+    A parameter read inside a module's forward that belongs to another module (``F.linear(x, self.child.weight)`` on a
+    child the forward never calls) is gathered automatically at stage 3; registering it only lets the gather happen up
+    front, with prefetching, instead of at the first read.  Works before or after ``shardwise.initialize``; a no-op for
+    parameters that are not partitioned.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(

@@ -63,18 +63,14 @@ def _remote_device_line(remote_device: Optional[str], config: Optional[Config]) 
 class Init:
     """Context manager: modules constructed inside are partitioned for ZeRO stage 3 as they are built.
 
-    ``config`` (dict, path or :class:`shardwise.Config`) must select
-    ``zero_optimization.stage`` 3 when given; ``process_group`` must be the one
-    later passed to ``shardwise.initialize``; ``enabled=False`` makes the
-    context a no-op; ``module=`` partitions an existing module right away.
-    DeepSpeed's ``config_dict_or_path`` and ``data_parallel_group`` are
-    accepted as aliases; ``pin_memory``, ``mem_efficient_linear``, ``dtype``
-    and ``mpu`` are accepted and ignored (the engine casts to the config's
-    dtype). ``remote_device`` (DeepSpeed's ``None``, ``'cpu'`` or ``'nvme'``):
-    the shards are built in host memory whatever it says, and ``initialize``
-    puts them where the config's ``offload_param`` says (``'nvme'`` needs
-    ``offload_param: {device: nvme}`` in ``config``, else it is an error);
-    an info line says which.
+    ``config`` (dict, path or :class:`shardwise.Config`) must select ``zero_optimization.stage`` 3 when given;
+    ``process_group`` must be the one later passed to ``shardwise.initialize``; ``enabled=False`` makes the context a
+    no-op; ``module=`` partitions an existing module right away. DeepSpeed's ``config_dict_or_path`` and
+    ``data_parallel_group`` are accepted as aliases; ``pin_memory``, ``mem_efficient_linear``, ``dtype`` and ``mpu`` are
+    accepted and ignored (the engine casts to the config's dtype). ``remote_device`` (DeepSpeed's ``None``, ``'cpu'`` or
+    ``'nvme'``): the shards are built in host memory whatever it says, and ``initialize`` puts them where the config's
+    ``offload_param`` says (``'nvme'`` needs ``offload_param: {device: nvme}`` in ``config``, else it is an error); an
+    info line says which.
     """
 
     def __init__(self, config: Any = None, process_group: Optional[dist.ProcessGroup] = None,

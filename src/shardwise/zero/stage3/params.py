@@ -25,23 +25,9 @@ from ...comm.distributed import Comm, Work, wait_all
 from . import traced
 
 __all__ = [
-    "InMemoryShard",
-    "ShardStorage",
-    "Unit",
-    "checksum",
-    "UnitError",
-    "UnitOwner",
-    "UnitState",
-    "gather_units",
-    "hold",
-    "is_partitioned",
-    "let_go",
-    "move",
-    "not_gathered_error",
-    "partition_parameter",
-    "prepare_for_compile",
-    "restore_parameter",
-    "unit_of",
+    "InMemoryShard", "ShardStorage", "Unit", "UnitError", "UnitOwner", "UnitState", "checksum", "gather_units",
+    "hold", "is_partitioned", "let_go", "move", "not_gathered_error", "partition_parameter", "prepare_for_compile",
+    "restore_parameter", "unit_of",
 ]
 
 _UNIT_ATTR = "_shardwise_unit"
@@ -94,10 +80,9 @@ class UnitError(RuntimeError):
 def move(rank: int, what: str, current: _S, to: _S, allowed: Mapping[_S, frozenset[_S]], event: str, fix: str) -> _S:
     """The one checked move of stage 3's life cycles (a unit's :class:`UnitState`, a model's training state).
 
-    Returns ``to`` when the table ``allowed`` (per state, the states it may move to) lets ``current``
-    move there; otherwise raises a :class:`UnitError` naming ``what`` (a unit, a model), the state it
-    was in, the move ``event`` attempted and ``fix``, instead of leaving the state wrong for a later
-    step to trip over.
+    Returns ``to`` when the table ``allowed`` (per state, the states it may move to) lets ``current`` move there;
+    otherwise raises a :class:`UnitError` naming ``what`` (a unit, a model), the state it was in, the move ``event``
+    attempted and ``fix``, instead of leaving the state wrong for a later step to trip over.
     """
     if to in allowed.get(current, frozenset()):
         return to
@@ -207,17 +192,14 @@ _UNIT_MOVES: dict[UnitState, frozenset[UnitState]] = {
 class Unit:
     """Parameters stored as one flat buffer, ``1/N`` of it on each rank.
 
-    Life cycle (:class:`UnitState`): ``SHARDED`` → ``gather(async_op=True)`` →
-    ``GATHERING`` → ``wait()`` → ``GATHERED`` → ``free()`` → ``SHARDED``; a
-    persistent unit stays ``PERSISTENT`` (``free()`` leaves it gathered) until
-    ``unpersist()``.  Every change goes through :meth:`_move`, which raises on a
-    move the life cycle lacks: ``gather()`` of a unit that is not sharded,
-    ``wait()`` with no gather in flight.  Code that only needs the values
-    present, whatever the state, says so with :meth:`ensure_gathered`.  ``holders`` counts who needs the
-    full values right now (running forwards and backwards,
-    ``GatheredParameters`` blocks); :meth:`acquire` and :meth:`release` are
-    the only code that changes it, and freeing a held unit, or releasing one
-    nobody holds, is an error rather than something to clamp.
+    Life cycle (:class:`UnitState`): ``SHARDED`` → ``gather(async_op=True)`` → ``GATHERING`` → ``wait()`` → ``GATHERED``
+    → ``free()`` → ``SHARDED``; a persistent unit stays ``PERSISTENT`` (``free()`` leaves it gathered) until
+    ``unpersist()``.  Every change goes through :meth:`_move`, which raises on a move the life cycle lacks: ``gather()``
+    of a unit that is not sharded, ``wait()`` with no gather in flight.  Code that only needs the values present,
+    whatever the state, says so with :meth:`ensure_gathered`.  ``holders`` counts who needs the full values right now
+    (running forwards and backwards, ``GatheredParameters`` blocks); :meth:`acquire` and :meth:`release` are the only
+    code that changes it, and freeing a held unit, or releasing one nobody holds, is an error rather than something to
+    clamp.
     """
 
     def __init__(
@@ -471,8 +453,7 @@ class Unit:
     def convert(self, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> None:
         """Cast the shard (and the freed full buffer) to ``dtype``/``device``.
 
-        The first down-cast keeps the fp32 shard in ``pristine`` so master
-        weights can start from exact values.
+        The first down-cast keeps the fp32 shard in ``pristine`` so master weights can start from exact values.
         """
         device = device or self.device
         dtype = dtype or self.shard.dtype

@@ -158,7 +158,7 @@ class Stage3(Strategy):
             if unit is not None and param.requires_grad:
                 index = param.__dict__["_shardwise_index"]
                 self._trainable.setdefault(unit, []).append(index)
-                if id(param) not in self._grad_hooks:  # held weakly: a dropped engine is freed (:func:`..base.remove_with`)
+                if id(param) not in self._grad_hooks:  # held weakly: a dropped engine is freed (`remove_with`)
                     hook = functools.partial(_on_grad, weakref.ref(self), weakref.ref(unit), index)
                     added.append(param.register_post_accumulate_grad_hook(hook))
                     self._grad_hooks[id(param)] = added[-1]

@@ -140,12 +140,11 @@ def _plan(module: nn.Module, shapes: dict[str, list[int]]) -> _Plan:
 
 def load_state_dict(module: nn.Module, state_dict_or_path: StateSource, strict: bool = True,
                     process_group: Optional[dist.ProcessGroup] = None) -> LoadResult:
-    """Load full weights into ``module`` (partitioned by ``zero.Init`` or a stage-3 engine, or plain),
-    one unit at a time; collective.  See the module docstring.
+    """Load full weights into ``module`` (partitioned by ``zero.Init`` or a stage-3 engine, or plain), one unit at a
+    time; collective.  See the module docstring.
 
-    With ``strict`` (default) any missing or unexpected name is an error, raised
-    on every rank before anything is changed.  Returns the missing and
-    unexpected names.
+    With ``strict`` (default) any missing or unexpected name is an error, raised on every rank before anything is
+    changed.  Returns the missing and unexpected names.
     """
     comm = _comm_of(module, process_group)
     owner = f"a `{type(module).__name__}`"

@@ -84,15 +84,12 @@ class DeviceCopies:
     def down(self, owners: Iterable[Hashable]) -> None:
         """Start copying the registered gradients of ``owners`` down (their reduction landed)."""
         pairs = [pair for owner in owners if (pair := self._sources.get(owner)) is not None]
-        self._copy(pairs)
+        self.down_fresh(pairs)
         for owner in self._copied.keys() | {owner for owner in owners if owner in self._sources}:
             self._copied[owner] = self._sources[owner][1]._version  # (the landing buckets' writes are the reduction's)
 
     def down_fresh(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Start copying each ``(view, temporary)``: a gradient made on the device for this copy only."""
-        self._copy(pairs)
-
-    def _copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Start copying each ``(view, source)`` down (a registered gradient, or one made for this copy only)."""
         if not pairs:
             return
         if self.stream is None:
@@ -112,7 +109,7 @@ class DeviceCopies:
             self.stream.synchronize()
         stale = [owner for owner, version in self._copied.items() if self._sources[owner][1]._version != version]
         if stale:
-            self._copy([self._sources[owner] for owner in stale])
+            self.down_fresh([self._sources[owner] for owner in stale])
             if self.stream is not None:
                 self.stream.synchronize()
             self.restamp()

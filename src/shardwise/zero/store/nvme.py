@@ -1,18 +1,17 @@
 """The store's home in files (``offload_optimizer: {device: nvme}``): fp32 masters and optimizer state on disk.
 
-Each piece gets a run of elements at ``piece.at`` in a ``master`` file and one file per kind of per-element
-state (``exp_avg``, ...), laid out as this rank's shard, in a folder of this rank's own
-(:class:`~..offload.files.NvmeFiles`); with ``ratio`` below 1 the first sub-groups stay in host memory
-(:mod:`.subgroups`).  The tensor the inner optimizer holds for a piece (its key) is a one-element placeholder
-whose ``.grad`` is the piece's fp32 gradient, in memory as without offload, so clipping and the unused-parameter
-rule see it unchanged.
+Each piece gets a run of elements at ``piece.at`` in a ``master`` file and one file per kind of per-element state
+(``exp_avg``, ...), laid out as this rank's shard, in a folder of this rank's own (:class:`~..offload.files.NvmeFiles`);
+with ``ratio`` below 1 the first sub-groups stay in host memory (:mod:`.subgroups`).  The tensor the inner optimizer
+holds for a piece (its key) is a one-element placeholder whose ``.grad`` is the piece's fp32 gradient, in memory as
+without offload, so clipping and the unused-parameter rule see it unchanged.
 
-The step (:class:`~.subgroups.SubGroupStepper`) reads each sub-group ahead on a background thread, runs torch's
-``step`` over it, publishes its masters through the stage's :class:`~.store.ModelSide` and writes it back while
-the next one steps; a sub-group whose chunks have no gradient is neither read nor written.  Between steps the
-inner optimizer's ``state`` is empty.  A checkpoint sees a piece's master and state as memory maps of the files
-(:class:`~.subgroups.OffloadSlot`); a piece that stops training takes them out into the store's kept entries.
-On a job on an accelerator gradients come down and masters go up through :class:`~.copies.DeviceCopies`.
+The step (:class:`~.subgroups.SubGroupStepper`) reads each sub-group ahead on a background thread, runs torch's ``step``
+over it, publishes its masters through the stage's :class:`~.store.ModelSide` and writes it back while the next one
+steps; a sub-group whose chunks have no gradient is neither read nor written.  Between steps the inner optimizer's
+``state`` is empty.  A checkpoint sees a piece's master and state as memory maps of the files
+(:class:`~.subgroups.OffloadSlot`); a piece that stops training takes them out into the store's kept entries. On a job
+on an accelerator gradients come down and masters go up through :class:`~.copies.DeviceCopies`.
 """
 
 from __future__ import annotations

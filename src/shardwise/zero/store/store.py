@@ -1,27 +1,26 @@
 """One master store for every ZeRO stage: this rank's fp32 master weights and optimizer state, and what frozen
 parameters keep until they train again.
 
-A :class:`MasterStore` holds this rank's pieces (:class:`Piece`: elements ``[start, end)`` of one flattened
-parameter, at ``at`` in this rank's *shard*), the flat stages' slices and stage 3's parts of units alike.
-Where their masters and state live is its :class:`Home`, chosen once at initialize
-(:func:`~shardwise.zero.store.choose_home`):
+A :class:`MasterStore` holds this rank's pieces (:class:`Piece`: elements ``[start, end)`` of one flattened parameter,
+at ``at`` in this rank's *shard*), the flat stages' slices and stage 3's parts of units alike. Where their masters and
+state live is its :class:`Home`, chosen once at initialize (:func:`~shardwise.zero.store.choose_home`):
 
-* :class:`Resident`: in memory; the master is the model's own storage where it holds fp32 values (stage 0's
-  parameters, the flat stages' buffer slices, stage 3's shards), else a separate fp32 copy;
+* :class:`Resident`: in memory; the master is the model's own storage where it holds fp32 values (stage 0's parameters,
+  the flat stages' buffer slices, stage 3's shards), else a separate fp32 copy;
 * :class:`~.nvme.Nvme`: in files, stepped sub-group by sub-group;
 * :class:`~.host.Host`: in host memory for a model on an accelerator (ZeRO-Offload).
 
 What the store does once for every stage and home: the optimizer's param groups hold the pieces' keys
-(:meth:`MasterStore.keys_for`); the step (scale, leave alone pieces no rank had a gradient for, step, publish);
-freezing (:class:`FrozenStore`, :meth:`MasterStore.refresh`; the flat stages rebuild their layout and
-:meth:`MasterStore.adopt` takes back what :func:`..flat.side.export_state` kept); checkpoint shards (:meth:`MasterStore.shards`);
-byte accounting; and masters following values written into the model (:meth:`MasterStore.take`).  Where the
-state is in host memory and the model on an accelerator, :attr:`Home.copies` moves gradients down and values
-up; :meth:`Home.grad_for`, :meth:`Home.arrived` and :meth:`Home.add_grads` are where stages hand gradients over.
+(:meth:`MasterStore.keys_for`); the step (scale, leave alone pieces no rank had a gradient for, step, publish); freezing
+(:class:`FrozenStore`, :meth:`MasterStore.refresh`; the flat stages rebuild their layout and :meth:`MasterStore.adopt`
+takes back what :func:`..flat.side.export_state` kept); checkpoint shards (:meth:`MasterStore.shards`); byte accounting;
+and masters following values written into the model (:meth:`MasterStore.take`).  Where the state is in host memory and
+the model on an accelerator, :attr:`Home.copies` moves gradients down and values up; :meth:`Home.grad_for`,
+:meth:`Home.arrived` and :meth:`Home.add_grads` are where stages hand gradients over.
 
-The stages differ in their :class:`ModelSide` (where a piece's values are in the model and how updated masters
-get there: :mod:`..flat.side`, ``UnitSide`` in :mod:`..stage3.strategy`) and in how gradients arrive (the flat
-stages point each key's ``.grad`` at a fixed view of the reduced buffer; stage 3 adds each unit's reduction,
+The stages differ in their :class:`ModelSide` (where a piece's values are in the model and how updated masters get
+there: :mod:`..flat.side`, ``UnitSide`` in :mod:`..stage3.strategy`) and in how gradients arrive (the flat stages point
+each key's ``.grad`` at a fixed view of the reduced buffer; stage 3 adds each unit's reduction,
 :meth:`MasterStore.add_reduced`).
 """
 
@@ -40,7 +39,8 @@ from ..flat.layout import Piece as Run
 from .copies import DeviceCopies
 
 __all__ = [
-    "FrozenStore", "Home", "Kept", "MasterStore", "ModelSide", "NormShare", "Piece", "Resident", "Run", "Runs", "sum_sq",
+    "FrozenStore", "Home", "Kept", "MasterStore", "ModelSide", "NormShare", "Piece", "Resident", "Run", "Runs",
+    "sum_sq",
 ]
 
 
@@ -163,9 +163,8 @@ class ModelSide(Protocol):
 class Home(ABC):
     """Where the masters and optimizer state of a store's pieces live (see the module docstring).
 
-    The store calls :meth:`plan` once, then :meth:`add` for each piece (in shard order);
-    :meth:`freeze` and :meth:`thaw` when a piece stops or starts training (stage 3), :meth:`step` for each
-    optimizer step."""
+    The store calls :meth:`plan` once, then :meth:`add` for each piece (in shard order); :meth:`freeze` and :meth:`thaw`
+    when a piece stops or starts training (stage 3), :meth:`step` for each optimizer step."""
 
     #: whether the masters are the model's own storage (nothing to publish, no copy held apart)
     in_model = False
