@@ -10,7 +10,7 @@ from ..comm.distributed import Comm
 from ..optim.precision import Precision
 from .base import Strategy
 from .flat.strategy import Stage0, Stage1, Stage2
-from .stage3.gathered import GatheredParameters, register_external_parameter
+from .stage3.hooks import GatheredParameters, register_external_parameter
 from .stage3.init import Init
 from .stage3.strategy import Stage3
 from .stage3.weights import LoadResult, load_state_dict

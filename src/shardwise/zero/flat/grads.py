@@ -48,9 +48,8 @@ Allocate = Callable[[int, torch.dtype, torch.device], torch.Tensor]
 Reduce = Callable[[torch.Tensor, torch.Tensor], tuple[Work, Optional[torch.Tensor]]]
 
 
-# The stages' collectives (a strategy binds one to its `Comm` with functools.partial and hands it to the
-# storage): written here, beside the storage that calls them, so a bucket goes from the storage straight to
-# the transport.
+# The stages' collectives (a strategy binds one to its `Comm` with functools.partial and hands it to the storage):
+# written here, beside the storage that calls them, so a bucket goes from the storage straight to the transport.
 
 def all_reduce_in_place(comm: Comm, source: torch.Tensor, output: torch.Tensor) -> tuple[Work, None]:
     """Stage 0 (one shard, ``output`` is the whole bucket): average in ``output``; a bf16/fp16 ``source`` is

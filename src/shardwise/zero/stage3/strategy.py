@@ -42,8 +42,7 @@ from ..offload.shards import HostShards, ShardCache, params_home, shard_cache
 from ..store import choose_home
 from ..store.plan import offload_spec
 from ..store.store import MasterStore, Piece, Run, Runs
-from .gathered import GatheredParameters
-from .hooks import Gatherer
+from .hooks import GatheredParameters, Gatherer
 from .params import Unit, UnitError, UnitState, is_partitioned, restore_parameter, unit_of
 
 __all__ = ["InFlight", "Stage3", "UnitSide", "piece_runs", "take_grads"]

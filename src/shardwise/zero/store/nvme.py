@@ -22,11 +22,10 @@ import torch
 
 from ...optim.param_state import KeptSlot, copy_value
 from ..offload.files import NvmeFiles
-from ..offload.readahead import BufferPool
 from .copies import DeviceCopies
 from .plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, say_split, state_bytes_per_element
 from .store import Home, Kept, ModelSide, Piece, Run
-from .subgroups import OffloadSlot, SubGroupStepper, placeholder, pool_for
+from .subgroups import BufferPool, OffloadSlot, SubGroupStepper, placeholder, pool_for
 
 __all__ = ["Nvme"]
 
