@@ -114,24 +114,20 @@ _TRAINING_MOVES: dict[TrainingState, frozenset[TrainingState]] = {
 
 
 class MasterValues(Protocol):
-    """Who keeps copies of the units' values apart from their shards (stage 3's master weights)."""
+    """Who keeps copies of the units' values apart from their shards (stage 3's master weights; the first and last
+    are :class:`~.params.UnitOwner`'s)."""
 
-    def on_params_modified(self, unit: Unit) -> None:
-        """New full values were written into ``unit`` and scattered to its shards."""
+    def on_params_modified(self, unit: Unit) -> None: ...
 
     def on_written(self, unit: Unit) -> None:
         """A forward (or backward) wrote ``unit``'s gathered values in place: keep this rank's slice of them."""
 
-    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
-        """``unit``'s shard took the fp32 ``values`` (this rank's slice) for the parameters ``loaded``."""
+    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None: ...
 
 
 class Gatherer:
-    """Owns the gather/free life cycle of one engine's units (the stage 3 ``UnitOwner``).
-
-    ``units`` is the engine's list of units (filled before :meth:`install`); ``values``
-    is told about every change of their values that did not come from a step.
-    """
+    """Owns the gather/free life cycle of one engine's units (the stage 3 ``UnitOwner``): ``units`` is the engine's list
+    (filled before :meth:`install`); ``values`` is told of every change of their values not from a step."""
 
     def __init__(self, module: nn.Module, units: list[Unit], zero_config: Any, values: MasterValues, rank: int) -> None:
         self.module = module
@@ -236,12 +232,6 @@ class Gatherer:
     def _live_numel(self) -> int:
         return sum(u.numel for u in self._live if u.gathered)
 
-    def _prefetch(self, trace: list[Unit], start: int) -> int:
-        """Start gathers for ``trace[start:]`` up to the prefetch budget; returns where it stopped."""
-        ahead, index = self._ahead(trace, start)
-        if ahead:
-            self._hold((), ahead)
-        return index
 
     def _hold(self, units: Sequence[Unit], ahead: Sequence[Unit]) -> None:
         """:func:`~.params.hold`; where it raises (a shard that failed to read from its file), the units it left
@@ -296,9 +286,10 @@ class Gatherer:
                 units.append(unit)
         call = _Call(module, units)
         self._stack.append(call)
-        if units and self._last:
-            # Start this call's own gathers and the next ones together, then wait for its own.
-            self._cursor = self._prefetch(self._last, max(self._cursor, len(self._trace)))
+        if units and self._last:  # the next units' gathers start with this call's own (its own waited for below)
+            ahead, self._cursor = self._ahead(self._last, max(self._cursor, len(self._trace)))
+            if ahead:
+                self._hold((), ahead)
         for unit in units:
             self._acquire_for(call, unit)
         if units and torch.is_grad_enabled():
@@ -419,13 +410,11 @@ class Gatherer:
     def on_cast(self, unit: Unit, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> bool:
         return False
 
-    def on_params_modified(self, unit: Unit) -> None:
-        """``GatheredParameters(modifier_rank=...)`` wrote new values into ``unit``."""
+    def on_params_modified(self, unit: Unit) -> None:  # (`GatheredParameters(modifier_rank=...)` wrote it)
         self.values.on_params_modified(unit)
 
     # ----------------------------------------------------- in-place writes
     def on_write(self, unit: Unit) -> contextlib.AbstractContextManager[None]:
-        """An in-place operation is about to write parameters of the gathered ``unit``."""
         if self._stack or self._in_backward():
             self._written[unit] = None  # written back when the call holding it ends
             return contextlib.nullcontext()
@@ -461,8 +450,7 @@ class Gatherer:
             # No collective: the step check compares this note, so different writes on different ranks fail it.
             unit.comm.record("in-place write", unit.numel, unit.full.dtype, f"{unit.label}, values {after:x}")
 
-    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
-        """``zero.load_state_dict`` gave ``unit`` new fp32 values."""
+    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:  # (`zero.load_state_dict`)
         self.values.on_values_loaded(unit, values, loaded)
 
     # ----------------------------------------------------------- backward
@@ -507,22 +495,19 @@ class Gatherer:
         call.task = task
         self._ensure_backward_callback()
         self._live.update(unit for unit in call.units if not unit.gathered)
+        trace = self._bw_trace  # ahead: the units after the call's in the reversed forward order
+        for index in range(self._bw_cursor, len(trace)):
+            if trace[index] in call.units:
+                self._bw_cursor = index + 1
+                break
         # the call's own gathers and the next ones in one call, then the call's waited for
-        self._hold(call.units, self._ahead_backward(call))
+        self._hold(call.units, self._ahead(trace, self._bw_cursor, call.units)[0])
         call.held = list(call.units)
         self._bw_calls.append(call)
         if not call.post:
             for unit in call.units:
                 self.held_for_grads.setdefault(unit, []).append(call)
 
-    def _ahead_backward(self, call: _Call) -> list[Unit]:
-        """What backward gathers ahead of ``call``: the units after the call's in the reversed forward order."""
-        trace = self._bw_trace
-        for index in range(self._bw_cursor, len(trace)):
-            if trace[index] in call.units:
-                self._bw_cursor = index + 1
-                break
-        return self._ahead(trace, self._bw_cursor, call.units)[0]
 
     def post_backward(self, call: _Call) -> None:
         held, call.held = call.held, []
@@ -558,9 +543,8 @@ class Gatherer:
         self._settle_read_aheads()
 
     def abort_forward(self) -> None:
-        """The engine's forward raised past the module hooks (torch runs the always-called post-hooks for an
-        ``Exception`` only: a ``KeyboardInterrupt`` skips them): let go of what its calls held, as their ends
-        would have."""
+        """The engine's forward raised past the module hooks (a ``KeyboardInterrupt`` skips torch's always-called
+        post-hooks): let go of what its calls held, as their ends would have."""
         while self._stack:
             self._post_forward(self._stack[-1].module, (), None)  # what the skipped hook would have done
         if self.state is TrainingState.FORWARD:
@@ -574,8 +558,7 @@ class Gatherer:
 
 
 def module_units(root: nn.Module) -> dict[nn.Module, list[Unit]]:
-    """Per module of ``root``, the non-persistent units holding its direct parameters (a tied parameter's
-    unit is gathered by every module holding it)."""
+    """Per module of ``root``, the non-persistent units holding its direct parameters (tied: every holder's)."""
     holders: dict[nn.Module, list[Unit]] = {}
     for module in root.modules():
         found: list[Unit] = []
@@ -624,13 +607,8 @@ class GatheredParameters:
     (:mod:`shardwise.faults.announce`): a rank entering it alone raises, with the others, before anything is gathered.
     """
 
-    def __init__(
-        self,
-        params: Union[torch.Tensor, Iterable[torch.Tensor], None],
-        modifier_rank: Optional[int] = None,
-        fwd_module: Optional[nn.Module] = None,
-        enabled: bool = True,
-    ) -> None:
+    def __init__(self, params: Union[torch.Tensor, Iterable[torch.Tensor], None], modifier_rank: Optional[int] = None,
+                 fwd_module: Optional[nn.Module] = None, enabled: bool = True) -> None:
         if isinstance(params, torch.Tensor):
             params = [params]
         self.params = list(params) if params is not None and enabled else []
@@ -671,12 +649,8 @@ class GatheredParameters:
         if scope is not None:
             scope.close()
 
-    def __exit__(
-        self,
-        exc_type: Optional[type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> None:
+    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
         try:
             if self.modifier_rank is not None and exc_type is None:
                 for unit in self.units:
@@ -696,8 +670,7 @@ class GatheredParameters:
 
 
 def _announcer_of(unit: Unit) -> Announcer:
-    """Who announces for ``unit``: the engine that owns it, or (a model under ``zero.Init`` not yet wrapped) a
-    bare announcer on the unit's group."""
+    """Who announces for ``unit``: its engine, or (``zero.Init`` not yet wrapped) a bare one on the unit's group."""
     announcer = getattr(unit.owner, "announcer", None)
     if isinstance(announcer, Announcer):
         return announcer

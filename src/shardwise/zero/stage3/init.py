@@ -219,6 +219,9 @@ class Init:
     def on_params_modified(self, unit: Unit) -> None:
         """Nothing else holds copies of a ``zero.Init`` unit's values."""
 
+    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
+        """Nothing else holds copies of a ``zero.Init`` unit's values (its fp32 ``pristine`` followed)."""
+
     def on_traced_read(self, unit: Unit, param: torch.Tensor) -> None:
         """A compiled graph replays without asking again: a partitioned parameter never enters one here."""
         raise RuntimeError(
@@ -227,9 +230,6 @@ class Init:
             "when the graph runs again. Run it eagerly, or compile the model and call it after "
             "`shardwise.initialize` (its hooks gather the parameters)"
         )
-
-    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
-        """Nothing else holds copies of a ``zero.Init`` unit's values (its fp32 ``pristine`` followed)."""
 
     def on_gathered_data_access(self, unit: Unit) -> None:
         """A gathered unit here is held by an operation or a ``.data`` read that re-partitions it itself."""

@@ -73,8 +73,7 @@ _S = TypeVar("_S", bound=enum.Enum)
 
 
 class UnitError(RuntimeError):
-    """A unit (or the model holding units) was used against its life cycle (a bug in shardwise or in
-    code holding units)."""
+    """A unit (or the model holding units) was used against its life cycle (a bug in shardwise or its caller)."""
 
 
 def move(rank: int, what: str, current: _S, to: _S, allowed: Mapping[_S, frozenset[_S]], event: str, fix: str) -> _S:
@@ -96,8 +95,7 @@ def move(rank: int, what: str, current: _S, to: _S, allowed: Mapping[_S, frozens
 
 # ------------------------------------------------------------- the local shard
 class ShardStorage(Protocol):
-    """Where a unit's local shard lives: in memory (:class:`InMemoryShard`), or in a file with a bounded host
-    cache (:mod:`..offload.shards`)."""
+    """Where a unit's local shard lives: in memory (:class:`InMemoryShard`), or apart (:mod:`..offload.shards`)."""
 
     @property
     def device(self) -> torch.device:
@@ -150,20 +148,13 @@ class InMemoryShard:
             torch._foreach_copy_([self.shard.narrow(0, at, v.numel()) for at, v in parts], [v for _, v in parts],
                                  non_blocking=True)  # from pinned staging (host offload): not waited for
 
-    def released(self) -> None:
-        pass
-
-    def read_ahead(self) -> None:
-        pass
-
-    def settle_read_ahead(self) -> None:
-        pass
-
     def held_bytes(self) -> int:
         return self.shard.numel() * self.shard.element_size()
 
-    def discard(self) -> None:
-        pass
+    def released(self) -> None:
+        """Nothing to do: the shard never leaves memory (nor is it read ahead, or let go unwritten)."""
+
+    read_ahead = settle_read_ahead = discard = released
 
 
 # ------------------------------------------------------------------ the unit
