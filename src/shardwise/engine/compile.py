@@ -4,7 +4,7 @@ Every stage also takes a model compiled before ``shardwise.initialize``
 (``torch.compile(model)``, or ``block.compile()`` per block as FSDP2
 recommends); ``engine.compile`` is the same thing after it.  At stage 3 the
 hooks that gather parameters run between graphs, never inside one (see
-``zero/stage3/traced.py``); docs/stage3.md gives the graph counts.
+``zero/stage3/params.py``); docs/stage3.md gives the graph counts.
 """
 
 from __future__ import annotations

@@ -48,11 +48,11 @@ from .params import (
     let_go,
     move,
     not_gathered_error,
+    outside_graphs,
     param_name,
     prepare_for_compile,
     unit_of,
 )
-from .traced import outside_graphs
 
 __all__ = [
     "GatheredParameters", "Gatherer", "MasterValues", "TrainingState", "module_units", "register_external_parameter",

@@ -10,21 +10,29 @@ whose ``__torch_function__`` notices an operation on values while the unit is fr
 *owner* (:class:`UnitOwner`: the stage 3 engine, ``zero.Init``) to gather it, or raises naming
 ``GatheredParameters``.  Metadata is always readable.  The interception is per parameter object and undone by
 :func:`restore_parameter`: nothing process-wide is patched.
+
+Inside ``torch.compile``d code (docs/stage3.md, "torch.compile"): Dynamo cannot trace the eager bookkeeping, and
+must not (a graph replays without Python).  So while Dynamo traces, an operation on a partitioned parameter goes
+straight to torch, and the check runs once, at trace time (:func:`_check_read`, ``assume_constant_result``): the
+owner makes every replay find the parameter gathered (stage 3 registers it as an external parameter of the running
+module) or raises.  The stage 3 hooks never enter a graph (:func:`outside_graphs`): a graph breaks at each module
+call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import weakref
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, TypeVar
 
 import torch
 from torch import nn
 
 from ...comm.distributed import Comm, Work, wait_all
-from . import traced
 
 __all__ = [
+    "outside_graphs", "skip_frames", "track", "traced_call", "untrack",
     "InMemoryShard", "ShardStorage", "Unit", "UnitError", "UnitOwner", "UnitState", "checksum", "gather_units",
     "hold", "is_partitioned", "let_go", "move", "not_gathered_error", "partition_parameter", "prepare_for_compile",
     "restore_parameter", "unit_of",
@@ -486,7 +494,7 @@ def partition_parameter(param: nn.Parameter, unit: Unit, index: int) -> None:
     """Attach ``param`` to ``unit`` and swap its class so freed values are never read."""
     param.__dict__[_UNIT_ATTR] = unit
     param.__dict__[_INDEX_ATTR] = index
-    traced.track(param, unit)
+    track(param, unit)
     cls = type(param)
     if not getattr(cls, "_shardwise_partitioned", False):
         param.__class__ = _partitioned_class(cls)
@@ -496,7 +504,7 @@ def restore_parameter(param: nn.Parameter) -> None:
     """Undo :func:`partition_parameter` (the caller gives ``param`` its own full storage first)."""
     param.__dict__.pop(_UNIT_ATTR, None)
     param.__dict__.pop(_INDEX_ATTR, None)
-    traced.untrack(param)
+    untrack(param)
     cls = type(param)
     if getattr(cls, "_shardwise_partitioned", False):
         param.__class__ = cls.__bases__[0]
@@ -613,14 +621,14 @@ def _partitioned_in(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
 
 def _torch_function(cls: type, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
     kwargs = kwargs or {}
-    if torch.compiler.is_compiling():  # Dynamo inlines this into a graph: see .traced
-        return traced.traced_call(func, args, kwargs)
+    if torch.compiler.is_compiling():  # Dynamo inlines this into a graph (below)
+        return traced_call(func, args, kwargs)
     return _checked_call(func, args, kwargs)
 
 
 def prepare_for_compile() -> None:
-    """Let ``torch.compile`` trace operations on partitioned parameters (see :mod:`.traced`); idempotent."""
-    traced.skip_frames(_torch_function)
+    """Let ``torch.compile`` trace operations on partitioned parameters (see the section below); idempotent."""
+    skip_frames(_torch_function)
 
 
 def _checked_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -720,3 +728,78 @@ def let_go(units: Sequence[Unit]) -> list[Unit]:
             unit.free()
             freed.append(unit)
     return freed
+
+
+# ------------------------------------------------ inside torch.compile (see the module docstring)
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+#: id(parameter) -> (the parameter, its unit): how a check at trace time finds both from a constant.  Both
+#: held weakly (a unit holds its engine's machinery: a dropped engine and model must be freed), and an entry
+#: goes with its parameter.
+_TRACKED: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Any]]] = {}
+
+
+def track(param: torch.Tensor, unit: Any) -> None:
+    """``param`` is partitioned into ``unit``: a traced read of it is checked by ``unit.owner``."""
+    key = id(param)
+
+    def gone(ref: weakref.ref[torch.Tensor]) -> None:
+        if _TRACKED.get(key, (None,))[0] is ref:  # not a later parameter that got the same id
+            del _TRACKED[key]
+
+    _TRACKED[key] = (weakref.ref(param, gone), weakref.ref(unit))
+
+
+def untrack(param: torch.Tensor) -> None:
+    """``param`` is no longer partitioned."""
+    _TRACKED.pop(id(param), None)
+
+
+def traced_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """What a partitioned parameter's ``__torch_function__`` does while Dynamo traces it.
+
+    Every operation counts as a read, metadata too: Dynamo cannot hash ``func`` to tell them apart,
+    and the check costs nothing once traced.
+    """
+    for value in (*args, *kwargs.values()):
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if getattr(type(item), "_shardwise_partitioned", False):
+                _check_read(id(item))
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def outside_graphs(fn: _F) -> _F:
+    """``fn`` always runs eagerly: a graph being traced breaks where it is called (``torch._dynamo.disable``)."""
+    import torch._dynamo  # here, not at import: it costs ~0.9 s, paid by stage 3 engines only
+
+    return torch._dynamo.disable(fn)  # type: ignore[no-any-return]
+
+
+def skip_frames(fn: Callable[..., Any]) -> None:
+    """Dynamo never compiles ``fn`` (nor what it calls) as a frame of its own; it still inlines ``fn``
+    while tracing code that calls it.  An operation run eagerly between two graphs then takes its
+    eager path, checks included, instead of being traced alone with the checks left out."""
+    import torch._dynamo  # here, not at import, as in `outside_graphs`
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    torch._dynamo.eval_frame.set_code_exec_strategy(fn.__code__, strategy)
+
+
+def _check_read_now(param_id: int) -> bool:
+    entry = _TRACKED.get(param_id)
+    param, unit = (entry[0](), entry[1]()) if entry is not None else (None, None)
+    if param is None or unit is None:
+        return True
+    unit.owner.on_traced_read(unit, param)
+    return True
+
+
+def _check_read(param_id: int) -> bool:
+    """While Dynamo traces, a call of this runs :func:`_check_read_now` in Python and leaves a constant."""
+    return _check_read_now(param_id)
+
+
+# What `torch._dynamo.assume_constant_result` does (it only sets this), without importing Dynamo here.
+_check_read._dynamo_marked_constant = True  # type: ignore[attr-defined]
