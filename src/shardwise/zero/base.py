@@ -137,10 +137,8 @@ class Strategy(ABC):
         self._groups: list[list[nn.Parameter]] = []
 
     def attach(self, inner: Optional[Any], initial: Optional[dict[int, torch.Tensor]] = None) -> None:
-        """Take over the inner optimizer's param groups (None: inference only).
-
-        ``initial`` maps ``id(param)`` to its value before the model was cast to
-        the compute dtype, so fp32 master weights can start from it.
+        """Take over the inner optimizer's param groups (None: inference only).  ``initial`` maps ``id(param)`` to its
+        value before the model was cast to the compute dtype, so fp32 master weights can start from it.
         """
         self.inner = inner
         self.initial = initial or {}
@@ -222,10 +220,9 @@ class Strategy(ABC):
         """
 
     def save_entries(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Full values of the module entries ``live`` (buffers, frozen parameters) that this rank
-        writes: each entry by exactly one rank (collective where values must be gathered).
-
-        Replicated everywhere, so rank 0 writes them all, as DDP keeps rank 0's buffers.
+        """Full values of the module entries ``live`` (buffers, frozen parameters) that this rank writes: each entry by
+        exactly one rank (collective where values must be gathered).  Replicated everywhere, so rank 0 writes them all,
+        as DDP keeps rank 0's buffers.
         """
         self.settle()
         return {name: tensor.detach() for name, tensor in live.items()} if self.comm.rank == 0 else {}

@@ -353,10 +353,9 @@ class FlatGrads(GradStorage):
         self.take(index, param)  # at every backward, boundary or not: the buffer is where gradients accumulate
 
     def take(self, index: int, param: torch.Tensor) -> bool:
-        """Make ``param.grad`` its view of the buffer, holding what ``.grad`` held; whether it had one.
-
-        A ``.grad`` that is not the view is the truth (see the module docstring): copying it, as DDP's
-        reducer copies into its buckets, spares zeroing the whole buffer every step.
+        """Make ``param.grad`` its view of the buffer, holding what ``.grad`` held; whether it had one.  A ``.grad``
+        that is not the view is the truth (see the module docstring): copying it, as DDP's reducer copies into its
+        buckets, spares zeroing the whole buffer every step.
         """
         view = self._views[index]
         grad = param.grad

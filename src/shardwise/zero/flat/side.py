@@ -150,10 +150,9 @@ def export_state(layout: FlatLayout, store: MasterStore, state: MutableMapping[A
 
 def _scalars(layout: FlatLayout, local: dict[int, dict[str, Any]],
              comm: Comm) -> tuple[list[dict[str, Any]], list[list[str]]]:
-    """Per parameter: its non-per-element state, and the names of its per-element tensors.
-
-    Every piece of a parameter is stepped together, so whichever rank owns a
-    piece can speak for the whole parameter; one ``all_gather_object`` shares it.
+    """Per parameter: its non-per-element state, and the names of its per-element tensors.  Every piece of a parameter
+    is stepped together, so whichever rank owns a piece can speak for the whole parameter; one ``all_gather_object``
+    shares it.
     """
     mine: dict[int, tuple[dict[str, Any], list[str]]] = {}
     for run in layout.pieces:

@@ -122,11 +122,10 @@ class FlatStrategy(Strategy):
         self._unused = []
 
     def _build_store(self, params: list[nn.Parameter], initial: dict[int, torch.Tensor]) -> None:
-        """The master store for this layout: the home chosen as at initialize, the frozen entries carried over.
-
-        The parameters are stepped themselves (no flat buffer, no copy) where nothing is sharded or offloaded, the
-        model is fp32 and ``param.grad`` holds the full averaged gradient (stage 0); each other key's ``.grad`` is
-        its fixed view of this rank's reduced gradients."""
+        """The master store for this layout: the home chosen as at initialize, the frozen entries carried over.  The
+        parameters are stepped themselves (no flat buffer, no copy) where nothing is sharded or offloaded, the model is
+        fp32 and ``param.grad`` holds the full averaged gradient (stage 0); each other key's ``.grad`` is its fixed view
+        of this rank's reduced gradients."""
         layout, dtype, fp32 = self.layout, self.precision.dtype, self.precision.dtype == torch.float32
         offload = self._offload
         whole = offload is None and fp32 and layout.num_shards == 1 and self.grads.in_params
@@ -263,9 +262,8 @@ class FlatStrategy(Strategy):
         self._regather()
 
     def _regather(self) -> None:
-        """Start the all-gather of every bucket's updated slice, in forward order, and return.
-
-        The last bucket holds the first layers (buckets follow backward order), so it goes first.
+        """Start the all-gather of every bucket's updated slice, in forward order, and return.  The last bucket holds
+        the first layers (buckets follow backward order), so it goes first.
         """
         params, buckets = self.layout.params, self.layout.buckets[::-1]
         works = self.comm.all_gather_each(self._gathers[::-1], [f"parameters, bucket {b.index}" for b in buckets])
@@ -296,10 +294,8 @@ class FlatStrategy(Strategy):
         return self.inner is not None and tuple(p.requires_grad for p in self._order) != self._mask
 
     def refresh_trainable(self) -> None:
-        """Rebuild layout, buffers, hooks and optimizer pieces for the current ``requires_grad`` flags.
-
-        Master weights and optimizer state move with their parameters; a
-        parameter that stops training keeps them in the frozen store.
+        """Rebuild layout, buffers, hooks and optimizer pieces for the current ``requires_grad`` flags.  Master weights
+        and optimizer state move with their parameters; a parameter that stops training keeps them in the frozen store.
         """
         if self.inner is None:
             return

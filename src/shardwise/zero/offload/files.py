@@ -162,9 +162,8 @@ class Sums:
             runs.drop(runs.overlapping(start, end))
 
     def check(self, name: str, offset: int, data: memoryview, fill: bool = True) -> Optional[Mismatch]:
-        """``data`` was read at ``offset``: the first run inside it whose bytes changed, or None.
-
-        With ``fill``, bytes with no digest get one now (unless a map may write them)."""
+        """``data`` was read at ``offset``: the first run inside it whose bytes changed, or None.  With ``fill``, bytes
+        with no digest get one now (unless a map may write them)."""
         end = offset + len(data)
         with self._locked():
             runs = self._runs(name)

@@ -77,10 +77,8 @@ def is_ours_to_judge(owner: Owner) -> bool:
 
 
 def sweep(root: str) -> list[str]:
-    """Remove the folders under ``root`` made on this host by this user's processes that are gone.
-
-    Returns the names removed.  A folder that cannot be read or removed is left alone: the sweep never
-    makes a set-up fail.
+    """Remove the folders under ``root`` made on this host by this user's processes that are gone.  Returns the names
+    removed.  A folder that cannot be read or removed is left alone: the sweep never makes a set-up fail.
     """
     try:
         names = os.listdir(root)
@@ -157,9 +155,8 @@ def claims_beside(folder: Path) -> list[Claim]:
 
 
 def claim_room(folder: Path, needed: int, rank: int, what: str, key: str, label: str) -> None:
-    """Claim ``needed`` bytes for ``folder``'s rank and raise when this host's ranks on the disk do not fit.
-
-    ``what`` says what the bytes are for; ``key`` and ``label`` are the config key and the state errors name."""
+    """Claim ``needed`` bytes for ``folder``'s rank and raise when this host's ranks on the disk do not fit.  ``what``
+    says what the bytes are for; ``key`` and ``label`` are the config key and the state errors name."""
     _write_claim(folder, needed)
     free = shutil.disk_usage(folder).free
     claims = claims_beside(folder)

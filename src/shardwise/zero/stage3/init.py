@@ -34,10 +34,9 @@ logger = logging.getLogger("shardwise")
 
 
 def _remote_device_line(remote_device: Optional[str], config: Optional[Config]) -> Optional[str]:
-    """What DeepSpeed's ``remote_device`` means here, or an error when the config cannot honour it.
-
-    Whatever it says, ``zero.Init`` builds this rank's shards in host memory; where they live for
-    training is the config's ``offload_param`` (`initialize` writes them to NVMe when it says so).
+    """What DeepSpeed's ``remote_device`` means here, or an error when the config cannot honour it.  Whatever it says,
+    ``zero.Init`` builds this rank's shards in host memory; where they live for training is the config's
+    ``offload_param`` (`initialize` writes them to NVMe when it says so).
     """
     if remote_device not in _REMOTE_DEVICES:
         raise ValueError(f"zero.Init: `remote_device={remote_device!r}`; expected one of 'none', 'cpu' or 'nvme' "

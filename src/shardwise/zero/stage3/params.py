@@ -1,22 +1,21 @@
-"""Partitioned parameters: the storage model of ZeRO stage 3 and ``zero.Init`` (docs/stage3.md, "How parameters
-are stored").
+"""Partitioned parameters: the storage model of ZeRO stage 3 and ``zero.Init`` (docs/stage3.md, "How parameters are
+stored").
 
-A :class:`Unit` is a group of parameters (normally one module's direct parameters) in one flat buffer of
-``padded`` elements split into N equal slices: rank ``r`` keeps slice ``r`` (``unit.shard``) at all times.
-``unit.full`` has storage only while the unit is gathered; every parameter is a full-shape view into it.
+A :class:`Unit` is a group of parameters (normally one module's direct parameters) in one flat buffer of ``padded``
+elements split into N equal slices: rank ``r`` keeps slice ``r`` (``unit.shard``) at all times. ``unit.full`` has
+storage only while the unit is gathered; every parameter is a full-shape view into it.
 
-Each partitioned parameter's class is swapped (as ``UninitializedParameter.materialize`` does) for a subclass
-whose ``__torch_function__`` notices an operation on values while the unit is freed and asks the unit's
-*owner* (:class:`UnitOwner`: the stage 3 engine, ``zero.Init``) to gather it, or raises naming
-``GatheredParameters``.  Metadata is always readable.  The interception is per parameter object and undone by
-:func:`restore_parameter`: nothing process-wide is patched.
+Each partitioned parameter's class is swapped (as ``UninitializedParameter.materialize`` does) for a subclass whose
+``__torch_function__`` notices an operation on values while the unit is freed and asks the unit's *owner*
+(:class:`UnitOwner`: the stage 3 engine, ``zero.Init``) to gather it, or raises naming ``GatheredParameters``.  Metadata
+is always readable.  The interception is per parameter object and undone by :func:`restore_parameter`: nothing
+process-wide is patched.
 
-Inside ``torch.compile``d code (docs/stage3.md, "torch.compile"): Dynamo cannot trace the eager bookkeeping, and
-must not (a graph replays without Python).  So while Dynamo traces, an operation on a partitioned parameter goes
-straight to torch, and the check runs once, at trace time (:func:`_check_read`, ``assume_constant_result``): the
-owner makes every replay find the parameter gathered (stage 3 registers it as an external parameter of the running
-module) or raises.  The stage 3 hooks never enter a graph (:func:`outside_graphs`): a graph breaks at each module
-call.
+Inside ``torch.compile``d code (docs/stage3.md, "torch.compile"): Dynamo cannot trace the eager bookkeeping, and must
+not (a graph replays without Python).  So while Dynamo traces, an operation on a partitioned parameter goes straight to
+torch, and the check runs once, at trace time (:func:`_check_read`, ``assume_constant_result``): the owner makes every
+replay find the parameter gathered (stage 3 registers it as an external parameter of the running module) or raises.  The
+stage 3 hooks never enter a graph (:func:`outside_graphs`): a graph breaks at each module call.
 """
 
 from __future__ import annotations
@@ -85,11 +84,10 @@ class UnitError(RuntimeError):
 
 
 def move(rank: int, what: str, current: _S, to: _S, allowed: Mapping[_S, frozenset[_S]], event: str, fix: str) -> _S:
-    """The one checked move of stage 3's life cycles (a unit's :class:`UnitState`, a model's training state).
-
-    Returns ``to`` when the table ``allowed`` (per state, the states it may move to) lets ``current`` move there;
-    otherwise raises a :class:`UnitError` naming ``what`` (a unit, a model), the state it was in, the move ``event``
-    attempted and ``fix``, instead of leaving the state wrong for a later step to trip over.
+    """The one checked move of stage 3's life cycles (a unit's :class:`UnitState`, a model's training state).  Returns
+    ``to`` when the table ``allowed`` (per state, the states it may move to) lets ``current`` move there; otherwise
+    raises a :class:`UnitError` naming ``what`` (a unit, a model), the state it was in, the move ``event`` attempted and
+    ``fix``, instead of leaving the state wrong for a later step to trip over.
     """
     if to in allowed.get(current, frozenset()):
         return to
@@ -450,9 +448,8 @@ class Unit:
 
     # ---------------------------------------------------------------- cast
     def convert(self, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> None:
-        """Cast the shard (and the freed full buffer) to ``dtype``/``device``.
-
-        The first down-cast keeps the fp32 shard in ``pristine`` so master weights can start from exact values.
+        """Cast the shard (and the freed full buffer) to ``dtype``/``device``.  The first down-cast keeps the fp32 shard
+        in ``pristine`` so master weights can start from exact values.
         """
         device = device or self.device
         dtype = dtype or self.shard.dtype
@@ -668,10 +665,9 @@ def _checked_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any
 
 
 def checksum(flat: torch.Tensor) -> int:
-    """A number that changes when bits of ``flat`` change or move (same on every rank for the same values).
-
-    A position-weighted sum of the bit patterns (wrapping in int64): exact, unlike a float sum,
-    and cheap enough for the rare write it looks at.
+    """A number that changes when bits of ``flat`` change or move (same on every rank for the same values).  A
+    position-weighted sum of the bit patterns (wrapping in int64): exact, unlike a float sum, and cheap enough for the
+    rare write it looks at.
     """
     bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[flat.element_size()]
     with torch._C.DisableTorchFunctionSubclass():
@@ -756,10 +752,8 @@ def untrack(param: torch.Tensor) -> None:
 
 
 def traced_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """What a partitioned parameter's ``__torch_function__`` does while Dynamo traces it.
-
-    Every operation counts as a read, metadata too: Dynamo cannot hash ``func`` to tell them apart,
-    and the check costs nothing once traced.
+    """What a partitioned parameter's ``__torch_function__`` does while Dynamo traces it.  Every operation counts as a
+    read, metadata too: Dynamo cannot hash ``func`` to tell them apart, and the check costs nothing once traced.
     """
     for value in (*args, *kwargs.values()):
         for item in value if isinstance(value, (list, tuple)) else (value,):

@@ -144,9 +144,8 @@ def _submit(io: ThreadPoolExecutor, pool: BufferPool, buffer: torch.Tensor, call
 
 
 def _unfinished(writes: list[Future[None]]) -> list[Future[None]]:
-    """The writes still to finish; raises the error of the first that failed (its buffer went back already).
-
-    Finished ones are dropped, so each check looks at no more than the pool's buffers."""
+    """The writes still to finish; raises the error of the first that failed (its buffer went back already).  Finished
+    ones are dropped, so each check looks at no more than the pool's buffers."""
     pending = []
     for write in writes:
         if not write.done():
@@ -229,9 +228,8 @@ class SubGroupStepper:
 
     # ------------------------------------------------------------------- step
     def step(self, inner: Any, arrangement: Arrangement) -> None:
-        """One optimizer step over every sub-group with a chunk to step: read ahead, step, publish, write behind.
-
-        A step that fails part-way leaves the engine refusing to step, save or change its trainable set
+        """One optimizer step over every sub-group with a chunk to step: read ahead, step, publish, write behind.  A
+        step that fails part-way leaves the engine refusing to step, save or change its trainable set
         (:meth:`check_whole`): no roll-back, as the files would need a second copy of the state."""
         self.check_whole("step")
         try:
@@ -334,9 +332,8 @@ class SubGroupStepper:
 
     def _take_state(self, inner: Any, index: int, views: dict[str, torch.Tensor],
                     start: int) -> list[tuple[str, int, torch.Tensor]]:
-        """Take chunk ``index``'s state out of the optimizer and let its tensor go.
-
-        Returns the per-element tensors that are not in the buffer already (created by this step)."""
+        """Take chunk ``index``'s state out of the optimizer and let its tensor go.  Returns the per-element tensors
+        that are not in the buffer already (created by this step)."""
         chunk, key = self.chunks[index], self.keys[index]
         at = chunk.shard_at - start
         entries = inner.state.pop(key, {})
