@@ -67,8 +67,7 @@ def module_order(module: nn.Module, groups: list[list[nn.Parameter]]) -> list[nn
         raise ValueError(
             f"the optimizer holds {len(strays)} tensor(s) that are not parameters of the model "
             f"(shapes {[tuple(p.shape) for p in strays[:5]]}){whose}; build the optimizer from "
-            "`model.parameters()` of the model passed to `shardwise.initialize`"
-        )
+            "`model.parameters()` of the model passed to `shardwise.initialize`")
     return order
 
 

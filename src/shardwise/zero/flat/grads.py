@@ -199,7 +199,6 @@ class GradStorage(ABC):
     def _reduced_grads(self, dtype: torch.dtype) -> ReducedGrads:
         return ReducedGrads.separate(self.layout, self.device)
 
-    # ---------------------------------------------------------- per backward
     def _reset(self) -> None:
         """A new backward of the engine: nothing seen, nothing launched."""
         self._serial = self.backward.serial
@@ -301,7 +300,6 @@ class GradStorage(ABC):
                 self._seen[index] = True
                 self._used[index] = self.take(index, self.layout.params[index])
 
-    # -------------------------------------------------------- the storage's own
     @abstractmethod
     def keep(self, index: int, param: torch.Tensor, boundary: bool) -> None:
         """Autograd finished accumulating ``param``'s gradient; ``boundary``: the first time in a backward

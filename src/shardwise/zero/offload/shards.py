@@ -312,7 +312,6 @@ class NvmeShard:
         held = self.tensor is not None or self.pending is not None  # a read ahead's tensor exists already
         return self.numel * self.dtype.itemsize if held else 0
 
-    # ------------------------------------------------------------------ I/O
     def _read(self) -> torch.Tensor:
         """A fresh host copy read from the file (a new tensor each time: a view of an evicted one keeps its own
         memory alive); it becomes :attr:`tensor` only once the read succeeded (:meth:`_take`)."""

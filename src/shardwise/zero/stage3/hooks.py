@@ -397,8 +397,7 @@ class Gatherer:
                 f"rank {unit.comm.rank}: a compiled function reads parameter `{param_name(param)}`, which ZeRO "
                 "stage 3 partitions, outside any forward of the engine's model, where nothing gathers it on "
                 "each call; compile the module (`engine.compile()`, or `torch.compile(model)` before "
-                "`shardwise.initialize`) instead of a function around it, or run that function eagerly"
-            )
+                "`shardwise.initialize`) instead of a function around it, or run that function eagerly")
         call = self._stack[-1]
         if unit in call.units:
             return
@@ -619,8 +618,7 @@ class GatheredParameters:
             if not isinstance(param, torch.Tensor):
                 raise TypeError(
                     f"GatheredParameters got a `{type(param).__name__}`; pass a parameter or a list of "
-                    "parameters, e.g. `GatheredParameters(module.parameters())`"
-                )
+                    "parameters, e.g. `GatheredParameters(module.parameters())`")
             unit = unit_of(param)
             if unit is not None and unit not in self.units:
                 self.units.append(unit)
@@ -629,8 +627,7 @@ class GatheredParameters:
             if not 0 <= modifier_rank < world:
                 raise ValueError(
                     f"modifier_rank={modifier_rank} is not a rank of the parameters' process group "
-                    f"(size {world}); pass a rank in [0, {world}) or None for read-only access"
-                )
+                    f"(size {world}); pass a rank in [0, {world}) or None for read-only access")
 
     def __enter__(self) -> "GatheredParameters":
         if self.units:
@@ -690,13 +687,11 @@ def register_external_parameter(module: nn.Module, parameter: torch.Tensor) -> N
     """
     if not isinstance(module, nn.Module):
         raise TypeError(
-            f"register_external_parameter: `module` must be a torch.nn.Module, got `{type(module).__name__}`"
-        )
+            f"register_external_parameter: `module` must be a torch.nn.Module, got `{type(module).__name__}`")
     if not isinstance(parameter, torch.Tensor):
         raise TypeError(
             f"register_external_parameter: `parameter` must be a tensor (an nn.Parameter), got "
-            f"`{type(parameter).__name__}`"
-        )
+            f"`{type(parameter).__name__}`")
     registered = module.__dict__.setdefault(EXTERNAL_ATTR, [])
     if not any(p is parameter for p in registered):
         registered.append(parameter)

@@ -89,8 +89,7 @@ class Init:
             raise ValueError(
                 f"zero.Init partitions parameters for ZeRO stage 3, but the config has "
                 f"`zero_optimization.stage` {self.config.zero_optimization.stage}; set it to 3, or build the "
-                "model without `zero.Init`"
-            )
+                "model without `zero.Init`")
         self.process_group = options["process_group"]
         if line is not None and (not dist.is_initialized() or dist.get_rank() == 0):
             logger.info(line)
@@ -103,7 +102,6 @@ class Init:
             self._start_comm()
             self._partition_tree(module)
 
-    # ------------------------------------------------------------ context
     def _start_comm(self) -> Comm:
         if self.comm is None:
             if not dist.is_initialized():
@@ -138,7 +136,6 @@ class Init:
             self._active = False
             self._pending = {}
 
-    # ------------------------------------------------------ registration
     def _on_parameter(self, module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
         if param is not None and unit_of(param) is None:
             self._pending[id(module)] = module
@@ -174,7 +171,6 @@ class Init:
             unit.scatter_from_full(src=0)
             self.release(unit)
 
-    # --------------------------------------------------- the unit owner
     def needs(self, unit: Unit) -> bool:
         return not unit.gathered
 
@@ -227,8 +223,7 @@ class Init:
             f"rank {unit.comm.rank}: a compiled function reads parameter `{param_name(param)}`, which "
             "`zero.Init` partitioned, before `shardwise.initialize` wraps its model: nothing would gather it "
             "when the graph runs again. Run it eagerly, or compile the model and call it after "
-            "`shardwise.initialize` (its hooks gather the parameters)"
-        )
+            "`shardwise.initialize` (its hooks gather the parameters)")
 
     def on_gathered_data_access(self, unit: Unit) -> None:
         """A gathered unit here is held by an operation or a ``.data`` read that re-partitions it itself."""

@@ -95,8 +95,7 @@ def move(rank: int, what: str, current: _S, to: _S, allowed: Mapping[_S, frozens
     expected = " or ".join(sources) if sources else "(no state: the move is never allowed)"
     raise UnitError(
         f"rank {rank}: {what} cannot {event} ({current.value} -> {to.value}): expected it {expected}, "
-        f"found {current.value}; {fix}"
-    )
+        f"found {current.value}; {fix}")
 
 
 # ------------------------------------------------------------- the local shard
@@ -306,8 +305,7 @@ class Unit:
         if self._holders == 0:
             raise UnitError(
                 f"rank {self.comm.rank}: {self!r} was released once more than it was acquired "
-                "(expected at least 1 holder, found 0); every `acquire()` needs exactly one `release()`"
-            )
+                "(expected at least 1 holder, found 0); every `acquire()` needs exactly one `release()`")
         self._holders -= 1
         return self._holders
 
@@ -386,8 +384,7 @@ class Unit:
             raise UnitError(
                 f"rank {self.comm.rank}: {self!r} is gathering but no all-gather is in flight (expected one "
                 "started by `gather()`, found none: it raised before or while it ran), so its full values "
-                "were never filled; the engine cannot use this unit again: restart from the last checkpoint"
-            )
+                "were never filled; the engine cannot use this unit again: restart from the last checkpoint")
         if work is not None:
             work.wait()
         self._move(UnitState.GATHERED, "finish a gather")
@@ -408,8 +405,7 @@ class Unit:
         if self._holders:
             raise UnitError(
                 f"rank {self.comm.rank}: {self!r} was freed while {self._holders} holder(s) still need its "
-                "full values (expected 0 holders); release every hold before freeing"
-            )
+                "full values (expected 0 holders); release every hold before freeing")
         self.settle()  # a gather in flight (a prefetch) finishes first, even for a unit that stays
         if self.state is not UnitState.PERSISTENT:
             self._move(UnitState.SHARDED, "free its full values")
@@ -443,8 +439,7 @@ class Unit:
         if self.state is UnitState.SHARDED:
             raise UnitError(
                 f"rank {self.comm.rank}: cannot {action} of {self!r}: expected it gathered, found "
-                f"{self.state.value}; gather it first"
-            )
+                f"{self.state.value}; gather it first")
 
     # ---------------------------------------------------------------- cast
     def convert(self, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> None:
@@ -526,8 +521,7 @@ def not_gathered_error(param: Any, func: Any) -> RuntimeError:
         f"rank {rank}: parameter `{name}` (shape {shape}) is partitioned by ZeRO stage 3 and is not "
         f"gathered here (operation `{what}` outside any forward of its engine). Read or modify it inside "
         f"`with shardwise.zero.GatheredParameters([param], modifier_rank=None or 0): ...` on every rank, "
-        "or call the module (hooks gather parameters during its forward)"
-    )
+        "or call the module (hooks gather parameters during its forward)")
 
 
 _CLASSES: dict[type, type] = {}

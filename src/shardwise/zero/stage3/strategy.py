@@ -397,8 +397,7 @@ class Stage3(Strategy):
         if held:
             raise UnitError(
                 f"rank {self.comm.rank}: `engine.destroy()` while {held[:3]} are still held (a forward, "
-                "backward or `GatheredParameters` block is running); destroy the engine outside them"
-            )
+                "backward or `GatheredParameters` block is running); destroy the engine outside them")
         self.gatherer.remove()
         if self.shards is not None:
             self.shards.closing = True  # the files are deleted below: no host copy is written back first
@@ -464,14 +463,12 @@ def _check_module(module: nn.Module, comm: Comm) -> None:
         if unit is not None and isinstance(unit.owner, Gatherer):
             raise ValueError(
                 f"rank {comm.rank}: parameter `{name}` is already partitioned by another stage 3 "
-                "engine; call `engine.destroy()` on that engine before wrapping the module again"
-            )
+                "engine; call `engine.destroy()` on that engine before wrapping the module again")
         if unit is not None and unit.comm.world_size != comm.world_size:
             raise ValueError(
                 f"rank {comm.rank}: parameter `{name}` was partitioned by `zero.Init` over "
                 f"{unit.comm.world_size} ranks but the engine's process group has {comm.world_size}; "
-                "pass the same `process_group` to `zero.Init` and `shardwise.initialize`"
-            )
+                "pass the same `process_group` to `zero.Init` and `shardwise.initialize`")
 
 
 def _initial_flat(unit: Unit, initial: dict[int, torch.Tensor]) -> torch.Tensor:

@@ -146,8 +146,7 @@ def load_state_dict(module: nn.Module, state_dict_or_path: StateSource, strict: 
         if strict and (plan.missing or plan.unexpected):
             raise ValueError(
                 f"zero.load_state_dict: missing keys (in the model, not the source): {plan.missing}; unexpected "
-                f"keys (in the source, not the model): {plan.unexpected}. Pass `strict=False` to load what both have"
-            )
+                f"keys (in the source, not the model): {plan.unexpected}. Pass `strict=False` to load what both have")
         _load_units(module, comm, reader, plan)
         _load_plain(module, comm, reader, plan)
         return LoadResult(plan.missing, plan.unexpected)

@@ -76,7 +76,6 @@ class DeviceCopies:
         """Elements ``[at, at + numel)`` of the shard in the host gradient buffer."""
         return self.grads.narrow(0, at - self.base, numel)
 
-    # ----------------------------------------------------------------- down
     def register(self, owner: Hashable, view: torch.Tensor, source: torch.Tensor) -> None:
         """``view`` (of the host buffer) copies ``source`` (a fixed device gradient) when ``owner`` arrives."""
         self._sources[owner] = (view, source)
@@ -120,7 +119,6 @@ class DeviceCopies:
         for owner in self._copied:
             self._copied[owner] = self._sources[owner][1]._version
 
-    # ------------------------------------------------------------------- up
     def publish(self, write: Write, runs: Sequence[tuple[Any, int, torch.Tensor]]) -> None:
         """Updated fp32 ``runs`` (in host memory) into the model through ``write``, cast on the host into staging
         buffers of the compute dtype and copied up without waiting."""

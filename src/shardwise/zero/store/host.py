@@ -75,7 +75,6 @@ class Host(Home):
         #: the unscale/clip factor the next step applies to the host gradients, a sub-group at a time
         self._factor = 1.0
 
-    # ------------------------------------------------------------------ build
     def plan(self, runs: Sequence[Run], numel: int, inner: Any) -> None:
         """Sub-groups of whole pieces; the first ``int((1 - ratio) * n)`` stay on the device, the gradient buffer
         in host memory holds the rest."""
@@ -115,7 +114,6 @@ class Host(Home):
     def apart(self, piece: Piece) -> bool:
         return piece.at >= self.split
 
-    # ------------------------------------------------- where a piece's state is
     def master(self, piece: Piece) -> torch.Tensor:
         assert piece.key is not None
         return piece.key.detach().view(-1)
@@ -136,7 +134,6 @@ class Host(Home):
         if kept is not None and kept.state:
             self.slot(piece, state).set(kept.state)
 
-    # ------------------------------------------------------------------- step
     def scale(self, factor: float) -> None:
         """The device's gradients now; the host's as each sub-group steps (no pass of its own over them)."""
         near = [p.key.grad for p in self.near.pieces if p.key is not None and p.key.grad is not None]
@@ -171,7 +168,6 @@ class Host(Home):
         self.device_copies.publish(self.side.write, runs)
         self.side.settle()
 
-    # ----------------------------------------------------------- accounting
     def nbytes(self) -> int:
         """Bytes of the masters apart from the model (either side of the split) and the copies' buffers."""
         host = sum(p.key.numel() * 4 for pieces in self._groups for p in pieces if p.key is not None)

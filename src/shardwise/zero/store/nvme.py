@@ -49,7 +49,6 @@ class Nvme(Home):
         #: whether the files may hold masters the model does not show yet (a checkpoint load or adoption wrote them)
         self.stale = False
 
-    # ------------------------------------------------------------------ build
     def plan(self, runs: Sequence[Run], numel: int, inner: Any) -> None:
         """Plan the sub-groups of ``runs``, then make this rank's folder and its ``master`` file for the offloaded
         ones of the shard's ``numel`` elements, once there is room."""
@@ -113,7 +112,6 @@ class Nvme(Home):
         if self._stepper is not None:
             self._stepper.check_whole(doing)
 
-    # ------------------------------------------------- where a piece's state is
     def region(self, kind: str, piece: Piece) -> torch.Tensor:
         """The piece's elements of ``kind``: a memory map of its file, or a view of host memory (writes go there)."""
         return self.stepper.region(kind, piece.at, piece.numel, self.kinds.get(kind, torch.float32))
@@ -124,7 +122,6 @@ class Nvme(Home):
     def slot(self, piece: Piece, state: MutableMapping[Any, Any]) -> OffloadSlot:
         return OffloadSlot(self.stepper, self._index[piece], piece.numel, lambda kind: self.region(kind, piece))
 
-    # -------------------------------------------------------- trainability
     def freeze(self, piece: Piece, state: MutableMapping[Any, Any]) -> Kept:
         kept_state = {k: copy_value(v) for k, v in self.slot(piece, state).get().items()}
         kept = Kept(piece.start, piece.end, self.region("master", piece).clone(), KeptSlot(kept_state))
@@ -138,7 +135,6 @@ class Nvme(Home):
             self.slot(piece, state).set(kept.state)
         piece.key = placeholder(piece.numel)
 
-    # ------------------------------------------------------------------- step
     def step(self, inner: Any) -> None:
         self.publish()  # after a load: the files' masters into the model first
         self.side.settle()  # (a shard a failed step left held)
@@ -172,7 +168,6 @@ class Nvme(Home):
     def loading(self) -> None:
         self.stale = True  # the loaded masters reach the model at the next publish
 
-    # ----------------------------------------------------------- accounting
     def nbytes(self) -> int:
         """Host bytes of the I/O buffers, the resident masters and the copies' gradient and staging buffers."""
         resident = self._stepper.memory_bytes(master=True) if self._stepper is not None else 0

@@ -226,7 +226,6 @@ class SubGroupStepper:
                 f"rank {self.files().rank}: cannot {doing}: this engine's offloaded optimizer state {self.broken}. "
                 "Build a new engine and `load_checkpoint` the last checkpoint")
 
-    # ------------------------------------------------------------------- step
     def step(self, inner: Any, arrangement: Arrangement) -> None:
         """One optimizer step over every sub-group with a chunk to step: read ahead, step, publish, write behind.  A
         step that fails part-way leaves the engine refusing to step, save or change its trainable set
@@ -376,7 +375,6 @@ class SubGroupStepper:
             for kind, shard_at, value in items:
                 self.write(kind, shard_at, value, where)
 
-    # ------------------------------------------------ where elements live
     def region(self, kind: str, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of the shard's ``kind`` (on one side of the resident split): a view
         of host memory, or a memory map of the file; writes go there either way."""
