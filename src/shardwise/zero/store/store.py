@@ -13,13 +13,13 @@ state live is its :class:`Home`, chosen once at initialize (:func:`~shardwise.ze
 What the store does once for every stage and home: the optimizer's param groups hold the pieces' keys
 (:meth:`MasterStore.keys_for`); the step (scale, leave alone pieces no rank had a gradient for, step, publish); freezing
 (:class:`FrozenStore`, :meth:`MasterStore.refresh`; the flat stages rebuild their layout and :meth:`MasterStore.adopt`
-takes back what :func:`..flat.side.export_state` kept); checkpoint shards (:meth:`MasterStore.shards`); byte accounting;
+takes back what :func:`..flat.strategy.export_state` kept); checkpoint shards (:meth:`MasterStore.shards`); byte accounting;
 and masters following values written into the model (:meth:`MasterStore.take`).  Where the state is in host memory and
 the model on an accelerator, :attr:`Home.copies` moves gradients down and values up; :meth:`Home.grad_for`,
 :meth:`Home.arrived` and :meth:`Home.add_grads` are where stages hand gradients over.
 
 The stages differ in their :class:`ModelSide` (where a piece's values are in the model and how updated masters get
-there: :mod:`..flat.side`, ``UnitSide`` in :mod:`..stage3.strategy`) and in how gradients arrive (the flat stages point
+there: ``FlatSide`` in :mod:`..flat.strategy`, ``UnitSide`` in :mod:`..stage3.strategy`) and in how gradients arrive (the flat stages point
 each key's ``.grad`` at a fixed view of the reduced buffer; stage 3 adds each unit's reduction,
 :meth:`MasterStore.add_reduced`).
 """
