@@ -74,10 +74,6 @@ def all_reduce_keeping_slice(comm: Comm, source: torch.Tensor, output: torch.Ten
     return comm.all_reduce(source, async_op=True), source
 
 
-def _nothing(bucket: Bucket) -> None:
-    pass
-
-
 def private_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The allocator of this process's own memory."""
     return torch.zeros(numel, dtype=dtype, device=device)
@@ -193,7 +189,7 @@ class GradStorage(ABC):
         self._wire = wire
         self.reduced = self._reduced_grads(dtype)
         #: told each bucket once its reduction landed (the master store's home then copies it to host memory)
-        self.landed: Callable[[Bucket], None] = _nothing
+        self.landed: Callable[[Bucket], None] = lambda bucket: None
         self._reset()
 
     def _reduced_grads(self, dtype: torch.dtype) -> ReducedGrads:

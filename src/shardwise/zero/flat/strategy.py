@@ -127,14 +127,16 @@ class FlatStrategy(Strategy):
         rank = self.comm.rank if self.num_shards > 1 else 0
         self.layout = FlatLayout(params, self.zero_config.reduce_bucket_size, self.num_shards, rank)
         self.device = params[0].device if params else torch.device("cpu")
-        self.grads = self._storage(self._allocator())
+        # memory every rank maps when collectives go through shared memory (a reduction then reads the peers' gradients
+        # in place), else this process's own; the same choice on every rank
+        self.grads = self._storage(self.comm.shm.zeros if self.comm.shm.active else private_zeros)
         self._build_store(params, initial)
         self._uncounted = self._reduced_grads_of(self._elsewhere)
         # fixed views for the life of this layout; one shard: the step wrote every parameter, nothing to gather
         self._gathers = self.side.gather_pairs()
         for group, originals in zip(self.inner.param_groups, self._groups):
             group["params"] = self.store.keys_for(originals)
-        # straight to the storage (no stop here on the way), held weakly: a dropped engine is freed (:func:`..base.remove_with`)
+        # straight to the storage (no stop here on the way), held weakly: a dropped engine is freed (`remove_with`)
         hooks = [param.register_post_accumulate_grad_hook(self.grads.hook(index))
                  for index, param in enumerate(self.layout.params)]
         self._hooks.extend(hooks)
@@ -176,11 +178,6 @@ class FlatStrategy(Strategy):
     def _storage(self, allocate: Allocate) -> GradStorage:
         return self.grad_storage(self.layout, self.precision.dtype, self.device, allocate, self.backward,
                                  self._reduction(), self.precision.reduce_dtype)
-
-    def _allocator(self) -> Allocate:
-        """Memory every rank maps when collectives go through shared memory (a reduction then reads the
-        peers' gradients in place), else this process's own; the same choice on every rank."""
-        return self.comm.shm.zeros if self.comm.shm.active else private_zeros
 
     # --------------------------------------------------------------- backward
     def run_backward(self, tensor: torch.Tensor, sync: bool, retain_graph: bool = False) -> None:

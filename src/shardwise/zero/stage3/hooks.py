@@ -223,12 +223,6 @@ class Gatherer:
             if unit.holders == 0:
                 self.drop(unit)
 
-    def _covered(self) -> bool:
-        """Whether a pass needs no announcement of its own: no announcer, one rank, or an announced operation (the
-        engine's own ``backward``) covers the group already (read here: every backward passes this check)."""
-        announcer = self.announcer
-        return announcer is None or not announcer.comm.distributed or announcer.comm.ledger.scope is not None
-
     def _live_numel(self) -> int:
         return sum(u.numel for u in self._live if u.gathered)
 
@@ -270,7 +264,7 @@ class Gatherer:
         read-ahead slots and leave host memory as ``max_in_cpu`` says, instead of staying pending for good."""
         units, self._read_ahead = self._read_ahead, {}
         for unit in units:
-            unit.settle_read_ahead()
+            unit.storage.settle_read_ahead()
 
     # ------------------------------------------------------------ forward
     def _in_backward(self) -> bool:
@@ -479,7 +473,11 @@ class Gatherer:
     def _ensure_backward_callback(self) -> None:
         task = torch._C._current_graph_task_id()
         if task != self._bw_task:
-            if self._backward_pass is None and not self._covered():  # (a reentrant backward inside it is covered)
+            # no announcement of its own with no announcer, on one rank, or inside an announced operation (the engine's
+            # own `backward`; a reentrant backward inside one): read here, every backward passes this check
+            announcer = self.announcer
+            covered = announcer is None or not announcer.comm.distributed or announcer.comm.ledger.scope is not None
+            if self._backward_pass is None and not covered:
                 self._backward_pass = self._announce("backward")
             self._move(TrainingState.BACKWARD, "begin a backward")
             self._bw_task = task
@@ -631,7 +629,11 @@ class GatheredParameters:
 
     def __enter__(self) -> "GatheredParameters":
         if self.units:
-            self._scope = _announcer_of(self.units[0]).scope("GatheredParameters").open()
+            # its engine announces; a model under `zero.Init` not yet wrapped, a bare announcer on its group
+            announcer = getattr(self.units[0].owner, "announcer", None)
+            if not isinstance(announcer, Announcer):
+                announcer = Announcer(self.units[0].comm, "a model partitioned by `zero.Init`", engine=False)
+            self._scope = announcer.scope("GatheredParameters").open()
         try:
             for unit in self.units:
                 unit.acquire()
@@ -664,14 +666,6 @@ class GatheredParameters:
                     unit.owner.release(unit)
             finally:
                 self._close()
-
-
-def _announcer_of(unit: Unit) -> Announcer:
-    """Who announces for ``unit``: its engine, or (``zero.Init`` not yet wrapped) a bare one on the unit's group."""
-    announcer = getattr(unit.owner, "announcer", None)
-    if isinstance(announcer, Announcer):
-        return announcer
-    return Announcer(unit.comm, "a model partitioned by `zero.Init`", engine=False)
 
 
 register("GatheredParameters.__enter__", "GatheredParameters")

@@ -256,19 +256,10 @@ class Unit:
         """The device the unit's values live on (without reading an offloaded shard)."""
         return self.storage.device
 
-    def keep_shard_in(self, storage: ShardStorage) -> None:
-        """From now on the shard lives in ``storage`` (which took its values; it may leave host memory now)."""
-        self.storage = storage
-        self.shard_released()
-
     def read_ahead(self) -> None:
         """This unit will be gathered soon: a shard kept in a file starts coming into host memory."""
         if self.state is UnitState.SHARDED:
             self.storage.read_ahead()
-
-    def settle_read_ahead(self) -> None:
-        """The pass that read this shard ahead ended: an unused read ahead frees its ``buffer_count`` slot."""
-        self.storage.settle_read_ahead()
 
     @property
     def shard_busy(self) -> bool:
@@ -286,10 +277,6 @@ class Unit:
     def shard_released(self) -> None:
         """Nothing holds a view of the shard now: one kept in a file may leave host memory."""
         self.storage.released()
-
-    def discard_shard(self) -> None:
-        """``engine.destroy()`` restored the parameters: a host copy of a shard kept in a file goes, unwritten."""
-        self.storage.discard()
 
     # ------------------------------------------------------------- holders
     @property

@@ -133,7 +133,8 @@ class Stage3(Strategy):
             for piece in self.side.pieces(unit, group_of):
                 self.store.add(piece, self.side.initial(piece, values) if piece.param.requires_grad else None)
             if self.shards is not None:
-                unit.keep_shard_in(self.shards.place(unit.shard, unit))
+                unit.storage = self.shards.place(unit.shard, unit)  # (which took its values)
+                unit.shard_released()  # it may leave host memory now
             self.units.append(unit)
 
     def _point_optimizer(self) -> None:
@@ -418,7 +419,7 @@ class Stage3(Strategy):
             unit.unpersist()
             if unit.gathered:
                 unit.free()
-            unit.discard_shard()  # a shard kept in a file: its host copy goes now, not with the file below
+            unit.storage.discard()  # a shard kept in a file: its host copy goes now, unwritten, not with the file below
             # restored: a destroy retried after a failure here (a shard's read) goes on from the next unit, and
             # never reads this one's file again (its newest values were in the host copy just let go)
             self.units.pop(0)

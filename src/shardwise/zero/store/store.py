@@ -13,14 +13,14 @@ state live is its :class:`Home`, chosen once at initialize (:func:`~shardwise.ze
 What the store does once for every stage and home: the optimizer's param groups hold the pieces' keys
 (:meth:`MasterStore.keys_for`); the step (scale, leave alone pieces no rank had a gradient for, step, publish); freezing
 (:class:`FrozenStore`, :meth:`MasterStore.refresh`; the flat stages rebuild their layout and :meth:`MasterStore.adopt`
-takes back what :func:`..flat.strategy.export_state` kept); checkpoint shards (:meth:`MasterStore.shards`); byte accounting;
-and masters following values written into the model (:meth:`MasterStore.take`).  Where the state is in host memory and
-the model on an accelerator, :attr:`Home.copies` moves gradients down and values up; :meth:`Home.grad_for`,
+takes back what :func:`..flat.strategy.export_state` kept); checkpoint shards (:meth:`MasterStore.shards`); byte
+accounting; and masters following values written into the model (:meth:`MasterStore.take`).  Where the state is in host
+memory and the model on an accelerator, :attr:`Home.copies` moves gradients down and values up; :meth:`Home.grad_for`,
 :meth:`Home.arrived` and :meth:`Home.add_grads` are where stages hand gradients over.
 
 The stages differ in their :class:`ModelSide` (where a piece's values are in the model and how updated masters get
-there: ``FlatSide`` in :mod:`..flat.strategy`, ``UnitSide`` in :mod:`..stage3.strategy`) and in how gradients arrive (the flat stages point
-each key's ``.grad`` at a fixed view of the reduced buffer; stage 3 adds each unit's reduction,
+there: ``FlatSide`` in :mod:`..flat.strategy`, ``UnitSide`` in :mod:`..stage3.strategy`) and in how gradients arrive
+(the flat stages point each key's ``.grad`` at a fixed view of the reduced buffer; stage 3 adds each unit's reduction,
 :meth:`MasterStore.add_reduced`).
 """
 
@@ -546,7 +546,9 @@ class MasterStore:
         self.home.loading()
         temporary = [p for p in frozen if p.name in wanted and self.frozen.get(p.param) is None]
         for piece in temporary:
-            self.frozen.keep(piece.param, self._fresh_kept(piece))
+            view = self.side.view(piece) if self.home.in_model else None  # from the model's values: a load fills it
+            master = view if view is not None else self.side.values(piece)
+            self.frozen.keep(piece.param, Kept(piece.start, piece.end, master))
         try:
             yield self._shards(state, frozen)
         except BaseException:
@@ -569,11 +571,6 @@ class MasterStore:
                 shards.append(ParamShard(piece.name, piece.shape, kept.start, kept.end, kept.master, piece.group,
                                          kept.slot))
         return shards
-
-    def _fresh_kept(self, piece: Piece) -> Kept:
-        """A kept entry for a piece frozen with no master kept, from the model's values, so a load can fill it."""
-        view = self.side.view(piece) if self.home.in_model else None
-        return Kept(piece.start, piece.end, view if view is not None else self.side.values(piece))
 
     # ------------------------------------------------------------ accounting
     def master_bytes(self) -> int:

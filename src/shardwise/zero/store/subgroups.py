@@ -1,21 +1,21 @@
-"""The step of the store's home in files (:mod:`.nvme`): sub-group by sub-group, read ahead, step, write behind (at
-most ``count`` buffers alive).
+"""The step of the store's home in files (:mod:`.nvme`): sub-group by sub-group, read ahead, step, write behind (at most
+``count`` buffers alive).
 
-A :class:`SubGroupStepper` holds what the inner optimizer keeps of each chunk between steps (its small state
-values, which kinds of state are in the files) and runs the step: it reads a sub-group into a pool buffer
-(:class:`BufferPool`, :func:`pipelined`), points the chunks' tensors, gradients and state at it, runs torch's ``step`` over
-those chunks only, takes their state back out, hands the updated masters to the home (:class:`Arrangement`),
-and writes the buffer back while the next sub-group steps.
+A :class:`SubGroupStepper` holds what the inner optimizer keeps of each chunk between steps (its small state values,
+which kinds of state are in the files) and runs the step: it reads a sub-group into a pool buffer (:class:`BufferPool`,
+:func:`pipelined`), points the chunks' tensors, gradients and state at it, runs torch's ``step`` over those chunks only,
+takes their state back out, hands the updated masters to the home (:class:`Arrangement`), and writes the buffer back
+while the next sub-group steps.
 
-A partial offload (``ratio`` below 1) keeps the shard's first ``resident`` elements, whole sub-groups, in host
-memory: one tensor per kind, stepped in place with no I/O.  The files hold the elements after ``resident``
-only (element ``x`` of the shard at ``x - resident`` of each file); :meth:`SubGroupStepper.region` and
-:meth:`SubGroupStepper.write` say where a run lives, so checkpoints see one layout whichever side a piece is on.
+A partial offload (``ratio`` below 1) keeps the shard's first ``resident`` elements, whole sub-groups, in host memory:
+one tensor per kind, stepped in place with no I/O.  The files hold the elements after ``resident`` only (element ``x``
+of the shard at ``x - resident`` of each file); :meth:`SubGroupStepper.region` and :meth:`SubGroupStepper.write` say
+where a run lives, so checkpoints see one layout whichever side a piece is on.
 
-The I/O (:func:`pipelined`): one background thread does every read and write in the order asked (a disk serves
-one stream best, and order keeps a sub-group's write before any later read of it).  The caller steps sub-group
-``i`` while the thread writes ``i - 1`` and reads ``i + 1 ... i + count - 2``; host memory never holds more than
-``count`` sub-groups.
+The I/O (:func:`pipelined`): one background thread does every read and write in the order asked (a disk serves one
+stream best, and order keeps a sub-group's write before any later read of it).  The caller steps sub-group ``i`` while
+the thread writes ``i - 1`` and reads ``i + 1 ... i + count - 2``; host memory never holds more than ``count``
+sub-groups.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from ..offload.files import NvmeFiles, OffloadChecksumError, OffloadIOError
 from .plan import Chunk, SubGroup
 
 __all__ = [
-    "Arrangement", "BufferPool", "OffloadSlot", "SubGroupStepper", "pipelined", "placeholder", "pool_for", "stepping_only",
+    "Arrangement", "BufferPool", "OffloadSlot", "SubGroupStepper", "pipelined", "placeholder", "pool_for",
+    "stepping_only",
 ]
 
 #: byte alignment of each kind inside a sub-group's buffer (a typed view needs its element size at least)
@@ -257,9 +258,11 @@ class SubGroupStepper:
         loads = self._loads(inner, arrangement)
         resident = [g.index for g in self.groups if loads[g.index] and self.is_resident(g.index)]
 
-        def step_resident() -> None:  # while the first offloaded sub-groups are read
+        def step_resident() -> None:  # while the first offloaded sub-groups are read; stepped in place in host memory
             for g in resident:
-                self._step_group(inner, arrangement, g, loads[g], self._memory_views(g, kinds))()
+                at, numel = self.groups[g].start, self.groups[g].numel
+                views = {kind: self.memory[kind].narrow(0, at, numel) for kind in ("master", *sorted(kinds))}
+                self._step_group(inner, arrangement, g, loads[g], views)()
 
         # a sub-group with nothing to step: no I/O
         order = [g.index for g in self.groups if loads[g.index] and not self.is_resident(g.index)]
@@ -281,20 +284,11 @@ class SubGroupStepper:
         """Whether sub-group ``g`` stays in host memory (a partial offload)."""
         return self.groups[g].end <= self.resident
 
-    def _memory_views(self, g: int, kinds: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
-        """Each kind's elements of resident sub-group ``g``, views of host memory (stepped in place)."""
-        group = self.groups[g]
-        return {kind: self.memory[kind].narrow(0, group.start, group.numel) for kind in ("master", *sorted(kinds))}
-
     def _where(self, g: int) -> str:
         """Sub-group ``g`` in words, for an I/O error."""
         group = self.groups[g]
         return (f"sub-group {g + 1} of {len(self.groups)}: elements {group.start:,}-{group.end:,} "
                 "of this rank's shard")
-
-    def _group_at(self, element: int) -> int:
-        """The sub-group holding element ``element`` of the shard."""
-        return max(0, bisect.bisect_right(self._starts, element) - 1)
 
     def _read(self, g: int, buffer: torch.Tensor, kinds: Mapping[str, torch.dtype]) -> None:
         group, files, where = self.groups[g], self.files(), self._where(g)
@@ -313,7 +307,8 @@ class SubGroupStepper:
         updated = [(self.chunks[index], self.keys[index].detach()) for index, _, _ in loads]
         fresh = [self._take_state(inner, index, views, start) for index, _, _ in loads]
         arrangement.publish_sub_group(updated)
-        self._note_kinds(fresh)
+        for kind, _, value in (item for items in fresh for item in items):  # files for kinds the step created
+            self.kind_file(kind, value.dtype)
         return lambda: self._write(g, views, fresh)
 
     def _load(self, inner: Any, index: int, grad: Optional[torch.Tensor], views: dict[str, torch.Tensor],
@@ -349,15 +344,8 @@ class SubGroupStepper:
         key.data, key.grad = placeholder(chunk.numel), None
         return fresh
 
-    def _note_kinds(self, fresh: _Fresh) -> None:
-        """Files for kinds of state the optimizer just created (made here: later writes go into them)."""
-        for items in fresh:
-            for kind, _, value in items:
-                self.kind_file(kind, value.dtype)
-
     def kind_file(self, kind: str, dtype: torch.dtype) -> None:
-        """A file (for the offloaded elements) and a tensor (for the resident ones) for state ``kind``, unless
-        there are."""
+        """A file (offloaded elements) and a tensor (resident ones) for state ``kind``, unless there are."""
         if kind not in self.kinds:
             self.files().create(kind, (self.numel - self.resident) * dtype.itemsize)
             self.memory[kind] = torch.zeros(self.resident, dtype=dtype)
@@ -384,7 +372,7 @@ class SubGroupStepper:
         self._one_side(start, numel)
 
         def where(byte: int) -> str:  # a byte of the file, in the shard's sub-groups
-            return self._where(self._group_at(self.resident + byte // dtype.itemsize))
+            return self._where(max(0, bisect.bisect_right(self._starts, self.resident + byte // dtype.itemsize) - 1))
 
         return files.mapped_range(kind, start - self.resident, numel, dtype, where)
 
