@@ -128,7 +128,10 @@ def _make_buckets(params: Sequence[torch.Tensor], bucket_numel: int) -> list[Buc
     """Buckets in reverse registration order; the first and the last hold at most ``EDGE_BUCKET`` elements
     (or one parameter, when a parameter alone is larger)."""
     edge = min(EDGE_BUCKET, bucket_numel)
-    tail = _leading(params, edge)  # registered first: their gradients are the last to arrive
+    tail, total = 0, 0  # how many parameters from the front (registered first: their gradients arrive last) fit in `edge`
+    while tail < len(params) and (tail == 0 or total + params[tail].numel() <= edge):
+        total += params[tail].numel()
+        tail += 1
     buckets: list[Bucket] = []
     for index in reversed(range(len(params))):
         param = params[index]
@@ -142,13 +145,3 @@ def _make_buckets(params: Sequence[torch.Tensor], bucket_numel: int) -> list[Buc
         current.add(index, param.numel())
     return buckets
 
-
-def _leading(params: Sequence[torch.Tensor], budget: int) -> int:
-    """How many parameters from the front fit in ``budget`` elements (at least one)."""
-    total, count = 0, 0
-    for param in params:
-        if count and total + param.numel() > budget:
-            break
-        total += param.numel()
-        count += 1
-    return count

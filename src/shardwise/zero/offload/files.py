@@ -145,12 +145,6 @@ class Claim:
     to_write: int
 
 
-def _write_claim(folder: Path, needed: int) -> None:
-    partial = folder / f"{CLAIM}.partial"
-    partial.write_text(str(needed))
-    os.replace(partial, folder / CLAIM)  # a reader sees the whole number or no claim
-
-
 def _written(folder: Path) -> int:
     """Bytes the folder's files take on disk (sparse parts excluded, block rounding not counted)."""
     total = 0
@@ -186,7 +180,9 @@ def claims_beside(folder: Path) -> list[Claim]:
 def claim_room(folder: Path, needed: int, rank: int, what: str, key: str, label: str) -> None:
     """Claim ``needed`` bytes for ``folder``'s rank and raise when this host's ranks on the disk do not fit.  ``what``
     says what the bytes are for; ``key`` and ``label`` are the config key and the state errors name."""
-    _write_claim(folder, needed)
+    partial = folder / f"{CLAIM}.partial"
+    partial.write_text(str(needed))
+    os.replace(partial, folder / CLAIM)  # a reader sees the whole number or no claim
     free = shutil.disk_usage(folder).free
     claims = claims_beside(folder)
     if sum(c.to_write for c in claims) <= free:
@@ -196,17 +192,13 @@ def claim_room(folder: Path, needed: int, rank: int, what: str, key: str, label:
         raise RuntimeError(
             f"rank {rank}: `{key}` {root!r} has {free:,} bytes free and this rank's {label} needs {needed:,} "
             f"({what}); free space there, point `{key}` at a larger disk, or use more ranks")
-    raise RuntimeError(_shared_message(rank, root, free, claims, what, key))
-
-
-def _shared_message(rank: int, root: str, free: int, claims: list[Claim], what: str, key: str) -> str:
-    total = sum(c.to_write for c in claims)
     each = "; ".join(
         f"rank {c.rank} (pid {c.pid}{', this rank: ' + what if i == 0 else ''}): {c.to_write:,} still to write"
         + (f" of {c.needed:,}" if c.to_write != c.needed else "") for i, c in enumerate(claims))
-    return (f"rank {rank}: `{key}` {root!r} has {free:,} bytes free, and the {len(claims)} ranks of this host "
-            f"offloading to that disk need {total:,} bytes more there together ({each}); free space there, "
-            f"give each rank its own disk (`{key}`), or spread the ranks over more hosts")
+    raise RuntimeError(
+        f"rank {rank}: `{key}` {root!r} has {free:,} bytes free, and the {len(claims)} ranks of this host offloading "
+        f"to that disk need {sum(c.to_write for c in claims):,} bytes more there together ({each}); free space there, "
+        f"give each rank its own disk (`{key}`), or spread the ranks over more hosts")
 
 
 # ------------------------------------------------ the files
@@ -412,17 +404,6 @@ class OffloadChecksumError(OffloadIOError):
     Once raised, the files refuse every later read, write and map with it (``errno`` is None)."""
 
 
-def _make_folder(root: str, rank: int, key: str) -> Path:
-    try:
-        os.makedirs(root, exist_ok=True)
-        sweep(root)  # folders of killed processes of this host: their state is lost already
-        return Path(tempfile.mkdtemp(prefix=folder_prefix(rank), dir=root))
-    except OSError as exc:
-        raise RuntimeError(
-            f"rank {rank}: cannot make this rank's offload folder under `{key}` {root!r} ({exc}); "
-            f"set `{key}` to a writable directory") from exc
-
-
 def _remove_if_creator(folder: str, creator: int) -> None:
     """Remove ``folder`` unless this is a forked child of its creator (whose exit must not take the parent's)."""
     if os.getpid() == creator:
@@ -436,11 +417,6 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
 
 class _CutShort(OSError):
     """A file holds fewer bytes than this rank wrote there."""
-
-
-def _check_size(size: int, needed: int) -> None:
-    if size < needed:
-        raise _CutShort(errno.EIO, f"the file holds {size:,} bytes, fewer than the {needed:,} it should")
 
 
 def _unmapped(ref: "weakref.ref[NvmeFiles]", name: str, start: int, end: int) -> None:
@@ -479,7 +455,13 @@ class NvmeFiles:
 
     def __init__(self, root: str, rank: int, key: str = OPTIMIZER_KEY, label: str = "offloaded optimizer state") -> None:
         self.rank, self.key, self.label = rank, key, label
-        self.folder = _make_folder(root, rank, key)
+        try:
+            os.makedirs(root, exist_ok=True)
+            sweep(root)  # folders of killed processes of this host: their state is lost already
+            self.folder = Path(tempfile.mkdtemp(prefix=folder_prefix(rank), dir=root))
+        except OSError as exc:
+            raise RuntimeError(f"rank {rank}: cannot make this rank's offload folder under `{key}` {root!r} ({exc}); "
+                               f"set `{key}` to a writable directory") from exc
         self.bytes_read = 0
         self.bytes_written = 0
         self._count = threading.Lock()  # the I/O thread and the caller both count
@@ -635,7 +617,9 @@ class NvmeFiles:
     def _map(self, name: str, base: int, length: int, flags: int) -> mmap.mmap:
         fd = os.open(self.path(name), flags)
         try:
-            _check_size(os.fstat(fd).st_size, base + length)  # a page past the end would be SIGBUS, not an error
+            size = os.fstat(fd).st_size  # checked: a page past the end would be SIGBUS, not an error
+            if size < base + length:
+                raise _CutShort(errno.EIO, f"the file holds {size:,} bytes, fewer than the {base + length:,} it should")
             access = mmap.ACCESS_WRITE if flags == os.O_RDWR else mmap.ACCESS_READ
             return mmap.mmap(fd, length, offset=base, access=access)
         finally:

@@ -92,7 +92,13 @@ class HostShard:
     def get(self) -> torch.Tensor:
         if self.copy is None:
             if self.pending is not None:
-                self._take_ahead()
+                copy, done = self.pending
+                self.pending = None
+                if done is not None:  # the compute stream waits for the copy, and owns its memory from here
+                    stream = torch.cuda.current_stream(self.device)
+                    stream.wait_event(done)
+                    copy.record_stream(stream)
+                self._take(copy)
             else:
                 self._take(self.home.to(self.device, non_blocking=self.shards.pin, copy=True))
         assert self.copy is not None
@@ -101,16 +107,6 @@ class HostShard:
     def _take(self, copy: torch.Tensor) -> None:
         self.copy, self.clean = copy, copy._version
         self.shards.up += copy.numel() * copy.element_size()
-
-    def _take_ahead(self) -> None:
-        assert self.pending is not None
-        copy, done = self.pending
-        self.pending = None
-        if done is not None:  # the compute stream waits for the copy, and owns its memory from here
-            stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(done)
-            copy.record_stream(stream)
-        self._take(copy)
 
     def put(self, shard: torch.Tensor) -> None:
         if shard is self.copy:

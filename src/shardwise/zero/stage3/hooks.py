@@ -304,19 +304,14 @@ class Gatherer:
         if self._written:
             self._write_back([u for u in call.units if u in self._written])
         for unit, position in zip(call.units, call.positions):
-            self.release(unit, keep=self._reused_soon(unit, position))
+            # kept gathered when the last forward's trace uses it again within the reuse distance (and memory allows)
+            distance = self._next_use[position] if position < len(self._last) and self._last[position] is unit else None
+            soon = distance is not None and distance <= self.reuse_distance and self._live_numel() <= self.max_live
+            self.release(unit, keep=soon)
         if call.units and torch.is_grad_enabled() and output is not None:
             self._arm_pre_backward(call, output)
         if not self._stack and not self._in_backward():
             self._end_pass()
-
-    def _reused_soon(self, unit: Unit, position: int) -> bool:
-        if position >= len(self._last) or self._last[position] is not unit:
-            return False
-        distance = self._next_use[position]
-        if distance is None or distance > self.reuse_distance:
-            return False
-        return self._live_numel() <= self.max_live
 
     def _begin_pass(self) -> None:
         if self.state is TrainingState.BACKWARD:
