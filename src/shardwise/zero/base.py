@@ -126,10 +126,7 @@ class Strategy(ABC):
     gathers: bool = False
 
     def __init__(self, module: nn.Module, comm: Comm, precision: Precision, zero_config: Any) -> None:
-        self.module = module
-        self.comm = comm
-        self.precision = precision
-        self.zero_config = zero_config
+        self.module, self.comm, self.precision, self.zero_config = module, comm, precision, zero_config
         self.inner: Any = None  # the inner optimizer; None for an inference-only engine
         self.backward = Backward()
         #: the inner optimizer's param groups as the user listed them (``attach`` fills it)

@@ -88,8 +88,7 @@ class ReducedGrads:
         #: where the gradients live: a sum over no gradient at all is a zero there too (NCCL reduces CUDA tensors only)
         self.device = device
         #: all of them as one tensor when they are contiguous (one kernel for the norm)
-        self.contiguous = contiguous
-        self._owned = owned
+        self.contiguous, self._owned = contiguous, owned
         #: (sum of squares taken while the reduction was waited for, the slices' versions then)
         self._share: Optional[tuple[torch.Tensor, tuple[int, ...]]] = None
 
@@ -182,11 +181,7 @@ class GradStorage(ABC):
 
     def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, allocate: Allocate,
                  backward: Backward, reduce: Reduce, wire: torch.dtype = torch.float32) -> None:
-        self.layout = layout
-        self.device = device
-        self.backward = backward
-        self._reduce = reduce
-        self._wire = wire
+        self.layout, self.device, self.backward, self._reduce, self._wire = layout, device, backward, reduce, wire
         self.reduced = self._reduced_grads(dtype)
         #: told each bucket once its reduction landed (the master store's home then copies it to host memory)
         self.landed: Callable[[Bucket], None] = lambda bucket: None

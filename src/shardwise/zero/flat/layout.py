@@ -60,8 +60,7 @@ class FlatLayout:
 
     def __init__(self, params: Sequence[torch.Tensor], bucket_numel: int, num_shards: int, rank: int) -> None:
         self.params = list(params)
-        self.num_shards = num_shards
-        self.rank = rank
+        self.num_shards, self.rank = num_shards, rank
         self.buckets = _make_buckets(params, bucket_numel)
         self.shard_numel = self._assign_shards()
         self.pieces = self._pieces()

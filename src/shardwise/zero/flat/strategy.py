@@ -447,8 +447,7 @@ class FlatSide:
     """The model's parameters for ``layout`` (see the module docstring); ``whole``: they are stepped themselves."""
 
     def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, whole: bool) -> None:
-        self.layout = layout
-        self.whole = whole
+        self.layout, self.whole = layout, whole
         #: the model's flat parameter buffer (empty when the parameters are not flattened)
         self.param_flat = torch.empty(0)
         #: per trainable piece (by id), its elements of the model: fixed views, made with the pieces (a step

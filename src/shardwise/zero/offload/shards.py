@@ -58,8 +58,7 @@ class HostShards:
         #: set by `engine.destroy()` (as the file cache's): nothing is written back any more
         self.closing = False
         #: bytes copied up (host to device) and down (written back), for the measurement
-        self.up = 0
-        self.down = 0
+        self.up, self.down = 0, 0
 
     def place(self, shard: torch.Tensor, owner: Gathers) -> "HostShard":
         """``shard`` (on the device) moves to host memory; its device copy goes once released."""
@@ -179,8 +178,7 @@ class ShardCache:
         self.resident: OrderedDict[NvmeShard, None] = OrderedDict()
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-param-io")
         #: uses that found their shard read ahead, and uses that had to read it then (for the measurement)
-        self.ahead_hits = 0
-        self.misses = 0
+        self.ahead_hits, self.misses = 0, 0
         #: set by `engine.destroy()`: the file is deleted next, so no host copy leaves (nor is written back)
         self.closing = False
 
@@ -235,9 +233,7 @@ class NvmeShard:
     """One unit's shard: a run of the cache's file, and a host copy while it is resident (see the module docstring)."""
 
     def __init__(self, cache: ShardCache, offset: int, tensor: torch.Tensor, owner: Gathers) -> None:
-        self.cache = cache
-        self.offset = offset
-        self.owner = owner
+        self.cache, self.offset, self.owner = cache, offset, owner
         self.shape, self.dtype, self._device = tensor.shape, tensor.dtype, tensor.device
         self.numel = tensor.numel()
         #: the host copy (None: only in the file)

@@ -68,12 +68,10 @@ class _Call:
     __slots__ = ("module", "units", "positions", "held", "task", "post")
 
     def __init__(self, module: nn.Module, units: list[Unit]) -> None:
-        self.module = module
-        self.units = units
+        self.module, self.units = module, units
         self.positions: list[int] = []
         self.held: list[Unit] = []
-        self.task = -1
-        self.post = False
+        self.task, self.post = -1, False
 
 
 class _PostBackward(torch.autograd.Function):
@@ -130,10 +128,7 @@ class Gatherer:
     (filled before :meth:`install`); ``values`` is told of every change of their values not from a step."""
 
     def __init__(self, module: nn.Module, units: list[Unit], zero_config: Any, values: MasterValues, rank: int) -> None:
-        self.module = module
-        self.rank = rank
-        self.units = units
-        self.values = values
+        self.module, self.rank, self.units, self.values = module, rank, units, values
         #: per module, the non-persistent units of its direct parameters (set by :meth:`install`)
         self.module_units: dict[nn.Module, list[Unit]] = {}
         self.prefetch_numel = int(zero_config.stage3_prefetch_bucket_size)
@@ -318,8 +313,7 @@ class Gatherer:
             self._end_backward()  # a backward that raised never ran its final callback
         self._pass = self._announce("forward")  # first: refused, it leaves the model as it was
         self._move(TrainingState.FORWARD, "begin a forward")
-        self._trace = []
-        self._cursor = 0
+        self._trace, self._cursor = [], 0
 
     def _announce(self, kind: str) -> Any:
         """Announce a stage-3 ``kind`` pass (unless an announced engine call already covers it); the open scope."""
@@ -524,9 +518,7 @@ class Gatherer:
         extra, self._bw_extra = self._bw_extra, []
         if extra:
             self._live.difference_update(let_go(extra))
-        self._bw_calls = []
-        self.held_for_grads = {}
-        self._bw_task = -1
+        self._bw_calls, self.held_for_grads, self._bw_task = [], {}, -1
         scope, self._backward_pass = self._backward_pass, None
         if scope is not None:
             scope.close()

@@ -133,8 +133,7 @@ class Init:
                 for module in list(self._pending.values()):
                     self._partition_tree(module)
         finally:
-            self._active = False
-            self._pending = {}
+            self._active, self._pending = False, {}
 
     def _on_parameter(self, module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
         if param is not None and unit_of(param) is None:

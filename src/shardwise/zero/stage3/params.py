@@ -210,8 +210,7 @@ class Unit:
         self.index = index
         self.params = list(params)
         self.names = list(names)
-        self.comm = comm
-        self.owner = owner
+        self.comm, self.owner = comm, owner
         self.offsets: list[int] = []
         self.shapes: list[torch.Size] = []
         total = 0
@@ -236,8 +235,7 @@ class Unit:
         #: how fault messages name this unit's collectives (same on every rank)
         first = f"`{self.names[0]}`" if self.names else f"unit {index}"
         self.label = first + (f" and {len(self.names) - 1} more" if len(self.names) > 1 else "")
-        self._persistent = persistent
-        self._holders = 0
+        self._persistent, self._holders = persistent, 0
         self._work: Optional[Work] = None
         self._shard_pinned = False
 

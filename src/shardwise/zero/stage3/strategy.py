@@ -186,10 +186,7 @@ class Stage3(Strategy):
         backward = self.backward
         backward.sync, backward.active, backward.arrivals = sync, True, 0
         backward.serial += 1
-        self._dirty = True
-        self._arrived = {}
-        self._ready = set()
-        self._next = 0
+        self._dirty, self._arrived, self._ready, self._next = True, {}, set(), 0
         if sync:  # reverse order of first use in forward, then the units that forward did not use
             used = [u for u in reversed(list(self.gatherer.forward_order)) if u in self._trainable]
             seen = set(used)

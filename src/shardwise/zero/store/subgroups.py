@@ -56,8 +56,7 @@ class BufferPool:
     """``count`` reusable byte buffers, each grown to the largest size asked of it."""
 
     def __init__(self, count: int, nbytes: int = 0, pin: bool = False) -> None:
-        self.count = count
-        self.pin = pin
+        self.count, self.pin = count, pin
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         # Sized up front for the state expected: growing them later would leave the old ones to the
         # allocator, which keeps freed heap memory resident (see docs/offload.md).
