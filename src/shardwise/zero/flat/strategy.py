@@ -108,7 +108,6 @@ class FlatStrategy(Strategy):
     def _num_shards(self) -> int:
         return self.comm.world_size
 
-    # ------------------------------------------------------------------ build
     def attach(self, inner: Optional[Any], initial: Optional[dict[int, torch.Tensor]] = None) -> None:
         super().attach(inner, initial)
         if inner is None:
@@ -179,7 +178,6 @@ class FlatStrategy(Strategy):
         return self.grad_storage(self.layout, self.precision.dtype, self.device, allocate, self.backward,
                                  self._reduction(), self.precision.reduce_dtype)
 
-    # --------------------------------------------------------------- backward
     def run_backward(self, tensor: torch.Tensor, sync: bool, retain_graph: bool = False) -> None:
         self.start_backward(sync)
         try:
@@ -230,7 +228,6 @@ class FlatStrategy(Strategy):
             grad.add_(earlier)
         self._unused = sorted(unused & set(self._unused))
 
-    # ------------------------------------------------------------------- step
     def step_sums(self) -> torch.Tensor:
         """This rank's sum of squared reduced gradients (taken while the reduction was waited for); the
         "had a gradient" flags were summed at the end of backward, where DDP leaves unused ``.grad`` None."""
@@ -305,7 +302,6 @@ class FlatStrategy(Strategy):
     def trained_count(self) -> int:
         return len(self.layout.params)
 
-    # ------------------------------------------------------------ trainability
     def trainable_changed(self) -> bool:
         # Reading flags is not a use of the values: it does not wait for a gather in flight (see `PendingGathers`).
         return self.inner is not None and tuple(p.requires_grad for p in self._order) != self._mask
@@ -335,7 +331,6 @@ class FlatStrategy(Strategy):
             if id(param) not in training and id(param) in carried:
                 frozen.keep(param, carried[id(param)])
 
-    # -------------------------------------------------------------- checkpoint
     @contextlib.contextmanager
     def checkpoint_shards(self, loading: bool, wanted: frozenset[str] = frozenset()) -> Iterator[list[ParamShard]]:
         self.settle()
@@ -345,16 +340,11 @@ class FlatStrategy(Strategy):
         with self.store.shards(self.inner.state, loading, wanted) as shards:
             yield shards
 
-    # ------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, int]:
         params = {id(p): p for p in self.module.parameters()}
         state = getattr(self.inner, "state", {}) if self.inner is not None else {}
-        return {
-            "parameters": tensor_bytes(list(params.values())),
-            "master_weights": self.store.master_bytes(),
-            "gradients": self.grads.nbytes(),
-            "optimizer_state": self.store.state_bytes(state),
-        }
+        return {"parameters": tensor_bytes(list(params.values())), "master_weights": self.store.master_bytes(),
+                "gradients": self.grads.nbytes(), "optimizer_state": self.store.state_bytes(state)}
 
     def full_master_weights(self) -> dict[int, torch.Tensor]:
         self.settle()

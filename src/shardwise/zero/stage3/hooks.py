@@ -164,7 +164,6 @@ class Gatherer:
         self._pass: Any = None
         self._backward_pass: Any = None
 
-    # ------------------------------------------------------------ install
     def install(self) -> None:
         # Gathering is a collective on Python state: under torch.compile the hooks run eagerly,
         # between graphs (one break per module call), never traced into one.
@@ -180,7 +179,6 @@ class Gatherer:
             handle.remove()
         self._handles = []
 
-    # ------------------------------------------------------------- state
     def _move(self, to: TrainingState, event: str) -> None:
         """The one place the training state changes: raises on a move the life cycle lacks."""
         if to not in _TRAINING_MOVES[self.state]:  # (checked here: `move` builds the error)
@@ -188,7 +186,6 @@ class Gatherer:
             move(self.rank, f"the model ({type(self.module).__name__})", self.state, to, _TRAINING_MOVES, event, fix)
         self.state = to
 
-    # ----------------------------------------------------- gather / free
     def acquire(self, unit: Unit) -> None:
         """Hold ``unit`` gathered (until :meth:`release`)."""
         unit.acquire()
@@ -261,7 +258,6 @@ class Gatherer:
         for unit in units:
             unit.storage.settle_read_ahead()
 
-    # ------------------------------------------------------------ forward
     def _in_backward(self) -> bool:
         return torch._C._current_graph_task_id() != -1
 
@@ -395,7 +391,6 @@ class Gatherer:
     def on_params_modified(self, unit: Unit) -> None:  # (`GatheredParameters(modifier_rank=...)` wrote it)
         self.values.on_params_modified(unit)
 
-    # ----------------------------------------------------- in-place writes
     def on_write(self, unit: Unit) -> contextlib.AbstractContextManager[None]:
         if self._stack or self._in_backward():
             self._written[unit] = None  # written back when the call holding it ends
@@ -435,7 +430,6 @@ class Gatherer:
     def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:  # (`zero.load_state_dict`)
         self.values.on_values_loaded(unit, values, loaded)
 
-    # ----------------------------------------------------------- backward
     def _arm_post_backward(self, call: _Call, args: Any, kwargs: Any) -> Any:
         flat, spec = tree_flatten((args, kwargs))
         where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad]

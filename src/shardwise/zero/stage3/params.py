@@ -239,7 +239,6 @@ class Unit:
         self._work: Optional[Work] = None
         self._shard_pinned = False
 
-    # ---------------------------------------------------------------- shard
     @property
     def shard(self) -> torch.Tensor:
         """This rank's slice of the unit, in the compute dtype (read from its file first where it lives in one)."""
@@ -276,7 +275,6 @@ class Unit:
         """Nothing holds a view of the shard now: one kept in a file may leave host memory."""
         self.storage.released()
 
-    # ------------------------------------------------------------- holders
     @property
     def holders(self) -> int:
         return self._holders
@@ -294,7 +292,6 @@ class Unit:
         self._holders -= 1
         return self._holders
 
-    # ---------------------------------------------------------------- build
     @property
     def persistent(self) -> bool:
         return self._persistent
@@ -339,7 +336,6 @@ class Unit:
             for index, param in enumerate(self.params):
                 param.data = self.param_view(self.full, index)
 
-    # ------------------------------------------------------- gather / free
     def _move(self, to: UnitState, event: str) -> None:
         """The one place the state changes: raises on a move the life cycle lacks."""
         if to not in _UNIT_MOVES[self.state]:  # (checked here: `move` builds the error)
@@ -426,7 +422,6 @@ class Unit:
                 f"rank {self.comm.rank}: cannot {action} of {self!r}: expected it gathered, found "
                 f"{self.state.value}; gather it first")
 
-    # ---------------------------------------------------------------- cast
     def convert(self, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> None:
         """Cast the shard (and the freed full buffer) to ``dtype``/``device``.  The first down-cast keeps the fp32 shard
         in ``pristine`` so master weights can start from exact values.

@@ -101,7 +101,6 @@ class Stage3(Strategy):
         #: where the reduced gradients live (the flags' all-reduce must use the same device as the collectives)
         self._grad_device = torch.device("cpu")
 
-    # ================================================================ build
     def attach(self, inner: Optional[Any], initial: Optional[dict[int, torch.Tensor]] = None) -> None:
         super().attach(inner, initial)
         _check_module(self.module, self.comm)
@@ -141,7 +140,6 @@ class Stage3(Strategy):
         for group, originals in zip(self.inner.param_groups, self._groups):
             group["params"] = self.store.keys_for(originals)
 
-    # ======================================================== trainability
     def trainable_changed(self) -> bool:
         return tuple(p.requires_grad for p in self._params) != self._mask
 
@@ -172,7 +170,6 @@ class Stage3(Strategy):
     def trained_count(self) -> int:
         return sum(len(indices) for indices in self._trainable.values())
 
-    # ============================================================ backward
     def run_backward(self, tensor: torch.Tensor, sync: bool, retain_graph: bool = False) -> None:
         self.start_backward(sync)
         try:
@@ -262,7 +259,6 @@ class Stage3(Strategy):
         works, self._works = self._works, []
         self._land(works, True)
 
-    # ================================================================ step
     def step_sums(self) -> torch.Tensor:
         """This rank's sum of squared gradients (taken as the reduction finished, unless written since), then
         per trainable parameter whether this rank had a gradient for it: the flags ride the norm's all-reduce
@@ -313,7 +309,6 @@ class Stage3(Strategy):
                 for param in unit.params:
                     param.grad = None
 
-    # ========================================================== accounting
     def memory_breakdown(self) -> dict[str, int]:
         params = sum(u.storage.held_bytes() for u in self.units)  # an offloaded shard: only while in host memory
         params += sum(u.padded * u.element_bytes() for u in self.units if u.persistent)
@@ -322,12 +317,8 @@ class Stage3(Strategy):
         with torch._C.DisableTorchFunctionSubclass():
             grads += [p.grad for u in self.units for p in u.params if p.grad is not None]
         state = getattr(self.inner, "state", {}) if self.inner is not None else {}
-        return {
-            "parameters": params,
-            "master_weights": self.store.master_bytes(),
-            "gradients": tensor_bytes(grads),
-            "optimizer_state": self.store.state_bytes(state),
-        }
+        return {"parameters": params, "master_weights": self.store.master_bytes(), "gradients": tensor_bytes(grads),
+                "optimizer_state": self.store.state_bytes(state)}
 
     def full_master_weights(self) -> dict[int, torch.Tensor]:
         result: dict[int, torch.Tensor] = {}
@@ -343,7 +334,6 @@ class Stage3(Strategy):
                 result[id(param)] = unit.param_view(full, index).clone()
         return result
 
-    # ========================================================== checkpoint
     @contextlib.contextmanager
     def checkpoint_shards(self, loading: bool, wanted: frozenset[str] = frozenset()) -> Iterator[list[ParamShard]]:
         if self.shards is not None:
@@ -388,7 +378,6 @@ class Stage3(Strategy):
         with GatheredParameters(list(self.module.parameters()), modifier_rank=0):
             yield
 
-    # =============================================================== close
     def close(self, restore_params: bool = True) -> None:
         """Without ``restore_params`` each parameter gets an empty storage (a model no rank could hold whole)."""
         held = [unit for unit in self.units if unit.holders]
@@ -555,7 +544,6 @@ class UnitSide:
             return _local(piece, shard)
         return values.narrow(0, piece.unit.offsets[piece.index] + piece.start, piece.numel)
 
-    # ------------------------------------------------------------ the store's side
     def view(self, piece: Piece) -> Optional[torch.Tensor]:
         return None if self.in_files else _local(piece, piece.unit.shard)
 
@@ -608,7 +596,6 @@ class UnitSide:
             unit.shard_released()
         self._waiting = waiting
 
-    # ---------------------------------------------------- values written into the units
     def on_params_modified(self, unit: Unit) -> None:
         """New values were scattered into ``unit``'s shard: masters (kept ones too) follow."""
         for piece in self.by_unit.get(unit, ()):

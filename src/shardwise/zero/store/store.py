@@ -223,7 +223,6 @@ class Home(ABC):
     def publish(self) -> None:
         """Every trainable master into the model, where they are not the model's storage already."""
 
-    # ------------------------------------------------------------ gradients
     def grad_for(self, piece: Piece, grad: torch.Tensor) -> torch.Tensor:
         """What a trainable piece's key holds as ``.grad`` for the stage's reduced gradient ``grad`` (a fixed view,
         the flat stages'): ``grad``, or where the piece's state is in host memory its view of the host gradient
@@ -404,7 +403,6 @@ class MasterStore:
     def side(self) -> ModelSide:
         return self.home.side
 
-    # ---------------------------------------------------------------- build
     def plan(self, runs: Sequence[Run], numel: int, inner: Any) -> None:
         """Before the first :meth:`add` (:meth:`.Home.plan`)."""
         self.home.plan(runs, numel, inner)
@@ -420,7 +418,6 @@ class MasterStore:
         """What the inner optimizer steps in place of the param group ``originals``: the trainable keys."""
         return [p.key for param in originals if (p := self.by_param.get(id(param))) is not None and p.key is not None]
 
-    # -------------------------------------------------------- trainability
     def refresh(self, state: MutableMapping[Any, Any]) -> bool:
         """Stage 3: newly trainable pieces get their master (the kept one, or the model's values); newly frozen
         ones leave the optimizer (``state``), their master and state kept.  True if anything moved."""
@@ -452,7 +449,6 @@ class MasterStore:
             if mine.state:
                 self.home.slot(piece, state).set(mine.state)
 
-    # ----------------------------------------------------------- masters
     def master_or_kept(self, piece: Piece) -> Optional[torch.Tensor]:
         """The piece's master, or the one kept while it is frozen (None: frozen since initialize)."""
         if piece.key is not None:
@@ -476,7 +472,6 @@ class MasterStore:
                 shard.narrow(0, piece.at, piece.numel).copy_(self.home.master(piece))
         return shard
 
-    # ------------------------------------------------------------ gradients
     def grads(self) -> list[torch.Tensor]:
         """The keys' gradients (what the optimizer reads; copies to host memory finished first)."""
         self.home.settle_grads()
@@ -507,7 +502,6 @@ class MasterStore:
             if piece.key is not None:
                 piece.key.grad = None
 
-    # ------------------------------------------------------------------ step
     def step(self, inner: Any, factor: float = 1.0, unused: Sequence[Piece] = (), release: bool = False) -> None:
         """The optimizer step over the trainable keys: their gradients multiplied by ``factor`` (unscale and
         clip), the pieces ``unused`` (no rank had a gradient for them) left alone, as torch leaves a parameter
@@ -531,7 +525,6 @@ class MasterStore:
         """Every master into the model (after a load)."""
         self.home.publish()
 
-    # ------------------------------------------------------------ checkpoint
     @contextlib.contextmanager
     def shards(self, state: MutableMapping[Any, Any], loading: bool,
                wanted: frozenset[str] = frozenset()) -> Iterator[list[ParamShard]]:
@@ -572,7 +565,6 @@ class MasterStore:
                                          kept.slot))
         return shards
 
-    # ------------------------------------------------------------ accounting
     def master_bytes(self) -> int:
         """Bytes of masters held apart from the model's parameters, kept ones included (a kept master that is a
         view of the model holds none)."""
