@@ -593,7 +593,7 @@ class NvmeFiles:
 
         Maps only the pages holding them (a whole-file map per piece of a checkpoint would map the file
         once per parameter), and those of the runs of bytes written at once that they touch, whose digests
-        are checked here; those wait for the map to be freed, then are taken anew (:mod:`.nvme_sums`).
+        are checked here; those wait for the map to be freed, then are taken anew (:class:`Sums`).
         ``where(byte)`` says in words what holds that byte of the file, for errors."""
         if numel == 0:
             return torch.zeros(0, dtype=dtype)

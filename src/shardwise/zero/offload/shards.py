@@ -333,7 +333,7 @@ class NvmeShard:
         except OffloadIOError as exc:
             self._forget_read_ahead()
             raise exc.extended("The read ahead was dropped: the next use of this shard reads it again") from exc
-        except Exception:
+        except BaseException:  # (an interrupt too: the next use reads again)
             self._forget_read_ahead()
             raise
         self.pending = None

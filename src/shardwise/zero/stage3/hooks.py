@@ -218,20 +218,25 @@ class Gatherer:
     def _live_numel(self) -> int:
         return sum(u.numel for u in self._live if u.gathered)
 
+    def _hold(self, units: Sequence[Unit], ahead: Sequence[Unit], later: Sequence[Unit]) -> None:
+        """:func:`~.params.hold`, then the shards of ``later`` read ahead from their files (after: the shards needed
+        now are read first); where it raises (a shard that failed to read), the units it left sharded are not
+        live: nothing frees them at the end of the pass."""
+        if units or ahead:
+            try:
+                hold(units, ahead)
+            except BaseException:
+                self._live.difference_update([u for u in (*units, *ahead) if u.state is UnitState.SHARDED])
+                raise
+        for unit in later:
+            unit.read_ahead()  # shards kept in files: read while this stretch computes, gathered later
+            self._read_ahead[unit] = None
 
-    def _hold(self, units: Sequence[Unit], ahead: Sequence[Unit]) -> None:
-        """:func:`~.params.hold`; where it raises (a shard that failed to read from its file), the units it left
-        sharded are not live: nothing frees them at the end of the pass."""
-        try:
-            hold(units, ahead)
-        except BaseException:
-            self._live.difference_update([u for u in (*units, *ahead) if u.state is UnitState.SHARDED])
-            raise
-
-    def _ahead(self, trace: list[Unit], start: int, coming: Sequence[Unit] = ()) -> tuple[list[Unit], int]:
+    def _ahead(self, trace: list[Unit], start: int,
+               coming: Sequence[Unit] = ()) -> tuple[list[Unit], int, list[Unit]]:
         """The units of ``trace[start:]`` to gather ahead, within the prefetch budget (``coming``: units about to be
-        gathered, counted as live), and where the budget stopped; those become live, and the shards of the next
-        ones start coming from their files (``offload_param: nvme``)."""
+        gathered, counted as live), which become live; where the budget stopped; and the next units, whose shards
+        to read ahead from their files (``offload_param: nvme``)."""
         budget, live = self.prefetch_numel, None
         index, ahead = start, []
         while index < len(trace) and budget > 0:
@@ -246,10 +251,7 @@ class Gatherer:
                 budget -= unit.numel
             index += 1
         self._live.update(ahead)
-        for unit in trace[index : index + self.read_ahead]:
-            unit.read_ahead()  # shards kept in files: read while this stretch computes, gathered later
-            self._read_ahead[unit] = None
-        return ahead, index
+        return ahead, index, trace[index : index + self.read_ahead]
 
     def _settle_read_aheads(self) -> None:
         """A pass ended: shards read ahead for units it did not gather (a branch not taken) stop holding
@@ -272,9 +274,8 @@ class Gatherer:
         call = _Call(module, units)
         self._stack.append(call)
         if units and self._last:  # the next units' gathers start with this call's own (its own waited for below)
-            ahead, self._cursor = self._ahead(self._last, max(self._cursor, len(self._trace)))
-            if ahead:
-                self._hold((), ahead)
+            ahead, self._cursor, later = self._ahead(self._last, max(self._cursor, len(self._trace)))
+            self._hold((), ahead, later)
         for unit in units:
             self._acquire_for(call, unit)
         if units and torch.is_grad_enabled():
@@ -481,7 +482,8 @@ class Gatherer:
                 self._bw_cursor = index + 1
                 break
         # the call's own gathers and the next ones in one call, then the call's waited for
-        self._hold(call.units, self._ahead(trace, self._bw_cursor, call.units)[0])
+        ahead, _, later = self._ahead(trace, self._bw_cursor, call.units)
+        self._hold(call.units, ahead, later)
         call.held = list(call.units)
         self._bw_calls.append(call)
         if not call.post:
