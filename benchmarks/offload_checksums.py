@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from shardwise.testing import run_distributed
-from shardwise.zero.offload import sums as nvme_sums
+from shardwise.zero.offload import files as nvme_sums
 
 from .offload import measure
 

@@ -31,7 +31,7 @@ from _parity import assert_close_params, batch, make_model
 import shardwise
 from shardwise.testing import run_distributed
 from shardwise.zero.offload.files import OffloadIOError
-from shardwise.zero.offload.readahead import BufferPool, pipelined
+from shardwise.zero.store.subgroups import BufferPool, pipelined
 
 #: the parity model's shard (about 1,100 elements a rank) in several sub-groups, each a few hundred
 SUB_GROUP = 300

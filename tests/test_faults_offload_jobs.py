@@ -26,8 +26,7 @@ from _parity import assert_close_params, make_model, params_of
 
 import shardwise
 from shardwise.testing import run_distributed
-from shardwise.zero.offload.files import NvmeFiles
-from shardwise.zero.offload.folder import Owner, folder_prefix, owner_of, sweep
+from shardwise.zero.offload.files import NvmeFiles, Owner, folder_prefix, owner_of, sweep
 
 SUB_GROUP = 300
 ATOL = 1e-6

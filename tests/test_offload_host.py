@@ -1,4 +1,4 @@
-"""ZeRO-Offload's host path on CPU jobs (zero/store/host.py, zero/store/copies.py, zero/offload/host_shards.py).
+"""ZeRO-Offload's host path on CPU jobs (zero/store/host.py, zero/store/copies.py, zero/offload/shards.py).
 
 Under ``host_path_on_cpu()`` a CPU job takes the path a job on an accelerator takes: ``offload_optimizer: {device:
 cpu}`` gets the store's host home and ``nvme`` the NVMe home, both with a gradient buffer and staging buffers
@@ -26,7 +26,7 @@ from _parity import assert_close_params, batch, full_params, make_model, train_s
 
 import shardwise
 from shardwise.testing import distributed_test, run_distributed, run_subtests
-from shardwise.zero.offload.host_shards import HostShard, HostShards
+from shardwise.zero.offload.shards import HostShard, HostShards
 from shardwise.zero.store.copies import DeviceCopies
 from shardwise.zero.store.host import Host, fused_on_host
 from shardwise.zero.store.nvme import Nvme

@@ -142,7 +142,7 @@ def test_a_change_of_the_trainable_set_carries_the_offloaded_state(tmp_path: Pat
 def test_a_failed_sub_group_step_gives_every_buffer_back() -> None:
     """A step that raises part-way (an I/O error, a bad state) leaves the pool whole: the next step and
     `memory_breakdown` (which counts the free buffers) do not wait forever on a buffer that never returns."""
-    from shardwise.zero.offload.readahead import BufferPool, pipelined
+    from shardwise.zero.store.subgroups import BufferPool, pipelined
 
     pool = BufferPool(3, 64)
 

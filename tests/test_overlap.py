@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import shardwise
 from shardwise.testing import distributed_test
-from shardwise.zero.flat.side import GatheringParameter
+from shardwise.zero.flat.strategy import GatheringParameter
 
 
 def _reference(steps: int) -> list[dict[str, torch.Tensor]]:

@@ -29,9 +29,6 @@ def test_ruff_reports_nothing() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-# zero/ is being refactored elsewhere; these deferred imports (init -> params, a loop the refactor removes;
-# safetensors and torch._dynamo) are theirs to settle. Listed by name, so a new one anywhere still fails.
-_DEFERRED_NOT_YET_EXPLAINED = {"shardwise.zero.stage3.init", "shardwise.zero.stage3.traced", "shardwise.zero.stage3.weights"}
 
 
 # The circles kept, each with its reason (docs/architecture.md, "Import circles kept"). Compared for equality:
@@ -53,8 +50,7 @@ def test_no_import_circle_counting_type_checking_imports_but_those_kept() -> Non
 
 
 def test_every_import_inside_a_function_says_why() -> None:
-    found = uncommented_deferred(ROOT / "src" / "shardwise", "shardwise")
-    assert [f for f in found if f.split(":")[0] not in _DEFERRED_NOT_YET_EXPLAINED] == []
+    assert uncommented_deferred(ROOT / "src" / "shardwise", "shardwise") == []
 
 
 def test_the_import_graph_sees_a_loop_made_inside_functions(tmp_path: Path) -> None:

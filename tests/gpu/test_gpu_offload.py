@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import shardwise
-from shardwise.zero.offload.host_shards import HostShard
+from shardwise.zero.offload.shards import HostShard
 from shardwise.zero.store.copies import DeviceCopies
 from shardwise.zero.store.plan import host_path_on_cpu
 

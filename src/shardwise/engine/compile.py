@@ -2,7 +2,7 @@
 
 Every stage also takes a model compiled before ``shardwise.initialize`` (``torch.compile(model)``, or
 ``block.compile()`` per block as FSDP2 recommends).  At stage 3 the gathering hooks run between graphs, never
-inside one (``zero/stage3/traced.py``; docs/stage3.md gives the graph counts).
+inside one (``zero/stage3/params.py``; docs/stage3.md gives the graph counts).
 """
 
 from __future__ import annotations

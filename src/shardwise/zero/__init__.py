@@ -9,10 +9,8 @@ from torch import nn
 from ..comm.distributed import Comm
 from ..optim.precision import Precision
 from .base import Strategy
-from .flat.stage0 import Stage0
-from .flat.stage1 import Stage1
-from .flat.stage2 import Stage2
-from .stage3.gathered import GatheredParameters, register_external_parameter
+from .flat.strategy import Stage0, Stage1, Stage2
+from .stage3.hooks import GatheredParameters, register_external_parameter
 from .stage3.init import Init
 from .stage3.strategy import Stage3
 from .stage3.weights import LoadResult, load_state_dict

@@ -1,35 +1,24 @@
-"""Where the flat stages keep gradients, from autograd's hooks to the reduced gradient.
+"""Where the flat stages keep gradients, from autograd's hooks to the reduced gradient (docs/life-of-a-gradient.md).
 
-Chosen once per stage, beside where the masters live (the master store's home, :mod:`.store`).  Two storages, one class each:
+Two storages, chosen once per stage:
 
-* :class:`FlatGrads` (stages 0 and 1): one full-size flat buffer that
-  ``param.grad`` views into, as DDP's ``gradient_as_bucket_view``; a bucket is
-  reduced straight from its region of it.  The buffer comes from the allocator
-  the strategy passes in: private memory, or memory every rank maps when the
-  collectives go through shared memory (the reduction then reads in place).
-* :class:`StagedGrads` (stage 2): no full-size buffer.  Between boundaries
-  gradients accumulate in ``param.grad`` where autograd puts them; at a
-  boundary each is copied (in fp32) into its bucket's staging tensor and
-  released, and the staging goes once the bucket is reduced.
+* :class:`FlatGrads` (stages 0 and 1): one full-size flat buffer that ``param.grad`` views into, as DDP's
+  ``gradient_as_bucket_view``; a bucket is reduced straight from its region.  The buffer comes from the
+  allocator the strategy passes in: private memory, or memory every rank maps when the collectives go through
+  shared memory (the reduction then reads in place).
+* :class:`StagedGrads` (stage 2): no full-size buffer.  Between boundaries gradients accumulate in
+  ``param.grad``; at a boundary each is copied (in fp32) into its bucket's staging tensor and released, and the
+  staging goes once the bucket is reduced.
 
-Each also says where this rank's averaged fp32 gradient lands
-(:class:`ReducedGrads`: inside the full buffer when it is fp32, else a separate
-shard) and whether ``param.grad`` holds the full-size gradient the masters may
-step in place (:attr:`GradStorage.in_params`).
+Each says where this rank's averaged fp32 gradient lands (:class:`ReducedGrads`: inside the full buffer when it
+is fp32, else a separate shard) and whether ``param.grad`` holds the full-size gradient the masters may step in
+place (:attr:`GradStorage.in_params`).  Each parameter's post-accumulate hook is :meth:`GradStorage.on_grad`:
+at a boundary it counts the bucket's arrivals, and a complete bucket (every earlier one launched, so all ranks
+issue the same collectives in the same order) goes to the stage's collective (one of the functions below).
+:meth:`GradStorage.finish` waits for every bucket in one call and takes the norm's share of each.
 
-The storage is where a gradient goes first: each parameter's post-accumulate
-hook is :meth:`GradStorage.on_grad`.  At a boundary it counts the bucket's
-arrivals, and a bucket complete (with every earlier one launched, so all ranks
-issue the same collectives in the same order) is handed to the stage's
-collective (the ``reduce`` it was built with, one of the functions below: the
-one thing stages 0, 1 and 2 do differently there).  :meth:`GradStorage.finish`
-waits for every bucket (in one call: a step's path does not grow with its
-buckets) and takes the gradient norm's share of each.
-
-``param.grad`` is the truth, as in plain PyTorch: whatever cleared it (the
-engine's ``zero_grad``, ``module.zero_grad()``, ``p.grad = None``) discarded
-what the storage held, and autograd hands over a fresh tensor that holds
-everything since; it is copied over the storage, never added.
+``param.grad`` is the truth, as in plain PyTorch: whatever cleared it (``zero_grad``, ``p.grad = None``)
+discarded what the storage held, and autograd's fresh tensor is copied over the storage, never added.
 """
 
 from __future__ import annotations
@@ -59,9 +48,8 @@ Allocate = Callable[[int, torch.dtype, torch.device], torch.Tensor]
 Reduce = Callable[[torch.Tensor, torch.Tensor], tuple[Work, Optional[torch.Tensor]]]
 
 
-# The stages' collectives (a strategy binds one to its `Comm` with functools.partial and hands it to the
-# storage): written here, beside the storage that calls them, so a bucket goes from the storage straight to
-# the transport.
+# The stages' collectives (a strategy binds one to its `Comm` with functools.partial and hands it to the storage):
+# written here, beside the storage that calls them, so a bucket goes from the storage straight to the transport.
 
 def all_reduce_in_place(comm: Comm, source: torch.Tensor, output: torch.Tensor) -> tuple[Work, None]:
     """Stage 0 (one shard, ``output`` is the whole bucket): average in ``output``; a bf16/fp16 ``source`` is
@@ -86,10 +74,6 @@ def all_reduce_keeping_slice(comm: Comm, source: torch.Tensor, output: torch.Ten
     return comm.all_reduce(source, async_op=True), source
 
 
-def _nothing(bucket: Bucket) -> None:
-    pass
-
-
 def private_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The allocator of this process's own memory."""
     return torch.zeros(numel, dtype=dtype, device=device)
@@ -104,8 +88,7 @@ class ReducedGrads:
         #: where the gradients live: a sum over no gradient at all is a zero there too (NCCL reduces CUDA tensors only)
         self.device = device
         #: all of them as one tensor when they are contiguous (one kernel for the norm)
-        self.contiguous = contiguous
-        self._owned = owned
+        self.contiguous, self._owned = contiguous, owned
         #: (sum of squares taken while the reduction was waited for, the slices' versions then)
         self._share: Optional[tuple[torch.Tensor, tuple[int, ...]]] = None
 
@@ -198,20 +181,15 @@ class GradStorage(ABC):
 
     def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, allocate: Allocate,
                  backward: Backward, reduce: Reduce, wire: torch.dtype = torch.float32) -> None:
-        self.layout = layout
-        self.device = device
-        self.backward = backward
-        self._reduce = reduce
-        self._wire = wire
+        self.layout, self.device, self.backward, self._reduce, self._wire = layout, device, backward, reduce, wire
         self.reduced = self._reduced_grads(dtype)
         #: told each bucket once its reduction landed (the master store's home then copies it to host memory)
-        self.landed: Callable[[Bucket], None] = _nothing
+        self.landed: Callable[[Bucket], None] = lambda bucket: None
         self._reset()
 
     def _reduced_grads(self, dtype: torch.dtype) -> ReducedGrads:
         return ReducedGrads.separate(self.layout, self.device)
 
-    # ---------------------------------------------------------- per backward
     def _reset(self) -> None:
         """A new backward of the engine: nothing seen, nothing launched."""
         self._serial = self.backward.serial
@@ -225,7 +203,7 @@ class GradStorage(ABC):
 
     def hook(self, index: int) -> Callable[[torch.Tensor], None]:
         """Parameter ``index``'s post-accumulate hook: :meth:`on_grad`, with this storage held weakly (a dropped
-        engine is freed, :mod:`..weak_hooks`), the gradient landing in this file first."""
+        engine is freed, :func:`..base.remove_with`), the gradient landing in this file first."""
         return functools.partial(_on_grad, weakref.ref(self), index)
 
     def on_grad(self, index: int, param: torch.Tensor) -> None:
@@ -313,7 +291,6 @@ class GradStorage(ABC):
                 self._seen[index] = True
                 self._used[index] = self.take(index, self.layout.params[index])
 
-    # -------------------------------------------------------- the storage's own
     @abstractmethod
     def keep(self, index: int, param: torch.Tensor, boundary: bool) -> None:
         """Autograd finished accumulating ``param``'s gradient; ``boundary``: the first time in a backward
@@ -365,10 +342,9 @@ class FlatGrads(GradStorage):
         self.take(index, param)  # at every backward, boundary or not: the buffer is where gradients accumulate
 
     def take(self, index: int, param: torch.Tensor) -> bool:
-        """Make ``param.grad`` its view of the buffer, holding what ``.grad`` held; whether it had one.
-
-        A ``.grad`` that is not the view is the truth (see the module docstring): copying it, as DDP's
-        reducer copies into its buckets, spares zeroing the whole buffer every step.
+        """Make ``param.grad`` its view of the buffer, holding what ``.grad`` held; whether it had one.  A ``.grad``
+        that is not the view is the truth (see the module docstring): copying it, as DDP's reducer copies into its
+        buckets, spares zeroing the whole buffer every step.
         """
         view = self._views[index]
         grad = param.grad

@@ -1,20 +1,11 @@
 """How trainable parameters are laid out in flat buckets and split across ranks.
 
-Parameters are packed, in reverse registration order (roughly the order their
-gradients become ready in backward), into buckets of about
-``reduce_bucket_size`` elements.  A parameter never straddles two buckets; one
-larger than the bucket size gets a bucket of its own.  Each bucket is padded to
-a multiple of the number of shards and split into equal contiguous slices:
-rank ``r`` owns slice ``r`` of *every* bucket.  So
-
-* a bucket's gradients are reduced with one reduce-scatter whose output is
-  exactly this rank's slice, and its parameters re-gathered with one
-  all-gather;
-* memory stays balanced even when one tensor (an embedding) is most of the
-  model: that tensor's bucket is itself split N ways.
-
-This rank's *shard* is the concatenation of its slices of all buckets; a
-:class:`Piece` is the part of one parameter that falls inside it.
+Parameters are packed, in reverse registration order (roughly the order backward produces their gradients), into buckets
+of about ``reduce_bucket_size`` elements; a parameter never straddles two buckets.  Each bucket is padded to a multiple
+of the number of shards and split into equal contiguous slices: rank ``r`` owns slice ``r`` of *every* bucket.  So a
+bucket is reduced with one reduce-scatter whose output is exactly this rank's slice and re-gathered with one all-gather,
+and memory stays balanced even when one tensor (an embedding) is most of the model.  This rank's *shard* is its slices
+of all buckets; a :class:`Piece` is the part of one parameter inside it.
 """
 
 from __future__ import annotations
@@ -67,12 +58,9 @@ class Bucket:
 class FlatLayout:
     """Buckets over ``params`` split into ``num_shards`` equal slices; this rank is ``rank``."""
 
-    def __init__(
-        self, params: Sequence[torch.Tensor], bucket_numel: int, num_shards: int, rank: int
-    ) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], bucket_numel: int, num_shards: int, rank: int) -> None:
         self.params = list(params)
-        self.num_shards = num_shards
-        self.rank = rank
+        self.num_shards, self.rank = num_shards, rank
         self.buckets = _make_buckets(params, bucket_numel)
         self.shard_numel = self._assign_shards()
         self.pieces = self._pieces()
@@ -139,7 +127,10 @@ def _make_buckets(params: Sequence[torch.Tensor], bucket_numel: int) -> list[Buc
     """Buckets in reverse registration order; the first and the last hold at most ``EDGE_BUCKET`` elements
     (or one parameter, when a parameter alone is larger)."""
     edge = min(EDGE_BUCKET, bucket_numel)
-    tail = _leading(params, edge)  # registered first: their gradients are the last to arrive
+    tail, total = 0, 0  # how many parameters from the front (registered first: their gradients arrive last) fit in `edge`
+    while tail < len(params) and (tail == 0 or total + params[tail].numel() <= edge):
+        total += params[tail].numel()
+        tail += 1
     buckets: list[Bucket] = []
     for index in reversed(range(len(params))):
         param = params[index]
@@ -153,13 +144,3 @@ def _make_buckets(params: Sequence[torch.Tensor], bucket_numel: int) -> list[Buc
         current.add(index, param.numel())
     return buckets
 
-
-def _leading(params: Sequence[torch.Tensor], budget: int) -> int:
-    """How many parameters from the front fit in ``budget`` elements (at least one)."""
-    total, count = 0, 0
-    for param in params:
-        if count and total + param.numel() > budget:
-            break
-        total += param.numel()
-        count += 1
-    return count

@@ -1,51 +1,72 @@
-"""Flat-bucket strategies (stages 0, 1 and 2): full parameters on every rank.
+"""The flat stages 0, 1 and 2 (``Stage0``, ``Stage1``, ``Stage2``) over their shared base: full parameters on every
+rank.
 
-What the three stages share lives here: the :class:`~.layout.FlatLayout`,
-the optimizer step over this rank's masters, the all-gather of the updated
-slices behind the next forward, and carrying state across a change of the
-trainable set.  Where gradients live is the stage's
-:attr:`FlatStrategy.grad_storage` (:mod:`.grads`), built once per layout with
-the allocator the transport offers: each parameter's post-accumulate hook is
-the storage's, which launches a complete bucket itself.  The masters and
-optimizer state are the master store's (:mod:`.store`), in the home chosen
-once at initialize; the store's model side here is :mod:`.side` (this
-rank's slice of the flat parameter buffer), and each piece's ``.grad`` is a
-fixed view of the reduced gradients.  A stage differs only in how it reduces
-(its ``_reduction``) and which storage it uses:
+What the three share lives in :class:`FlatStrategy`: the :class:`~.layout.FlatLayout`, the step over this
+rank's masters (the master store's, :mod:`..store`, its model side :class:`FlatSide`), the all-gather of the updated
+slices behind the next forward, and carrying state across a change of the trainable set.  Where gradients live
+is the stage's :attr:`FlatStrategy.grad_storage` (:mod:`.grads`), whose hooks launch complete buckets
+themselves; each piece's ``.grad`` is a fixed view of the reduced gradients.  A stage differs only in how it
+reduces (its ``_reduction``) and which storage it uses:
 
-* stage 0 (:mod:`.stage0`): one shard; each bucket is all-reduced, and the
-  step writes every parameter itself; a flat gradient buffer;
-* stage 1 (:mod:`.stage1`): N shards; each bucket is reduce-scattered and the
-  updated slices are all-gathered; a flat gradient buffer;
-* stage 2 (:mod:`.stage2`): as stage 1, with gradients staged per bucket at
-  the boundary instead of living in a full-size buffer.
+* stage 0 (:class:`Stage0`): plain data parallel; one shard, each bucket is all-reduced and the step writes
+  every parameter itself (in fp32 the parameters are the masters, so memory matches DDP);
+* stage 1 (:class:`Stage1`): N shards; each bucket is reduce-scattered, a rank steps the slice it owns and the
+  updated slices are all-gathered;
+* stage 2 (:class:`Stage2`): as stage 1, with gradients staged per bucket at the boundary instead of living in
+  a full-size buffer (:class:`~.grads.StagedGrads`); between boundaries (accumulation, ``no_sync``) they
+  accumulate in ``param.grad`` at full size, trading that memory for communicating once per step.
 
-A bucket is launched once all of its parameters' gradients are in *and* every
-earlier bucket has been launched, so all ranks issue the same collectives in
-the same order even when their autograd orders differ.
+The store's model side (:class:`FlatSide`, below): for a :class:`~.layout.FlatLayout` the trainable parameters become
+views of one flat buffer of the compute dtype, so this rank's slice of each bucket is where its updated values go and
+one all-gather per bucket, in place, brings the others' (:meth:`FlatSide.gather_pairs`).  In fp32 that slice is the
+masters itself (the store's :class:`~..store.store.Resident` home steps it in place).  With one shard and the gradients
+in ``param.grad`` (stage 0 in fp32) the parameters keep their own storage and are stepped themselves, as in DDP
+(:attr:`FlatSide.whole`).  A frozen parameter keeps its own storage; the store keeps its master whole.
+
+The all-gathers run behind the next forward (:class:`PendingGathers`).  torch's ``ZeroRedundancyOptimizer`` waits for
+its broadcasts inside ``step()``; here ``step()`` returns at once and a bucket is waited for only when one of its
+parameters is first used (any torch function on it: a forward, ``F.linear`` on a child's weight, ``state_dict()``,
+``p.norm()``, ``.data``), so the first layers compute while later layers' values arrive.  While its bucket is in flight
+a parameter's class is :class:`GatheringParameter`, whose ``__torch_function__`` waits for the bucket and makes its
+parameters plain ``nn.Parameter`` again first. Reading or setting ``.grad`` and reading ``.requires_grad`` touch no
+values and do not wait.  The strategy waits for everything itself before anything that writes parameters or masters
+(backward, step, loading, changing the trainable set, closing).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from abc import abstractmethod
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, MutableMapping, Optional, Sequence
 
 import torch
 from torch import nn
 
-from ...optim.param_state import ParamShard
-from ..base import Strategy, group_index, module_order, tensor_bytes
+from ...comm.distributed import Comm, Work, wait_all
+from ...optim.param_state import KeptSlot, ParamShard, copy_value, is_per_element
+from ..base import Strategy, group_index, module_order, remove_with, tensor_bytes
 from ..store import choose_home
-from ..store.carry import export_state
 from ..store.plan import OffloadSpec, offload_spec
-from ..store.store import MasterStore, Piece, Resident
-from ..weak_hooks import remove_with
-from .grads import Allocate, FlatGrads, GradStorage, Reduce, private_zeros
+from ..store.store import Kept, MasterStore, Piece, Resident, Runs
+from .grads import (
+    Allocate,
+    FlatGrads,
+    GradStorage,
+    Reduce,
+    StagedGrads,
+    all_reduce_in_place,
+    all_reduce_keeping_slice,
+    private_zeros,
+    reduce_scatter_slice,
+)
 from .layout import FlatLayout
-from .side import FlatSide, PendingGathers
 
-__all__ = ["FlatStrategy"]
+__all__ = [
+    "FlatSide", "FlatStrategy", "GatheringParameter", "PendingGathers", "Stage0", "Stage1", "Stage2", "export_state",
+    "uses_reduce_scatter",
+]
 
 
 class FlatStrategy(Strategy):
@@ -72,7 +93,7 @@ class FlatStrategy(Strategy):
         #: per bucket, (the model's region of it, this rank's updated slice inside it): what the step
         #: all-gathers (empty with one shard: the step wrote every parameter)
         self._gathers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        #: updated parameters still being gathered; waited for on first use (:class:`.side.PendingGathers`)
+        #: updated parameters still being gathered; waited for on first use (:class:`PendingGathers`)
         self.pending = PendingGathers()
         self._hooks: list[Any] = []
         self._order: list[nn.Parameter] = []
@@ -87,7 +108,6 @@ class FlatStrategy(Strategy):
     def _num_shards(self) -> int:
         return self.comm.world_size
 
-    # ------------------------------------------------------------------ build
     def attach(self, inner: Optional[Any], initial: Optional[dict[int, torch.Tensor]] = None) -> None:
         super().attach(inner, initial)
         if inner is None:
@@ -106,14 +126,16 @@ class FlatStrategy(Strategy):
         rank = self.comm.rank if self.num_shards > 1 else 0
         self.layout = FlatLayout(params, self.zero_config.reduce_bucket_size, self.num_shards, rank)
         self.device = params[0].device if params else torch.device("cpu")
-        self.grads = self._storage(self._allocator())
+        # memory every rank maps when collectives go through shared memory (a reduction then reads the peers' gradients
+        # in place), else this process's own; the same choice on every rank
+        self.grads = self._storage(self.comm.shm.zeros if self.comm.shm.active else private_zeros)
         self._build_store(params, initial)
         self._uncounted = self._reduced_grads_of(self._elsewhere)
         # fixed views for the life of this layout; one shard: the step wrote every parameter, nothing to gather
         self._gathers = self.side.gather_pairs()
         for group, originals in zip(self.inner.param_groups, self._groups):
             group["params"] = self.store.keys_for(originals)
-        # straight to the storage (no stop here on the way), held weakly: a dropped engine is freed (:mod:`.weak_hooks`)
+        # straight to the storage (no stop here on the way), held weakly: a dropped engine is freed (`remove_with`)
         hooks = [param.register_post_accumulate_grad_hook(self.grads.hook(index))
                  for index, param in enumerate(self.layout.params)]
         self._hooks.extend(hooks)
@@ -121,11 +143,10 @@ class FlatStrategy(Strategy):
         self._unused = []
 
     def _build_store(self, params: list[nn.Parameter], initial: dict[int, torch.Tensor]) -> None:
-        """The master store for this layout: the home chosen as at initialize, the frozen entries carried over.
-
-        The parameters are stepped themselves (no flat buffer, no copy) where nothing is sharded or offloaded, the
-        model is fp32 and ``param.grad`` holds the full averaged gradient (stage 0); each other key's ``.grad`` is
-        its fixed view of this rank's reduced gradients."""
+        """The master store for this layout: the home chosen as at initialize, the frozen entries carried over.  The
+        parameters are stepped themselves (no flat buffer, no copy) where nothing is sharded or offloaded, the model is
+        fp32 and ``param.grad`` holds the full averaged gradient (stage 0); each other key's ``.grad`` is its fixed view
+        of this rank's reduced gradients."""
         layout, dtype, fp32 = self.layout, self.precision.dtype, self.precision.dtype == torch.float32
         offload = self._offload
         whole = offload is None and fp32 and layout.num_shards == 1 and self.grads.in_params
@@ -157,12 +178,6 @@ class FlatStrategy(Strategy):
         return self.grad_storage(self.layout, self.precision.dtype, self.device, allocate, self.backward,
                                  self._reduction(), self.precision.reduce_dtype)
 
-    def _allocator(self) -> Allocate:
-        """Memory every rank maps when collectives go through shared memory (a reduction then reads the
-        peers' gradients in place), else this process's own; the same choice on every rank."""
-        return self.comm.shm.zeros if self.comm.shm.active else private_zeros
-
-    # --------------------------------------------------------------- backward
     def run_backward(self, tensor: torch.Tensor, sync: bool, retain_graph: bool = False) -> None:
         self.start_backward(sync)
         try:
@@ -213,7 +228,6 @@ class FlatStrategy(Strategy):
             grad.add_(earlier)
         self._unused = sorted(unused & set(self._unused))
 
-    # ------------------------------------------------------------------- step
     def step_sums(self) -> torch.Tensor:
         """This rank's sum of squared reduced gradients (taken while the reduction was waited for); the
         "had a gradient" flags were summed at the end of backward, where DDP leaves unused ``.grad`` None."""
@@ -248,7 +262,7 @@ class FlatStrategy(Strategy):
         unused = []  # no rank had a gradient for them: left alone while the optimizer steps
         for index in self._unused:
             param = self.layout.params[index]
-            param.grad = None  # not a use of the values (see .side); it stays None, as DDP leaves it
+            param.grad = None  # not a use of the values (see `PendingGathers`); it stays None, as DDP leaves it
             if (piece := self.store.by_param.get(id(param))) is not None:
                 unused.append(piece)
         self.store.step(inner, factor if apart else 1.0, unused)  # steps (an offloaded home a sub-group at a time) and publishes
@@ -262,9 +276,8 @@ class FlatStrategy(Strategy):
         self._regather()
 
     def _regather(self) -> None:
-        """Start the all-gather of every bucket's updated slice, in forward order, and return.
-
-        The last bucket holds the first layers (buckets follow backward order), so it goes first.
+        """Start the all-gather of every bucket's updated slice, in forward order, and return.  The last bucket holds
+        the first layers (buckets follow backward order), so it goes first.
         """
         params, buckets = self.layout.params, self.layout.buckets[::-1]
         works = self.comm.all_gather_each(self._gathers[::-1], [f"parameters, bucket {b.index}" for b in buckets])
@@ -281,7 +294,7 @@ class FlatStrategy(Strategy):
     def _forget_grads(self) -> None:
         self._dirty = False
         for param in self.layout.params:
-            param.grad = None  # not a use of the values: no wait for a gather in flight (see .side)
+            param.grad = None  # not a use of the values: no wait for a gather in flight (see `PendingGathers`)
 
     def has_pending_grads(self) -> bool:
         return self._dirty
@@ -289,16 +302,13 @@ class FlatStrategy(Strategy):
     def trained_count(self) -> int:
         return len(self.layout.params)
 
-    # ------------------------------------------------------------ trainability
     def trainable_changed(self) -> bool:
-        # Reading flags is not a use of the values: it does not wait for a gather in flight (see .side).
+        # Reading flags is not a use of the values: it does not wait for a gather in flight (see `PendingGathers`).
         return self.inner is not None and tuple(p.requires_grad for p in self._order) != self._mask
 
     def refresh_trainable(self) -> None:
-        """Rebuild layout, buffers, hooks and optimizer pieces for the current ``requires_grad`` flags.
-
-        Master weights and optimizer state move with their parameters; a
-        parameter that stops training keeps them in the frozen store.
+        """Rebuild layout, buffers, hooks and optimizer pieces for the current ``requires_grad`` flags.  Master weights
+        and optimizer state move with their parameters; a parameter that stops training keeps them in the frozen store.
         """
         if self.inner is None:
             return
@@ -321,7 +331,6 @@ class FlatStrategy(Strategy):
             if id(param) not in training and id(param) in carried:
                 frozen.keep(param, carried[id(param)])
 
-    # -------------------------------------------------------------- checkpoint
     @contextlib.contextmanager
     def checkpoint_shards(self, loading: bool, wanted: frozenset[str] = frozenset()) -> Iterator[list[ParamShard]]:
         self.settle()
@@ -331,16 +340,11 @@ class FlatStrategy(Strategy):
         with self.store.shards(self.inner.state, loading, wanted) as shards:
             yield shards
 
-    # ------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, int]:
         params = {id(p): p for p in self.module.parameters()}
         state = getattr(self.inner, "state", {}) if self.inner is not None else {}
-        return {
-            "parameters": tensor_bytes(list(params.values())),
-            "master_weights": self.store.master_bytes(),
-            "gradients": self.grads.nbytes(),
-            "optimizer_state": self.store.state_bytes(state),
-        }
+        return {"parameters": tensor_bytes(list(params.values())), "master_weights": self.store.master_bytes(),
+                "gradients": self.grads.nbytes(), "optimizer_state": self.store.state_bytes(state)}
 
     def full_master_weights(self) -> dict[int, torch.Tensor]:
         self.settle()
@@ -377,3 +381,284 @@ class FlatStrategy(Strategy):
         self._hooks = []
         self.store.close()
 
+
+
+class Stage0(FlatStrategy):
+    """Replicated parameters, gradients and optimizer state; bucketed all-reduce."""
+
+    stage = 0
+
+    def _num_shards(self) -> int:
+        return 1
+
+    def _reduction(self) -> Reduce:
+        return functools.partial(all_reduce_in_place, self.comm)
+
+
+def uses_reduce_scatter(setting: Optional[bool], backend: str, shared_memory: bool = False) -> bool:
+    """How stages 1-2 average gradients: DeepSpeed's ``reduce_scatter`` when set, else by transport.
+
+    gloo's reduce-scatter over sockets takes ~1.8x its all-reduce of the same bucket (measured at 40M
+    parameters, docs/benchmarks.md), so there the all-reduce wins despite sending twice the bytes.  Through
+    shared memory (:mod:`shardwise.comm.shm`) and on NCCL the reduce-scatter is the cheaper one (20 MB, 2 ranks,
+    shared memory: 4.2 against 5.4 ms).
+    """
+    return setting if setting is not None else backend != "gloo" or shared_memory
+
+
+class Stage1(FlatStrategy):
+    """Sharded master weights and optimizer state; full gradients."""
+
+    stage = 1
+
+    @property
+    def reduce_scatter(self) -> bool:
+        """Whether buckets are reduce-scattered (else all-reduced, this rank's slice kept)."""
+        return uses_reduce_scatter(self.zero_config.reduce_scatter, self.comm.backend, self.comm.shm.active)
+
+    def describe_reduction(self) -> str:
+        how = "reduce-scatter" if self.reduce_scatter else "all-reduce, keeping this rank's slice"
+        why = "as configured" if self.zero_config.reduce_scatter is not None else f"chosen for {self.comm.shm.name(self.comm.backend)}"
+        return f"gradients averaged by {how} ({why}: `zero_optimization.reduce_scatter`)"
+
+    def _reduction(self) -> Reduce:
+        return functools.partial(reduce_scatter_slice if self.reduce_scatter else all_reduce_keeping_slice, self.comm)
+
+
+class Stage2(Stage1):
+    """Sharded master weights, optimizer state and gradients; reduces and regathers as stage 1 does."""
+
+    stage = 2
+    grad_storage = StagedGrads
+
+
+# ------------------------------------------------ the store's side: this rank's slice of the flat parameter buffer
+class FlatSide:
+    """The model's parameters for ``layout`` (see the module docstring); ``whole``: they are stepped themselves."""
+
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, whole: bool) -> None:
+        self.layout, self.whole = layout, whole
+        #: the model's flat parameter buffer (empty when the parameters are not flattened)
+        self.param_flat = torch.empty(0)
+        #: per trainable piece (by id), its elements of the model: fixed views, made with the pieces (a step
+        #: writes through them without asking the layout again)
+        self._regions: dict[int, torch.Tensor] = {}
+        if not whole:
+            self._flatten(dtype, device)
+
+    def _flatten(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Move every trainable parameter into one flat buffer of ``dtype`` (they become views of it)."""
+        layout = self.layout
+        self.param_flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        for index, param in enumerate(layout.params):
+            view = layout.param_slice(self.param_flat, index)
+            view.copy_(param.detach().reshape(-1))
+            param.data = view.view_as(param)
+
+    def pieces(self, names: dict[int, str], groups: dict[int, int], frozen: Sequence[nn.Parameter]) -> list[Piece]:
+        """The store's pieces: this rank's part of each trainable parameter, in shard order, then each frozen
+        parameter whole."""
+        layout, pieces = self.layout, []
+        for run in layout.pieces:
+            param = layout.params[run.param]
+            pieces.append(Piece(param, names[id(param)], param.shape, run.start, run.end, run.shard_offset,
+                                groups[id(param)], run.param))
+            if not self.whole:  # (whole: the parameter itself, which may not be contiguous, so not viewed flat)
+                self._regions[id(pieces[-1])] = self._region(pieces[-1])
+        for param in frozen:
+            pieces.append(Piece(param, names[id(param)], param.shape, 0, param.numel(), -1, groups[id(param)], -1))
+        return pieces
+
+    def view(self, piece: Piece) -> Optional[torch.Tensor]:
+        if piece.at < 0:
+            return None  # frozen: its master is kept apart, whole
+        return piece.param if self.whole else self._region(piece)
+
+    def _region(self, piece: Piece) -> torch.Tensor:
+        """The piece's elements of the model's parameter (in the flat buffer where it was flattened)."""
+        if piece.at < 0 or self.whole:
+            return piece.param.detach().view(-1).narrow(0, piece.start, piece.numel)
+        return self.layout.param_slice(self.param_flat, piece.index).narrow(0, piece.start, piece.numel)
+
+    def values(self, piece: Piece) -> torch.Tensor:
+        return piece.param.detach().reshape(-1).narrow(0, piece.start, piece.numel).to(torch.float32, copy=True)
+
+    def write(self, runs: Runs, last: bool = False) -> None:
+        """Into this rank's slice of the flat buffer (then all-gathered), or a frozen parameter itself."""
+        regions = self._regions
+        for piece, at, values in runs:
+            region = regions.get(id(piece))
+            target = (region if region is not None else self._region(piece)).narrow(0, at, values.numel())
+            if target.data_ptr() != values.data_ptr():
+                target.copy_(values, non_blocking=True)  # from pinned staging (host offload): not waited for
+
+    def settle(self) -> None:
+        pass  # nothing is held between writes
+
+    def gather_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per bucket: (the model's region of it, this rank's slice inside that region), fixed views; none with
+        one shard (the step wrote every parameter).  After the step this rank's slice holds its updated values,
+        so an all-gather of each pair, in place, re-assembles the updated parameters."""
+        layout, flat = self.layout, self.param_flat
+        if self.whole or layout.num_shards == 1:
+            return []
+        return [(layout.bucket_slice(flat, b), layout.owned_slice(flat, b)) for b in layout.buckets]
+
+    def release(self) -> None:
+        """Give every parameter its own storage again (before the layout is rebuilt)."""
+        if not self.whole:
+            for param in self.layout.params:
+                param.data = param.data.clone()
+
+
+def export_state(layout: FlatLayout, store: MasterStore, state: MutableMapping[Any, Any], comm: Comm,
+                 gather_flat: Callable[[torch.Tensor], torch.Tensor], whole: bool, device: torch.device) -> dict[int, Kept]:
+    """Full master and optimizer state of every parameter in ``layout`` (collective, gathered on ``device``),
+    taken out of the inner optimizer's ``state``, before the layout is rebuilt for a new trainable set (a rank
+    may own other element ranges after it; :meth:`.MasterStore.adopt` slices out its new pieces, and a parameter
+    that stopped training keeps its full entry in the :class:`~..store.store.FrozenStore`).  One all-gather per
+    state kind; ``whole``: every rank steps the parameters themselves (stage 0 in fp32), whose entries are then
+    the parameters' own values, nothing gathered or copied."""
+    store.home.check_whole("change the trainable set")
+    pieces = [piece for piece in store.pieces if piece.key is not None]  # in the order of layout.pieces
+    local = {run.param: store.home.slot(piece, state).get() for run, piece in zip(layout.pieces, pieces)}
+    if whole:
+        result = {id(p.param): Kept(0, p.numel, p.param.detach().view(-1), KeptSlot(local[p.index])) for p in pieces}
+        state.clear()
+        return result
+    scalars, names = _scalars(layout, local, comm)
+    master = store.shard(layout.shard_numel, device)
+    full = gather_flat(master)
+    result = {}
+    for index, param in enumerate(layout.params):
+        result[id(param)] = Kept(0, param.numel(), layout.param_slice(full, index).clone(), KeptSlot(dict(scalars[index])))
+    for name in sorted({n for per_param in names for n in per_param}):
+        shard = torch.zeros_like(master)
+        for run in layout.pieces:
+            value = local[run.param].get(name)
+            if value is not None:
+                shard.narrow(0, run.shard_offset, run.numel).copy_(value.reshape(-1))
+        full = gather_flat(shard)
+        for index, param in enumerate(layout.params):
+            if name in names[index]:
+                result[id(param)].state[name] = layout.param_slice(full, index).clone()
+    state.clear()
+    return result
+
+
+def _scalars(layout: FlatLayout, local: dict[int, dict[str, Any]],
+             comm: Comm) -> tuple[list[dict[str, Any]], list[list[str]]]:
+    """Per parameter: its non-per-element state, and the names of its per-element tensors.  Every piece of a parameter
+    is stepped together, so whichever rank owns a piece can speak for the whole parameter; one ``all_gather_object``
+    shares it.
+    """
+    mine: dict[int, tuple[dict[str, Any], list[str]]] = {}
+    for run in layout.pieces:
+        entries = local[run.param]
+        if entries:
+            mine[run.param] = (
+                {k: copy_value(v) for k, v in entries.items() if not is_per_element(v, run.numel)},
+                sorted(k for k, v in entries.items() if is_per_element(v, run.numel)),
+            )
+    scalars: list[dict[str, Any]] = [{} for _ in layout.params]
+    names: list[list[str]] = [[] for _ in layout.params]
+    for gathered in comm.all_gather_object(mine):
+        for index, (values, per_element) in gathered.items():
+            scalars[index], names[index] = values, per_element
+    return scalars, names
+
+
+# ------------------------------------------------ the gathers behind the next forward
+#: where a parameter in flight keeps (its PendingGathers, its bucket index)
+_KEY = "_shardwise_gathering"
+
+
+def _attribute(name: str) -> Any:
+    """The descriptor behind ``Tensor.<name>``: what ``__torch_function__`` receives as ``func``."""
+    return inspect.getattr_static(torch.Tensor, name)
+
+
+#: what reads or sets a parameter's bookkeeping, not its values: these run without waiting
+#: (``zero_grad`` and the trainable-set check touch every parameter while gathers are in flight)
+_NOT_A_USE = frozenset({_attribute("grad").__get__, _attribute("grad").__set__, _attribute("requires_grad").__get__})
+
+
+class GatheringParameter(nn.Parameter):
+    """A parameter whose bucket's all-gather is still in flight (see the module docstring)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in _NOT_A_USE:
+            for param in _in_flight(args, kwargs):
+                param._arrive()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def _arrive(self) -> None:
+        """Wait for this parameter's bucket (it and its bucket become plain Parameters)."""
+        entry = self.__dict__.get(_KEY)
+        if entry is not None:
+            entry[0].wait_bucket(entry[1])
+
+    # A copy or a pickle of a parameter in flight is of the arrived value, and a plain Parameter.
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
+        self._arrive()
+        return nn.Parameter.__deepcopy__(self, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        self._arrive()
+        return nn.Parameter.__reduce_ex__(self, protocol)
+
+
+def _in_flight(args: Any, kwargs: dict[str, Any]) -> Iterator[GatheringParameter]:
+    stack = [*args, *kwargs.values()]
+    while stack:
+        item = stack.pop()
+        if type(item) is GatheringParameter:
+            yield item
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+
+
+class PendingGathers:
+    """The buckets whose all-gather was started and not yet waited for, with their parameters."""
+
+    def __init__(self) -> None:
+        #: per bucket in flight, its gather and its parameters (empty: nothing to wait for)
+        self.works: dict[int, tuple[Work, list[torch.Tensor]]] = {}
+
+    def start(self, gathers: Sequence[tuple[int, Work, list[torch.Tensor]]]) -> None:
+        """Each ``(index, work, params)``: bucket ``index`` is being gathered by ``work`` into ``params``; guard
+        them until it is done (one call for a step's buckets)."""
+        for index, work, params in gathers:
+            if any(type(p) is not nn.Parameter for p in params):
+                work.wait()  # a Parameter subclass of the user's keeps its class: no overlap for its bucket
+                continue
+            self.works[index] = (work, params)
+            for param in params:
+                param.__dict__[_KEY] = (self, index)
+                param.__class__ = GatheringParameter
+
+    def wait_bucket(self, index: int) -> None:
+        """Finish bucket ``index``'s gather (nothing if it is done); its parameters become plain again."""
+        entry = self.works.pop(index, None)
+        if entry is None:
+            return
+        work, params = entry
+        _plain(params)
+        work.wait()
+
+    def wait_all(self) -> None:
+        """Finish every gather in flight, in the order they were started."""
+        entries, self.works = list(self.works.values()), {}
+        for _, params in entries:
+            _plain(params)
+        wait_all([work for work, _ in entries])
+
+
+def _plain(params: list[torch.Tensor]) -> None:
+    """The parameters of a bucket whose gather is waited for become plain ``nn.Parameter`` s again."""
+    for param in params:
+        param.__class__ = nn.Parameter
+        param.__dict__.pop(_KEY, None)

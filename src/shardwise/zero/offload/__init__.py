@@ -1,2 +1,3 @@
-"""Offload to NVMe (ZeRO-Infinity): the files a rank's state lives in, their checksums, room on the disk, read
-ahead and write behind, and stage 3's parameter shards kept in files."""
+"""Offload of stage 3's shards and of the optimizer state's files (ZeRO-Offload, ZeRO-Infinity): the files a rank's
+state lives in and their checksums, the folders they are in and room on the disk, and the shards kept in files or in
+host memory."""

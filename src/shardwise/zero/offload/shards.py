@@ -1,27 +1,22 @@
-"""Stage 3's local shards in a file (``offload_param: {device: nvme}``), at most ``max_in_cpu`` elements in memory.
+"""Stage 3's local shards apart from the model: in host memory for a model on an accelerator (``offload_param: {device:
+cpu}``), or in a file (``nvme``) with at most ``max_in_cpu`` elements in memory.
 
-Each unit's shard (this rank's 1/N of it, in the compute dtype) gets a run of bytes in one ``params`` file in
-a folder of this rank's own under ``offload_param.nvme_path`` (:class:`~.nvme_files.NvmeFiles`), and a
-:class:`NvmeShard` in place of its in-memory storage (:class:`~.params.ShardStorage`).  Reading
-``unit.shard`` brings it into host memory (waiting for a read ahead in flight, or reading it then): the
-all-gather of a gather reads it there, and code that reads or writes the shard outside a gather (a step
-publishing masters, ``GatheredParameters(modifier_rank=...)``, a checkpoint, ``full_state_dict``) finds it
-the same way.
+Host memory (:class:`HostShard`, a :class:`~..stage3.params.ShardStorage`): each shard lives pinned in host memory.
+Reading ``unit.shard`` gives a copy on the device: the one read ahead (``buffer_count`` units past those the gatherer
+prefetches, on a stream of its own), else one made then, so the all-gather reads it on the device.  The device copy goes
+once no view of it is held (:meth:`~..stage3.params.Unit.shard_released`), written back first if torch's version counter
+says it was written.  A step publishing into a shard with no device copy writes host memory: the next gather takes it.
+On a CPU job under :func:`~..store.plan.host_path_on_cpu` the "device" copy is a second host tensor, so the CPU suite
+runs this path.
 
-The host copy is a tensor of its own, made anew each time the shard is read (a view of a copy that left
-keeps that copy's memory alive rather than pointing at freed memory).  Whether it was written is
-read from torch's version counter, which every in-place write through it or a view of it bumps: only a
-written shard is written back.  Shards leave host memory, least recently used first, when the cache holds
-more than ``max_in_cpu`` elements, and only at points where no view of them is held
-(:meth:`~.params.Unit.shard_released`: a unit freed after use, a unit's masters published, a shard read
-outside a gather: re-gathered, loaded, turned into masters); a shard an
-all-gather is still reading never leaves, nor one read ahead (at most ``offload_param.buffer_count`` of
-those, past the units the gatherer prefetches) before its gather takes it; a read ahead that the pass which
-asked for it did not use becomes an ordinary host copy when the pass ends (:meth:`NvmeShard.settle_read_ahead`).
-
-A read becomes the host copy only once it succeeded: a read that fails or is interrupted part-way leaves
-the shard only in its file, so the next use reads it again (and a failed read ahead is forgotten once
-its error was raised), never a half-read copy used as the weights or written back over the file.
+A file (:class:`NvmeShard`): each shard gets a run of bytes in one ``params`` file (:class:`~.files.NvmeFiles`). Reading
+``unit.shard`` brings it into host memory (a read ahead in flight, or a read then), for a gather or anything else that
+reads it.  The host copy is a tensor of its own, made anew at each read (a view of a copy that left keeps its memory
+rather than pointing at freed memory); only a copy torch's version counter says was written is written back.  Shards
+leave least recently used first, past ``max_in_cpu`` elements, and only where no view is held; never one an all-gather
+reads, nor one read ahead (at most ``buffer_count``) before its gather; an unused read ahead becomes an ordinary copy
+when its pass ends.  A read becomes the host copy only once it succeeded: a failed or interrupted read leaves the shard
+in its file, never a half-read copy used as weights or written back.
 """
 
 from __future__ import annotations
@@ -34,22 +29,136 @@ import torch
 
 from ..store.plan import moves_to_host
 from .files import NvmeFiles, OffloadIOError
-from .host_shards import HostShards
 
-__all__ = ["NvmeShard", "ShardCache", "offloads_params", "params_home", "shard_cache"]
+__all__ = [
+    "HostShard", "HostShards", "NvmeShard", "ShardCache", "offloads_params", "params_home", "shard_cache",
+]
 
 _KEY = "zero_optimization.offload_param.nvme_path"
 
 
 class Gathers(Protocol):
-    """What owns a shard (a unit): whether the shard must stay in host memory now (an all-gather reads it),
-    and how errors name it."""
+    """What owns a shard (a unit): whether the shard must stay now (an all-gather reads it, a step publishes
+    into it), and how errors name it."""
 
     @property
     def shard_busy(self) -> bool: ...
 
     @property
     def label(self) -> str: ...
+
+
+class HostShards:
+    """This rank's shards in host memory, and the stream their copies ahead run on (see the module docstring)."""
+
+    def __init__(self, device: torch.device, pin: bool) -> None:
+        self.device = device
+        self.pin = pin and device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        #: set by `engine.destroy()` (as the file cache's): nothing is written back any more
+        self.closing = False
+        #: bytes copied up (host to device) and down (written back), for the measurement
+        self.up, self.down = 0, 0
+
+    def place(self, shard: torch.Tensor, owner: Gathers) -> "HostShard":
+        """``shard`` (on the device) moves to host memory; its device copy goes once released."""
+        home = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=self.pin)
+        home.copy_(shard)
+        return HostShard(self, home, shard, owner)
+
+    def check_usable(self) -> None:
+        """Host memory does not lose what was written to it (the file cache's check has nothing to do here)."""
+
+    def close(self) -> None:
+        """Nothing to delete: the shards go with their units."""
+
+
+class HostShard:
+    """One unit's shard in host memory, and its copy on the device while in use (see the module docstring)."""
+
+    def __init__(self, shards: HostShards, home: torch.Tensor, copy: torch.Tensor, owner: Gathers) -> None:
+        self.shards, self.home, self.owner = shards, home, owner
+        #: the copy on the device (None: only in host memory), and its version when it last agreed with the host's
+        self.copy: Optional[torch.Tensor] = copy
+        self.clean = copy._version
+        #: a copy up started ahead, and the event it ends with (None on a CPU job)
+        self.pending: Optional[tuple[torch.Tensor, Optional[torch.cuda.Event]]] = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.shards.device
+
+    def get(self) -> torch.Tensor:
+        if self.copy is None:
+            if self.pending is not None:
+                copy, done = self.pending
+                self.pending = None
+                if done is not None:  # the compute stream waits for the copy, and owns its memory from here
+                    stream = torch.cuda.current_stream(self.device)
+                    stream.wait_event(done)
+                    copy.record_stream(stream)
+                self._take(copy)
+            else:
+                self._take(self.home.to(self.device, non_blocking=self.shards.pin, copy=True))
+        assert self.copy is not None
+        return self.copy
+
+    def _take(self, copy: torch.Tensor) -> None:
+        self.copy, self.clean = copy, copy._version
+        self.shards.up += copy.numel() * copy.element_size()
+
+    def put(self, shard: torch.Tensor) -> None:
+        if shard is self.copy:
+            return
+        if shard.dtype != self.home.dtype or shard.shape != self.home.shape:
+            raise RuntimeError(
+                f"a stage 3 shard kept in host memory (`offload_param: {{device: cpu}}`) cannot become a "
+                f"{shard.dtype} tensor of shape {tuple(shard.shape)} (it is {self.home.dtype}, "
+                f"{tuple(self.home.shape)}); cast the model before `shardwise.initialize`, not after")
+        self.get().copy_(shard)
+
+    def write(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Into the device copy where there is one (written back when it goes), else into host memory."""
+        target = self.copy if self.copy is not None else self.home
+        if target is self.home:
+            self.pending = None  # a copy ahead would miss these values: the next use copies them up
+        if parts:  # (into host memory: waited for, the values may come from the device)
+            torch._foreach_copy_([target.narrow(0, at, v.numel()) for at, v in parts], [v for _, v in parts],
+                                 non_blocking=target is self.copy)
+
+    def released(self) -> None:
+        """The device copy goes (written back if written), unless an all-gather reads it or a step publishes."""
+        if self.copy is None or self.owner.shard_busy:
+            return
+        if self.copy._version != self.clean and not self.shards.closing:
+            self.home.copy_(self.copy)
+            self.shards.down += self.home.numel() * self.home.element_size()
+        self.copy = None
+
+    def read_ahead(self) -> None:
+        if self.copy is not None or self.pending is not None:
+            return
+        stream = self.shards.stream
+        if stream is None:
+            self.pending = (self.home.clone(), None)
+            return
+        with torch.cuda.stream(stream):
+            copy = self.home.to(self.device, non_blocking=self.shards.pin)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self.pending = (copy, done)
+
+    def settle_read_ahead(self) -> None:
+        """A copy ahead its gather did not take (the pass went another way) is let go."""
+        self.pending = None
+
+    def held_bytes(self) -> int:
+        """Bytes on the device (the copy, or one coming ahead)."""
+        held = self.copy is not None or self.pending is not None
+        return self.home.numel() * self.home.element_size() if held else 0
+
+    def discard(self) -> None:
+        self.copy, self.pending = None, None
 
 
 class ShardCache:
@@ -69,8 +178,7 @@ class ShardCache:
         self.resident: OrderedDict[NvmeShard, None] = OrderedDict()
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-param-io")
         #: uses that found their shard read ahead, and uses that had to read it then (for the measurement)
-        self.ahead_hits = 0
-        self.misses = 0
+        self.ahead_hits, self.misses = 0, 0
         #: set by `engine.destroy()`: the file is deleted next, so no host copy leaves (nor is written back)
         self.closing = False
 
@@ -125,9 +233,7 @@ class NvmeShard:
     """One unit's shard: a run of the cache's file, and a host copy while it is resident (see the module docstring)."""
 
     def __init__(self, cache: ShardCache, offset: int, tensor: torch.Tensor, owner: Gathers) -> None:
-        self.cache = cache
-        self.offset = offset
-        self.owner = owner
+        self.cache, self.offset, self.owner = cache, offset, owner
         self.shape, self.dtype, self._device = tensor.shape, tensor.dtype, tensor.device
         self.numel = tensor.numel()
         #: the host copy (None: only in the file)
@@ -198,7 +304,6 @@ class NvmeShard:
         held = self.tensor is not None or self.pending is not None  # a read ahead's tensor exists already
         return self.numel * self.dtype.itemsize if held else 0
 
-    # ------------------------------------------------------------------ I/O
     def _read(self) -> torch.Tensor:
         """A fresh host copy read from the file (a new tensor each time: a view of an evicted one keeps its own
         memory alive); it becomes :attr:`tensor` only once the read succeeded (:meth:`_take`)."""

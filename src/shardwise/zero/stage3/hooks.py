@@ -1,78 +1,62 @@
-"""Module hooks that gather stage 3 parameters exactly while they are needed.
+"""Module hooks that gather stage 3 parameters exactly while they are needed (docs/stage3.md, "Hooks"), and
+``GatheredParameters`` and ``register_external_parameter`` for reading and writing them outside a forward.
 
-Every submodule of the engine's model gets a forward pre-hook and a forward
-hook, so the entry point does not matter: ``engine(x)``, ``engine.module(x)``,
-``engine.generate(...)`` and nested calls all run them.
+Every submodule gets a forward pre-hook and a forward hook, so the entry point does not matter
+(``engine(x)``, ``engine.module(x)``, ``engine.generate(...)``, nested calls).
 
-* **forward**: the pre-hook opens a *call* for the module and gathers its
-  units (the units holding its direct parameters, plus any registered with
-  ``register_external_parameter``); the post-hook releases them.  A parameter
-  that the running forward reads but does not own (``F.linear(x,
-  self.child.weight)``, a tied head reading the embedding) is noticed by the
-  parameter's ``__torch_function__`` and gathered *for the innermost running
-  call*, so it is released with that call and re-gathered for its backward.
-* **backward**: a hook on the call's outputs fires before the module's
-  backward and re-gathers every unit the call used; an identity autograd
-  function on the call's inputs fires after it and releases them.  A call
-  whose inputs need no gradient (the first layer) releases a unit when all of
-  its trainable parameters' gradients have arrived, or at the end of backward.
-* **in-place writes**: a write to a parameter while a forward (or backward)
-  holds it (``w.clamp_(...)``, ``w.data.mul_(...)``, ``w.copy_(...)``) changes
-  the gathered copy only; when the call that holds the unit ends, each rank
-  copies its slice of the new values into its shard and fp32 master, so the
-  write persists.  A write through ``param.data`` is found by comparing a
-  checksum of the values from the ``.data`` access to the end of the call.
-  Each write is folded into the group's ledger with a checksum of the new
-  values, so ranks that wrote different values fail the next step check.
-* **prefetch**: the units acquired in a forward are recorded; the next forward
-  starts all-gathers for the upcoming units ahead of use
-  (``stage3_prefetch_bucket_size`` elements, at most
-  ``stage3_max_live_parameters`` gathered), and backward does the same in
-  reverse; with ``offload_param: nvme`` the shards of the next
-  ``buffer_count`` units past those start reading from their file.  A
-  unit released in forward stays gathered when the recording says it is
-  used again within ``stage3_max_reuse_distance`` elements.  When the
-  order changes (a branch), prefetches only go to waste: gathering on use is
-  what guarantees correctness.
+* **forward**: the pre-hook opens a *call* and gathers the module's units (its direct parameters' and those
+  registered with ``register_external_parameter``); the post-hook releases them.  A parameter the running
+  forward reads but does not own (``F.linear(x, self.child.weight)``, a tied head) is noticed by its
+  ``__torch_function__`` and gathered for the innermost running call.
+* **backward**: a hook on the call's outputs re-gathers its units before the module's backward; an identity
+  autograd function on its inputs releases them after.  A call whose inputs need no gradient releases a unit
+  once its trainable parameters' gradients have all arrived, or at the end of backward.
+* **in-place writes** to a held parameter (``w.clamp_(...)``, ``w.data.mul_(...)``; ``.data`` found by a
+  checksum) are copied into each rank's shard and fp32 master when the call ends, and folded into the
+  group's ledger so ranks that wrote different values fail the next step check (docs/faults.md).
+* **prefetch**: the order recorded in one forward drives all-gathers ahead of use in the next, and in reverse
+  in backward (``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``,
+  ``stage3_max_reuse_distance``; with ``offload_param: nvme`` the next ``buffer_count`` shards start reading).
+  A changed order only wastes prefetches: gathering on use is what guarantees correctness.
+* **announcements**: a pass that does not go through an announced engine call (``engine.module(x)``,
+  ``loss.backward()``) announces each outermost pass before its first gather (:mod:`shardwise.faults.announce`).
 
-* **announcements**: a forward or backward that does not go through an
-  announced engine call (``engine.module(x)``, the model's own ``generate``
-  loop, ``engine.generate``, ``loss.backward()``) announces each outermost pass
-  to the other ranks before its first gather (:mod:`shardwise.faults.announce`):
-  a rank running one alone raises, with the others, before any data moves.
-
-Collectives are issued in program order, so all ranks must run the same
-modules in the same order in a given forward (the usual ZeRO-3 / FSDP
-requirement); which modules run may change from one forward to the next.
+Collectives are issued in program order, so all ranks must run the same modules in the same order in a given
+forward (the usual ZeRO-3 / FSDP requirement).
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-from typing import Any, Iterator, Optional, Protocol, Sequence
+from types import TracebackType
+from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence, Union
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ...faults.announce import Announcer, register
 from ...faults.ledger import current_phase
 from ..offload.shards import offloads_params
 from .params import (
     Unit,
     UnitState,
     checksum,
+    gather_units,
     hold,
     let_go,
     move,
     not_gathered_error,
+    outside_graphs,
     param_name,
     prepare_for_compile,
     unit_of,
 )
-from .traced import outside_graphs
 
-__all__ = ["Gatherer", "MasterValues", "TrainingState", "module_units"]
+__all__ = [
+    "GatheredParameters", "Gatherer", "MasterValues", "TrainingState", "module_units", "register_external_parameter",
+]
 
 EXTERNAL_ATTR = "_shardwise_external_params"
 _TENSOR_DATA = torch.Tensor.data
@@ -84,12 +68,10 @@ class _Call:
     __slots__ = ("module", "units", "positions", "held", "task", "post")
 
     def __init__(self, module: nn.Module, units: list[Unit]) -> None:
-        self.module = module
-        self.units = units
+        self.module, self.units = module, units
         self.positions: list[int] = []
         self.held: list[Unit] = []
-        self.task = -1
-        self.post = False
+        self.task, self.post = -1, False
 
 
 class _PostBackward(torch.autograd.Function):
@@ -130,31 +112,23 @@ _TRAINING_MOVES: dict[TrainingState, frozenset[TrainingState]] = {
 
 
 class MasterValues(Protocol):
-    """Who keeps copies of the units' values apart from their shards (stage 3's master weights)."""
+    """Who keeps copies of the units' values apart from their shards (stage 3's master weights; the first and last
+    are :class:`~.params.UnitOwner`'s)."""
 
-    def on_params_modified(self, unit: Unit) -> None:
-        """New full values were written into ``unit`` and scattered to its shards."""
+    def on_params_modified(self, unit: Unit) -> None: ...
 
     def on_written(self, unit: Unit) -> None:
         """A forward (or backward) wrote ``unit``'s gathered values in place: keep this rank's slice of them."""
 
-    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
-        """``unit``'s shard took the fp32 ``values`` (this rank's slice) for the parameters ``loaded``."""
+    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None: ...
 
 
 class Gatherer:
-    """Owns the gather/free life cycle of one engine's units (the stage 3 ``UnitOwner``).
+    """Owns the gather/free life cycle of one engine's units (the stage 3 ``UnitOwner``): ``units`` is the engine's list
+    (filled before :meth:`install`); ``values`` is told of every change of their values not from a step."""
 
-    ``units`` is the engine's list of units (filled before :meth:`install`); ``values``
-    is told about every change of their values that did not come from a step.
-    """
-
-    def __init__(self, module: nn.Module, units: list[Unit], zero_config: Any, values: MasterValues,
-                 rank: int) -> None:
-        self.module = module
-        self.rank = rank
-        self.units = units
-        self.values = values
+    def __init__(self, module: nn.Module, units: list[Unit], zero_config: Any, values: MasterValues, rank: int) -> None:
+        self.module, self.rank, self.units, self.values = module, rank, units, values
         #: per module, the non-persistent units of its direct parameters (set by :meth:`install`)
         self.module_units: dict[nn.Module, list[Unit]] = {}
         self.prefetch_numel = int(zero_config.stage3_prefetch_bucket_size)
@@ -190,7 +164,6 @@ class Gatherer:
         self._pass: Any = None
         self._backward_pass: Any = None
 
-    # ------------------------------------------------------------ install
     def install(self) -> None:
         # Gathering is a collective on Python state: under torch.compile the hooks run eagerly,
         # between graphs (one break per module call), never traced into one.
@@ -206,7 +179,6 @@ class Gatherer:
             handle.remove()
         self._handles = []
 
-    # ------------------------------------------------------------- state
     def _move(self, to: TrainingState, event: str) -> None:
         """The one place the training state changes: raises on a move the life cycle lacks."""
         if to not in _TRAINING_MOVES[self.state]:  # (checked here: `move` builds the error)
@@ -214,7 +186,6 @@ class Gatherer:
             move(self.rank, f"the model ({type(self.module).__name__})", self.state, to, _TRAINING_MOVES, event, fix)
         self.state = to
 
-    # ----------------------------------------------------- gather / free
     def acquire(self, unit: Unit) -> None:
         """Hold ``unit`` gathered (until :meth:`release`)."""
         unit.acquire()
@@ -244,20 +215,8 @@ class Gatherer:
             if unit.holders == 0:
                 self.drop(unit)
 
-    def _covered(self) -> bool:
-        """Whether a pass needs no announcement of its own: no announcer, one rank, or an announced operation (the
-        engine's own ``backward``) covers the group already (read here: every backward passes this check)."""
-        announcer = self.announcer
-        return announcer is None or not announcer.comm.distributed or announcer.comm.ledger.scope is not None
-
     def _live_numel(self) -> int:
         return sum(u.numel for u in self._live if u.gathered)
-
-    def _prefetch(self, trace: list[Unit], start: int) -> int:
-        """Start gathers for ``trace[start:]`` up to the prefetch budget; returns where it stopped."""
-        ahead, index, later = self._ahead(trace, start)
-        self._hold((), ahead, later)
-        return index
 
     def _hold(self, units: Sequence[Unit], ahead: Sequence[Unit], later: Sequence[Unit]) -> None:
         """:func:`~.params.hold`, then the shards of ``later`` read ahead from their files (after: the shards needed
@@ -299,9 +258,8 @@ class Gatherer:
         read-ahead slots and leave host memory as ``max_in_cpu`` says, instead of staying pending for good."""
         units, self._read_ahead = self._read_ahead, {}
         for unit in units:
-            unit.settle_read_ahead()
+            unit.storage.settle_read_ahead()
 
-    # ------------------------------------------------------------ forward
     def _in_backward(self) -> bool:
         return torch._C._current_graph_task_id() != -1
 
@@ -315,9 +273,9 @@ class Gatherer:
                 units.append(unit)
         call = _Call(module, units)
         self._stack.append(call)
-        if units and self._last:
-            # Start this call's own gathers and the next ones together, then wait for its own.
-            self._cursor = self._prefetch(self._last, max(self._cursor, len(self._trace)))
+        if units and self._last:  # the next units' gathers start with this call's own (its own waited for below)
+            ahead, self._cursor, later = self._ahead(self._last, max(self._cursor, len(self._trace)))
+            self._hold((), ahead, later)
         for unit in units:
             self._acquire_for(call, unit)
         if units and torch.is_grad_enabled():
@@ -338,27 +296,21 @@ class Gatherer:
         if self._written:
             self._write_back([u for u in call.units if u in self._written])
         for unit, position in zip(call.units, call.positions):
-            self.release(unit, keep=self._reused_soon(unit, position))
+            # kept gathered when the last forward's trace uses it again within the reuse distance (and memory allows)
+            distance = self._next_use[position] if position < len(self._last) and self._last[position] is unit else None
+            soon = distance is not None and distance <= self.reuse_distance and self._live_numel() <= self.max_live
+            self.release(unit, keep=soon)
         if call.units and torch.is_grad_enabled() and output is not None:
             self._arm_pre_backward(call, output)
         if not self._stack and not self._in_backward():
             self._end_pass()
-
-    def _reused_soon(self, unit: Unit, position: int) -> bool:
-        if position >= len(self._last) or self._last[position] is not unit:
-            return False
-        distance = self._next_use[position]
-        if distance is None or distance > self.reuse_distance:
-            return False
-        return self._live_numel() <= self.max_live
 
     def _begin_pass(self) -> None:
         if self.state is TrainingState.BACKWARD:
             self._end_backward()  # a backward that raised never ran its final callback
         self._pass = self._announce("forward")  # first: refused, it leaves the model as it was
         self._move(TrainingState.FORWARD, "begin a forward")
-        self._trace = []
-        self._cursor = 0
+        self._trace, self._cursor = [], 0
 
     def _announce(self, kind: str) -> Any:
         """Announce a stage-3 ``kind`` pass (unless an announced engine call already covers it); the open scope."""
@@ -425,8 +377,7 @@ class Gatherer:
                 f"rank {unit.comm.rank}: a compiled function reads parameter `{param_name(param)}`, which ZeRO "
                 "stage 3 partitions, outside any forward of the engine's model, where nothing gathers it on "
                 "each call; compile the module (`engine.compile()`, or `torch.compile(model)` before "
-                "`shardwise.initialize`) instead of a function around it, or run that function eagerly"
-            )
+                "`shardwise.initialize`) instead of a function around it, or run that function eagerly")
         call = self._stack[-1]
         if unit in call.units:
             return
@@ -438,13 +389,10 @@ class Gatherer:
     def on_cast(self, unit: Unit, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> bool:
         return False
 
-    def on_params_modified(self, unit: Unit) -> None:
-        """``GatheredParameters(modifier_rank=...)`` wrote new values into ``unit``."""
+    def on_params_modified(self, unit: Unit) -> None:  # (`GatheredParameters(modifier_rank=...)` wrote it)
         self.values.on_params_modified(unit)
 
-    # ----------------------------------------------------- in-place writes
     def on_write(self, unit: Unit) -> contextlib.AbstractContextManager[None]:
-        """An in-place operation is about to write parameters of the gathered ``unit``."""
         if self._stack or self._in_backward():
             self._written[unit] = None  # written back when the call holding it ends
             return contextlib.nullcontext()
@@ -480,11 +428,9 @@ class Gatherer:
             # No collective: the step check compares this note, so different writes on different ranks fail it.
             unit.comm.record("in-place write", unit.numel, unit.full.dtype, f"{unit.label}, values {after:x}")
 
-    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
-        """``zero.load_state_dict`` gave ``unit`` new fp32 values."""
+    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:  # (`zero.load_state_dict`)
         self.values.on_values_loaded(unit, values, loaded)
 
-    # ----------------------------------------------------------- backward
     def _arm_post_backward(self, call: _Call, args: Any, kwargs: Any) -> Any:
         flat, spec = tree_flatten((args, kwargs))
         where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad]
@@ -511,7 +457,11 @@ class Gatherer:
     def _ensure_backward_callback(self) -> None:
         task = torch._C._current_graph_task_id()
         if task != self._bw_task:
-            if self._backward_pass is None and not self._covered():  # (a reentrant backward inside it is covered)
+            # no announcement of its own with no announcer, on one rank, or inside an announced operation (the engine's
+            # own `backward`; a reentrant backward inside one): read here, every backward passes this check
+            announcer = self.announcer
+            covered = announcer is None or not announcer.comm.distributed or announcer.comm.ledger.scope is not None
+            if self._backward_pass is None and not covered:
                 self._backward_pass = self._announce("backward")
             self._move(TrainingState.BACKWARD, "begin a backward")
             self._bw_task = task
@@ -526,23 +476,20 @@ class Gatherer:
         call.task = task
         self._ensure_backward_callback()
         self._live.update(unit for unit in call.units if not unit.gathered)
+        trace = self._bw_trace  # ahead: the units after the call's in the reversed forward order
+        for index in range(self._bw_cursor, len(trace)):
+            if trace[index] in call.units:
+                self._bw_cursor = index + 1
+                break
         # the call's own gathers and the next ones in one call, then the call's waited for
-        self._hold(call.units, *self._ahead_backward(call))
+        ahead, _, later = self._ahead(trace, self._bw_cursor, call.units)
+        self._hold(call.units, ahead, later)
         call.held = list(call.units)
         self._bw_calls.append(call)
         if not call.post:
             for unit in call.units:
                 self.held_for_grads.setdefault(unit, []).append(call)
 
-    def _ahead_backward(self, call: _Call) -> tuple[list[Unit], list[Unit]]:
-        """What backward gathers ahead of ``call``: the units after the call's in the reversed forward order."""
-        trace = self._bw_trace
-        for index in range(self._bw_cursor, len(trace)):
-            if trace[index] in call.units:
-                self._bw_cursor = index + 1
-                break
-        ahead, _, later = self._ahead(trace, self._bw_cursor, call.units)
-        return ahead, later
 
     def post_backward(self, call: _Call) -> None:
         held, call.held = call.held, []
@@ -567,9 +514,7 @@ class Gatherer:
         extra, self._bw_extra = self._bw_extra, []
         if extra:
             self._live.difference_update(let_go(extra))
-        self._bw_calls = []
-        self.held_for_grads = {}
-        self._bw_task = -1
+        self._bw_calls, self.held_for_grads, self._bw_task = [], {}, -1
         scope, self._backward_pass = self._backward_pass, None
         if scope is not None:
             scope.close()
@@ -578,9 +523,8 @@ class Gatherer:
         self._settle_read_aheads()
 
     def abort_forward(self) -> None:
-        """The engine's forward raised past the module hooks (torch runs the always-called post-hooks for an
-        ``Exception`` only: a ``KeyboardInterrupt`` skips them): let go of what its calls held, as their ends
-        would have."""
+        """The engine's forward raised past the module hooks (a ``KeyboardInterrupt`` skips torch's always-called
+        post-hooks): let go of what its calls held, as their ends would have."""
         while self._stack:
             self._post_forward(self._stack[-1].module, (), None)  # what the skipped hook would have done
         if self.state is TrainingState.FORWARD:
@@ -594,8 +538,7 @@ class Gatherer:
 
 
 def module_units(root: nn.Module) -> dict[nn.Module, list[Unit]]:
-    """Per module of ``root``, the non-persistent units holding its direct parameters (a tied parameter's
-    unit is gathered by every module holding it)."""
+    """Per module of ``root``, the non-persistent units holding its direct parameters (tied: every holder's)."""
     holders: dict[nn.Module, list[Unit]] = {}
     for module in root.modules():
         found: list[Unit] = []
@@ -622,4 +565,111 @@ def _next_use(trace: list[Unit]) -> list[Optional[int]]:
             result[position] = prefix[later] - prefix[position + 1]
         seen[id(unit)] = position
     return result
+
+
+# ------------------------------------------------ outside a forward: GatheredParameters, external parameters
+class GatheredParameters:
+    """Inside the block, the given partitioned parameters hold their full values (collective).
+
+    Every rank must enter it with the same parameters in the same order.
+    Without ``modifier_rank`` the block is read-only: writes are discarded
+    when it exits.  With ``modifier_rank=r``, what rank ``r`` wrote is
+    broadcast on exit and re-partitioned on every rank (and, when a stage 3
+    engine owns the parameters, copied into its fp32 master weights).
+    Parameters that are not partitioned (another stage, a plain module) are
+    left alone, so the same code runs at every stage::
+
+        with shardwise.zero.GatheredParameters(model.head.weight, modifier_rank=0):
+            if dist.get_rank() == 0:
+                model.head.weight[:10].zero_()
+
+    ``fwd_module`` is accepted for DeepSpeed compatibility and ignored.  Collective, so it announces itself first
+    (:mod:`shardwise.faults.announce`): a rank entering it alone raises, with the others, before anything is gathered.
+    """
+
+    def __init__(self, params: Union[torch.Tensor, Iterable[torch.Tensor], None], modifier_rank: Optional[int] = None,
+                 fwd_module: Optional[nn.Module] = None, enabled: bool = True) -> None:
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = list(params) if params is not None and enabled else []
+        self.modifier_rank = modifier_rank
+        self._scope: Any = None
+        self.units: list[Unit] = []
+        for param in self.params:
+            if not isinstance(param, torch.Tensor):
+                raise TypeError(
+                    f"GatheredParameters got a `{type(param).__name__}`; pass a parameter or a list of "
+                    "parameters, e.g. `GatheredParameters(module.parameters())`")
+            unit = unit_of(param)
+            if unit is not None and unit not in self.units:
+                self.units.append(unit)
+        if modifier_rank is not None and self.units:
+            world = self.units[0].comm.world_size
+            if not 0 <= modifier_rank < world:
+                raise ValueError(
+                    f"modifier_rank={modifier_rank} is not a rank of the parameters' process group "
+                    f"(size {world}); pass a rank in [0, {world}) or None for read-only access")
+
+    def __enter__(self) -> "GatheredParameters":
+        if self.units:
+            # its engine announces; a model under `zero.Init` not yet wrapped, a bare announcer on its group
+            announcer = getattr(self.units[0].owner, "announcer", None)
+            if not isinstance(announcer, Announcer):
+                announcer = Announcer(self.units[0].comm, "a model partitioned by `zero.Init`", engine=False)
+            self._scope = announcer.scope("GatheredParameters").open()
+        try:
+            for unit in self.units:
+                unit.acquire()
+            gather_units(self.units)
+        except BaseException:
+            self._close()
+            raise
+        return self
+
+    def _close(self) -> None:
+        scope, self._scope = self._scope, None
+        if scope is not None:
+            scope.close()
+
+    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        try:
+            if self.modifier_rank is not None and exc_type is None:
+                for unit in self.units:
+                    unit.scatter_from_full(src=self.modifier_rank)
+                    unit.owner.on_params_modified(unit)
+            elif self.modifier_rank is None:
+                # Read-only: undo local writes so the full values keep matching the shards.
+                for unit in self.units:
+                    if unit.holders > 1 or unit.persistent:
+                        unit.refresh()
+        finally:
+            try:
+                for unit in self.units:
+                    unit.owner.release(unit)
+            finally:
+                self._close()
+
+
+register("GatheredParameters.__enter__", "GatheredParameters")
+
+
+def register_external_parameter(module: nn.Module, parameter: torch.Tensor) -> None:
+    """Gather ``parameter`` whenever ``module`` runs, like its own parameters.
+
+    A parameter read inside a module's forward that belongs to another module (``F.linear(x, self.child.weight)`` on a
+    child the forward never calls) is gathered automatically at stage 3; registering it only lets the gather happen up
+    front, with prefetching, instead of at the first read.  Works before or after ``shardwise.initialize``; a no-op for
+    parameters that are not partitioned.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"register_external_parameter: `module` must be a torch.nn.Module, got `{type(module).__name__}`")
+    if not isinstance(parameter, torch.Tensor):
+        raise TypeError(
+            f"register_external_parameter: `parameter` must be a tensor (an nn.Parameter), got "
+            f"`{type(parameter).__name__}`")
+    registered = module.__dict__.setdefault(EXTERNAL_ATTR, [])
+    if not any(p is parameter for p in registered):
+        registered.append(parameter)
 

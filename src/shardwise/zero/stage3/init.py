@@ -1,25 +1,12 @@
-"""``zero.Init``: build a model already partitioned, one submodule at a time.
+"""``zero.Init``: build a model already partitioned, one submodule at a time (docs/stage3.md, "zero.Init").
 
-Inside the context, a module is partitioned the moment it is fully built:
-when it is assigned to its parent (``self.block = Block()`` runs the
-parent's registration hook after ``Block.__init__`` returned).  Modules that
-never get a parent (the model itself) are partitioned on exit.  So peak memory
-while building is about one submodule, and each submodule's own ``__init__``
-(``reset_parameters``, in-place init, ``F.linear`` on its weights) runs on
-ordinary full tensors.
-
-Values are taken from rank 0 (one broadcast per module), so every rank ends
-up with the same model whatever its random state, as ``shardwise.initialize``
-would make it.  Code that later reads or writes an already partitioned
-parameter *inside* the context (a parent's ``_init_weights`` calling
-``nn.init.normal_(p)``) still works: the operation runs on the gathered
-parameter and, when it writes, rank 0's result is re-partitioned.  Reading
-``param.data`` keeps the parameter gathered until the next submodule is
-registered (or the context ends), since what is done with that tensor cannot
-be seen.
-
-The interception is two ``torch.nn`` module-registration hooks, removed on
-exit; nothing else in the process changes.
+A module is partitioned the moment it is assigned to its parent (torch's module-registration hook runs after
+its ``__init__`` returned); modules that never get a parent (the model itself) on exit.  So peak memory while
+building is about one submodule, and each ``__init__`` runs on ordinary full tensors.  Values are taken from
+rank 0 (one broadcast per module), as ``shardwise.initialize`` would make them.  An operation on an already
+partitioned parameter inside the context runs on it gathered (a write: rank 0's result is re-partitioned);
+``param.data`` keeps it gathered until the next submodule is registered or the context ends.  The two
+registration hooks are removed on exit; nothing else in the process changes.
 """
 
 from __future__ import annotations
@@ -47,10 +34,9 @@ logger = logging.getLogger("shardwise")
 
 
 def _remote_device_line(remote_device: Optional[str], config: Optional[Config]) -> Optional[str]:
-    """What DeepSpeed's ``remote_device`` means here, or an error when the config cannot honour it.
-
-    Whatever it says, ``zero.Init`` builds this rank's shards in host memory; where they live for
-    training is the config's ``offload_param`` (`initialize` writes them to NVMe when it says so).
+    """What DeepSpeed's ``remote_device`` means here, or an error when the config cannot honour it.  Whatever it says,
+    ``zero.Init`` builds this rank's shards in host memory; where they live for training is the config's
+    ``offload_param`` (`initialize` writes them to NVMe when it says so).
     """
     if remote_device not in _REMOTE_DEVICES:
         raise ValueError(f"zero.Init: `remote_device={remote_device!r}`; expected one of 'none', 'cpu' or 'nvme' "
@@ -76,18 +62,14 @@ def _remote_device_line(remote_device: Optional[str], config: Optional[Config]) 
 class Init:
     """Context manager: modules constructed inside are partitioned for ZeRO stage 3 as they are built.
 
-    ``config`` (dict, path or :class:`shardwise.Config`) must select
-    ``zero_optimization.stage`` 3 when given; ``process_group`` must be the one
-    later passed to ``shardwise.initialize``; ``enabled=False`` makes the
-    context a no-op; ``module=`` partitions an existing module right away.
-    DeepSpeed's ``config_dict_or_path`` and ``data_parallel_group`` are
-    accepted as aliases; ``pin_memory``, ``mem_efficient_linear``, ``dtype``
-    and ``mpu`` are accepted and ignored (the engine casts to the config's
-    dtype). ``remote_device`` (DeepSpeed's ``None``, ``'cpu'`` or ``'nvme'``):
-    the shards are built in host memory whatever it says, and ``initialize``
-    puts them where the config's ``offload_param`` says (``'nvme'`` needs
-    ``offload_param: {device: nvme}`` in ``config``, else it is an error);
-    an info line says which.
+    ``config`` (dict, path or :class:`shardwise.Config`) must select ``zero_optimization.stage`` 3 when given;
+    ``process_group`` must be the one later passed to ``shardwise.initialize``; ``enabled=False`` makes the context a
+    no-op; ``module=`` partitions an existing module right away. DeepSpeed's ``config_dict_or_path`` and
+    ``data_parallel_group`` are accepted as aliases; ``pin_memory``, ``mem_efficient_linear``, ``dtype`` and ``mpu`` are
+    accepted and ignored (the engine casts to the config's dtype). ``remote_device`` (DeepSpeed's ``None``, ``'cpu'`` or
+    ``'nvme'``): the shards are built in host memory whatever it says, and ``initialize`` puts them where the config's
+    ``offload_param`` says (``'nvme'`` needs ``offload_param: {device: nvme}`` in ``config``, else it is an error); an
+    info line says which.
     """
 
     def __init__(self, config: Any = None, process_group: Optional[dist.ProcessGroup] = None,
@@ -107,8 +89,7 @@ class Init:
             raise ValueError(
                 f"zero.Init partitions parameters for ZeRO stage 3, but the config has "
                 f"`zero_optimization.stage` {self.config.zero_optimization.stage}; set it to 3, or build the "
-                "model without `zero.Init`"
-            )
+                "model without `zero.Init`")
         self.process_group = options["process_group"]
         if line is not None and (not dist.is_initialized() or dist.get_rank() == 0):
             logger.info(line)
@@ -121,7 +102,6 @@ class Init:
             self._start_comm()
             self._partition_tree(module)
 
-    # ------------------------------------------------------------ context
     def _start_comm(self) -> Comm:
         if self.comm is None:
             if not dist.is_initialized():
@@ -153,10 +133,8 @@ class Init:
                 for module in list(self._pending.values()):
                     self._partition_tree(module)
         finally:
-            self._active = False
-            self._pending = {}
+            self._active, self._pending = False, {}
 
-    # ------------------------------------------------------ registration
     def _on_parameter(self, module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
         if param is not None and unit_of(param) is None:
             self._pending[id(module)] = module
@@ -192,7 +170,6 @@ class Init:
             unit.scatter_from_full(src=0)
             self.release(unit)
 
-    # --------------------------------------------------- the unit owner
     def needs(self, unit: Unit) -> bool:
         return not unit.gathered
 
@@ -236,17 +213,16 @@ class Init:
     def on_params_modified(self, unit: Unit) -> None:
         """Nothing else holds copies of a ``zero.Init`` unit's values."""
 
+    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
+        """Nothing else holds copies of a ``zero.Init`` unit's values (its fp32 ``pristine`` followed)."""
+
     def on_traced_read(self, unit: Unit, param: torch.Tensor) -> None:
         """A compiled graph replays without asking again: a partitioned parameter never enters one here."""
         raise RuntimeError(
             f"rank {unit.comm.rank}: a compiled function reads parameter `{param_name(param)}`, which "
             "`zero.Init` partitioned, before `shardwise.initialize` wraps its model: nothing would gather it "
             "when the graph runs again. Run it eagerly, or compile the model and call it after "
-            "`shardwise.initialize` (its hooks gather the parameters)"
-        )
-
-    def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
-        """Nothing else holds copies of a ``zero.Init`` unit's values (its fp32 ``pristine`` followed)."""
+            "`shardwise.initialize` (its hooks gather the parameters)")
 
     def on_gathered_data_access(self, unit: Unit) -> None:
         """A gathered unit here is held by an operation or a ``.data`` read that re-partitions it itself."""

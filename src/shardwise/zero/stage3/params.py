@@ -1,56 +1,40 @@
-"""Partitioned parameters: the storage model of ZeRO stage 3 and ``zero.Init``.
+"""Partitioned parameters: the storage model of ZeRO stage 3 and ``zero.Init`` (docs/stage3.md, "How parameters are
+stored").
 
-A :class:`Unit` is a group of parameters (normally the *direct* parameters of
-one module) laid out in one flat buffer of ``padded`` elements, split into N
-equal slices: rank ``r`` keeps slice ``r`` (``unit.shard``) at all times.  The
-full flat tensor ``unit.full`` exists only while the unit is gathered: its
-storage is resized to zero bytes when freed and re-allocated (and all-gathered)
-when needed.  Every parameter is a view into ``unit.full`` with its full shape,
-so a parameter never has a wrong shape; while the unit is freed its storage
-is simply absent.
+A :class:`Unit` is a group of parameters (normally one module's direct parameters) in one flat buffer of ``padded``
+elements split into N equal slices: rank ``r`` keeps slice ``r`` (``unit.shard``) at all times. ``unit.full`` has
+storage only while the unit is gathered; every parameter is a full-shape view into it.
 
-Each partitioned parameter's class is swapped (the way
-``UninitializedParameter.materialize`` does it) for a subclass whose
-``__torch_function__`` notices any operation that would read or write its
-values while its unit is freed and asks the unit's *owner* what to do: the
-stage 3 engine gathers it for the running module's forward (an "external"
-parameter), ``zero.Init`` gathers it for the duration of the operation, and
-anywhere else the user gets an error naming ``GatheredParameters``.
-Metadata (shape, dtype, ``requires_grad``, ``.grad``, hooks) is always
-readable.  The interception is per parameter object and undone by
-:func:`restore_parameter`: nothing process-wide is patched.
+Each partitioned parameter's class is swapped (as ``UninitializedParameter.materialize`` does) for a subclass whose
+``__torch_function__`` notices an operation on values while the unit is freed and asks the unit's *owner*
+(:class:`UnitOwner`: the stage 3 engine, ``zero.Init``) to gather it, or raises naming ``GatheredParameters``.  Metadata
+is always readable.  The interception is per parameter object and undone by :func:`restore_parameter`: nothing
+process-wide is patched.
+
+Inside ``torch.compile``d code (docs/stage3.md, "torch.compile"): Dynamo cannot trace the eager bookkeeping, and must
+not (a graph replays without Python).  So while Dynamo traces, an operation on a partitioned parameter goes straight to
+torch, and the check runs once, at trace time (:func:`_check_read`, ``assume_constant_result``): the owner makes every
+replay find the parameter gathered (stage 3 registers it as an external parameter of the running module) or raises.  The
+stage 3 hooks never enter a graph (:func:`outside_graphs`): a graph breaks at each module call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import weakref
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, TypeVar
 
 import torch
 from torch import nn
 
 from ...comm.distributed import Comm, Work, wait_all
-from . import traced
 
 __all__ = [
-    "InMemoryShard",
-    "ShardStorage",
-    "Unit",
-    "checksum",
-    "UnitError",
-    "UnitOwner",
-    "UnitState",
-    "gather_units",
-    "hold",
-    "is_partitioned",
-    "let_go",
-    "move",
-    "not_gathered_error",
-    "partition_parameter",
-    "prepare_for_compile",
-    "restore_parameter",
-    "unit_of",
+    "outside_graphs", "skip_frames", "track", "traced_call", "untrack",
+    "InMemoryShard", "ShardStorage", "Unit", "UnitError", "UnitOwner", "UnitState", "checksum", "gather_units",
+    "hold", "is_partitioned", "let_go", "move", "not_gathered_error", "partition_parameter", "prepare_for_compile",
+    "restore_parameter", "unit_of",
 ]
 
 _UNIT_ATTR = "_shardwise_unit"
@@ -96,17 +80,14 @@ _S = TypeVar("_S", bound=enum.Enum)
 
 
 class UnitError(RuntimeError):
-    """A unit (or the model holding units) was used against its life cycle (a bug in shardwise or in
-    code holding units)."""
+    """A unit (or the model holding units) was used against its life cycle (a bug in shardwise or its caller)."""
 
 
 def move(rank: int, what: str, current: _S, to: _S, allowed: Mapping[_S, frozenset[_S]], event: str, fix: str) -> _S:
-    """The one checked move of stage 3's life cycles (a unit's :class:`UnitState`, a model's training state).
-
-    Returns ``to`` when the table ``allowed`` (per state, the states it may move to) lets ``current``
-    move there; otherwise raises a :class:`UnitError` naming ``what`` (a unit, a model), the state it
-    was in, the move ``event`` attempted and ``fix``, instead of leaving the state wrong for a later
-    step to trip over.
+    """The one checked move of stage 3's life cycles (a unit's :class:`UnitState`, a model's training state).  Returns
+    ``to`` when the table ``allowed`` (per state, the states it may move to) lets ``current`` move there; otherwise
+    raises a :class:`UnitError` naming ``what`` (a unit, a model), the state it was in, the move ``event`` attempted and
+    ``fix``, instead of leaving the state wrong for a later step to trip over.
     """
     if to in allowed.get(current, frozenset()):
         return to
@@ -114,14 +95,12 @@ def move(rank: int, what: str, current: _S, to: _S, allowed: Mapping[_S, frozens
     expected = " or ".join(sources) if sources else "(no state: the move is never allowed)"
     raise UnitError(
         f"rank {rank}: {what} cannot {event} ({current.value} -> {to.value}): expected it {expected}, "
-        f"found {current.value}; {fix}"
-    )
+        f"found {current.value}; {fix}")
 
 
 # ------------------------------------------------------------- the local shard
 class ShardStorage(Protocol):
-    """Where a unit's local shard lives: in memory (:class:`InMemoryShard`), or in a file with a bounded host
-    cache (``offload_param: {device: nvme}``, :mod:`.offloaded_shards`)."""
+    """Where a unit's local shard lives: in memory (:class:`InMemoryShard`), or apart (:mod:`..offload.shards`)."""
 
     @property
     def device(self) -> torch.device:
@@ -174,20 +153,13 @@ class InMemoryShard:
             torch._foreach_copy_([self.shard.narrow(0, at, v.numel()) for at, v in parts], [v for _, v in parts],
                                  non_blocking=True)  # from pinned staging (host offload): not waited for
 
-    def released(self) -> None:
-        pass
-
-    def read_ahead(self) -> None:
-        pass
-
-    def settle_read_ahead(self) -> None:
-        pass
-
     def held_bytes(self) -> int:
         return self.shard.numel() * self.shard.element_size()
 
-    def discard(self) -> None:
-        pass
+    def released(self) -> None:
+        """Nothing to do: the shard never leaves memory (nor is it read ahead, or let go unwritten)."""
+
+    read_ahead = settle_read_ahead = discard = released
 
 
 # ------------------------------------------------------------------ the unit
@@ -216,17 +188,14 @@ _UNIT_MOVES: dict[UnitState, frozenset[UnitState]] = {
 class Unit:
     """Parameters stored as one flat buffer, ``1/N`` of it on each rank.
 
-    Life cycle (:class:`UnitState`): ``SHARDED`` → ``gather(async_op=True)`` →
-    ``GATHERING`` → ``wait()`` → ``GATHERED`` → ``free()`` → ``SHARDED``; a
-    persistent unit stays ``PERSISTENT`` (``free()`` leaves it gathered) until
-    ``unpersist()``.  Every change goes through :meth:`_move`, which raises on a
-    move the life cycle lacks: ``gather()`` of a unit that is not sharded,
-    ``wait()`` with no gather in flight.  Code that only needs the values
-    present, whatever the state, says so with :meth:`ensure_gathered`.  ``holders`` counts who needs the
-    full values right now (running forwards and backwards,
-    ``GatheredParameters`` blocks); :meth:`acquire` and :meth:`release` are
-    the only code that changes it, and freeing a held unit, or releasing one
-    nobody holds, is an error rather than something to clamp.
+    Life cycle (:class:`UnitState`): ``SHARDED`` → ``gather(async_op=True)`` → ``GATHERING`` → ``wait()`` → ``GATHERED``
+    → ``free()`` → ``SHARDED``; a persistent unit stays ``PERSISTENT`` (``free()`` leaves it gathered) until
+    ``unpersist()``.  Every change goes through :meth:`_move`, which raises on a move the life cycle lacks: ``gather()``
+    of a unit that is not sharded, ``wait()`` with no gather in flight.  Code that only needs the values present,
+    whatever the state, says so with :meth:`ensure_gathered`.  ``holders`` counts who needs the full values right now
+    (running forwards and backwards, ``GatheredParameters`` blocks); :meth:`acquire` and :meth:`release` are the only
+    code that changes it, and freeing a held unit, or releasing one nobody holds, is an error rather than something to
+    clamp.
     """
 
     def __init__(
@@ -241,8 +210,7 @@ class Unit:
         self.index = index
         self.params = list(params)
         self.names = list(names)
-        self.comm = comm
-        self.owner = owner
+        self.comm, self.owner = comm, owner
         self.offsets: list[int] = []
         self.shapes: list[torch.Size] = []
         total = 0
@@ -267,12 +235,10 @@ class Unit:
         #: how fault messages name this unit's collectives (same on every rank)
         first = f"`{self.names[0]}`" if self.names else f"unit {index}"
         self.label = first + (f" and {len(self.names) - 1} more" if len(self.names) > 1 else "")
-        self._persistent = persistent
-        self._holders = 0
+        self._persistent, self._holders = persistent, 0
         self._work: Optional[Work] = None
         self._shard_pinned = False
 
-    # ---------------------------------------------------------------- shard
     @property
     def shard(self) -> torch.Tensor:
         """This rank's slice of the unit, in the compute dtype (read from its file first where it lives in one)."""
@@ -287,20 +253,10 @@ class Unit:
         """The device the unit's values live on (without reading an offloaded shard)."""
         return self.storage.device
 
-    def keep_shard_in(self, storage: ShardStorage) -> None:
-        """From now on the shard lives in ``storage`` (which took its values; it may leave host memory now)."""
-        self.storage = storage
-        self.shard_released()
-
     def read_ahead(self) -> None:
         """This unit will be gathered soon: a shard kept in a file starts coming into host memory."""
         if self.state is UnitState.SHARDED:
             self.storage.read_ahead()
-
-    def settle_read_ahead(self) -> None:
-        """The pass that read this unit's shard ahead ended: a read ahead its gather did not take stops
-        holding one of the ``buffer_count`` slots and may leave host memory."""
-        self.storage.settle_read_ahead()
 
     @property
     def shard_busy(self) -> bool:
@@ -312,23 +268,15 @@ class Unit:
         self._shard_pinned = pinned
 
     def write_shard(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """Elements ``[at, at + len(values))`` of this rank's slice take ``values`` (cast to its dtype), for each
-        ``(at, values)``; a shard kept in a file and not in host memory takes them in the file, unread."""
+        """Each ``(at, values)`` into this rank's slice (cast); a shard kept in a file takes them there, unread."""
         self.storage.write(parts)
 
     def shard_released(self) -> None:
         """Nothing holds a view of the shard now: one kept in a file may leave host memory."""
         self.storage.released()
 
-    def discard_shard(self) -> None:
-        """``engine.destroy()`` restored this unit's parameters: a host copy of a shard kept in a file goes,
-        unwritten, so destroying holds one unit's shard at a time, not every one it read."""
-        self.storage.discard()
-
-    # ------------------------------------------------------------- holders
     @property
     def holders(self) -> int:
-        """How many holds are taken (see :meth:`acquire`)."""
         return self._holders
 
     def acquire(self) -> None:
@@ -340,12 +288,10 @@ class Unit:
         if self._holders == 0:
             raise UnitError(
                 f"rank {self.comm.rank}: {self!r} was released once more than it was acquired "
-                "(expected at least 1 holder, found 0); every `acquire()` needs exactly one `release()`"
-            )
+                "(expected at least 1 holder, found 0); every `acquire()` needs exactly one `release()`")
         self._holders -= 1
         return self._holders
 
-    # ---------------------------------------------------------------- build
     @property
     def persistent(self) -> bool:
         return self._persistent
@@ -358,10 +304,8 @@ class Unit:
         return flat
 
     def build(self, flat: torch.Tensor, dtype: torch.dtype) -> None:
-        """Take the full flat values ``flat`` (same on every rank), keep this rank's slice, free the rest.
-
-        ``flat`` itself becomes the gathered buffer when it already has ``dtype``.
-        """
+        """Take the full flat values ``flat`` (same on every rank; the gathered buffer itself when of ``dtype``),
+        keep this rank's slice, free the rest."""
         self.full = flat.to(dtype)
         self.shard = self.local(self.full).clone()
         if self._persistent:
@@ -392,7 +336,6 @@ class Unit:
             for index, param in enumerate(self.params):
                 param.data = self.param_view(self.full, index)
 
-    # ------------------------------------------------------- gather / free
     def _move(self, to: UnitState, event: str) -> None:
         """The one place the state changes: raises on a move the life cycle lacks."""
         if to not in _UNIT_MOVES[self.state]:  # (checked here: `move` builds the error)
@@ -408,14 +351,11 @@ class Unit:
             self.wait()
 
     def _gathering(self) -> torch.Tensor:
-        """A sharded unit is about to be all-gathered: its shard (what it sends), and its full buffer's storage
-        back (what it receives)."""
-        # The shard first: reading it from its file may fail (or be interrupted), and the unit must then stay
-        # sharded, not be left gathering with no all-gather to fill its full buffer.
+        """A sharded unit is about to be all-gathered: its shard (what it sends), its full buffer's storage back."""
+        # the shard first: a read from its file that fails leaves the unit sharded, not gathering with no all-gather
         shard = self.shard
         self._move(UnitState.GATHERING, "start a gather")
-        storage = self.full.untyped_storage()
-        storage.resize_(self.padded * self.full.element_size())
+        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
         return shard
 
     def wait(self) -> None:
@@ -425,8 +365,7 @@ class Unit:
             raise UnitError(
                 f"rank {self.comm.rank}: {self!r} is gathering but no all-gather is in flight (expected one "
                 "started by `gather()`, found none: it raised before or while it ran), so its full values "
-                "were never filled; the engine cannot use this unit again: restart from the last checkpoint"
-            )
+                "were never filled; the engine cannot use this unit again: restart from the last checkpoint")
         if work is not None:
             work.wait()
         self._move(UnitState.GATHERED, "finish a gather")
@@ -443,13 +382,11 @@ class Unit:
         self.settle()
 
     def free(self) -> None:
-        """Drop the full values (the shard stays); a gather in flight finishes first, and a persistent
-        unit stays gathered.  Freeing a sharded unit, or one still held, raises."""
+        """Drop the full values (a persistent unit stays gathered); freeing a sharded or held unit raises."""
         if self._holders:
             raise UnitError(
                 f"rank {self.comm.rank}: {self!r} was freed while {self._holders} holder(s) still need its "
-                "full values (expected 0 holders); release every hold before freeing"
-            )
+                "full values (expected 0 holders); release every hold before freeing")
         self.settle()  # a gather in flight (a prefetch) finishes first, even for a unit that stays
         if self.state is not UnitState.PERSISTENT:
             self._move(UnitState.SHARDED, "free its full values")
@@ -464,8 +401,7 @@ class Unit:
         self.shard.copy_(self.local(self.full))
 
     def load_shard(self, values: torch.Tensor) -> None:
-        """This rank's slice becomes ``values`` (fp32, cast to the unit's dtype); a gathered copy follows
-        (collective when gathered, and every rank's unit is gathered alike)."""
+        """This rank's slice becomes ``values`` (fp32, cast); a gathered copy follows (collective when gathered)."""
         self.settle()
         self.shard.copy_(values)
         if self.pristine is not None:
@@ -484,15 +420,11 @@ class Unit:
         if self.state is UnitState.SHARDED:
             raise UnitError(
                 f"rank {self.comm.rank}: cannot {action} of {self!r}: expected it gathered, found "
-                f"{self.state.value}; gather it first"
-            )
+                f"{self.state.value}; gather it first")
 
-    # ---------------------------------------------------------------- cast
     def convert(self, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> None:
-        """Cast the shard (and the freed full buffer) to ``dtype``/``device``.
-
-        The first down-cast keeps the fp32 shard in ``pristine`` so master
-        weights can start from exact values.
+        """Cast the shard (and the freed full buffer) to ``dtype``/``device``.  The first down-cast keeps the fp32 shard
+        in ``pristine`` so master weights can start from exact values.
         """
         device = device or self.device
         dtype = dtype or self.shard.dtype
@@ -534,7 +466,7 @@ def partition_parameter(param: nn.Parameter, unit: Unit, index: int) -> None:
     """Attach ``param`` to ``unit`` and swap its class so freed values are never read."""
     param.__dict__[_UNIT_ATTR] = unit
     param.__dict__[_INDEX_ATTR] = index
-    traced.track(param, unit)
+    track(param, unit)
     cls = type(param)
     if not getattr(cls, "_shardwise_partitioned", False):
         param.__class__ = _partitioned_class(cls)
@@ -544,7 +476,7 @@ def restore_parameter(param: nn.Parameter) -> None:
     """Undo :func:`partition_parameter` (the caller gives ``param`` its own full storage first)."""
     param.__dict__.pop(_UNIT_ATTR, None)
     param.__dict__.pop(_INDEX_ATTR, None)
-    traced.untrack(param)
+    untrack(param)
     cls = type(param)
     if getattr(cls, "_shardwise_partitioned", False):
         param.__class__ = cls.__bases__[0]
@@ -569,8 +501,7 @@ def not_gathered_error(param: Any, func: Any) -> RuntimeError:
         f"rank {rank}: parameter `{name}` (shape {shape}) is partitioned by ZeRO stage 3 and is not "
         f"gathered here (operation `{what}` outside any forward of its engine). Read or modify it inside "
         f"`with shardwise.zero.GatheredParameters([param], modifier_rank=None or 0): ...` on every rank, "
-        "or call the module (hooks gather parameters during its forward)"
-    )
+        "or call the module (hooks gather parameters during its forward)")
 
 
 _CLASSES: dict[type, type] = {}
@@ -661,14 +592,14 @@ def _partitioned_in(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
 
 def _torch_function(cls: type, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
     kwargs = kwargs or {}
-    if torch.compiler.is_compiling():  # Dynamo inlines this into a graph: see .traced
-        return traced.traced_call(func, args, kwargs)
+    if torch.compiler.is_compiling():  # Dynamo inlines this into a graph (below)
+        return traced_call(func, args, kwargs)
     return _checked_call(func, args, kwargs)
 
 
 def prepare_for_compile() -> None:
-    """Let ``torch.compile`` trace operations on partitioned parameters (see :mod:`.traced`); idempotent."""
-    traced.skip_frames(_torch_function)
+    """Let ``torch.compile`` trace operations on partitioned parameters (see the section below); idempotent."""
+    skip_frames(_torch_function)
 
 
 def _checked_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -708,10 +639,9 @@ def _checked_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any
 
 
 def checksum(flat: torch.Tensor) -> int:
-    """A number that changes when bits of ``flat`` change or move (same on every rank for the same values).
-
-    A position-weighted sum of the bit patterns (wrapping in int64): exact, unlike a float sum,
-    and cheap enough for the rare write it looks at.
+    """A number that changes when bits of ``flat`` change or move (same on every rank for the same values).  A
+    position-weighted sum of the bit patterns (wrapping in int64): exact, unlike a float sum, and cheap enough for the
+    rare write it looks at.
     """
     bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[flat.element_size()]
     with torch._C.DisableTorchFunctionSubclass():
@@ -768,3 +698,76 @@ def let_go(units: Sequence[Unit]) -> list[Unit]:
             unit.free()
             freed.append(unit)
     return freed
+
+
+# ------------------------------------------------ inside torch.compile (see the module docstring)
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+#: id(parameter) -> (the parameter, its unit): how a check at trace time finds both from a constant.  Both
+#: held weakly (a unit holds its engine's machinery: a dropped engine and model must be freed), and an entry
+#: goes with its parameter.
+_TRACKED: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Any]]] = {}
+
+
+def track(param: torch.Tensor, unit: Any) -> None:
+    """``param`` is partitioned into ``unit``: a traced read of it is checked by ``unit.owner``."""
+    key = id(param)
+
+    def gone(ref: weakref.ref[torch.Tensor]) -> None:
+        if _TRACKED.get(key, (None,))[0] is ref:  # not a later parameter that got the same id
+            del _TRACKED[key]
+
+    _TRACKED[key] = (weakref.ref(param, gone), weakref.ref(unit))
+
+
+def untrack(param: torch.Tensor) -> None:
+    """``param`` is no longer partitioned."""
+    _TRACKED.pop(id(param), None)
+
+
+def traced_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """What a partitioned parameter's ``__torch_function__`` does while Dynamo traces it.  Every operation counts as a
+    read, metadata too: Dynamo cannot hash ``func`` to tell them apart, and the check costs nothing once traced.
+    """
+    for value in (*args, *kwargs.values()):
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if getattr(type(item), "_shardwise_partitioned", False):
+                _check_read(id(item))
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def outside_graphs(fn: _F) -> _F:
+    """``fn`` always runs eagerly: a graph being traced breaks where it is called (``torch._dynamo.disable``)."""
+    import torch._dynamo  # here, not at import: it costs ~0.9 s, paid by stage 3 engines only
+
+    return torch._dynamo.disable(fn)  # type: ignore[no-any-return]
+
+
+def skip_frames(fn: Callable[..., Any]) -> None:
+    """Dynamo never compiles ``fn`` (nor what it calls) as a frame of its own; it still inlines ``fn``
+    while tracing code that calls it.  An operation run eagerly between two graphs then takes its
+    eager path, checks included, instead of being traced alone with the checks left out."""
+    import torch._dynamo  # here, not at import, as in `outside_graphs`
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    torch._dynamo.eval_frame.set_code_exec_strategy(fn.__code__, strategy)
+
+
+def _check_read_now(param_id: int) -> bool:
+    entry = _TRACKED.get(param_id)
+    param, unit = (entry[0](), entry[1]()) if entry is not None else (None, None)
+    if param is None or unit is None:
+        return True
+    unit.owner.on_traced_read(unit, param)
+    return True
+
+
+def _check_read(param_id: int) -> bool:
+    """While Dynamo traces, a call of this runs :func:`_check_read_now` in Python and leaves a constant."""
+    return _check_read_now(param_id)
+
+
+# What `torch._dynamo.assume_constant_result` does (it only sets this), without importing Dynamo here.
+_check_read._dynamo_marked_constant = True  # type: ignore[attr-defined]

@@ -1,53 +1,28 @@
-"""Stage 3: parameters, gradients, master weights and optimizer state all sharded.
+"""Stage 3: parameters, gradients, master weights and optimizer state all sharded (docs/stage3.md).
 
-Layout.  Every module's *direct* floating-point parameters form one
-:class:`~.params.Unit` (a flat buffer padded to a multiple of N; rank ``r``
-keeps slice ``r`` in the compute dtype).  Units of at most
-``stage3_param_persistence_threshold`` elements are merged into one
-*persistent* unit that stays gathered.  A tied parameter belongs to the first
-module that holds it; every module holding it gathers that unit.
+Layout.  Every module's *direct* floating-point parameters form one :class:`~.params.Unit` (a flat buffer
+padded to a multiple of N; rank ``r`` keeps slice ``r`` in the compute dtype).  Units of at most
+``stage3_param_persistence_threshold`` elements are merged into one *persistent* unit that stays gathered.  A
+tied parameter belongs to the first module that holds it; every module holding it gathers that unit.
 
-Master weights.  For each trainable parameter this rank owns a *piece*: the
-elements ``[start, end)`` of the flattened parameter that fall into its slice
-of the unit, as a standalone fp32 tensor (in fp32 runs, a view into the
-unit's slice itself: the slice *is* the master weight, as in torch FSDP).  The inner optimizer's param groups
-hold these pieces in place of the model's parameters (same groups,
-hyperparameters untouched), so any torch optimizer, or a wrapper exposing
-``param_groups``, steps exactly this rank's 1/N.  A piece's ``.grad`` is None
-while its parameter is frozen (or got no gradient this step anywhere), so the
-optimizer skips it exactly as torch skips a parameter whose ``.grad`` is None.
+Gradients.  Autograd writes full-size gradients into ``param.grad``; between accumulation boundaries they
+accumulate there.  At a boundary (``sync``), once every trainable parameter of a unit has its gradient, the
+unit's gradients are copied into one fp32 flat tensor and reduce-scattered (asynchronously, a couple in
+flight); the result, divided by N, is added to the pieces' gradients (allocated by the first reduction after
+``zero_grad``, dropped by it) and ``param.grad`` is released.  Units are reduced in a fixed order (reverse
+order of first use in forward, then the rest), so all ranks issue the same collectives in the same order.
 
-Gradients.  Autograd writes full-size gradients into ``param.grad``; between
-accumulation boundaries they just accumulate there.  At a boundary
-(``sync``), once every trainable parameter of a unit has its gradient, the
-unit's gradients are copied into one fp32 flat tensor and reduce-scattered
-(asynchronously, a couple in flight); the result, divided by N, is added to
-the pieces' gradients (allocated by the first reduction after ``zero_grad``,
-dropped by it) and ``param.grad`` is released.  Units are reduced in
-a fixed order (reverse order of first use in forward, then the rest), so all
-ranks issue the same collectives in the same order.
-
-Step.  ``step`` (the master store's) copies the updated pieces into the local slice of each
-unit (nothing to copy in fp32): no communication, the next forward gathers
-the new values.  Only the persistent unit is re-gathered.
-
-The pieces, their masters and optimizer state are the master store's (:mod:`..store`, the same store as
-the flat stages', its home chosen once: in memory, or in files with ``offload_optimizer: nvme``); its
-model side, the units' shards, is :class:`UnitSide`, here (how gradients arrive and how updated values leave
-are the two things a stage adds to the store); shards kept in a file (``offload_param: nvme``)
-in :mod:`..offload.shards`; the hooks that gather and free units in :mod:`.hooks`.
-
-The store's side (:class:`UnitSide`).  For each of its optimizer's parameters a stage 3 rank owns a *piece*: the
-elements ``[start, end)`` of the flattened parameter that fall into its slice of the unit
-(:meth:`UnitSide.pieces`), laid one after the other in this rank's shard of the store.  In fp32 with the shards
-in memory the store's masters are views of the shards themselves, as in torch FSDP: nothing is copied after a
-step, and values written into a shard are the masters' values already.  Otherwise (fp16/bf16, or shards kept in a
-file, ``offload_param: {device: nvme}``, where a view would leave host memory with the shard) the masters are
-apart, and updated ones are cast into the shards (:meth:`UnitSide.write`): a shard kept in a file takes them
-there, unread, and may leave host memory once the step is past it.  Values written into the units that did not
-come from a step (``GatheredParameters(modifier_rank=...)``, an in-place write in a forward,
-``zero.load_state_dict``) reach the masters, kept ones too, through this side: it is the gatherer's
-:class:`~.hooks.MasterValues`.
+Masters and step.  The pieces, their masters and optimizer state are the master store's (:mod:`..store`, its
+home chosen once); its model side is :class:`UnitSide`, here.  For each trainable parameter this rank owns a
+*piece*: the elements ``[start, end)`` of the flattened parameter in its slice of the unit.  The inner
+optimizer's param groups hold the pieces' keys in place of the parameters, so any torch optimizer steps exactly
+this rank's 1/N, skipping a piece whose ``.grad`` is None (frozen, or no gradient anywhere this step).  In fp32
+with the shards in memory the masters are views of the shards, as in torch FSDP: a step copies nothing, and the
+next forward gathers the new values (only the persistent unit is re-gathered).  Otherwise (fp16/bf16, or shards
+in a file, :mod:`..offload.shards`, where a view would leave host memory with the shard) the masters are apart
+and updated ones are cast into the shards (:meth:`UnitSide.write`).  Values written into the units outside a
+step (``GatheredParameters(modifier_rank=...)``, an in-place write in a forward, ``zero.load_state_dict``)
+reach the masters through this side: it is the gatherer's :class:`~.hooks.MasterValues` (:mod:`.hooks`).
 """
 
 from __future__ import annotations
@@ -62,15 +37,12 @@ from torch import nn
 
 from ...comm.distributed import Comm, Work, wait_all
 from ...optim.param_state import ParamShard
-from ..base import Apply, Strategy, module_order, tensor_bytes
-from ..offload.host_shards import HostShards
-from ..offload.shards import ShardCache, params_home, shard_cache
+from ..base import Apply, Strategy, module_order, remove_with, tensor_bytes
+from ..offload.shards import HostShards, ShardCache, params_home, shard_cache
 from ..store import choose_home
 from ..store.plan import offload_spec
 from ..store.store import MasterStore, Piece, Run, Runs
-from ..weak_hooks import remove_with
-from .gathered import GatheredParameters
-from .hooks import Gatherer
+from .hooks import GatheredParameters, Gatherer
 from .params import Unit, UnitError, UnitState, is_partitioned, restore_parameter, unit_of
 
 __all__ = ["InFlight", "Stage3", "UnitSide", "piece_runs", "take_grads"]
@@ -79,8 +51,8 @@ _MAX_IN_FLIGHT = 2
 
 
 class InFlight(NamedTuple):
-    """One unit's reduce-scatter, launched: ``source`` (the unit's local gradients) stays alive until it is
-    waited for; ``output`` receives this rank's slice; ``trainable``: the indices of its trainable params."""
+    """One unit's reduce-scatter: ``source`` (its local gradients) lives until waited for, ``output`` receives this
+    rank's slice; ``trainable``: the indices of its trainable params."""
 
     work: Work
     unit: Unit
@@ -99,9 +71,7 @@ class Stage3(Strategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.units: list[Unit] = []
-        #: this rank's pieces with their masters and optimizer state, the home chosen once: in fp32 the shards
-        #: are the masters, unless they live in files or host memory (masters apart from them), or the state
-        #: goes to files or host memory
+        # the store's home, chosen once: in fp32 the shards are the masters unless they live in files
         self._device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         in_files = params_home(self.zero_config, self._device) is not None
         self.side = UnitSide(self.comm.rank, in_files)
@@ -110,8 +80,7 @@ class Stage3(Strategy):
         self.store = MasterStore(choose_home(self.side, offload, fp32 and not in_files, self._device,
                                              self.precision.dtype))
         self.side.store = self.store
-        #: the shards' file and host cache where `offload_param` is nvme, their host home where it is cpu on an
-        #: accelerator (made with the units)
+        #: the shards' file and host cache (`offload_param: nvme`), or host home (cpu, on an accelerator)
         self.shards: Optional[ShardCache | HostShards] = None
         self.gatherer = Gatherer(self.module, self.units, self.zero_config, self.side, self.comm.rank)
         self._params: list[nn.Parameter] = []  # the optimizer's parameters, module order
@@ -132,7 +101,6 @@ class Stage3(Strategy):
         #: where the reduced gradients live (the flags' all-reduce must use the same device as the collectives)
         self._grad_device = torch.device("cpu")
 
-    # ================================================================ build
     def attach(self, inner: Optional[Any], initial: Optional[dict[int, torch.Tensor]] = None) -> None:
         super().attach(inner, initial)
         _check_module(self.module, self.comm)
@@ -164,15 +132,14 @@ class Stage3(Strategy):
             for piece in self.side.pieces(unit, group_of):
                 self.store.add(piece, self.side.initial(piece, values) if piece.param.requires_grad else None)
             if self.shards is not None:
-                unit.keep_shard_in(self.shards.place(unit.shard, unit))
+                unit.storage = self.shards.place(unit.shard, unit)  # (which took its values)
+                unit.shard_released()  # it may leave host memory now
             self.units.append(unit)
 
     def _point_optimizer(self) -> None:
-        """Put this rank's fp32 pieces into the inner optimizer's groups in place of the parameters."""
         for group, originals in zip(self.inner.param_groups, self._groups):
             group["params"] = self.store.keys_for(originals)
 
-    # ======================================================== trainability
     def trainable_changed(self) -> bool:
         return tuple(p.requires_grad for p in self._params) != self._mask
 
@@ -189,7 +156,7 @@ class Stage3(Strategy):
             if unit is not None and param.requires_grad:
                 index = param.__dict__["_shardwise_index"]
                 self._trainable.setdefault(unit, []).append(index)
-                if id(param) not in self._grad_hooks:  # held weakly: a dropped engine is freed (:mod:`.weak_hooks`)
+                if id(param) not in self._grad_hooks:  # held weakly: a dropped engine is freed (`remove_with`)
                     hook = functools.partial(_on_grad, weakref.ref(self), weakref.ref(unit), index)
                     added.append(param.register_post_accumulate_grad_hook(hook))
                     self._grad_hooks[id(param)] = added[-1]
@@ -203,7 +170,6 @@ class Stage3(Strategy):
     def trained_count(self) -> int:
         return sum(len(indices) for indices in self._trainable.values())
 
-    # ============================================================ backward
     def run_backward(self, tensor: torch.Tensor, sync: bool, retain_graph: bool = False) -> None:
         self.start_backward(sync)
         try:
@@ -217,10 +183,7 @@ class Stage3(Strategy):
         backward = self.backward
         backward.sync, backward.active, backward.arrivals = sync, True, 0
         backward.serial += 1
-        self._dirty = True
-        self._arrived = {}
-        self._ready = set()
-        self._next = 0
+        self._dirty, self._arrived, self._ready, self._next = True, {}, set(), 0
         if sync:  # reverse order of first use in forward, then the units that forward did not use
             used = [u for u in reversed(list(self.gatherer.forward_order)) if u in self._trainable]
             seen = set(used)
@@ -259,9 +222,8 @@ class Stage3(Strategy):
             del self._works[: -_MAX_IN_FLIGHT]
 
     def _land(self, flights: list[InFlight], last: bool) -> None:
-        """Wait for ``flights`` (one call), and hand the store each unit's trainable pieces with this rank's slice
-        of their reduced gradients, to add to the pieces' gradients (which of them no rank had a gradient for,
-        :meth:`step` is told); ``last``: the reduction is over."""
+        """Wait for ``flights`` (one call); the store adds each unit's slice to its pieces' gradients (``last``: the
+        reduction is over)."""
         wait_all([flight.work for flight in flights])
         by_unit = self.side.by_unit
         reduced = [([p for p in by_unit.get(f.unit, ()) if p.index in f.trainable], f.output) for f in flights]
@@ -278,8 +240,7 @@ class Stage3(Strategy):
         self.gatherer.abort_backward()
 
     def _drain(self) -> None:
-        """Wait for the reduce-scatters still in flight and drop their results (a backward that raised: they
-        must not land in the next step's gradients)."""
+        """Wait for the reduce-scatters in flight and drop them (a backward raised: not into the next step's)."""
         works, self._works = self._works, []
         for flight in works:
             flight.work.wait()
@@ -298,7 +259,6 @@ class Stage3(Strategy):
         works, self._works = self._works, []
         self._land(works, True)
 
-    # ================================================================ step
     def step_sums(self) -> torch.Tensor:
         """This rank's sum of squared gradients (taken as the reduction finished, unless written since), then
         per trainable parameter whether this rank had a gradient for it: the flags ride the norm's all-reduce
@@ -327,8 +287,7 @@ class Stage3(Strategy):
         self._refresh_gathered()
 
     def _refresh_gathered(self) -> None:
-        """Gathered units of trainable parameters hold stale full values after a step: a persistent unit, or
-        one something holds, is re-gathered; any other is dropped (the next use gathers it)."""
+        """After a step, gathered trainable units are stale: a persistent or held one is re-gathered, others dropped."""
         for unit in self.units:
             state = unit.state
             if unit not in self._trainable or state is UnitState.SHARDED:
@@ -344,17 +303,12 @@ class Stage3(Strategy):
         self.store.drop_grads()
 
     def _forget_grads(self) -> None:
-        """What zero_grad forgets here, beside the pieces' gradients."""
-        self._dirty = False
-        self._arrived = {}
-        self._ready = set()
-        self._had = set()
+        self._dirty, self._arrived, self._ready, self._had = False, {}, set(), set()
         with torch._C.DisableTorchFunctionSubclass():
             for unit in self.units:
                 for param in unit.params:
                     param.grad = None
 
-    # ========================================================== accounting
     def memory_breakdown(self) -> dict[str, int]:
         params = sum(u.storage.held_bytes() for u in self.units)  # an offloaded shard: only while in host memory
         params += sum(u.padded * u.element_bytes() for u in self.units if u.persistent)
@@ -363,12 +317,8 @@ class Stage3(Strategy):
         with torch._C.DisableTorchFunctionSubclass():
             grads += [p.grad for u in self.units for p in u.params if p.grad is not None]
         state = getattr(self.inner, "state", {}) if self.inner is not None else {}
-        return {
-            "parameters": params,
-            "master_weights": self.store.master_bytes(),
-            "gradients": tensor_bytes(grads),
-            "optimizer_state": self.store.state_bytes(state),
-        }
+        return {"parameters": params, "master_weights": self.store.master_bytes(), "gradients": tensor_bytes(grads),
+                "optimizer_state": self.store.state_bytes(state)}
 
     def full_master_weights(self) -> dict[int, torch.Tensor]:
         result: dict[int, torch.Tensor] = {}
@@ -384,7 +334,6 @@ class Stage3(Strategy):
                 result[id(param)] = unit.param_view(full, index).clone()
         return result
 
-    # ========================================================== checkpoint
     @contextlib.contextmanager
     def checkpoint_shards(self, loading: bool, wanted: frozenset[str] = frozenset()) -> Iterator[list[ParamShard]]:
         if self.shards is not None:
@@ -401,8 +350,7 @@ class Stage3(Strategy):
                 unit.refresh()
 
     def save_entries(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Partitioned entries are gathered one at a time; entry ``i`` of them is written by rank
-        ``i % N``, so no rank holds more than its share (collective)."""
+        """Partitioned entries are gathered one at a time, entry ``i`` written by rank ``i % N`` (collective)."""
         owned = super().save_entries({n: t for n, t in live.items() if not is_partitioned(t)})
         partitioned = [n for n, t in live.items() if is_partitioned(t)]
         for index, name in enumerate(partitioned):
@@ -430,16 +378,13 @@ class Stage3(Strategy):
         with GatheredParameters(list(self.module.parameters()), modifier_rank=0):
             yield
 
-    # =============================================================== close
     def close(self, restore_params: bool = True) -> None:
-        """Remove every hook and give each parameter back its full storage (collective); without
-        ``restore_params``, an empty one instead (nothing gathered: a model no rank could hold whole)."""
+        """Without ``restore_params`` each parameter gets an empty storage (a model no rank could hold whole)."""
         held = [unit for unit in self.units if unit.holders]
         if held:
             raise UnitError(
                 f"rank {self.comm.rank}: `engine.destroy()` while {held[:3]} are still held (a forward, "
-                "backward or `GatheredParameters` block is running); destroy the engine outside them"
-            )
+                "backward or `GatheredParameters` block is running); destroy the engine outside them")
         self.gatherer.remove()
         if self.shards is not None:
             self.shards.closing = True  # the files are deleted below: no host copy is written back first
@@ -460,7 +405,7 @@ class Stage3(Strategy):
             unit.unpersist()
             if unit.gathered:
                 unit.free()
-            unit.discard_shard()  # a shard kept in a file: its host copy goes now, not with the file below
+            unit.storage.discard()  # a shard kept in a file: its host copy goes now, unwritten, not with the file below
             # restored: a destroy retried after a failure here (a shard's read) goes on from the next unit, and
             # never reads this one's file again (its newest values were in the host copy just let go)
             self.units.pop(0)
@@ -472,8 +417,7 @@ class Stage3(Strategy):
 
 
 def _on_grad(strategy: "weakref.ref[Stage3]", unit: "weakref.ref[Unit]", index: int, param: torch.Tensor) -> None:
-    """A trainable parameter's post-accumulate hook (the gradient lands in this file first); the strategy and the
-    unit held weakly (the unit holds this engine's machinery)."""
+    """A trainable parameter's post-accumulate hook, landing in this file first; both held weakly."""
     held, of = strategy(), unit()
     if held is not None and of is not None:
         held._on_grad(of, index, param)
@@ -506,19 +450,17 @@ def _check_module(module: nn.Module, comm: Comm) -> None:
         if unit is not None and isinstance(unit.owner, Gatherer):
             raise ValueError(
                 f"rank {comm.rank}: parameter `{name}` is already partitioned by another stage 3 "
-                "engine; call `engine.destroy()` on that engine before wrapping the module again"
-            )
+                "engine; call `engine.destroy()` on that engine before wrapping the module again")
         if unit is not None and unit.comm.world_size != comm.world_size:
             raise ValueError(
                 f"rank {comm.rank}: parameter `{name}` was partitioned by `zero.Init` over "
                 f"{unit.comm.world_size} ranks but the engine's process group has {comm.world_size}; "
-                "pass the same `process_group` to `zero.Init` and `shardwise.initialize`"
-            )
+                "pass the same `process_group` to `zero.Init` and `shardwise.initialize`")
 
 
 def _initial_flat(unit: Unit, initial: dict[int, torch.Tensor]) -> torch.Tensor:
-    """The unit's full fp32 values (``initial``: exact values by id; from ``zero.Init`` shards where the
-    model was built partitioned)."""
+    """The unit's full fp32 values (``initial``: exact values by id; where the model was built under ``zero.Init``,
+    its units' shards gathered, from the fp32 ``pristine`` where they were cast down)."""
     gathered: dict[int, torch.Tensor] = {}
     values = []
     for param in unit.params:
@@ -527,18 +469,13 @@ def _initial_flat(unit: Unit, initial: dict[int, torch.Tensor]) -> torch.Tensor:
             values.append(initial.get(id(param), param.data))
             continue
         if id(source) not in gathered:
-            gathered[id(source)] = _gather_fp32(source)
+            shard = source.pristine if source.pristine is not None else source.shard
+            full = torch.empty(source.padded, dtype=shard.dtype, device=shard.device)
+            source.comm.all_gather(full, shard)
+            gathered[id(source)] = full.float()
         values.append(source.param_view(gathered[id(source)], param.__dict__["_shardwise_index"]))
     device = values[0].device if values else torch.device("cpu")
     return unit.flatten(values, torch.float32, device)
-
-
-def _gather_fp32(unit: Unit) -> torch.Tensor:
-    """The full flat fp32 values of a ``zero.Init`` unit (exact when it was cast down)."""
-    source = unit.pristine if unit.pristine is not None else unit.shard
-    gathered = torch.empty(unit.padded, dtype=source.dtype, device=source.device)
-    unit.comm.all_gather(gathered, source)
-    return gathered.float()
 
 
 def unit_specs(module: nn.Module, threshold: int) -> list[tuple[list[nn.Parameter], list[str], bool]]:
@@ -573,8 +510,7 @@ class UnitSide:
     """This rank's pieces of stage 3's units (see the module docstring); ``in_files``: the shards live in a file."""
 
     def __init__(self, rank: int, in_files: bool) -> None:
-        self.rank = rank
-        self.in_files = in_files
+        self.rank, self.in_files = rank, in_files
         #: the store whose masters follow the values written into the units (set once it is made)
         self.store: MasterStore
         self.by_unit: dict[Unit, list[Piece]] = {}
@@ -608,7 +544,6 @@ class UnitSide:
             return _local(piece, shard)
         return values.narrow(0, piece.unit.offsets[piece.index] + piece.start, piece.numel)
 
-    # ------------------------------------------------------------ the store's side
     def view(self, piece: Piece) -> Optional[torch.Tensor]:
         return None if self.in_files else _local(piece, piece.unit.shard)
 
@@ -620,9 +555,8 @@ class UnitSide:
         return values
 
     def write(self, runs: Runs, last: bool = False) -> None:
-        """Cast into the units' shards: with the shards in memory, through fixed views, all in one ``foreach``
-        call; kept in files, one write per unit (a shard not in memory takes them in the file, unread), and units
-        the write is past may let their shards go (all of them once the ``last`` write is done)."""
+        """Cast into the units' shards: in memory through fixed views, one ``foreach`` call; in files one write per
+        unit, the units the write is past letting their shards go (all once the ``last`` write is done)."""
         if not self.in_files:
             if not runs:  # (a load with nothing of this rank's to write: foreach refuses empty lists)
                 return
@@ -662,18 +596,14 @@ class UnitSide:
             unit.shard_released()
         self._waiting = waiting
 
-    # ---------------------------------------------------- values written into the units
     def on_params_modified(self, unit: Unit) -> None:
         """New values were scattered into ``unit``'s shard: masters (kept ones too) follow."""
         for piece in self.by_unit.get(unit, ()):
             self.store.take(piece, _local(piece, unit.shard))
 
     def on_written(self, unit: Unit) -> None:
-        """A forward wrote ``unit``'s gathered values in place: this rank's slice becomes its shard and masters.
-
-        Only the parameters whose slice changed are copied, so the fp32 masters of the others keep
-        their exact values (a copy from the compute dtype would round them).
-        """
+        """A forward wrote ``unit``'s gathered values in place: this rank's slice becomes its shard and masters
+        (only pieces that changed: the others' fp32 masters keep their exact values, a copy would round them)."""
         with torch._C.DisableTorchFunctionSubclass():
             fresh = unit.local(unit.full)
             if torch.equal(fresh, unit.shard):

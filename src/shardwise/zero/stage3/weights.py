@@ -1,17 +1,10 @@
 """``zero.load_state_dict``: full weights into a partitioned model, one unit at a time.
 
-A model too large for one rank is built under ``zero.Init`` (or wrapped by a
-stage-3 engine), so no rank ever holds all of it.  Loading real weights into
-it must not change that: rank 0 reads the source *lazily* (a safetensors file
-tensor by tensor, a ``torch.save`` file memory-mapped), assembles one unit's
-full fp32 values at a time, and scatters them, so each rank receives only its
-own slice.  Peak memory on rank 0 is about one unit, on the others one slice.
-Parameters that are not partitioned (and buffers) are broadcast one by one.
-
-The source is a ``state_dict``, a ``.safetensors`` file (Hugging Face's
-``model.safetensors``, shardwise's consolidated export: tied names stored once
-are found under any of their names), a ``*.safetensors.index.json`` of a
-sharded save, or a ``.pt``/``.bin`` file.  Collective: every rank calls it.
+Rank 0 reads the source lazily (a safetensors file tensor by tensor, a ``torch.save`` file memory-mapped),
+assembles one unit's full fp32 values at a time and scatters them: peak memory is about one unit on rank 0,
+one slice elsewhere.  Parameters that are not partitioned, and buffers, are broadcast one by one.  The source
+is a ``state_dict``, a ``.safetensors`` file (tied names stored once are found under any of their names), a
+``*.safetensors.index.json`` or a ``.pt``/``.bin`` file.  Collective: every rank calls it.
 """
 
 from __future__ import annotations
@@ -72,7 +65,7 @@ class _Reader:
             self._where.update({k: (str(path), k) for k in state})
 
     def _open_safetensors(self, path: Path, only: Optional[str] = None) -> None:
-        from safetensors import safe_open
+        from safetensors import safe_open  # here: only a `.safetensors` source needs it
 
         key = str(path)
         if key not in self._files:
@@ -114,14 +107,6 @@ class _Plan:
     unexpected: list[str]
 
 
-def _comm_of(module: nn.Module, process_group: Optional[dist.ProcessGroup]) -> Comm:
-    for param in module.parameters():
-        unit = unit_of(param)
-        if unit is not None:
-            return unit.comm
-    return Comm(process_group)
-
-
 def _plan(module: nn.Module, shapes: dict[str, list[int]]) -> _Plan:
     state = module.state_dict(keep_vars=True)
     by_tensor: dict[int, list[str]] = {}
@@ -147,48 +132,32 @@ def _plan(module: nn.Module, shapes: dict[str, list[int]]) -> _Plan:
 
 def load_state_dict(module: nn.Module, state_dict_or_path: StateSource, strict: bool = True,
                     process_group: Optional[dist.ProcessGroup] = None) -> LoadResult:
-    """Load full weights into ``module`` (partitioned by ``zero.Init`` or a stage-3 engine, or plain),
-    one unit at a time; collective.  See the module docstring.
-
-    With ``strict`` (default) any missing or unexpected name is an error, raised
-    on every rank before anything is changed.  Returns the missing and
-    unexpected names.
-    """
-    comm = _comm_of(module, process_group)
+    """Load full weights into ``module`` (partitioned by ``zero.Init`` or a stage-3 engine, or plain), one unit at a
+    time; collective (see the module docstring).  With ``strict`` (default) a missing or unexpected name is an error,
+    raised on every rank before anything changes.  Returns the missing and unexpected names."""
+    units = [unit for p in module.parameters() if (unit := unit_of(p)) is not None]
+    comm = units[0].comm if units else Comm(process_group)
     owner = f"a `{type(module).__name__}`"
     # collective: announced first, so a rank loading alone raises with the others before anything moves
     with doing("zero.load_state_dict", owner), Announcer(comm, owner, engine=False).scope("zero.load_state_dict"):
-        return _load(module, comm, state_dict_or_path, strict)
-
-
-def _load(module: nn.Module, comm: Comm, state_dict_or_path: StateSource, strict: bool) -> LoadResult:
-    """:func:`load_state_dict` once the ranks agreed to run it."""
-    reader = _Reader(state_dict_or_path) if comm.rank == 0 else None
-    shapes = comm.broadcast_object(reader.shapes() if reader is not None else None)
-    plan = _plan(module, shapes)
-    if strict and (plan.missing or plan.unexpected):
-        raise ValueError(
-            f"zero.load_state_dict: missing keys (in the model, not the source): {plan.missing}; unexpected keys "
-            f"(in the source, not the model): {plan.unexpected}. Pass `strict=False` to load what both have"
-        )
-    _load_units(module, comm, reader, plan)
-    _load_plain(module, comm, reader, plan)
-    return LoadResult(plan.missing, plan.unexpected)
-
-
-def _units(module: nn.Module) -> list[tuple[Unit, dict[int, str]]]:
-    """Every partitioned unit once, with the module names of its parameters, by index."""
-    units: dict[int, tuple[Unit, dict[int, str]]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        unit = unit_of(param)
-        if unit is not None:
-            entry = units.setdefault(id(unit), (unit, {}))
-            entry[1].setdefault(param.__dict__["_shardwise_index"], name)
-    return list(units.values())
+        reader = _Reader(state_dict_or_path) if comm.rank == 0 else None
+        shapes = comm.broadcast_object(reader.shapes() if reader is not None else None)
+        plan = _plan(module, shapes)
+        if strict and (plan.missing or plan.unexpected):
+            raise ValueError(
+                f"zero.load_state_dict: missing keys (in the model, not the source): {plan.missing}; unexpected "
+                f"keys (in the source, not the model): {plan.unexpected}. Pass `strict=False` to load what both have")
+        _load_units(module, comm, reader, plan)
+        _load_plain(module, comm, reader, plan)
+        return LoadResult(plan.missing, plan.unexpected)
 
 
 def _load_units(module: nn.Module, comm: Comm, reader: Optional[_Reader], plan: _Plan) -> None:
-    for unit, names in _units(module):
+    units: dict[int, tuple[Unit, dict[int, str]]] = {}  # every partitioned unit once, its parameters' names by index
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if (unit := unit_of(param)) is not None:
+            units.setdefault(id(unit), (unit, {}))[1].setdefault(param.__dict__["_shardwise_index"], name)
+    for unit, names in units.values():
         loaded = {index for index, name in names.items() if name in plan.found}
         if not loaded:
             continue

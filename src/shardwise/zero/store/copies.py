@@ -1,30 +1,25 @@
 """Between the model's device and host memory: reduced gradients down as they land, updated values up in the
-compute dtype (the master store's host home, and its NVMe home on a job on an accelerator).
+compute dtype (the master store's host home, and its NVMe home on a job on an accelerator; docs/offload.md).
 
-Down (device to host).  The home keeps one fp32 gradient buffer in host memory (pinned with ``pin_memory``),
-laid out as its part of this rank's shard; a piece whose state is on the host has its view of it as its key's
-``.grad``, what the optimizer reads.  As a bucket (the flat stages) or a unit (stage 3) of reduced gradients
-lands on the device, its pieces are copied down on a stream of their own (CUDA), so the copies overlap what
-runs after them; the step waits for them first (:meth:`DeviceCopies.wait`).
+Down.  The home keeps one pinned fp32 gradient buffer in host memory laid out as its part of the shard; a
+piece's key has its view of it as ``.grad``.  As a bucket (flat stages) or unit (stage 3) of reduced gradients
+lands, its pieces are copied down on a stream of their own (CUDA), overlapping what runs after; the step waits
+for them first (:meth:`DeviceCopies.wait`).
 
-* The flat stages' reduced gradients stay on the device (the norm is taken there); each piece's is
-  registered once per layout (:meth:`DeviceCopies.register`).  Something writing them after their copy
-  (a script scaling its gradients before the step, a second reduction added to the first) is seen by their
-  version counter at :meth:`DeviceCopies.wait`, which copies them again.  (The counter is shared by every
-  view of one buffer, so each copy takes the counter as it is after its bucket landed: later buckets landing
-  are the reduction's own writes.)
+* The flat stages' reduced gradients stay on the device (the norm is taken there), each piece's registered
+  once per layout (:meth:`DeviceCopies.register`).  A write after its copy (a script scaling its gradients, a
+  second reduction) is seen by the version counter at :meth:`DeviceCopies.wait`, which copies again.  (The
+  counter is shared by every view of one buffer, so each copy takes it as it is after its bucket landed.)
 * Stage 3's first reduction of a step is scaled on the device into a temporary, whose norm is taken there
-  (:attr:`DeviceCopies.norms`) and which is copied down (:meth:`DeviceCopies.down_fresh`); the caching
-  allocator keeps the temporary until its copy ran.
+  (:attr:`DeviceCopies.norms`) and which is copied down (:meth:`DeviceCopies.down_fresh`).
 
-Up (host to device).  Updated fp32 masters are cast on the host into a staging buffer of the compute dtype
-(pinned; two of at most :data:`STAGE` elements, used in turn) and written into the model from there without
-waiting (:meth:`DeviceCopies.publish`): the copy runs while the host steps the next sub-group.  A staging
-buffer is refilled only once its copy finished (an event each).
+Up.  Updated fp32 masters are cast on the host into pinned staging of the compute dtype (two buffers of at
+most :data:`STAGE` elements, in turn, each refilled once its copy finished) and written into the model without
+waiting (:meth:`DeviceCopies.publish`): the copy runs while the host steps the next sub-group.
 
-On a CPU job under :func:`.plan.host_path_on_cpu` the "device" is host memory too: the same buffers, views
-and staging, with plain copies and no stream or event, so the CPU suite runs every line here but the CUDA
-calls.  :attr:`DeviceCopies.moved` counts the bytes each way (benchmarks.offload compares them with theory).
+On a CPU job under :func:`.plan.host_path_on_cpu` the "device" is host memory too, with plain copies and no
+stream or event, so the CPU suite runs every line but the CUDA calls.  :attr:`DeviceCopies.moved` counts the
+bytes each way (benchmarks.offload compares them with theory).
 """
 
 from __future__ import annotations
@@ -81,7 +76,6 @@ class DeviceCopies:
         """Elements ``[at, at + numel)`` of the shard in the host gradient buffer."""
         return self.grads.narrow(0, at - self.base, numel)
 
-    # ----------------------------------------------------------------- down
     def register(self, owner: Hashable, view: torch.Tensor, source: torch.Tensor) -> None:
         """``view`` (of the host buffer) copies ``source`` (a fixed device gradient) when ``owner`` arrives."""
         self._sources[owner] = (view, source)
@@ -89,15 +83,12 @@ class DeviceCopies:
     def down(self, owners: Iterable[Hashable]) -> None:
         """Start copying the registered gradients of ``owners`` down (their reduction landed)."""
         pairs = [pair for owner in owners if (pair := self._sources.get(owner)) is not None]
-        self._copy(pairs)
+        self.down_fresh(pairs)
         for owner in self._copied.keys() | {owner for owner in owners if owner in self._sources}:
             self._copied[owner] = self._sources[owner][1]._version  # (the landing buckets' writes are the reduction's)
 
     def down_fresh(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Start copying each ``(view, temporary)``: a gradient made on the device for this copy only."""
-        self._copy(pairs)
-
-    def _copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Start copying each ``(view, source)`` down (a registered gradient, or one made for this copy only)."""
         if not pairs:
             return
         if self.stream is None:
@@ -117,7 +108,7 @@ class DeviceCopies:
             self.stream.synchronize()
         stale = [owner for owner, version in self._copied.items() if self._sources[owner][1]._version != version]
         if stale:
-            self._copy([self._sources[owner] for owner in stale])
+            self.down_fresh([self._sources[owner] for owner in stale])
             if self.stream is not None:
                 self.stream.synchronize()
             self.restamp()
@@ -128,7 +119,6 @@ class DeviceCopies:
         for owner in self._copied:
             self._copied[owner] = self._sources[owner][1]._version
 
-    # ------------------------------------------------------------------- up
     def publish(self, write: Write, runs: Sequence[tuple[Any, int, torch.Tensor]]) -> None:
         """Updated fp32 ``runs`` (in host memory) into the model through ``write``, cast on the host into staging
         buffers of the compute dtype and copied up without waiting."""

@@ -1,26 +1,16 @@
 """The store's home in host memory for a model on an accelerator (``offload_optimizer: {device: cpu}``, ZeRO-Offload).
 
-This rank's fp32 masters, gradients and optimizer state live in host memory; the model (in the compute dtype)
-trains on the device.  Per step:
+This rank's fp32 masters, gradients and optimizer state live in host memory; the model trains on the device.
+Gradients go down as each bucket or unit lands (:class:`~.copies.DeviceCopies`; the norm is taken on the
+device).  The step waits for those copies, then steps the inner optimizer sub-group by sub-group (runs of whole
+pieces of at most ``sub_group_size`` elements, :func:`~.plan.whole_sub_groups`, as DeepSpeed's), each scaled
+just before its step; torch's Adam and AdamW use their fused CPU kernel (:func:`fused_on_host`; 4-8x their
+for-loop and foreach kernels on this machine's CPU, ``python -m benchmarks.offload_adam``) unless built asking
+for another.  Each sub-group's updated masters go up in the compute dtype while the next one steps.
 
-* **Gradients down.**  Each trainable piece's key (its fp32 master, a tensor of its own in host memory) has its
-  view of one host gradient buffer as ``.grad``; the stages' reduced gradients are copied into it as each
-  bucket (the flat stages) or unit (stage 3) lands, overlapped with the rest of backward
-  (:class:`~.copies.DeviceCopies`; the hooks of :class:`~.store.Home`).  The gradient norm is taken on the
-  device, as without offload.
-* **The step** waits for those copies, then steps the inner optimizer sub-group by sub-group: a sub-group is a
-  run of whole pieces of at most ``sub_group_size`` elements (:func:`~.plan.whole_sub_groups`, as DeepSpeed's),
-  its gradients multiplied by the unscale/clip factor just before its step.  torch's Adam and AdamW step there
-  with their fused CPU kernel (:func:`fused_on_host`; 4-8x their for-loop and foreach kernels on this
-  machine's CPU, ``python -m benchmarks.offload_adam``), unless the optimizer was built asking for another.
-* **Values up.**  Each sub-group's updated masters are cast into the compute dtype on the host and copied into
-  the model without waiting, so the copy runs while the next sub-group steps (:meth:`~.copies.DeviceCopies.publish`).
-
-``offload_optimizer.ratio`` below 1 is DeepSpeed's partial offload: of the ``n`` sub-groups, the first
-``int((1 - ratio) * n)`` keep their masters and state on the device (a :class:`~.store.Resident` home of
-their own: the model's storage in fp32, else fp32 copies beside it), stepped there first with no copy; the
-rest live in host memory.  The optimizer state of every piece is in the inner optimizer's ``state``, keyed by
-its master, as in memory: checkpoints, freezing and thawing see it as the in-memory home's.
+``offload_optimizer.ratio`` below 1 is DeepSpeed's partial offload: of ``n`` sub-groups the first
+``int((1 - ratio) * n)`` stay on the device (a :class:`~.store.Resident` home of their own), stepped there first.
+The state of every piece is in the inner optimizer's ``state``, keyed by its master, as in memory.
 """
 
 from __future__ import annotations
@@ -33,9 +23,8 @@ import torch
 
 from ...optim.param_state import OptimizerSlot, StateSlot
 from .copies import DeviceCopies
-from .frozen import Kept
 from .plan import OffloadSpec, whole_sub_groups
-from .store import Home, ModelSide, Piece, Run
+from .store import Home, Kept, ModelSide, Piece, Run
 from .subgroups import stepping_only
 
 __all__ = ["Host", "fused_on_host"]
@@ -73,10 +62,8 @@ class Host(Home):
 
     def __init__(self, side: ModelSide, spec: OffloadSpec, copies: DeviceCopies, near: Home) -> None:
         super().__init__(side, copies)
-        self.spec = spec
-        self.device_copies = copies
-        #: the pieces before :attr:`split` (``ratio`` below 1): on the device, as without offload (the in-memory
-        #: home, :class:`~.store.Resident`, given by the store: it lives beside the store, which imports this file)
+        self.spec, self.device_copies = spec, copies
+        #: the pieces before :attr:`split` (``ratio`` below 1): on the device, in a :class:`~.store.Resident` home
         self.near = near
         #: the shard's elements ``[0, split)`` stay on the device
         self.split = 0
@@ -88,7 +75,6 @@ class Host(Home):
         #: the unscale/clip factor the next step applies to the host gradients, a sub-group at a time
         self._factor = 1.0
 
-    # ------------------------------------------------------------------ build
     def plan(self, runs: Sequence[Run], numel: int, inner: Any) -> None:
         """Sub-groups of whole pieces; the first ``int((1 - ratio) * n)`` stay on the device, the gradient buffer
         in host memory holds the rest."""
@@ -128,7 +114,6 @@ class Host(Home):
     def apart(self, piece: Piece) -> bool:
         return piece.at >= self.split
 
-    # ------------------------------------------------- where a piece's state is
     def master(self, piece: Piece) -> torch.Tensor:
         assert piece.key is not None
         return piece.key.detach().view(-1)
@@ -149,7 +134,6 @@ class Host(Home):
         if kept is not None and kept.state:
             self.slot(piece, state).set(kept.state)
 
-    # ------------------------------------------------------------------- step
     def scale(self, factor: float) -> None:
         """The device's gradients now; the host's as each sub-group steps (no pass of its own over them)."""
         near = [p.key.grad for p in self.near.pieces if p.key is not None and p.key.grad is not None]
@@ -184,10 +168,8 @@ class Host(Home):
         self.device_copies.publish(self.side.write, runs)
         self.side.settle()
 
-    # ----------------------------------------------------------- accounting
     def nbytes(self) -> int:
-        """Bytes of the masters apart from the model (on the device before the split, in host memory after it)
-        and of the host gradient and staging buffers."""
+        """Bytes of the masters apart from the model (either side of the split) and the copies' buffers."""
         host = sum(p.key.numel() * 4 for pieces in self._groups for p in pieces if p.key is not None)
         return self.near.nbytes() + host + self.device_copies.nbytes()
 

@@ -1,28 +1,17 @@
 """The store's home in files (``offload_optimizer: {device: nvme}``): fp32 masters and optimizer state on disk.
 
-Each piece of the shard gets a run of elements at ``piece.at`` in a ``master`` file and in one file per kind
-of per-element optimizer state (``exp_avg``, ...), all laid out as this rank's shard, in a folder of this
-rank's own under ``nvme_path`` (:class:`~..nvme_files.NvmeFiles`); with ``offload_optimizer.ratio`` below 1
-the first sub-groups' elements stay in host memory instead (:mod:`.subgroups`), and the files hold the rest.
-The tensor the inner optimizer holds for a trainable piece (its key) is a placeholder of its size that holds
-one element; its ``.grad`` is the piece's fp32 gradient, in memory as without offload, so clipping and the
-unused-parameter rule see it unchanged.
+Each piece gets a run of elements at ``piece.at`` in a ``master`` file and one file per kind of per-element state
+(``exp_avg``, ...), laid out as this rank's shard, in a folder of this rank's own (:class:`~..offload.files.NvmeFiles`);
+with ``ratio`` below 1 the first sub-groups stay in host memory (:mod:`.subgroups`).  The tensor the inner optimizer
+holds for a piece (its key) is a one-element placeholder whose ``.grad`` is the piece's fp32 gradient, in memory as
+without offload, so clipping and the unused-parameter rule see it unchanged.
 
-The step (:meth:`Nvme.step`) cuts the shard into sub-groups (:mod:`.plan`); for each, one background thread
-reads master and state into a pool buffer ahead of time, the chunks' tensors are pointed at it, torch's own
-``step`` runs over that sub-group only, the updated masters go to the model through the stage's
-:class:`~.store.ModelSide`, and the thread writes the sub-group back while the next one is stepped
-(:class:`~.subgroups.SubGroupStepper`).  A chunk whose key has no gradient (a frozen piece, or one no rank
-had a gradient for) is passed by, and a sub-group of such chunks only is neither read nor written.  Between
-steps the inner optimizer's ``state`` is empty.
-
-A checkpoint sees a trainable piece's master and state as memory maps of the files, or views of host memory
-where the piece is resident (:class:`~.subgroups.OffloadSlot`); a piece that stops training takes them out
-into the store's kept entries, as the other homes keep them, and puts them back when it trains again.
-
-On a job on an accelerator the sub-groups are stepped in host memory as on a CPU job: the pieces' gradients
-are copied down into a host buffer as they land (the key's ``.grad`` is its view of it), and the updated
-masters go up in the compute dtype (:class:`~.copies.DeviceCopies`, as the host home's).
+The step (:class:`~.subgroups.SubGroupStepper`) reads each sub-group ahead on a background thread, runs torch's ``step``
+over it, publishes its masters through the stage's :class:`~.store.ModelSide` and writes it back while the next one
+steps; a sub-group whose chunks have no gradient is neither read nor written.  Between steps the inner optimizer's
+``state`` is empty.  A checkpoint sees a piece's master and state as memory maps of the files
+(:class:`~.subgroups.OffloadSlot`); a piece that stops training takes them out into the store's kept entries. On a job
+on an accelerator gradients come down and masters go up through :class:`~.copies.DeviceCopies`.
 """
 
 from __future__ import annotations
@@ -33,12 +22,10 @@ import torch
 
 from ...optim.param_state import KeptSlot, copy_value
 from ..offload.files import NvmeFiles
-from ..offload.readahead import BufferPool
 from .copies import DeviceCopies
-from .frozen import Kept
 from .plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, say_split, state_bytes_per_element
-from .store import Home, ModelSide, Piece, Run
-from .subgroups import OffloadSlot, SubGroupStepper, placeholder, pool_for
+from .store import Home, Kept, ModelSide, Piece, Run
+from .subgroups import BufferPool, OffloadSlot, SubGroupStepper, placeholder, pool_for
 
 __all__ = ["Nvme"]
 
@@ -62,7 +49,6 @@ class Nvme(Home):
         #: whether the files may hold masters the model does not show yet (a checkpoint load or adoption wrote them)
         self.stale = False
 
-    # ------------------------------------------------------------------ build
     def plan(self, runs: Sequence[Run], numel: int, inner: Any) -> None:
         """Plan the sub-groups of ``runs``, then make this rank's folder and its ``master`` file for the offloaded
         ones of the shard's ``numel`` elements, once there is room."""
@@ -99,7 +85,7 @@ class Nvme(Home):
         super().add(piece, initial)
 
     def start(self, piece: Piece, initial: torch.Tensor) -> torch.Tensor:
-        self._plan().write("master", piece.at, initial.float().contiguous(), "the initial masters")
+        self.stepper.write("master", piece.at, initial.float().contiguous(), "the initial masters")
         return placeholder(piece.numel)
 
     @property
@@ -109,16 +95,13 @@ class Nvme(Home):
                                "build a new engine")
         return self.files
 
-    def _plan(self) -> SubGroupStepper:
+    @property
+    def stepper(self) -> SubGroupStepper:
         """The sub-groups of the shard and the step over them (planned in :meth:`plan`)."""
         if self._stepper is None:
             raise RuntimeError(f"rank {self.spec.rank}: the offloaded masters were used before they were planned "
                                "(a bug in shardwise); please report it")
         return self._stepper
-
-    @property
-    def stepper(self) -> SubGroupStepper:
-        return self._plan()
 
     @property
     def resident(self) -> int:
@@ -129,56 +112,46 @@ class Nvme(Home):
         if self._stepper is not None:
             self._stepper.check_whole(doing)
 
-    # ------------------------------------------------- where a piece's state is
     def region(self, kind: str, piece: Piece) -> torch.Tensor:
-        """The piece's elements of ``kind``: a memory map of its file, or a view of host memory where the piece is
-        resident (writes go there)."""
-        return self._plan().region(kind, piece.at, piece.numel, self.kinds.get(kind, torch.float32))
+        """The piece's elements of ``kind``: a memory map of its file, or a view of host memory (writes go there)."""
+        return self.stepper.region(kind, piece.at, piece.numel, self.kinds.get(kind, torch.float32))
 
     def master(self, piece: Piece) -> torch.Tensor:
         return self.region("master", piece)
 
     def slot(self, piece: Piece, state: MutableMapping[Any, Any]) -> OffloadSlot:
-        """The piece's optimizer state, as memory maps of its files and its chunks' small values."""
-        return OffloadSlot(self._plan(), self._index[piece], piece.numel, lambda kind: self.region(kind, piece))
+        return OffloadSlot(self.stepper, self._index[piece], piece.numel, lambda kind: self.region(kind, piece))
 
-    # -------------------------------------------------------- trainability
     def freeze(self, piece: Piece, state: MutableMapping[Any, Any]) -> Kept:
         kept_state = {k: copy_value(v) for k, v in self.slot(piece, state).get().items()}
         kept = Kept(piece.start, piece.end, self.region("master", piece).clone(), KeptSlot(kept_state))
-        self._plan().forget(self._index[piece])
+        self.stepper.forget(self._index[piece])
         return kept
 
     def thaw(self, piece: Piece, kept: Optional[Kept], state: MutableMapping[Any, Any]) -> None:
         self.region("master", piece).copy_(kept.master if kept is not None else self.side.values(piece))
-        self._plan().forget(self._index[piece])
+        self.stepper.forget(self._index[piece])
         if kept is not None and kept.state:
             self.slot(piece, state).set(kept.state)
         piece.key = placeholder(piece.numel)
 
-    # ------------------------------------------------------------------- step
     def step(self, inner: Any) -> None:
-        """One optimizer step over every sub-group with something to step: read ahead, step, publish, write
-        behind (a step that fails part-way leaves the engine refusing to step or save:
-        :meth:`.SubGroupStepper.step`)."""
         self.publish()  # after a load: the files' masters into the model first
         self.side.settle()  # (a shard a failed step left held)
         self.settle_grads()
-        self._plan().step(inner, self)
+        self.stepper.step(inner, self)
         self.side.settle()
 
     def stepped(self, chunk: Chunk) -> Optional[torch.Tensor]:
-        """The chunk's key where its piece trains and has a gradient this step (else torch would leave it alone:
-        the step passes it by)."""
+        """The chunk's key where its piece trains and has a gradient this step (else the step passes it by)."""
         key = self.pieces[chunk.piece].key
         return key if key is not None and key.grad is not None else None
 
     def publish_sub_group(self, updated: list[tuple[Chunk, torch.Tensor]]) -> None:
-        """The updated masters into the model."""
         self._write([(self.pieces[chunk.piece], chunk.at, master) for chunk, master in updated])
 
     def _write(self, runs: list[tuple[Piece, int, torch.Tensor]]) -> None:
-        """Into the model: through the copies up where it is on an accelerator."""
+        """Into the model (through the copies up where it is on an accelerator)."""
         if self.copies is not None:
             self.copies.publish(self.side.write, runs)
         else:
@@ -195,15 +168,12 @@ class Nvme(Home):
     def loading(self) -> None:
         self.stale = True  # the loaded masters reach the model at the next publish
 
-    # ----------------------------------------------------------- accounting
     def nbytes(self) -> int:
-        """Host bytes of the read-ahead/write-behind buffers and the resident masters (the others are on disk), and
-        of the gradient and staging buffers of the copies to an accelerator."""
+        """Host bytes of the I/O buffers, the resident masters and the copies' gradient and staging buffers."""
         resident = self._stepper.memory_bytes(master=True) if self._stepper is not None else 0
         return self.pool.nbytes() + resident + (self.copies.nbytes() if self.copies is not None else 0)
 
     def state_nbytes(self) -> int:
-        """Host bytes of the resident sub-groups' optimizer state."""
         return self._stepper.memory_bytes(master=False) if self._stepper is not None else 0
 
     def close(self) -> None:

@@ -1,16 +1,11 @@
 """What optimizer offload was asked for (to NVMe, or to host memory from an accelerator), and how this rank's
 shard is cut into sub-groups.
 
-A sub-group is a run of at most ``sub_group_size`` consecutive elements of this
-rank's shard, cut into chunks (:class:`Chunk`) where it meets the pieces (one
-parameter's part of the shard each); a piece larger than ``sub_group_size`` is
-cut across several sub-groups.  The inner optimizer steps one chunk as one
-tensor: an element-wise optimizer (Adam, SGD, ...) gives the same values
-however its tensors are cut, as sharding already relies on.
-
-``offload_optimizer.ratio`` below 1 keeps the first sub-groups in host memory
-(:func:`resident_split`): the shard's elements before the split never reach
-the files, which hold the elements after it only.
+A sub-group is a run of at most ``sub_group_size`` consecutive elements of the shard, cut into chunks
+(:class:`Chunk`) where it meets the pieces; a piece larger than ``sub_group_size`` spans several.  The inner
+optimizer steps one chunk as one tensor: an element-wise optimizer gives the same values however its tensors
+are cut, as sharding already relies on.  ``ratio`` below 1 keeps the first sub-groups in host memory
+(:func:`resident_split`): the files hold the elements after the split only.
 """
 
 from __future__ import annotations

@@ -1,45 +1,27 @@
-"""One master store for every ZeRO stage: this rank's fp32 master weights and optimizer state.
+"""One master store for every ZeRO stage: this rank's fp32 master weights and optimizer state, and what frozen
+parameters keep until they train again.
 
-A :class:`MasterStore` holds this rank's pieces (:class:`Piece`): the flat stages' slices of their
-layout and stage 3's parts of its units alike.  Where their masters and state live is its home, chosen
-once (:func:`~shardwise.zero.store.choose_home`): :class:`Resident` in memory, :class:`~.nvme.Nvme` in files,
-:class:`~.host.Host` in host memory for a model on an accelerator.  What the store does once, for every stage
-and home:
+A :class:`MasterStore` holds this rank's pieces (:class:`Piece`: elements ``[start, end)`` of one flattened parameter,
+at ``at`` in this rank's *shard*), the flat stages' slices and stage 3's parts of units alike. Where their masters and
+state live is its :class:`Home`, chosen once at initialize (:func:`~shardwise.zero.store.choose_home`):
 
-* the inner optimizer's param groups hold the trainable pieces' keys (:meth:`MasterStore.keys_for`);
-* the step (:meth:`MasterStore.step`): gradients scaled, pieces no rank had a gradient for left alone as
-  torch leaves a parameter whose ``.grad`` is None, the home stepped, updated masters published through the
-  stage's :class:`ModelSide`;
-* freezing: a piece that stops training leaves the optimizer, its master and state kept
-  (:class:`~.frozen.FrozenStore`) until it trains again (:meth:`MasterStore.refresh`; the flat stages
-  rebuild their layout instead, :meth:`MasterStore.adopt` taking back what :mod:`.carry` kept);
-* checkpoints: each piece as a :class:`~shardwise.optim.param_state.ParamShard`, frozen ones included
-  (:meth:`MasterStore.shards`);
-* byte accounting; and values written into the model: the masters follow (:meth:`MasterStore.take`).
+* :class:`Resident`: in memory; the master is the model's own storage where it holds fp32 values (stage 0's parameters,
+  the flat stages' buffer slices, stage 3's shards), else a separate fp32 copy;
+* :class:`~.nvme.Nvme`: in files, stepped sub-group by sub-group;
+* :class:`~.host.Host`: in host memory for a model on an accelerator (ZeRO-Offload).
 
-A :class:`Piece` is the part of one parameter this rank owns: elements ``[start, end)`` of it, flattened, at
-``at`` in this rank's *shard* (its pieces one after the other, as the flat layout or stage 3's units cut
-them).  The store keeps each piece's fp32 master and optimizer state; *where* they live is its :class:`Home`,
-chosen once at initialize (:func:`~shardwise.zero.store.choose_home`):
+What the store does once for every stage and home: the optimizer's param groups hold the pieces' keys
+(:meth:`MasterStore.keys_for`); the step (scale, leave alone pieces no rank had a gradient for, step, publish); freezing
+(:class:`FrozenStore`, :meth:`MasterStore.refresh`; the flat stages rebuild their layout and :meth:`MasterStore.adopt`
+takes back what :func:`..flat.strategy.export_state` kept); checkpoint shards (:meth:`MasterStore.shards`); byte
+accounting; and masters following values written into the model (:meth:`MasterStore.take`).  Where the state is in host
+memory and the model on an accelerator, :attr:`Home.copies` moves gradients down and values up; :meth:`Home.grad_for`,
+:meth:`Home.arrived` and :meth:`Home.add_grads` are where stages hand gradients over.
 
-* :class:`Resident`: in memory.  The master is the model's own storage where the model holds fp32
-  values in memory (stage 0's parameters, the flat stages' slices of their parameter buffer, stage 3's
-  shards), else a separate fp32 copy; the inner optimizer's ``state`` holds the state.
-* :class:`~.nvme.Nvme`: in files, stepped sub-group by sub-group (``offload_optimizer: {device: nvme}``,
-  ``ratio`` keeping the first sub-groups in memory).
-* :class:`~.host.Host`: in host memory for a model on an accelerator (``offload_optimizer: {device: cpu}``,
-  ZeRO-Offload), stepped there sub-group by sub-group.
-
-Where the state is in host memory and the model on an accelerator (the host home; NVMe on a GPU job), the
-home's :attr:`Home.copies` (:class:`~.copies.DeviceCopies`) moves reduced gradients down as they land and
-updated values up; the hooks :meth:`Home.grad_for`, :meth:`Home.arrived` and :meth:`Home.add_grads` are
-where the stages hand their gradients over (they keep them on the device for the other homes).
-
-What differs between the stages is the :class:`ModelSide`: where a piece's values are in the model and how
-updated masters get there (:mod:`..flat.side`: this rank's slice of the flat parameter buffer, all-gathered
-after the step; ``UnitSide`` in :mod:`..stage3.strategy`: the units' shards).  How gradients arrive is the
-stages' own: the flat stages point each key's ``.grad`` at a fixed view of the reduced gradient buffer, stage 3
-adds each unit's reduction as it finishes (:meth:`MasterStore.add_reduced`).
+The stages differ in their :class:`ModelSide` (where a piece's values are in the model and how updated masters get
+there: ``FlatSide`` in :mod:`..flat.strategy`, ``UnitSide`` in :mod:`..stage3.strategy`) and in how gradients arrive
+(the flat stages point each key's ``.grad`` at a fixed view of the reduced buffer; stage 3 adds each unit's reduction,
+:meth:`MasterStore.add_reduced`).
 """
 
 from __future__ import annotations
@@ -51,13 +33,78 @@ from typing import Any, Iterator, MutableMapping, NamedTuple, Optional, Protocol
 
 import torch
 
-from ...optim.param_state import KeptSlot, OptimizerSlot, ParamShard, StateSlot
+from ...optim.param_state import KeptSlot, OptimizerSlot, ParamShard, StateSlot, copy_value, is_per_element
 from ..base import tensor_bytes
 from ..flat.layout import Piece as Run
 from .copies import DeviceCopies
-from .frozen import FrozenStore, Kept
 
-__all__ = ["Home", "MasterStore", "ModelSide", "NormShare", "Piece", "Resident", "Run", "Runs", "sum_sq"]
+__all__ = [
+    "FrozenStore", "Home", "Kept", "MasterStore", "ModelSide", "NormShare", "Piece", "Resident", "Run", "Runs",
+    "sum_sq",
+]
+
+
+@dataclass
+class Kept:
+    """Elements ``[start, end)`` of one parameter: fp32 master (1-D) and optimizer state."""
+
+    start: int
+    end: int
+    master: torch.Tensor
+    slot: KeptSlot = field(default_factory=lambda: KeptSlot({}))
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self.slot.state
+
+    def piece(self, start: int, end: int) -> "Kept":
+        """A copy of the elements ``[start, end)`` (inside this entry): master and per-element state."""
+        lo, count = start - self.start, end - start
+        state = {
+            k: (v.narrow(0, lo, count).clone() if is_per_element(v, self.numel) else copy_value(v))
+            for k, v in self.state.items()
+        }
+        return Kept(start, end, self.master.narrow(0, lo, count).clone(), KeptSlot(state))
+
+
+class FrozenStore:
+    """What frozen parameters keep until they train again, by parameter: a parameter that stops training leaves
+    the optimizer (as ``torch.optim`` treats one whose ``.grad`` is None), but its fp32 master and state (Adam's
+    moments and ``step``) stay here, so unfreezing resumes exactly where it stopped.  The flat stages keep each
+    entry whole, replicated (their layout is rebuilt: a rank cannot know which piece it will own next); stage 3
+    keeps this rank's piece.  Checkpoints carry the kept state like a trainable one's (:meth:`MasterStore.shards`)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, Kept] = {}
+
+    def keep(self, param: torch.Tensor, kept: Kept) -> None:
+        self._kept[id(param)] = kept
+
+    def get(self, param: torch.Tensor) -> Optional[Kept]:
+        return self._kept.get(id(param))
+
+    def take(self, param: torch.Tensor) -> Optional[Kept]:
+        """Remove and return ``param``'s entry (it trains again)."""
+        return self._kept.pop(id(param), None)
+
+    def master_bytes(self) -> int:
+        """Bytes of the kept fp32 masters that hold memory of their own (a view of the model's values holds none)."""
+        return sum(kept.master.numel() * kept.master.element_size() for kept in self._kept.values()
+                   if not kept.master._is_view())
+
+    def state_bytes(self) -> int:
+        """Bytes of the kept optimizer-state tensors."""
+        return sum(
+            v.numel() * v.element_size()
+            for kept in self._kept.values()
+            for v in kept.state.values()
+            if isinstance(v, torch.Tensor)
+        )
+
 
 
 @dataclass(eq=False)
@@ -116,9 +163,8 @@ class ModelSide(Protocol):
 class Home(ABC):
     """Where the masters and optimizer state of a store's pieces live (see the module docstring).
 
-    The store calls :meth:`plan` once, then :meth:`add` for each piece (in shard order);
-    :meth:`freeze` and :meth:`thaw` when a piece stops or starts training (stage 3), :meth:`step` for each
-    optimizer step."""
+    The store calls :meth:`plan` once, then :meth:`add` for each piece (in shard order); :meth:`freeze` and :meth:`thaw`
+    when a piece stops or starts training (stage 3), :meth:`step` for each optimizer step."""
 
     #: whether the masters are the model's own storage (nothing to publish, no copy held apart)
     in_model = False
@@ -177,7 +223,6 @@ class Home(ABC):
     def publish(self) -> None:
         """Every trainable master into the model, where they are not the model's storage already."""
 
-    # ------------------------------------------------------------ gradients
     def grad_for(self, piece: Piece, grad: torch.Tensor) -> torch.Tensor:
         """What a trainable piece's key holds as ``.grad`` for the stage's reduced gradient ``grad`` (a fixed view,
         the flat stages'): ``grad``, or where the piece's state is in host memory its view of the host gradient
@@ -358,7 +403,6 @@ class MasterStore:
     def side(self) -> ModelSide:
         return self.home.side
 
-    # ---------------------------------------------------------------- build
     def plan(self, runs: Sequence[Run], numel: int, inner: Any) -> None:
         """Before the first :meth:`add` (:meth:`.Home.plan`)."""
         self.home.plan(runs, numel, inner)
@@ -374,7 +418,6 @@ class MasterStore:
         """What the inner optimizer steps in place of the param group ``originals``: the trainable keys."""
         return [p.key for param in originals if (p := self.by_param.get(id(param))) is not None and p.key is not None]
 
-    # -------------------------------------------------------- trainability
     def refresh(self, state: MutableMapping[Any, Any]) -> bool:
         """Stage 3: newly trainable pieces get their master (the kept one, or the model's values); newly frozen
         ones leave the optimizer (``state``), their master and state kept.  True if anything moved."""
@@ -406,7 +449,6 @@ class MasterStore:
             if mine.state:
                 self.home.slot(piece, state).set(mine.state)
 
-    # ----------------------------------------------------------- masters
     def master_or_kept(self, piece: Piece) -> Optional[torch.Tensor]:
         """The piece's master, or the one kept while it is frozen (None: frozen since initialize)."""
         if piece.key is not None:
@@ -430,7 +472,6 @@ class MasterStore:
                 shard.narrow(0, piece.at, piece.numel).copy_(self.home.master(piece))
         return shard
 
-    # ------------------------------------------------------------ gradients
     def grads(self) -> list[torch.Tensor]:
         """The keys' gradients (what the optimizer reads; copies to host memory finished first)."""
         self.home.settle_grads()
@@ -461,7 +502,6 @@ class MasterStore:
             if piece.key is not None:
                 piece.key.grad = None
 
-    # ------------------------------------------------------------------ step
     def step(self, inner: Any, factor: float = 1.0, unused: Sequence[Piece] = (), release: bool = False) -> None:
         """The optimizer step over the trainable keys: their gradients multiplied by ``factor`` (unscale and
         clip), the pieces ``unused`` (no rank had a gradient for them) left alone, as torch leaves a parameter
@@ -485,7 +525,6 @@ class MasterStore:
         """Every master into the model (after a load)."""
         self.home.publish()
 
-    # ------------------------------------------------------------ checkpoint
     @contextlib.contextmanager
     def shards(self, state: MutableMapping[Any, Any], loading: bool,
                wanted: frozenset[str] = frozenset()) -> Iterator[list[ParamShard]]:
@@ -500,7 +539,9 @@ class MasterStore:
         self.home.loading()
         temporary = [p for p in frozen if p.name in wanted and self.frozen.get(p.param) is None]
         for piece in temporary:
-            self.frozen.keep(piece.param, self._fresh_kept(piece))
+            view = self.side.view(piece) if self.home.in_model else None  # from the model's values: a load fills it
+            master = view if view is not None else self.side.values(piece)
+            self.frozen.keep(piece.param, Kept(piece.start, piece.end, master))
         try:
             yield self._shards(state, frozen)
         except BaseException:
@@ -524,12 +565,6 @@ class MasterStore:
                                          kept.slot))
         return shards
 
-    def _fresh_kept(self, piece: Piece) -> Kept:
-        """A kept entry for a piece frozen with no master kept, from the model's values, so a load can fill it."""
-        view = self.side.view(piece) if self.home.in_model else None
-        return Kept(piece.start, piece.end, view if view is not None else self.side.values(piece))
-
-    # ------------------------------------------------------------ accounting
     def master_bytes(self) -> int:
         """Bytes of masters held apart from the model's parameters, kept ones included (a kept master that is a
         view of the model holds none)."""

@@ -1,37 +1,41 @@
-"""The step of the store's home in files (:mod:`.nvme`): sub-group by sub-group, read ahead, step, write behind.
+"""The step of the store's home in files (:mod:`.nvme`): sub-group by sub-group, read ahead, step, write behind (at most
+``count`` buffers alive).
 
-The home keeps each piece's fp32 master and per-element optimizer state as a run of elements in files laid
-out alike (``master``, ``exp_avg``, ...), cut into chunks and sub-groups by :mod:`.plan`.  A
-:class:`SubGroupStepper` holds what the inner optimizer keeps of each chunk between steps (its other, small
-state values and which kinds of state it has in the files) and runs the step: it reads a sub-group into a
-pool buffer (:mod:`..readahead`), points the chunks' tensors, gradients and state at that buffer, runs torch's
-own ``step`` over those chunks only, takes their state back out, hands the updated masters to the
-home (:class:`Arrangement`), and writes the buffer back while the next sub-group is stepped.  The home
-says which tensor the inner optimizer holds for a piece (its ``.grad`` the gradient; the param group
-holding it is the chunk's), which chunks a step passes by, and takes the updated masters to the model.
+A :class:`SubGroupStepper` holds what the inner optimizer keeps of each chunk between steps (its small state values,
+which kinds of state are in the files) and runs the step: it reads a sub-group into a pool buffer (:class:`BufferPool`,
+:func:`pipelined`), points the chunks' tensors, gradients and state at it, runs torch's ``step`` over those chunks only,
+takes their state back out, hands the updated masters to the home (:class:`Arrangement`), and writes the buffer back
+while the next sub-group steps.
 
-A partial offload (``offload_optimizer.ratio`` below 1) keeps the shard's first ``resident`` elements, whole
-sub-groups (:func:`.plan.resident_split`), in host memory: one tensor per kind, stepped in place with
-no buffer and no I/O, published as the others.  The files hold the elements after ``resident`` only (element
-``x`` of the shard at element ``x - resident`` of each file); :meth:`SubGroupStepper.region` and
-:meth:`SubGroupStepper.write` say where a run of elements lives, so checkpoints and trainability changes see
-one layout whichever side a piece is on.
+A partial offload (``ratio`` below 1) keeps the shard's first ``resident`` elements, whole sub-groups, in host memory:
+one tensor per kind, stepped in place with no I/O.  The files hold the elements after ``resident`` only (element ``x``
+of the shard at ``x - resident`` of each file); :meth:`SubGroupStepper.region` and :meth:`SubGroupStepper.write` say
+where a run lives, so checkpoints see one layout whichever side a piece is on.
+
+The I/O (:func:`pipelined`): one background thread does every read and write in the order asked (a disk serves one
+stream best, and order keeps a sub-group's write before any later read of it).  The caller steps sub-group ``i`` while
+the thread writes ``i - 1`` and reads ``i + 1 ... i + count - 2``; host memory never holds more than ``count``
+sub-groups.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
-from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence
 
 import torch
 
 from ...optim.param_state import copy_value, is_per_element
 from ..offload.files import NvmeFiles, OffloadChecksumError, OffloadIOError
-from ..offload.readahead import BufferPool, pipelined
 from .plan import Chunk, SubGroup
 
-__all__ = ["Arrangement", "OffloadSlot", "SubGroupStepper", "placeholder", "pool_for", "stepping_only"]
+__all__ = [
+    "Arrangement", "BufferPool", "OffloadSlot", "SubGroupStepper", "pipelined", "placeholder", "pool_for",
+    "stepping_only",
+]
 
 #: byte alignment of each kind inside a sub-group's buffer (a typed view needs its element size at least)
 _ALIGN = 64
@@ -40,6 +44,123 @@ _ALIGN = 64
 _Fresh = list[list[tuple[str, int, torch.Tensor]]]
 #: a chunk a step loads: its index, the tensor its param group holds (``.grad``: the piece's gradient), that group
 _Load = tuple[int, torch.Tensor, int]
+
+
+#: fills a buffer with sub-group ``index``'s bytes
+Read = Callable[[int, torch.Tensor], None]
+#: steps sub-group ``index`` in its buffer and returns what writes it back
+Step = Callable[[int, torch.Tensor], Callable[[], None]]
+
+
+class BufferPool:
+    """``count`` reusable byte buffers, each grown to the largest size asked of it."""
+
+    def __init__(self, count: int, nbytes: int = 0, pin: bool = False) -> None:
+        self.count, self.pin = count, pin
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        # Sized up front for the state expected: growing them later would leave the old ones to the
+        # allocator, which keeps freed heap memory resident (see docs/offload.md).
+        for _ in range(count):
+            self._free.put(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` (waits for one to come back from a write)."""
+        buffer = self._free.get()
+        if buffer.numel() < nbytes:
+            try:
+                buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            except BaseException:
+                self._free.put(buffer)  # out of memory: the pool keeps its count, or a later take waits forever
+                raise
+        return buffer
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free.put(buffer)
+
+    def nbytes(self) -> int:
+        """Bytes the free buffers hold (all of them, between steps)."""
+        held = [self._free.get() for _ in range(self.count)]
+        for buffer in held:
+            self._free.put(buffer)
+        return sum(b.numel() for b in held)
+
+
+def pipelined(order: Sequence[int], sizes: Sequence[int], pool: BufferPool, read: Read, step: Step,
+              meanwhile: Callable[[], None] = lambda: None) -> None:
+    """Run ``step`` over the sub-groups in ``order``, each read ahead into a pool buffer and written behind;
+    ``meanwhile`` runs once the first reads are started, before the first step (work that needs no buffer:
+    a partial offload's sub-groups in memory, stepped while the disk reads).
+
+    Returns once every write is on disk.  The first error of a read, a step or a write is raised here, as
+    soon as the loop sees it (a failed write is not followed by stepping every later sub-group first), and
+    every buffer is back in ``pool`` by then, so the next call does not wait for one that never returns.
+    """
+    ahead = max(1, pool.count - 1)  # one buffer is the one being stepped
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-offload-io") as io:
+        reads: dict[int, tuple[Future[None], torch.Tensor]] = {}
+        writes: list[Future[None]] = []
+
+        def start_read(position: int) -> None:
+            index = order[position]
+            buffer = pool.take(sizes[index])
+            reads[position] = (_submit(io, pool, buffer, read, index, buffer), buffer)
+
+        try:
+            for position in range(min(ahead, len(order))):
+                start_read(position)
+            meanwhile()
+            for position, index in enumerate(order):
+                future, buffer = reads.pop(position)
+                try:
+                    future.result()
+                    write = step(index, buffer)
+                except BaseException:
+                    pool.give(buffer)
+                    raise
+                writes = _unfinished([*writes, _submit(io, pool, buffer, _then_give, write, pool, buffer)])
+                if position + ahead < len(order):
+                    start_read(position + ahead)
+        finally:
+            # On an error too: every read in flight ends and gives its buffer back, so the next step (or
+            # `memory_breakdown`) never waits on a buffer that will not come back.
+            for future, buffer in reads.values():
+                try:
+                    future.result()
+                except BaseException:  # noqa: BLE001 - the first error is the one raised
+                    pass
+                pool.give(buffer)
+        for done in writes:
+            done.result()
+
+
+def _submit(io: ThreadPoolExecutor, pool: BufferPool, buffer: torch.Tensor, call: Callable[..., None],
+            *args: Any) -> Future[None]:
+    """``io.submit(call, *args)``, giving ``buffer`` back if it cannot be queued (an interrupt, shutdown at exit)."""
+    try:
+        return io.submit(call, *args)
+    except BaseException:
+        pool.give(buffer)
+        raise
+
+
+def _unfinished(writes: list[Future[None]]) -> list[Future[None]]:
+    """The writes still to finish; raises the error of the first that failed (its buffer went back already).  Finished
+    ones are dropped, so each check looks at no more than the pool's buffers."""
+    pending = []
+    for write in writes:
+        if not write.done():
+            pending.append(write)
+        elif write.exception() is not None:  # judged once: a write ending meanwhile is kept, not lost
+            raise write.exception()  # type: ignore[misc]
+    return pending
+
+
+def _then_give(write: Callable[[], None], pool: BufferPool, buffer: torch.Tensor) -> None:
+    try:
+        write()
+    finally:
+        pool.give(buffer)
+
 
 
 def placeholder(numel: int) -> torch.Tensor:
@@ -105,11 +226,9 @@ class SubGroupStepper:
                 f"rank {self.files().rank}: cannot {doing}: this engine's offloaded optimizer state {self.broken}. "
                 "Build a new engine and `load_checkpoint` the last checkpoint")
 
-    # ------------------------------------------------------------------- step
     def step(self, inner: Any, arrangement: Arrangement) -> None:
-        """One optimizer step over every sub-group with a chunk to step: read ahead, step, publish, write behind.
-
-        A step that fails part-way leaves the engine refusing to step, save or change its trainable set
+        """One optimizer step over every sub-group with a chunk to step: read ahead, step, publish, write behind.  A
+        step that fails part-way leaves the engine refusing to step, save or change its trainable set
         (:meth:`check_whole`): no roll-back, as the files would need a second copy of the state."""
         self.check_whole("step")
         try:
@@ -138,9 +257,11 @@ class SubGroupStepper:
         loads = self._loads(inner, arrangement)
         resident = [g.index for g in self.groups if loads[g.index] and self.is_resident(g.index)]
 
-        def step_resident() -> None:  # while the first offloaded sub-groups are read
+        def step_resident() -> None:  # while the first offloaded sub-groups are read; stepped in place in host memory
             for g in resident:
-                self._step_group(inner, arrangement, g, loads[g], self._memory_views(g, kinds))()
+                at, numel = self.groups[g].start, self.groups[g].numel
+                views = {kind: self.memory[kind].narrow(0, at, numel) for kind in ("master", *sorted(kinds))}
+                self._step_group(inner, arrangement, g, loads[g], views)()
 
         # a sub-group with nothing to step: no I/O
         order = [g.index for g in self.groups if loads[g.index] and not self.is_resident(g.index)]
@@ -162,20 +283,11 @@ class SubGroupStepper:
         """Whether sub-group ``g`` stays in host memory (a partial offload)."""
         return self.groups[g].end <= self.resident
 
-    def _memory_views(self, g: int, kinds: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
-        """Each kind's elements of resident sub-group ``g``, views of host memory (stepped in place)."""
-        group = self.groups[g]
-        return {kind: self.memory[kind].narrow(0, group.start, group.numel) for kind in ("master", *sorted(kinds))}
-
     def _where(self, g: int) -> str:
         """Sub-group ``g`` in words, for an I/O error."""
         group = self.groups[g]
         return (f"sub-group {g + 1} of {len(self.groups)}: elements {group.start:,}-{group.end:,} "
                 "of this rank's shard")
-
-    def _group_at(self, element: int) -> int:
-        """The sub-group holding element ``element`` of the shard."""
-        return max(0, bisect.bisect_right(self._starts, element) - 1)
 
     def _read(self, g: int, buffer: torch.Tensor, kinds: Mapping[str, torch.dtype]) -> None:
         group, files, where = self.groups[g], self.files(), self._where(g)
@@ -194,7 +306,8 @@ class SubGroupStepper:
         updated = [(self.chunks[index], self.keys[index].detach()) for index, _, _ in loads]
         fresh = [self._take_state(inner, index, views, start) for index, _, _ in loads]
         arrangement.publish_sub_group(updated)
-        self._note_kinds(fresh)
+        for kind, _, value in (item for items in fresh for item in items):  # files for kinds the step created
+            self.kind_file(kind, value.dtype)
         return lambda: self._write(g, views, fresh)
 
     def _load(self, inner: Any, index: int, grad: Optional[torch.Tensor], views: dict[str, torch.Tensor],
@@ -212,9 +325,8 @@ class SubGroupStepper:
 
     def _take_state(self, inner: Any, index: int, views: dict[str, torch.Tensor],
                     start: int) -> list[tuple[str, int, torch.Tensor]]:
-        """Take chunk ``index``'s state out of the optimizer and let its tensor go.
-
-        Returns the per-element tensors that are not in the buffer already (created by this step)."""
+        """Take chunk ``index``'s state out of the optimizer and let its tensor go.  Returns the per-element tensors
+        that are not in the buffer already (created by this step)."""
         chunk, key = self.chunks[index], self.keys[index]
         at = chunk.shard_at - start
         entries = inner.state.pop(key, {})
@@ -231,15 +343,8 @@ class SubGroupStepper:
         key.data, key.grad = placeholder(chunk.numel), None
         return fresh
 
-    def _note_kinds(self, fresh: _Fresh) -> None:
-        """Files for kinds of state the optimizer just created (made here: later writes go into them)."""
-        for items in fresh:
-            for kind, _, value in items:
-                self.kind_file(kind, value.dtype)
-
     def kind_file(self, kind: str, dtype: torch.dtype) -> None:
-        """A file (for the offloaded elements) and a tensor (for the resident ones) for state ``kind``, unless
-        there are."""
+        """A file (offloaded elements) and a tensor (resident ones) for state ``kind``, unless there are."""
         if kind not in self.kinds:
             self.files().create(kind, (self.numel - self.resident) * dtype.itemsize)
             self.memory[kind] = torch.zeros(self.resident, dtype=dtype)
@@ -257,7 +362,6 @@ class SubGroupStepper:
             for kind, shard_at, value in items:
                 self.write(kind, shard_at, value, where)
 
-    # ------------------------------------------------ where elements live
     def region(self, kind: str, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of the shard's ``kind`` (on one side of the resident split): a view
         of host memory, or a memory map of the file; writes go there either way."""
@@ -267,7 +371,7 @@ class SubGroupStepper:
         self._one_side(start, numel)
 
         def where(byte: int) -> str:  # a byte of the file, in the shard's sub-groups
-            return self._where(self._group_at(self.resident + byte // dtype.itemsize))
+            return self._where(max(0, bisect.bisect_right(self._starts, self.resident + byte // dtype.itemsize) - 1))
 
         return files.mapped_range(kind, start - self.resident, numel, dtype, where)
 
@@ -307,8 +411,7 @@ class SubGroupStepper:
 class OffloadSlot:
     """One offloaded piece's optimizer state: per-element tensors map its files, the rest is its first chunk's."""
 
-    def __init__(self, stepper: SubGroupStepper, piece: int, numel: int,
-                 region: Callable[[str], torch.Tensor]) -> None:
+    def __init__(self, stepper: SubGroupStepper, piece: int, numel: int, region: Callable[[str], torch.Tensor]) -> None:
         """``region(kind)``: the piece's ``numel`` elements of file ``kind`` as a memory map."""
         self.stepper, self.chunks, self.numel, self.region = stepper, stepper.chunks_of.get(piece, []), numel, region
 
