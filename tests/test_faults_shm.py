@@ -192,7 +192,9 @@ def test_a_creator_killed_before_it_shared_the_name_is_swept_by_the_next_set_up(
     """Nobody else knows that file: the next set-up on the host removes files of processes that no longer exist."""
     results = run_distributed(_killed_after_create, 2, timeout=90, expect_dead=(0,))
     pids = results[1]["pids"]
-    assert len(segment_files(pids)) == 1, segment_files(pids)  # the one file nobody else could know
+    # the one file nobody else could know (0 where another job's set-up on this host swept it first, as the
+    # next set-up must: seen when the fault table ran beside other test runs)
+    assert len(segment_files(pids)) <= 1, segment_files(pids)
     segment, reason = shm.open_segment(0, 1, [0], TIMEOUT, lambda offer: offer, lambda ok: ok)  # the next set-up
     assert segment is not None, reason
     segment.close()
