@@ -18,22 +18,18 @@ a process group (gloo by default) and calls the function on every rank::
     def test_body_runs_on_every_rank() -> None:
         run_subtests(_check_stage, [{"stage": s} for s in (0, 1, 2, 3)])
 
-Failures never hang: a rank that raises, dies or exceeds ``timeout`` makes the launch
-raise `DistributedTestError` naming the rank, with its traceback (or exit code, or the
-Python stack it was stuck in), and every other rank is killed.
+Failures never hang: a rank that raises, dies or exceeds ``timeout`` makes the launch raise `DistributedTestError`
+naming the rank, with its traceback (or exit code, or the Python stack it was stuck in), and every other rank is killed.
 
-Ranks are forked from a ``multiprocessing`` forkserver that has already imported torch
-(with ``torch._dynamo``, which torch otherwise imports lazily on the first optimizer step)
-and shardwise, but never ran a torch op: a launch then costs a fork instead of a fresh
-interpreter importing torch, and no rank inherits a live OpenMP thread pool (forking a
-process that ran parallel torch ops can deadlock the child). Set the environment variable
-``SHARDWISE_TEST_START_METHOD=spawn`` (or pass ``start_method="spawn"``) to use fresh
-interpreters instead.
+Ranks are forked from a ``multiprocessing`` forkserver that has already imported torch (with ``torch._dynamo``, which
+torch otherwise imports lazily on the first optimizer step) and shardwise, but never ran a torch op: a launch then costs
+a fork instead of a fresh interpreter importing torch, and no rank inherits a live OpenMP thread pool (forking a process
+that ran parallel torch ops can deadlock the child). Set the environment variable ``SHARDWISE_TEST_START_METHOD=spawn``
+(or pass ``start_method="spawn"``) to use fresh interpreters instead.
 
-What a rank needs must be picklable: the function (defined at module level, so the rank
-can import it by name), its arguments and its return value. Like any ``multiprocessing``
-program, a script that calls `run_distributed` must guard its entry point with
-``if __name__ == "__main__":``. Only torch and the standard library are used here.
+What a rank needs must be picklable: the function (defined at module level, so the rank can import it by name), its
+arguments and its return value. Like any ``multiprocessing`` program, a script that calls `run_distributed` must guard
+its entry point with ``if __name__ == "__main__":``. Only torch and the standard library are used here.
 """
 
 from __future__ import annotations
@@ -67,9 +63,8 @@ __all__ = ["DistributedTestError", "distributed_test", "run_distributed", "run_s
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-# Modules the forkserver imports once so that every rank forked from it starts warm.
-# Only those already imported by the caller are preloaded: a module that fails to import
-# with anything but ImportError would kill the forkserver itself.
+# Modules the forkserver imports once so that every rank forked from it starts warm. Only those already imported by the
+# caller are preloaded: a module that fails to import with anything but ImportError would kill the forkserver itself.
 _PRELOAD_CANDIDATES = ("torch", "torch.distributed", "numpy", "pytest", "shardwise")
 # Preloaded whenever torch is: torch imports it lazily on the first optimizer step or DDP
 # construction, which costs every rank of nearly every training test 3+ s on 2 cores.
@@ -451,10 +446,9 @@ def _failure_message(outcome: _Outcome, procs: Sequence[BaseProcess], launch_dir
 def _cause_first(failed: Sequence[int], launch_dir: Path) -> list[int]:
     """Order failed ranks so the likely cause comes first and its echoes after.
 
-    A rank that died without a traceback (os._exit, a signal, a segfault) comes first: a
-    peer's loss makes gloo raise in the other ranks, it does not kill them. Ranks that
-    raised follow in the order they wrote their tracebacks. Exit order as seen here is
-    only a tie-break: the forkserver may relay two nearly simultaneous exits either way.
+    A rank that died without a traceback (os._exit, a signal, a segfault) comes first: a peer's loss makes gloo raise in
+    the other ranks, it does not kill them. Ranks that raised follow in the order they wrote their tracebacks. Exit
+    order as seen here is only a tie-break: the forkserver may relay two nearly simultaneous exits either way.
     """
     def key(rank: int) -> tuple[int, int, int]:
         error = _rank_files(launch_dir, rank).error
@@ -540,21 +534,18 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on `world_size` fresh processes and return their results.
 
-    Each rank starts with the default process group initialized (`backend`, a file
-    rendezvous in a fresh temporary directory), ``torch.set_num_threads(threads_per_rank)``
-    applied (``None`` leaves torch's default), and the environment variables torchrun
-    sets: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``
-    and a free ``MASTER_PORT``, on top of this process's environment and `env`. The group
-    is destroyed when `fn` returns. Each rank's stdout/stderr is copied to this process's,
-    prefixed with ``[rank N]``, once the launch ends.
+    Each rank starts with the default process group initialized (`backend`, a file rendezvous in a fresh temporary
+    directory), ``torch.set_num_threads(threads_per_rank)`` applied (``None`` leaves torch's default), and the
+    environment variables torchrun sets: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``
+    and a free ``MASTER_PORT``, on top of this process's environment and `env`. The group is destroyed when `fn`
+    returns. Each rank's stdout/stderr is copied to this process's, prefixed with ``[rank N]``, once the launch ends.
 
     Returns the ranks' return values in rank order (they must be picklable).
 
-    Raises `DistributedTestError` when a rank raises (message: its rank and traceback),
-    exits or is killed before returning (its exit code and last stderr lines), or when
-    ranks are still running `timeout` seconds after they were started (the ranks and
-    their Python stacks).
-    In every case all ranks are killed before this returns, so nothing hangs.
+    Raises `DistributedTestError` when a rank raises (message: its rank and traceback), exits or is killed before
+    returning (its exit code and last stderr lines), or when ranks are still running `timeout` seconds after they were
+    started (the ranks and their Python stacks). In every case all ranks are killed before this returns, so nothing
+    hangs.
 
     `start_method` is ``"forkserver"`` (default where available) or ``"spawn"``; the
     ``SHARDWISE_TEST_START_METHOD`` environment variable sets the default.
@@ -663,14 +654,12 @@ def distributed_test(
 ) -> Any:
     """Decorate a pytest test so that its body runs on `world_size` ranks via `run_distributed`.
 
-    The test must be defined at module level (or as a method of a module-level class).
-    Fixture and parametrize values are passed to every rank, so they must be picklable;
-    the test passes when every rank returns. Usable bare (``@distributed_test``) or
-    called (``@distributed_test(world_size=3, timeout=30)``).
+    The test must be defined at module level (or as a method of a module-level class). Fixture and parametrize values
+    are passed to every rank, so they must be picklable; the test passes when every rank returns. Usable bare
+    (``@distributed_test``) or called (``@distributed_test(world_size=3, timeout=30)``).
 
-    Ranks import the test module without pytest's assertion rewriting, so a failing
-    ``assert a == b`` shows no values; prefer ``torch.testing.assert_close`` or an
-    explicit message.
+    Ranks import the test module without pytest's assertion rewriting, so a failing ``assert a == b`` shows no values;
+    prefer ``torch.testing.assert_close`` or an explicit message.
     """
     if callable(world_size):
         return distributed_test()(world_size)
@@ -696,12 +685,11 @@ def run_subtests(fn: Callable[..., Any], cases: Iterable[Mapping[str, Any]], *,
                  barrier: bool = True) -> None:
     """Run ``fn(**case)`` for each case inside a rank; report every failing case at once.
 
-    Several cases per launch keep a suite fast: one launch costs far more than one case.
-    A failing case does not stop the others. When the default process group is
-    initialized, all ranks meet at a barrier after each case (set `barrier=False` to skip)
-    so a case that fails early on one rank does not mix its collectives with the next
-    case's. A case that hangs a rank (e.g. one rank skips a collective) cannot be caught
-    here; the launch `timeout` of `run_distributed` / `distributed_test` catches it.
+    Several cases per launch keep a suite fast: one launch costs far more than one case. A failing case does not stop
+    the others. When the default process group is initialized, all ranks meet at a barrier after each case (set
+    `barrier=False` to skip) so a case that fails early on one rank does not mix its collectives with the next case's. A
+    case that hangs a rank (e.g. one rank skips a collective) cannot be caught here; the launch `timeout` of
+    `run_distributed` / `distributed_test` catches it.
 
     Raises one AssertionError naming each failing case with its traceback.
     """

@@ -1,10 +1,9 @@
 """Hugging Face's `"auto"` values: what each becomes, and when it is known.
 
-Batch numbers become "not given" (DeepSpeed's rule derives them from the other two and the world size).
-Keys that depend on what `initialize` receives stay pending until `Config.resolve` (`_LATER` and the
-`optimizer` / `scheduler` params below). Any other key takes the engine's default at load.
-transformers' `HfTrainerDeepSpeedConfig` fills the same keys from `TrainingArguments`; this module fills
-them from what shardwise knows instead (learned from its rules, not copied).
+Batch numbers become "not given" (DeepSpeed's rule derives them from the other two and the world size). Keys that depend
+on what `initialize` receives stay pending until `Config.resolve` (`_LATER` and the `optimizer` / `scheduler` params
+below). Any other key takes the engine's default at load. transformers' `HfTrainerDeepSpeedConfig` fills the same keys
+from `TrainingArguments`; this module fills them from what shardwise knows instead (learned from its rules, not copied).
 """
 
 from __future__ import annotations

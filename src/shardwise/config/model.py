@@ -151,8 +151,7 @@ class Config(Section):
     def load(cls, source: Mapping[str, Any] | str | os.PathLike[str] | Config, *, name: str | None = None) -> Config:
         """Validate `source`: a dict, a `.json`/`.yaml`/`.yml` path, or a Config (returned as is).
 
-        A dict follows the same rules as a file's contents; `name` (e.g. the file it came from) heads any
-        ConfigError.
+        A dict follows the same rules as a file's contents; `name` (e.g. the file it came from) heads any ConfigError.
         """
         if isinstance(source, Config):
             return source

@@ -9,9 +9,8 @@ YAML is PyYAML's safe loader with three departures, each because the default sil
 
 * a key given twice in one mapping is an error naming it (PyYAML keeps the last one);
 * anchors and aliases are allowed (`engines: {a: &base {...}, b: *base}` is a fair use), but the document
-  they expand to may hold at most `limits.MAX_VALUES` values: an alias is counted each time it is used,
-  so a "billion laughs" file (ten aliases of ten aliases of ...) is refused in milliseconds, as is an
-  alias that contains itself;
+  they expand to may hold at most `limits.MAX_VALUES` values: an alias is counted each time it is used, so a "billion
+  laughs" file (ten aliases of ten aliases of ...) is refused in milliseconds, as is an alias that contains itself;
 * `3e-4` and `1e6` are floats, as in YAML 1.2 and JSON (YAML 1.1 wants a dot, so PyYAML read them as
   strings).
 """

@@ -1,11 +1,10 @@
 """The one registry of what a config can name: the torch optimizer each `optimizer.type` builds, and the
 learning-rate schedules a `scheduler` section can name, with their arguments and checks.
 
-It only describes: `shardwise.optim.optimizers.build_optimizer` and `shardwise.optim.schedulers` build from
-it, and the config sections validate against the same description, so the config and the constructors reject
-the same values. Every optimizer here updates each element from its own gradient and state, which is what
-lets ZeRO shard it piece by piece (see docs/zero.md); whole-tensor optimizers (LAMB, Adafactor, Muon) do not
-fit.
+It only describes: `shardwise.optim.optimizers.build_optimizer` and `shardwise.optim.schedulers` build from it, and the
+config sections validate against the same description, so the config and the constructors reject the same values. Every
+optimizer here updates each element from its own gradient and state, which is what lets ZeRO shard it piece by piece
+(see docs/zero.md); whole-tensor optimizers (LAMB, Adafactor, Muon) do not fit.
 """
 
 from __future__ import annotations

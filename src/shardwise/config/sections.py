@@ -3,12 +3,11 @@
 Keys follow DeepSpeed's JSON where the concept is the same. A section never sees DeepSpeed keys
 that shardwise does not implement, aliases or `auto` values: `policy.prepare` settles those first.
 
-Number fields take numbers only. pydantic's lax mode reads `true` as 1 and `"2"` as 2, so `stage: true`
-became stage 1 and `train_micro_batch_size_per_gpu: true` a batch of 1 without a word; its strict mode
-refuses `2e8` for an integer, which every DeepSpeed config writes for bucket sizes. `Count` (an int, or a
-float with no fractional part) and `Real` (an int or a finite float) sit between the two: never a bool or
-a string (`policy.prepare` reads a string that holds a number first, with an info line). Ranges are set
-per field with `Field(ge=..., le=...)`.
+Number fields take numbers only. pydantic's lax mode reads `true` as 1 and `"2"` as 2, so `stage: true` became stage 1
+and `train_micro_batch_size_per_gpu: true` a batch of 1 without a word; its strict mode refuses `2e8` for an integer,
+which every DeepSpeed config writes for bucket sizes. `Count` (an int, or a float with no fractional part) and `Real`
+(an int or a finite float) sit between the two: never a bool or a string (`policy.prepare` reads a string that holds a
+number first, with an info line). Ranges are set per field with `Field(ge=..., le=...)`.
 """
 
 from __future__ import annotations
@@ -115,10 +114,9 @@ def _hint(key: Any, known: Any, items: list[Item]) -> str:
 class OptimizerConfig(Section):
     """`optimizer`: a torch optimizer by DeepSpeed name (`Adam`, `AdamW`, `SGD`, ...) and its arguments.
 
-    `params` are torch's keyword arguments, plus DeepSpeed's Adam extras `adam_w_mode` (default
-    true, as in DeepSpeed: `Adam` then means decoupled weight decay, i.e. AdamW) and `torch_adam`
-    (accepted; shardwise always uses torch's implementation). The names are those of
-    `shardwise.config.registry.OPTIMIZERS`.
+    `params` are torch's keyword arguments, plus DeepSpeed's Adam extras `adam_w_mode` (default true, as in DeepSpeed:
+    `Adam` then means decoupled weight decay, i.e. AdamW) and `torch_adam` (accepted; shardwise always uses torch's
+    implementation). The names are those of `shardwise.config.registry.OPTIMIZERS`.
     """
 
     type: str
@@ -212,10 +210,9 @@ class BF16Config(Section):
 class OffloadSection(Section):
     """What both offload sections share: `device`, `nvme_path`, `buffer_count`, `pin_memory`.
 
-    `device: cpu`: on a job on an accelerator the state lives in host memory (ZeRO-Offload, docs/offload.md);
-    on a CPU job that is where it already lives, so it is accepted with an info line. `pin_memory` pins the
-    host buffers the copies to and from an accelerator use. `device: none` is dropped as off before these
-    models see the section.
+    `device: cpu`: on a job on an accelerator the state lives in host memory (ZeRO-Offload, docs/offload.md); on a CPU
+    job that is where it already lives, so it is accepted with an info line. `pin_memory` pins the host buffers the
+    copies to and from an accelerator use. `device: none` is dropped as off before these models see the section.
     """
 
     device: Literal["cpu", "nvme"] = "cpu"
@@ -273,8 +270,7 @@ class ZeroConfig(Section):
     """`zero_optimization`: ZeRO stage (0 replicate, 1 shard optimizer state, 2 + gradients, 3 + params).
 
     Bucket sizes count elements, as in DeepSpeed. DeepSpeed's names without the `stage3_` prefix
-    (`prefetch_bucket_size`, ...) and `stage3_gather_fp16_weights_on_model_save` are read as the
-    fields here.
+    (`prefetch_bucket_size`, ...) and `stage3_gather_fp16_weights_on_model_save` are read as the fields here.
     """
 
     stage: Count = Field(default=0, ge=0, le=3)

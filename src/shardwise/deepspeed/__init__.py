@@ -8,10 +8,9 @@
     engine, optimizer, loader, scheduler = deepspeed.initialize(
         args=args, model=net, model_parameters=net.parameters(), training_data=dataset)
 
-`engine` is a :class:`shardwise.Engine` with DeepSpeed's methods; `comm`, `zero`, `accelerator`, `pipe`,
-`utils` and `runtime.utils` are here under DeepSpeed's names. This dialect keeps DeepSpeed's defaults where
-`shardwise.initialize` keeps plain PyTorch's (:mod:`.defaults`). docs/from-deepspeed.md lists the porting
-steps and what differs.
+`engine` is a :class:`shardwise.Engine` with DeepSpeed's methods; `comm`, `zero`, `accelerator`, `pipe`, `utils` and
+`runtime.utils` are here under DeepSpeed's names. This dialect keeps DeepSpeed's defaults where `shardwise.initialize`
+keeps plain PyTorch's (:mod:`.defaults`). docs/from-deepspeed.md lists the porting steps and what differs.
 """
 
 from __future__ import annotations

@@ -8,9 +8,8 @@ DeepSpeed client scripts ask it for the device name, count and backend instead o
     device = get_accelerator().device_name(engine.local_rank)   # "cpu", or "cuda:1"
     batch = batch.to(device)
 
-The accelerator is CUDA when torch sees a GPU, else the CPU; `DS_ACCELERATOR` (`cpu` or `cuda`) chooses, as
-in DeepSpeed. On the CPU, device-only operations (`synchronize`, `set_device`, `empty_cache`, profiler
-ranges) do nothing.
+The accelerator is CUDA when torch sees a GPU, else the CPU; `DS_ACCELERATOR` (`cpu` or `cuda`) chooses, as in
+DeepSpeed. On the CPU, device-only operations (`synchronize`, `set_device`, `empty_cache`, profiler ranges) do nothing.
 """
 
 from __future__ import annotations

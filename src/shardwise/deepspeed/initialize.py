@@ -31,11 +31,10 @@ ConfigSource = Config | dict[str, Any] | str | os.PathLike[str]
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add `--deepspeed`, `--deepspeed_config` (and the deprecated `--deepscale*`) and `--local_rank`.
 
-    torchrun passes no `--local_rank`: it sets `LOCAL_RANK`. DeepSpeed client scripts declare
-    `--local_rank` with default -1 and branch on `args.local_rank == -1`, which under torchrun
-    would silently take the one-process path. So `--local_rank` (also spelled `--local-rank`)
-    defaults to `LOCAL_RANK` here, and when the script already declared it, its default becomes
-    `LOCAL_RANK` whenever a launcher set it. A value given on the command line still wins.
+    torchrun passes no `--local_rank`: it sets `LOCAL_RANK`. DeepSpeed client scripts declare `--local_rank` with
+    default -1 and branch on `args.local_rank == -1`, which under torchrun would silently take the one-process path. So
+    `--local_rank` (also spelled `--local-rank`) defaults to `LOCAL_RANK` here, and when the script already declared it,
+    its default becomes `LOCAL_RANK` whenever a launcher set it. A value given on the command line still wins.
     """
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations (read by shardwise.deepspeed)")
     group.add_argument("--deepspeed", default=False, action="store_true",

@@ -1,11 +1,10 @@
 """`deepspeed.pipe`: `PipelineModule` with DeepSpeed's signature, `LayerSpec`, `TiedLayerSpec`, topologies.
 
-The classes are shardwise's (:mod:`shardwise.pipe`); only `PipelineModule`'s argument order and
-DeepSpeed-only arguments (`topology`, `seed_fn`, `checkpointable_layers`, `dynamic_shape`) differ.
-DeepSpeed's process topologies name axes over the ranks, the last axis varying fastest:
-`PipeDataParallelTopology(num_pp, num_dp)` lays ranks out stage-major, as shardwise's pipeline does
-(:class:`shardwise.pipe.topology.PipeTopology`), so a topology given to `PipelineModule` names the
-same ranks it will use.
+The classes are shardwise's (:mod:`shardwise.pipe`); only `PipelineModule`'s argument order and DeepSpeed-only arguments
+(`topology`, `seed_fn`, `checkpointable_layers`, `dynamic_shape`) differ. DeepSpeed's process topologies name axes over
+the ranks, the last axis varying fastest: `PipeDataParallelTopology(num_pp, num_dp)` lays ranks out stage-major, as
+shardwise's pipeline does (:class:`shardwise.pipe.topology.PipeTopology`), so a topology given to `PipelineModule` names
+the same ranks it will use.
 """
 
 from __future__ import annotations

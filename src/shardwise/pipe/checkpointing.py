@@ -5,9 +5,8 @@ plain engine's (:class:`~shardwise.engine.state.EngineState`) with four things c
 
 * ``comm`` is the whole world: every stage of every replica takes part and writes its pieces;
 * ``module`` is a :class:`GlobalModule`: every name of the whole model, in ``to_sequential()``'s order, with
-  this stage's live tensors and ``meta`` placeholders for the other stages' (only their shapes and dtypes are
-  read). A stage registers its layers under their global names, so the names, and the files, are those of a
-  plain module;
+  this stage's live tensors and ``meta`` placeholders for the other stages' (only their shapes and dtypes are read). A
+  stage registers its layers under their global names, so the names, and the files, are those of a plain module;
 * ``shards`` are the stage's pieces, except that a tied weight is written once, by the first stage holding it
   (ZeRO-1 cuts its pieces at other offsets on other stages, and overlapping pieces of one tensor are not a
   valid DCP checkpoint); it is loaded on every stage;

@@ -117,9 +117,8 @@ class PipelineEngine(Engine):
         """Train on ``gradient_accumulation_steps`` micro-batches ``(inputs, labels)`` from
         ``data_iter`` and take one optimizer step; returns their mean loss on every rank.
 
-        The first stage uses the inputs and the last stage the labels; both
-        draw every micro-batch from their own ``data_iter``, which must yield
-        the same data on both. Without ``data_iter`` they draw from the engine's own
+        The first stage uses the inputs and the last stage the labels; both draw every micro-batch from their own
+        ``data_iter``, which must yield the same data on both. Without ``data_iter`` they draw from the engine's own
         (:meth:`set_dataloader`); a ``data_iter`` given becomes the engine's own, as in DeepSpeed.
         """
         optimizer = self._require_optimizer("`engine.train_batch`")

@@ -65,10 +65,9 @@ class PipelineModule(nn.Module):
     (function, lambda, bound method, ``functools.partial``); each layer takes the previous one's output (a
     tensor or a tuple of tensors).  ``num_stages`` cuts them into pipeline stages by ``partition_method`` (see
     :mod:`.partition`); ``None`` means one stage.  ``loss_fn(outputs, labels)`` is what the last stage
-    computes. ``activation_checkpoint_interval > 0`` recomputes every run of that many layers in backward,
-    through ``activation_checkpoint_func(fn, *args)`` (default: torch's non-reentrant checkpoint).
-    ``seed_layers`` seeds each layer's construction with ``base_seed + index``, so a layer starts the same
-    whichever rank builds it.
+    computes. ``activation_checkpoint_interval > 0`` recomputes every run of that many layers in backward, through
+    ``activation_checkpoint_func(fn, *args)`` (default: torch's non-reentrant checkpoint). ``seed_layers`` seeds each
+    layer's construction with ``base_seed + index``, so a layer starts the same whichever rank builds it.
 
     With more than one stage (and more than one rank), construction needs the default process group (created
     from torchrun's environment if absent) and builds only this rank's stage; ``shardwise.initialize`` then
@@ -270,10 +269,9 @@ class PipelineModule(nn.Module):
     def to_sequential(self) -> nn.Module:
         """A plain ``nn.Module`` running every layer in order, sharing this module's layers.
 
-        Tied keys stay one module (one Parameter, whose gradient sums every use), ``forward_fn``s stay bound
-        to it, callables are kept, and activation checkpointing runs at the same interval.  State-dict names
-        are the same as this module's.  Needs no process group; only a module holding every layer (one stage)
-        can be exported.
+        Tied keys stay one module (one Parameter, whose gradient sums every use), ``forward_fn``s stay bound to it,
+        callables are kept, and activation checkpointing runs at the same interval.  State-dict names are the same as
+        this module's.  Needs no process group; only a module holding every layer (one stage) can be exported.
         """
         if self.num_stages > 1:
             raise RuntimeError(

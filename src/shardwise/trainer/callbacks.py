@@ -7,11 +7,10 @@ decision all ranks take together at the end of the step (no rank saves alone; a 
 all).  Subclassing :class:`Callback` is optional: any object with some of the hooks works: the loop calls them
 by name (:class:`.control.CallbackList`) and knows nothing of this module.
 
-The loggers (TensorBoard, CSV, Weights & Biases, MLflow) write on rank 0 only. Except TensorBoard's, they
-write from ``on_log``, so they see exactly the records the metrics file gets (every ``log_every`` steps, and
-every evaluation); the per-rank ``memory`` breakdown stays in that file, they get scalars.  TensorBoard, W&B
-and MLflow are imported when training starts, not before: shardwise does not depend on them, and an error says
-how to install them.
+The loggers (TensorBoard, CSV, Weights & Biases, MLflow) write on rank 0 only. Except TensorBoard's, they write from
+``on_log``, so they see exactly the records the metrics file gets (every ``log_every`` steps, and every evaluation); the
+per-rank ``memory`` breakdown stays in that file, they get scalars.  TensorBoard, W&B and MLflow are imported when
+training starts, not before: shardwise does not depend on them, and an error says how to install them.
 """
 
 from __future__ import annotations

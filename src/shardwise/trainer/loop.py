@@ -92,12 +92,11 @@ def _micro_batch(engine: Any) -> Optional[int]:
 class Trainer:
     """Trains ``engine`` on ``train_data``; see ``docs/trainer.md``.
 
-    ``train_data`` (and ``eval_data``) is a map-style ``Dataset`` (sharded over the ranks like
-    ``DistributedSampler``, shuffled with ``seed + epoch``, in batches of ``train_micro_batch_size_per_gpu``),
-    an ``IterableDataset``, or a ``DataLoader`` you built.  Training runs ``max_steps`` optimizer steps or
-    ``epochs`` epochs, whichever ends first.  With ``checkpoint_dir`` it saves every ``save_every`` steps and
-    at the end (keeping the last ``keep_last``), and with ``resume`` it first continues from the newest
-    checkpoint there.
+    ``train_data`` (and ``eval_data``) is a map-style ``Dataset`` (sharded over the ranks like ``DistributedSampler``,
+    shuffled with ``seed + epoch``, in batches of ``train_micro_batch_size_per_gpu``), an ``IterableDataset``, or a
+    ``DataLoader`` you built.  Training runs ``max_steps`` optimizer steps or ``epochs`` epochs, whichever ends first.
+    With ``checkpoint_dir`` it saves every ``save_every`` steps and at the end (keeping the last ``keep_last``), and
+    with ``resume`` it first continues from the newest checkpoint there.
 
     ``model_or_engine`` is an engine from ``shardwise.initialize``, or a model: then ``config`` is required
     and the Trainer builds the engine (a scheduler's ``total_num_steps: auto`` becomes the steps this run will
