@@ -161,7 +161,8 @@ def _rank_entry(spec: _RankSpec, call: bytes) -> None:
         fn, args, kwargs = pickle.loads(call)
         _init_process_group(spec)
         result = fn(*args, **kwargs)
-        _destroy_process_group()
+        if dist := _dist():
+            dist.destroy_process_group()
         payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException:  # noqa: BLE001 - SystemExit/KeyboardInterrupt are failures too
         _report_error_and_exit(spec.files)
@@ -193,8 +194,7 @@ def _install_fault_handlers(spec: _RankSpec) -> None:
         _KEEP_OPEN.append(stack_file)
     # If the launcher itself dies, nobody kills this rank: end it after a generous delay.
     try:
-        faulthandler.dump_traceback_later(spec.timeout + _ORPHAN_GRACE_S, exit=True,
-                                          file=stderr)
+        faulthandler.dump_traceback_later(spec.timeout + _ORPHAN_GRACE_S, exit=True, file=stderr)
     except OverflowError:
         pass  # a timeout too large for the timer is as good as none
 
@@ -239,12 +239,11 @@ def _init_process_group(spec: _RankSpec) -> None:
     dist.barrier()
 
 
-def _destroy_process_group() -> None:
-    """Tear the default group down unless the function already did."""
+def _dist() -> Any:
+    """`torch.distributed` while a default group is initialized (the function may have destroyed it), else None."""
     import torch.distributed as dist  # here: the harness imports torch only inside a rank, not at its own import
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def _report_error_and_exit(files: _RankFiles) -> NoReturn:
@@ -269,21 +268,12 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _start_method(requested: str | None) -> str:
-    """Pick forkserver where the platform has it, unless the caller or env asks otherwise."""
-    method = requested or os.environ.get(_START_METHOD_ENV) or ""
+def _context(requested: str | None) -> BaseContext:
+    """Forkserver (started warm) where the platform has it, unless the caller or the environment asks otherwise."""
     available = multiprocessing.get_all_start_methods()
-    if not method:
-        return "forkserver" if "forkserver" in available else "spawn"
+    method = requested or os.environ.get(_START_METHOD_ENV) or ("forkserver" if "forkserver" in available else "spawn")
     if method not in available:
-        raise ValueError(
-            f"start method `{method}` is not available here; expected one of {available}."
-        )
-    return method
-
-
-def _context(method: str) -> BaseContext:
-    """Return the multiprocessing context, starting a warm forkserver when that is the method."""
+        raise ValueError(f"start method `{method}` is not available here; expected one of {available}.")
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
         _ensure_warm_forkserver(ctx)
@@ -312,8 +302,7 @@ def _ensure_warm_forkserver(ctx: BaseContext) -> None:
             os.environ["PYTHONPATH"] = saved
 
 
-def _pickle_call(fn: Callable[..., Any], args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> bytes:
+def _pickle_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
     """Pickle the call once for all ranks, failing before any process starts."""
     try:
         return pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
@@ -324,17 +313,6 @@ def _pickle_call(fn: Callable[..., Any], args: tuple[Any, ...],
             "a nested function) and its arguments (for `distributed_test`: the fixture and "
             "parametrize values) must be picklable."
         ) from exc
-
-
-def _start_ranks(ctx: BaseContext, specs: Sequence[_RankSpec], call: bytes,
-                 procs: list[BaseProcess]) -> None:
-    """Start one process per rank, appending each to `procs` as soon as it runs."""
-    for spec in specs:
-        proc = ctx.Process(  # type: ignore[attr-defined]
-            target=_rank_entry, args=(spec, call), name=f"shardwise-rank{spec.rank}"
-        )
-        proc.start()
-        procs.append(proc)
 
 
 def _kill_all(procs: Iterable[BaseProcess]) -> None:
@@ -354,11 +332,6 @@ class _Outcome:
     finished: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)  # in the order their exits were seen
     timed_out: list[int] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        """True when every rank returned a result in time."""
-        return not self.failed and not self.timed_out
 
 
 def _watch(procs: Sequence[BaseProcess], deadline: float, launch_dir: Path,
@@ -435,14 +408,6 @@ def _rank_report(procs: Sequence[BaseProcess], rank: int, launch_dir: Path) -> s
     return report
 
 
-def _failure_message(outcome: _Outcome, procs: Sequence[BaseProcess], launch_dir: Path,
-                     timeout: float) -> str:
-    """Build the `DistributedTestError` text for a failed launch."""
-    if outcome.failed:
-        return _crash_message(outcome, procs, launch_dir)
-    return _timeout_message(outcome, len(procs), launch_dir, timeout)
-
-
 def _cause_first(failed: Sequence[int], launch_dir: Path) -> list[int]:
     """Order failed ranks so the likely cause comes first and its echoes after.
 
@@ -452,9 +417,7 @@ def _cause_first(failed: Sequence[int], launch_dir: Path) -> list[int]:
     """
     def key(rank: int) -> tuple[int, int, int]:
         error = _rank_files(launch_dir, rank).error
-        if not error.exists():
-            return (0, 0, failed.index(rank))
-        return (1, error.stat().st_mtime_ns, failed.index(rank))
+        return (1, error.stat().st_mtime_ns, failed.index(rank)) if error.exists() else (0, 0, failed.index(rank))
 
     return sorted(failed, key=key)
 
@@ -473,17 +436,14 @@ def _crash_message(outcome: _Outcome, procs: Sequence[BaseProcess], launch_dir: 
 def _timeout_message(outcome: _Outcome, world: int, launch_dir: Path, timeout: float) -> str:
     """Report the ranks still running at the deadline, with the stacks they were stuck in."""
     parts = [
-        f"ranks {outcome.timed_out} of {world} did not finish within the {timeout:g} s "
-        f"timeout (finished: {outcome.finished}); every rank was killed. A rank is stuck "
-        "(often in a collective that not every rank called) or the work needs a larger "
-        "`timeout=`."
+        f"ranks {outcome.timed_out} of {world} did not finish within the {timeout:g} s timeout (finished: "
+        f"{outcome.finished}); every rank was killed. A rank is stuck (often in a collective that not every rank "
+        "called) or the work needs a larger `timeout=`."
     ]
     for rank in outcome.timed_out:
         stack = _read_text(_rank_files(launch_dir, rank).stack).strip()
-        if stack:
-            parts.append(f"rank {rank} Python stack at the timeout:\n{_tail(stack)}")
-        else:
-            parts.append(f"rank {rank} left no stack (it had not finished starting up).")
+        parts.append(f"rank {rank} Python stack at the timeout:\n{_tail(stack)}" if stack
+                     else f"rank {rank} left no stack (it had not finished starting up).")
     return "\n\n".join(parts)
 
 
@@ -494,29 +454,10 @@ def _replay_output(world_size: int, launch_dir: Path) -> None:
         for path, stream in ((files.stdout, sys.stdout), (files.stderr, sys.stderr)):
             text = _read_text(path)
             if text:
-                stream.write("".join(f"[rank {rank}] {line}" for line in
-                                     text.splitlines(keepends=True)))
+                stream.write("".join(f"[rank {rank}] {line}" for line in text.splitlines(keepends=True)))
                 if not text.endswith("\n"):
                     stream.write("\n")
                 stream.flush()
-
-
-def _read_results(world_size: int, launch_dir: Path) -> list[Any]:
-    """Unpickle every rank's return value, in rank order (None for a rank that died as expected)."""
-    paths = [_rank_files(launch_dir, rank).result for rank in range(world_size)]
-    return [pickle.loads(path.read_bytes()) if path.exists() else None for path in paths]
-
-
-def _check_arguments(world_size: int, timeout: float, threads_per_rank: int | None) -> None:
-    """Reject bad launch arguments before any process starts."""
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"`world_size` must be a positive int, got {world_size!r}.")
-    if not timeout > 0:
-        raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}.")
-    if threads_per_rank is not None and threads_per_rank < 1:
-        raise ValueError(
-            f"`threads_per_rank` must be a positive int or None, got {threads_per_rank!r}."
-        )
 
 
 def run_distributed(
@@ -547,26 +488,26 @@ def run_distributed(
     started (the ranks and their Python stacks). In every case all ranks are killed before this returns, so nothing
     hangs.
 
-    `start_method` is ``"forkserver"`` (default where available) or ``"spawn"``; the
-    ``SHARDWISE_TEST_START_METHOD`` environment variable sets the default.
-
-    `expect_dead` lists ranks a fault-injection test kills on purpose: such a rank may
-    end without a result (killed by a signal, or exiting) and its result is None; the
-    launch waits for the others as usual. It still fails the launch if it raises.
+    `start_method` is ``"forkserver"`` (default where available) or ``"spawn"``; the ``SHARDWISE_TEST_START_METHOD``
+    environment variable sets the default. `expect_dead` lists ranks a fault-injection test kills on purpose: such a
+    rank may end without a result (killed by a signal, or exiting) and its result is None; the launch waits for the
+    others as usual. It still fails the launch if it raises.
     """
-    _check_arguments(world_size, timeout, threads_per_rank)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"`world_size` must be a positive int, got {world_size!r}.")
+    if not timeout > 0:
+        raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}.")
+    if threads_per_rank is not None and threads_per_rank < 1:
+        raise ValueError(f"`threads_per_rank` must be a positive int or None, got {threads_per_rank!r}.")
     call = _pickle_call(fn, tuple(args), dict(kwargs or {}))
     environ = {**os.environ, **(env or {})}
     with _LAUNCH_LOCK:  # the forkserver start briefly changes os.environ
-        ctx = _context(_start_method(start_method))
+        ctx = _context(start_method)
     launch_dir = Path(tempfile.mkdtemp(prefix="shardwise-launch-"))
     try:
         port = _free_port()
-        specs = [
-            _RankSpec(rank, world_size, str(launch_dir), str(launch_dir / "rendezvous"), port,
-                      backend, timeout, threads_per_rank, environ)
-            for rank in range(world_size)
-        ]
+        specs = [_RankSpec(rank, world_size, str(launch_dir), str(launch_dir / "rendezvous"), port, backend, timeout,
+                           threads_per_rank, environ) for rank in range(world_size)]
         return _launch(ctx, specs, call, launch_dir, timeout, frozenset(expect_dead))
     finally:
         shutil.rmtree(launch_dir, ignore_errors=True)
@@ -577,7 +518,11 @@ def _launch(ctx: BaseContext, specs: Sequence[_RankSpec], call: bytes, launch_di
     """Start, watch and always reap the ranks; turn a bad outcome into an error."""
     procs: list[BaseProcess] = []
     try:
-        _start_ranks(ctx, specs, call, procs)
+        for spec in specs:  # each appended once it runs, so that `_kill_all` reaps only started ranks
+            proc = ctx.Process(  # type: ignore[attr-defined]
+                target=_rank_entry, args=(spec, call), name=f"shardwise-rank{spec.rank}")
+            proc.start()
+            procs.append(proc)
         # Counted from here: a forkserver's one-time warm-up is not the ranks' fault.
         deadline = time.monotonic() + timeout
         outcome = _watch(procs, deadline, launch_dir, expect_dead)
@@ -586,9 +531,12 @@ def _launch(ctx: BaseContext, specs: Sequence[_RankSpec], call: bytes, launch_di
     finally:
         _kill_all(procs)
     _replay_output(len(specs), launch_dir)
-    if not outcome.ok:
-        raise DistributedTestError(_failure_message(outcome, procs, launch_dir, timeout))
-    return _read_results(len(specs), launch_dir)
+    if outcome.failed:
+        raise DistributedTestError(_crash_message(outcome, procs, launch_dir))
+    if outcome.timed_out:
+        raise DistributedTestError(_timeout_message(outcome, len(procs), launch_dir, timeout))
+    results = (_rank_files(launch_dir, rank).result for rank in range(len(specs)))
+    return [pickle.loads(path.read_bytes()) if path.exists() else None for path in results]  # None: died as expected
 
 
 # --------------------------------------------------------------------------- pytest decorator
@@ -681,8 +629,7 @@ def distributed_test(
 # --------------------------------------------------------------------------- sub-cases
 
 
-def run_subtests(fn: Callable[..., Any], cases: Iterable[Mapping[str, Any]], *,
-                 barrier: bool = True) -> None:
+def run_subtests(fn: Callable[..., Any], cases: Iterable[Mapping[str, Any]], *, barrier: bool = True) -> None:
     """Run ``fn(**case)`` for each case inside a rank; report every failing case at once.
 
     Several cases per launch keep a suite fast: one launch costs far more than one case. A failing case does not stop
@@ -701,34 +648,15 @@ def run_subtests(fn: Callable[..., Any], cases: Iterable[Mapping[str, Any]], *,
             fn(**case)
         except Exception:  # noqa: BLE001 - collect every case's failure, then report
             failures.append((case, traceback.format_exc()))
-        if barrier:
-            _barrier()
+        if barrier and (dist := _dist()):
+            dist.barrier()
     if failures:
         raise AssertionError(_subtest_message(fn, failures, total))
 
 
-def _barrier() -> None:
-    """Align the ranks between sub-cases when a process group exists."""
-    import torch.distributed as dist  # here: the harness imports torch only inside a rank, not at its own import
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _subtest_message(fn: Callable[..., Any], failures: Sequence[tuple[Mapping[str, Any], str]],
-                     total: int) -> str:
+def _subtest_message(fn: Callable[..., Any], failures: Sequence[tuple[Mapping[str, Any], str]], total: int) -> str:
     """Name each failing case of `fn` and show its traceback."""
-    where = _rank_label()
-    head = (f"{len(failures)} of {total} subtests of "
-            f"`{getattr(fn, '__qualname__', fn)}` failed{where}:")
+    where = f" on rank {dist.get_rank()}" if (dist := _dist()) else ""
+    head = (f"{len(failures)} of {total} subtests of `{getattr(fn, '__qualname__', fn)}` failed{where}:")
     body = [f"--- case {dict(case)!r} ---\n{tb.rstrip()}" for case, tb in failures]
     return "\n\n".join([head, *body])
-
-
-def _rank_label() -> str:
-    """Return " on rank N" inside an initialized process group, else ""."""
-    import torch.distributed as dist  # here: the harness imports torch only inside a rank, not at its own import
-
-    if dist.is_available() and dist.is_initialized():
-        return f" on rank {dist.get_rank()}"
-    return ""

@@ -227,8 +227,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
     """Parse a .json/.yaml/.yml file whose top level must be a mapping."""
     suffix = path.suffix.lower()
     if suffix not in (".json", ".yaml", ".yml"):
-        raise ConfigError(
-            f"config file `{path}`: unsupported suffix {suffix!r}; expected `.json`, `.yaml` or `.yml`")
+        raise ConfigError(f"config file `{path}`: unsupported suffix {suffix!r}; expected `.json`, `.yaml` or `.yml`")
     if not path.is_file():
         raise ConfigError(f"config file `{path}` does not exist; check the path")
     text = _read_text(path)

@@ -138,5 +138,4 @@ def reduce_scatter_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tenso
 @_profiling_ignored
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes: list[int] | None = None,
                       input_split_sizes: list[int] | None = None, group: Any = None, async_op: bool = False) -> Any:
-    return dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group=group,
-                                  async_op=async_op)
+    return dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
