@@ -1,15 +1,8 @@
-"""The pipeline engine: 1F1B over the stages of a replica, ZeRO 0/1 across replicas.
+"""The pipeline engine: 1F1B over the stages of a replica, ZeRO 0/1 across replicas (docs/pipeline.md).
 
-It is an :class:`~shardwise.Engine` over this rank's stage and its data-parallel group, so precision, the ZeRO
-strategy, the optimizer wrapper, the scheduler, lr and loss-scale control and the getters are the same objects
-as a plain engine's.  What it adds:
-
-* ``train_batch(data_iter)``: ``gradient_accumulation_steps`` micro-batches through the 1F1B schedule
-  (:mod:`.schedule`), each backward accumulating into the strategy's buffers with no reduction; then tied
-  weights' gradients are summed over their stages (:mod:`.ties`), every bucket is reduced over the
-  data-parallel group, and the optimizer steps with the norm (clipping, overflow) taken over all stages;
-* ``eval_batch(data_iter)``: the same forwards without gradients;
-* checkpoints and ``full_state_dict`` of the whole model, over all ranks.
+It is an :class:`~shardwise.Engine` over this rank's stage and its data-parallel group, so precision, the ZeRO strategy,
+the optimizer wrapper, the scheduler and the getters are a plain engine's; it adds ``train_batch``, ``eval_batch`` and
+whole-model checkpoints and ``full_state_dict``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""A pipeline's layers: specs built only where they run, and running a list of layers.
+"""A pipeline's layers: specs built only where they run, and running a list of layers (docs/pipeline.md).
 
-A layer is any callable taking one value (a tensor or a tuple of tensors) and returning the next: a module, a
-function, a lambda, a bound method, a ``functools.partial``, or a :class:`LayerSpec`, a recipe ``cls(*args,
-**kwargs)`` that a pipeline rank builds only when the layer is on its own stage, so a model too big for one
-rank never exists whole anywhere.  A :class:`TiedLayerSpec` adds a key: every occurrence of the key on a stage is one
-module instance (a token embedding reused as the output head), and across stages the tied parameters are kept equal by
-the pipeline engine.  Partitioning needs each layer's size and the tie check needs the tied parameters' shapes before
-anything is built for real: :func:`build_on_meta` builds a spec on the ``meta`` device, which allocates no memory.
-
-:class:`~.module.PipelineModule` (one stage) and :class:`PipelineSequential` (what ``to_sequential()``
-returns) run their layers through :func:`run_layers`, so both checkpoint the same way.
+A :class:`LayerSpec` is built only on the rank whose stage holds it, so a model too big for one rank never exists whole
+anywhere; :func:`build_on_meta` builds one on the ``meta`` device (no memory) for partitioning and the tie check.
+:class:`~.module.PipelineModule` and :class:`PipelineSequential` both run through :func:`run_layers`, so both
+checkpoint the same way.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """``PipelineModule``: one model definition, as a list of layers, cut into stages.
 
-Names follow DeepSpeed's, so a state dict reads the same whichever way the model runs:
-
-* a layer built from a :class:`LayerSpec` or given as an ``nn.Module`` is the
-  submodule ``"<index>"`` (its position in ``layers``): ``"3.weight"``;
-* the module of a tied key is ``tied_modules.<key>``, once, whatever the
-  number of its occurrences: ``"tied_modules.embed.weight"``;
-* functions, lambdas and other callables hold no state and have no name.
-
-A rank of a multi-stage pipeline builds and registers only the layers of its own stage, under those same
-global names.  With one stage (``num_stages`` 1 or None, or a single process) the module holds every layer and
-is an ordinary ``nn.Module``.
+Names follow DeepSpeed's (``"3.weight"``, ``"tied_modules.embed.weight"``; callables have none), so a state dict reads
+the same whichever way the model runs; a rank of a multi-stage pipeline registers only its stage's layers, under those
+global names (docs/pipeline.md).
 """
 
 from __future__ import annotations

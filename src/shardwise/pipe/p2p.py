@@ -1,11 +1,5 @@
-"""Activations forward and their gradients back, between neighbouring stages (docs/pipeline.md,
-"Activations between stages").
-
-Each activation is preceded by a small header (dtype, whether it needs a gradient, shape, per tensor), so
-shapes and dtypes may change from one micro-batch to the next; gradients come back only for floating tensors
-that needed one, in the same order, so they need no header.  Messages between two ranks arrive in the order
-they were sent, and activations and gradients travel in opposite directions, so neither needs a tag.  All
-traffic goes through :class:`~shardwise.comm.distributed.Comm`, which counts the bytes.
+"""Activations forward and their gradients back, between neighbouring stages (docs/pipeline.md, "Activations
+between stages"). All traffic goes through :class:`~shardwise.comm.distributed.Comm`, which counts the bytes.
 """
 
 from __future__ import annotations

@@ -1,11 +1,4 @@
-"""Which layers go to which stage: DeepSpeed's ``partition_method`` values.
-
-* ``"parameters"``: balance the trainable parameter count of the stages, as
-  DeepSpeed does (:mod:`.spread`: same counting, same boundaries);
-* ``"uniform"``: balance the number of layers;
-* ``"type:REGEX"``: balance the number of layers whose class name matches
-  ``REGEX`` (case-insensitive), e.g. ``"type:Block"`` for transformer blocks;
-* a list ``[0, b1, ..., L]``: explicit boundaries, stage ``s`` runs layers ``[b_s, b_{s+1})``.
+"""Which layers go to which stage: DeepSpeed's ``partition_method`` values (docs/pipeline.md).
 
 The result is always a list of ``num_stages + 1`` boundaries and every stage gets at least one layer.
 ``type:`` balancing minimises the heaviest stage first and then, among those partitions, the longest stage, so

@@ -1,16 +1,9 @@
 """Callbacks: objects with any of ``on_train_start``, ``on_step_end``, ``on_log``, ``on_eval_end``, ``on_save``,
-``on_train_end``.
+``on_train_end`` (docs/trainer.md).
 
-Every hook runs on every rank and receives the trainer first.  A callback that wants a checkpoint now or the
-run to end calls ``trainer.request_save()`` or ``trainer.request_stop(reason)``; the trainer turns that into a
-decision all ranks take together at the end of the step (no rank saves alone; a stop asked on one rank stops
-all).  Subclassing :class:`Callback` is optional: any object with some of the hooks works: the loop calls them
-by name (:class:`.control.CallbackList`) and knows nothing of this module.
-
-The loggers (TensorBoard, CSV, Weights & Biases, MLflow) write on rank 0 only. Except TensorBoard's, they write from
-``on_log``, so they see exactly the records the metrics file gets (every ``log_every`` steps, and every evaluation); the
-per-rank ``memory`` breakdown stays in that file, they get scalars.  TensorBoard, W&B and MLflow are imported when
-training starts, not before: shardwise does not depend on them, and an error says how to install them.
+Every hook runs on every rank; a save or stop a callback requests is decided by all ranks together at the end of the
+step. The loggers write on rank 0 only, and import TensorBoard, W&B and MLflow when training starts: shardwise does not
+depend on them.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Metrics: throughput between log points (evaluation and saves left out), the JSON-lines file (one record per
-logged step), and its curves as a PNG.
-
-A record holds ``step``, ``epoch``, ``loss`` (mean over ranks and the step's micro-batches), ``lr`` (first
-param group), ``grad_norm``, ``loss_scale``, ``step_time`` (seconds per step since the last record),
-``samples_per_s``, ``tokens_per_s`` (when the batches are token ids) and ``memory`` (per rank,
-:meth:`Engine.memory_breakdown`).  Evaluations add records with ``eval_loss``. Non-finite numbers (an fp16
-overflow's grad norm) are written as ``null``.
+logged step; its fields in docs/trainer.md), and its curves as a PNG. Non-finite numbers (an fp16 overflow's grad norm)
+are written as ``null``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""What rank 0 shows while training: a tqdm bar on a terminal, plain log lines otherwise.
+"""What rank 0 shows while training: a tqdm bar on a terminal, plain log lines otherwise (docs/trainer.md).
 
-Other ranks show nothing.  The bar carries loss, lr, tokens/s (or samples/s, smoothed over the last steps) and tqdm's
-ETA, updated every step; the lines, printed every ``log_every`` steps, carry the same and an ETA from the measured step
-time.  A terminal that reports 0 columns (some ptys, CI consoles) gets the lines: a bar there would draw nothing at all.
-
-The engine logs ``step N: lr=... grad_norm=...`` every ``steps_per_print`` steps.  Under a Trainer those
-numbers are already in the display and the metrics file, and a line printed straight to the terminal would
-break into the progress bar (and leave pieces of old bars).  So while ``fit()`` runs (:func:`routed_logs`), a
-filter on the console handlers that print ``shardwise`` records drops the engine's step lines and hands every
-other line to the display (``tqdm.write`` above a bar).
+A terminal that reports 0 columns (some ptys, CI consoles) gets the lines: a bar there would draw nothing at all. While
+``fit()`` runs (:func:`routed_logs`) the engine's own step lines are dropped (the display and the metrics file carry
+them, and a line printed straight to the terminal would break the bar) and other lines go through ``tqdm.write``.
 """
 
 from __future__ import annotations
