@@ -90,7 +90,9 @@ def _settle(data: MutableMapping[str, Any], path: str, facts: Facts) -> Note:
     """Set (or drop, for the default) the pending `auto` at `path`."""
     section, _, name = path.partition(".params.")
     if path in _DTYPES:
-        return _set(data, path, _model_dtype(facts.model) == _DTYPES[path], "the model's dtype")
+        params = facts.model.parameters() if facts.model is not None else ()
+        dtype = next((p.dtype for p in params if p.is_floating_point()), None)
+        return _set(data, path, dtype == _DTYPES[path], "the model's dtype")
     if path in _BUCKETS:
         formula, compute = _BUCKETS[path]
         size = hidden_size(facts.model)
@@ -161,15 +163,6 @@ def _optimizer_lr(data: Mapping[str, Any], facts: Facts) -> float | list[float]:
     if isinstance(section, Mapping) and section.get("type") in OPTIMIZERS:
         return float(OPTIMIZERS[section["type"]].default("lr"))
     return float(SCHEDULES["WarmupLR"]["warmup_max_lr"])
-
-
-def _model_dtype(model: nn.Module | None) -> torch.dtype | None:
-    if model is None:
-        return None
-    for param in model.parameters():
-        if param.is_floating_point():
-            return param.dtype
-    return None
 
 
 def hidden_size(model: nn.Module | None) -> int | None:

@@ -130,11 +130,6 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _lr_ok(value: Any) -> bool:
-    values = value if isinstance(value, (list, tuple)) else [value]
-    return bool(values) and all(is_number(v) and v >= 0 for v in values)
-
-
 def param_problems(params: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Check schedule arguments (any subset of the known names); return `(name, problem)` pairs."""
     problems: list[tuple[str, str]] = []
@@ -152,7 +147,9 @@ def param_problems(params: Mapping[str, Any]) -> list[tuple[str, str]]:
     if params.get("warmup_type", "log") not in WARMUP_TYPES:
         bad("warmup_type", "'log' or 'linear'")
     for name in ("warmup_min_lr", "warmup_max_lr"):
-        if name in params and not _lr_ok(params[name]):
+        value = params.get(name, 0.0)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if not (values and all(is_number(v) and v >= 0 for v in values)):
             bad(name, "a number >= 0, or a list of them with one per param group")
     for name in ("warmup_min_ratio", "cos_min_ratio"):
         value = params.get(name, 0.0)

@@ -31,8 +31,7 @@ class _Chunk:
     """A run of consecutive layers, called with the activation unpacked (as checkpoint functions want)."""
 
     def __init__(self, layers: Sequence[Layer], packed: bool) -> None:
-        self.layers = layers
-        self.packed = packed
+        self.layers, self.packed = layers, packed
 
     def __call__(self, *args: Any) -> Any:
         value: Any = args if self.packed else args[0]
@@ -81,8 +80,7 @@ class PipelineSequential(nn.Module):
             self.add_module(name, child)
         self.loss_fn = loss_fn
         self._steps = list(steps)
-        self.activation_checkpoint_interval = checkpoint_interval
-        self.activation_checkpoint_func = checkpoint_func
+        self.activation_checkpoint_interval, self.activation_checkpoint_func = checkpoint_interval, checkpoint_func
 
     def forward(self, inputs: Any, labels: Any = None) -> Any:
         outputs = run_layers(self._steps, inputs, self.activation_checkpoint_interval, self.activation_checkpoint_func)
@@ -103,9 +101,7 @@ class LayerSpec:
             raise TypeError(
                 f"LayerSpec needs a module class (or a callable returning a module) as its first argument, "
                 f"got a `{type(cls).__name__}`; write `LayerSpec(nn.Linear, 4, 4)`")
-        self.cls = cls
-        self.args = args
-        self.kwargs = kwargs
+        self.cls, self.args, self.kwargs = cls, args, kwargs
 
     @property
     def name(self) -> str:
@@ -151,8 +147,7 @@ class TiedLayerSpec(LayerSpec):
                 "`tied_modules.<key>`); use e.g. `'embed'`")
         if forward_fn is not None and not callable(forward_fn):
             raise TypeError(f"TiedLayerSpec `{key}`: forward_fn must be callable `(module, x) -> y`, got {forward_fn!r}")
-        self.key = key
-        self.forward_fn = forward_fn
+        self.key, self.forward_fn = key, forward_fn
         attrs = [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
         if not attrs or not all(isinstance(a, str) and a for a in attrs):
             raise ValueError(

@@ -53,17 +53,10 @@ class _Tie:
 class PipelineModule(nn.Module):
     """A model given as a list of layers, trained pipelined or as a plain module.
 
-    ``layers`` holds :class:`LayerSpec`, :class:`TiedLayerSpec`, ``nn.Module`` instances and any callable
-    (function, lambda, bound method, ``functools.partial``); each layer takes the previous one's output (a
-    tensor or a tuple of tensors).  ``num_stages`` cuts them into pipeline stages by ``partition_method`` (see
-    :mod:`.partition`); ``None`` means one stage.  ``loss_fn(outputs, labels)`` is what the last stage
-    computes. ``activation_checkpoint_interval > 0`` recomputes every run of that many layers in backward, through
-    ``activation_checkpoint_func(fn, *args)`` (default: torch's non-reentrant checkpoint). ``seed_layers`` seeds each
-    layer's construction with ``base_seed + index``, so a layer starts the same whichever rank builds it.
-
-    With more than one stage (and more than one rank), construction needs the default process group (created
-    from torchrun's environment if absent) and builds only this rank's stage; ``shardwise.initialize`` then
-    returns a pipeline engine.
+    ``layers`` holds :class:`LayerSpec`, :class:`TiedLayerSpec`, ``nn.Module`` instances and any callable; each takes
+    the previous one's output. ``num_stages`` cuts them by ``partition_method``; every argument in docs/pipeline.md.
+    With more than one stage (and rank), construction needs the default process group (created from torchrun's
+    environment if absent) and builds only this rank's stage; ``shardwise.initialize`` then returns a pipeline engine.
     """
 
     def __init__(
@@ -82,14 +75,16 @@ class PipelineModule(nn.Module):
         self.tied_modules = nn.ModuleDict()
         self._layers = _checked_layers(layers)
         self.loss_fn = loss_fn
-        self.activation_checkpoint_interval = _checked_interval(activation_checkpoint_interval)
+        interval = self.activation_checkpoint_interval = activation_checkpoint_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"activation_checkpoint_interval={interval!r}: expected an integer >= 0 (0 turns "
+                             "checkpointing off, k recomputes every k layers in backward)")
         if activation_checkpoint_func is not None and not callable(activation_checkpoint_func):
             raise TypeError(
                 f"activation_checkpoint_func must be callable `(function, *args) -> output`, got "
                 f"{activation_checkpoint_func!r}")
         self.activation_checkpoint_func = activation_checkpoint_func or default_checkpoint
-        self.seed_layers = seed_layers
-        self.base_seed = base_seed
+        self.seed_layers, self.base_seed = seed_layers, base_seed
         self._meta: dict[int, nn.Module] = {}
         self._ties = self._check_ties()
         self.num_stages, self.topology, self.stage_id = _placement(num_stages)
@@ -295,14 +290,6 @@ def _checked_layers(layers: Sequence[LayerEntry]) -> list[LayerEntry]:
     if not checked:
         raise ValueError("`layers` is empty; a PipelineModule needs at least one layer")
     return checked
-
-
-def _checked_interval(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"activation_checkpoint_interval={value!r}: expected an integer >= 0 (0 turns checkpointing off, "
-            "k recomputes every k layers in backward)")
-    return value
 
 
 def _same_tie(

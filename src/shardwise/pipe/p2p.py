@@ -98,10 +98,7 @@ class Channel:
     """This stage's links to the previous and next stage of its replica (group ranks = stages)."""
 
     def __init__(self, comm: Comm, stage: int, num_stages: int, device: torch.device) -> None:
-        self.comm = comm
-        self.stage = stage
-        self.num_stages = num_stages
-        self.device = device
+        self.comm, self.stage, self.num_stages, self.device = comm, stage, num_stages, device
         self._sending: list[tuple[Work, torch.Tensor]] = []
 
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:

@@ -42,7 +42,12 @@ def least_spread(weights: Sequence[int], parts: int) -> list[int]:
         table[end][1] = _Cell(0, prefix[end], prefix[end], 0)
         for stages in range(2, min(end, parts) + 1):
             table[end][stages] = _best(table, prefix, end, stages)
-    return _bounds(table, count, parts)
+    bounds = [count]
+    for stages in range(parts, 0, -1):
+        cell = table[bounds[-1]][stages]
+        assert cell is not None
+        bounds.append(cell.start)
+    return bounds[::-1]
 
 
 def _best(table: list[list[Optional[_Cell]]], prefix: list[int], end: int, stages: int) -> _Cell:
@@ -58,11 +63,3 @@ def _best(table: list[list[Optional[_Cell]]], prefix: list[int], end: int, stage
     assert best is not None
     return best
 
-
-def _bounds(table: list[list[Optional[_Cell]]], count: int, parts: int) -> list[int]:
-    bounds = [count]
-    for stages in range(parts, 0, -1):
-        cell = table[bounds[-1]][stages]
-        assert cell is not None
-        bounds.append(cell.start)
-    return bounds[::-1]

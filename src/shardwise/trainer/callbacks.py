@@ -54,12 +54,18 @@ class TensorBoardCallback(Callback):
     SCALARS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "samples_per_s", "eval_loss")
 
     def __init__(self, log_dir: Optional[str] = None, writer: Any = None) -> None:
-        self.log_dir = log_dir
-        self.writer = writer
+        self.log_dir, self.writer = log_dir, writer
 
     def on_train_start(self, trainer: "Trainer") -> None:
-        if self.writer is None and trainer.rank == 0:
-            self.writer = _summary_writer(self.log_dir)
+        if self.writer is not None or trainer.rank != 0:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # here: heavy, optional, only for this callback
+        except ImportError as error:
+            raise ImportError(
+                f"`TensorBoardCallback` needs the `tensorboard` package ({error}); install it with "
+                "`pip install 'shardwise[tensorboard]'`, or pass `writer=` an object with `add_scalar`") from error
+        self.writer = SummaryWriter(log_dir=self.log_dir)
 
     def _write(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
         if self.writer is None or trainer.rank != 0:
@@ -79,16 +85,6 @@ class TensorBoardCallback(Callback):
         close = getattr(self.writer, "close", None)
         if callable(close):
             close()
-
-
-def _summary_writer(log_dir: Optional[str]) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter  # here: heavy, optional, only for this callback
-    except ImportError as error:
-        raise ImportError(
-            f"`TensorBoardCallback` needs the `tensorboard` package ({error}); install it with "
-            "`pip install 'shardwise[tensorboard]'`, or pass `writer=` an object with `add_scalar`") from error
-    return SummaryWriter(log_dir=log_dir)
 
 
 class EarlyStopping(Callback):

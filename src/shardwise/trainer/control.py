@@ -25,8 +25,7 @@ class Agreement:
     """Reductions of a few numbers over the data-parallel ranks (no-ops on one rank)."""
 
     def __init__(self, comm: Any, device: torch.device) -> None:
-        self.comm = comm
-        self.device = device
+        self.comm, self.device = comm, device
 
     def _reduce(self, values: Sequence[float], op: Any) -> list[float]:
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)

@@ -81,28 +81,12 @@ class FitSummary:
         return asdict(self)
 
 
-def _micro_batch(engine: Any) -> Optional[int]:
-    """The config's micro-batch size, or None when it sets no batch size (fine with a user-built DataLoader)."""
-    try:
-        return int(engine.train_micro_batch_size_per_gpu())
-    except ValueError:
-        return None
-
-
 class Trainer:
-    """Trains ``engine`` on ``train_data``; see ``docs/trainer.md``.
+    """Trains ``engine`` (or a model, with ``config``) on ``train_data``; every argument in ``docs/trainer.md``.
 
-    ``train_data`` (and ``eval_data``) is a map-style ``Dataset`` (sharded over the ranks like ``DistributedSampler``,
-    shuffled with ``seed + epoch``, in batches of ``train_micro_batch_size_per_gpu``), an ``IterableDataset``, or a
-    ``DataLoader`` you built.  Training runs ``max_steps`` optimizer steps or ``epochs`` epochs, whichever ends first.
-    With ``checkpoint_dir`` it saves every ``save_every`` steps and at the end (keeping the last ``keep_last``), and
+    Training runs ``max_steps`` optimizer steps or ``epochs`` epochs, whichever ends first. With ``checkpoint_dir`` it
+    saves every ``save_every`` steps and at the end (keeping the last ``keep_last``, and the ``best_metric`` best), and
     with ``resume`` it first continues from the newest checkpoint there.
-
-    ``model_or_engine`` is an engine from ``shardwise.initialize``, or a model: then ``config`` is required
-    and the Trainer builds the engine (a scheduler's ``total_num_steps: auto`` becomes the steps this run will
-    take).  With ``compute_metrics(predictions, labels)`` each evaluation also reports its results as
-    ``eval_<name>``; with ``best_metric`` (``"loss"``, ``"eval_loss"``, or one of those names) the best
-    checkpoint is kept besides the last ``keep_last`` and named in ``checkpoint_dir/best``.
     """
 
     def __init__(
@@ -137,9 +121,7 @@ class Trainer:
         self.engine = engine
         self.max_steps, self.epochs = max_steps, epochs
         self.eval_every, self.save_every = eval_every, save_every
-        self.resume_enabled = resume
-        self.loss_fn = loss_fn
-        self.seed = seed
+        self.resume_enabled, self.loss_fn, self.seed = resume, loss_fn, seed
         self.rank, self.world_size = engine.comm.rank, engine.comm.world_size
         self.device = next((p.device for p in engine.module.parameters()), torch.device("cpu"))
         # With a loss_fn, trailing tuple items the forward cannot take are its targets (see batch.py).
@@ -148,7 +130,10 @@ class Trainer:
         self.watch = Watch(best_metric, greater_is_better) if best_metric is not None else None
         self.agreement = Agreement(engine.comm, self.device)
         self.accumulation = engine.gradient_accumulation_steps()
-        self.micro = _micro_batch(engine)
+        try:  # None: the config sets no batch size (fine with a user-built DataLoader)
+            self.micro: Optional[int] = int(engine.train_micro_batch_size_per_gpu())
+        except ValueError:
+            self.micro = None
         where = dict(micro=self.micro, rank=self.rank, world=self.world_size, collate_fn=collate_fn, num_workers=num_workers)
         self.source = train_source(train_data, seed=seed, **where)
         self.eval_source: Optional[Source] = eval_source(eval_data, **where) if eval_data is not None else None

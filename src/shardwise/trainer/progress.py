@@ -150,8 +150,7 @@ class _Route(logging.Filter):
 
     def __init__(self, handler: logging.Handler, show: Callable[[str], None]) -> None:
         super().__init__()
-        self.handler = handler
-        self.show = show
+        self.handler, self.show = handler, show
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.name.startswith(LOGGER_NAME):
