@@ -113,15 +113,13 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def _read_text(path: Path) -> str:
-    """Return a file's text, or "" when the rank never wrote it."""
-    try:
+    try:  # "" when the rank never wrote it
         return path.read_text(errors="replace")
     except FileNotFoundError:
         return ""
 
 
 def _tail(text: str, limit: int = _TAIL_CHARS) -> str:
-    """Return the end of `text`, marked as cut when it is longer than `limit`."""
     return text if len(text) <= limit else "...\n" + text[-limit:]
 
 
@@ -144,7 +142,6 @@ class _RankSpec:
 
     @property
     def files(self) -> _RankFiles:
-        """This rank's files in the launch directory."""
         return _rank_files(Path(self.launch_dir), self.rank)
 
 
@@ -259,13 +256,6 @@ def _report_error_and_exit(files: _RankFiles) -> NoReturn:
 
 
 # --------------------------------------------------------------------------- the launcher side
-
-
-def _free_port() -> int:
-    """Return a TCP port that is free now, for code that reads MASTER_PORT itself."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _context(requested: str | None) -> BaseContext:
@@ -505,7 +495,9 @@ def run_distributed(
         ctx = _context(start_method)
     launch_dir = Path(tempfile.mkdtemp(prefix="shardwise-launch-"))
     try:
-        port = _free_port()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a port free now, for code reading MASTER_PORT
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
         specs = [_RankSpec(rank, world_size, str(launch_dir), str(launch_dir / "rendezvous"), port, backend, timeout,
                            threads_per_rank, environ) for rank in range(world_size)]
         return _launch(ctx, specs, call, launch_dir, timeout, frozenset(expect_dead))
@@ -651,12 +643,7 @@ def run_subtests(fn: Callable[..., Any], cases: Iterable[Mapping[str, Any]], *, 
         if barrier and (dist := _dist()):
             dist.barrier()
     if failures:
-        raise AssertionError(_subtest_message(fn, failures, total))
-
-
-def _subtest_message(fn: Callable[..., Any], failures: Sequence[tuple[Mapping[str, Any], str]], total: int) -> str:
-    """Name each failing case of `fn` and show its traceback."""
-    where = f" on rank {dist.get_rank()}" if (dist := _dist()) else ""
-    head = (f"{len(failures)} of {total} subtests of `{getattr(fn, '__qualname__', fn)}` failed{where}:")
-    body = [f"--- case {dict(case)!r} ---\n{tb.rstrip()}" for case, tb in failures]
-    return "\n\n".join([head, *body])
+        where = f" on rank {dist.get_rank()}" if (dist := _dist()) else ""
+        head = f"{len(failures)} of {total} subtests of `{getattr(fn, '__qualname__', fn)}` failed{where}:"
+        body = [f"--- case {dict(case)!r} ---\n{tb.rstrip()}" for case, tb in failures]
+        raise AssertionError("\n\n".join([head, *body]))

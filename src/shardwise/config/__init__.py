@@ -28,7 +28,5 @@ from .sections import (
     ZeroConfig,
 )
 
-__all__ = [
-    "BF16Config", "BatchSizes", "CheckpointConfig", "CommsConfig", "Config", "ConfigError", "FP16Config", "Note",
-    "OffloadConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "load_configs", "read_config_file",
-]
+__all__ = ["BF16Config", "BatchSizes", "CheckpointConfig", "CommsConfig", "Config", "ConfigError", "FP16Config", "Note",
+           "OffloadConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "load_configs", "read_config_file"]

@@ -67,7 +67,9 @@ def fill(data: MutableMapping[str, Any], pending: Mapping[str, str], facts: Fact
     notes: list[Note] = []
     passed = {"optimizer": facts.optimizer, "lr_scheduler": facts.lr_scheduler}
     for key, name in (("optimizer", "optimizer"), ("scheduler", "lr_scheduler")):
-        if passed[name] is not None and _all_auto(data.get(key)):
+        # a section whose params are all `auto` gives way to the object passed
+        params = data[key].get("params") if isinstance(data.get(key), Mapping) else None
+        if passed[name] is not None and isinstance(params, Mapping) and params and all(map(is_auto, params.values())):
             del data[key]
             notes.append(Note(key, f"`{key}`: every param is `auto`, so the {name} passed to initialize is used"))
     # The optimizer's params first: a scheduler's `warmup_max_lr: auto` reads the lr they leave.
@@ -132,14 +134,6 @@ def _drop(data: MutableMapping[str, Any], path: str, why: str) -> Note:
     node, key = parent(data, path)
     del node[key]
     return Note(path, f"`{path}: auto` became {why}")
-
-
-def _all_auto(section: Any) -> bool:
-    """Whether `section` has params and every one is `auto` (it then gives way to the object passed)."""
-    if not isinstance(section, Mapping):
-        return False
-    params = section.get("params")
-    return isinstance(params, Mapping) and bool(params) and all(is_auto(v) for v in params.values())
 
 
 def _total_steps(facts: Facts, path: str) -> int:

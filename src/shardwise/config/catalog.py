@@ -64,13 +64,6 @@ def _at_most(limit: int) -> Callable[[Any], bool]:
     return check
 
 
-def _equals(expected: str) -> Callable[[Any], bool]:
-    def check(value: Any) -> bool:
-        return _false(value) or str(value).strip().lower() == expected
-
-    return check
-
-
 def _checkpointing_off(value: Any) -> bool:
     """DeepSpeed's activation checkpointing is off when its switches are; `number_checkpoints` only tunes."""
     if not isinstance(value, Mapping):
@@ -128,7 +121,8 @@ CATALOG: dict[str, Entry] = {
     "prescale_gradients": knob(_ALWAYS_FP32),
     "gradient_predivide_factor": knob(_ALWAYS_FP32),
     "gradient_allreduce_op": switch(
-        "summing gradients over ranks instead of averaging them", _equals("mean"),
+        "summing gradients over ranks instead of averaging them",
+        lambda value: _false(value) or str(value).strip().lower() == "mean",
         "remove it or set it to `mean`", "`mean` is what shardwise always does"),
     "zero_allow_untested_optimizer": knob(
         "a permission flag; shardwise shards any element-wise torch optimizer without one"),

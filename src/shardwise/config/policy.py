@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Set
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel
@@ -216,23 +216,14 @@ class Prepared:
                 f"`{shown}.device: {device}` is not an offload device; expected `cpu`, `nvme` or `none`; "
                 "set one of them or remove the section")
             return None
-        return self._acting(value, here, device)
-
-    def _acting(self, value: Mapping[str, Any], here: tuple[str, ...], device: str) -> dict[str, Any]:
-        """Offload to ``device``: the keys that act are kept for the section's model to validate."""
-        shown = self.shown(here)
         acting = (_NVME_ACTING if device == "nvme" else _CPU_ACTING)[here[-1]]
         out: dict[str, Any] = {"device": device}
         for key in sorted(acting & {str(k) for k in value}):
             out[key] = value[key] if key == "nvme_path" else self._coerced(value[key], (*here, key))
-        self._tuning_note(value, shown, acting)
-        return out
-
-    def _tuning_note(self, value: Mapping[str, Any], shown: str, acting: Set[str]) -> None:
-        tuning = sorted(str(k) for k in value if k in OFFLOAD_KEYS and k != "device" and k not in acting)
-        if tuning:
+        if tuning := sorted(str(k) for k in value if k in OFFLOAD_KEYS and k != "device" and k not in acting):
             names = ", ".join(f"`{k}`" for k in tuning)
             self.notes.append(Note(shown, f"`{shown}`: {names} ignored (they tune the offload itself)"))
+        return out
 
     def _judge(self, entry: Entry, value: Any, here: tuple[str, ...]) -> None:
         shown = self.shown(here)

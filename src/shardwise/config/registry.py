@@ -16,10 +16,8 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "DEEPSPEED_ONLY_OPTIMIZERS", "DEEPSPEED_ONLY_SCHEDULES", "OPTIMIZERS", "REQUIRED", "SCHEDULES", "WARMUP_TYPES",
-    "OptimizerSpec", "is_number", "param_problems",
-]
+__all__ = ["DEEPSPEED_ONLY_OPTIMIZERS", "DEEPSPEED_ONLY_SCHEDULES", "OPTIMIZERS", "REQUIRED", "SCHEDULES",
+           "WARMUP_TYPES", "OptimizerSpec", "is_number", "param_problems"]
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,9 @@ from .errors import MAX_SHOWN, Item, Problems, canonical, shown_value, suggest
 from .limits import MAX_ELEMENTS, MAX_LOSS_SCALE, MAX_STEPS, MAX_TIMEOUT_S
 from .registry import OPTIMIZERS, REQUIRED, SCHEDULES, OptimizerSpec, is_number, param_problems
 
-__all__ = [
-    "BF16Config", "CheckpointConfig", "CommsConfig", "Count", "FP16Config", "NotANumber", "OffloadConfig",
-    "OffloadParamConfig", "OffloadSection", "OptimizerConfig", "Real", "SchedulerConfig", "Section", "ZeroConfig",
-]
+__all__ = ["BF16Config", "CheckpointConfig", "CommsConfig", "Count", "FP16Config", "NotANumber", "OffloadConfig",
+           "OffloadParamConfig", "OffloadSection", "OptimizerConfig", "Real", "SchedulerConfig", "Section",
+           "ZeroConfig"]
 
 
 class NotANumber(ValueError):

@@ -1,15 +1,8 @@
-"""`get_accelerator()`: DeepSpeed's device abstraction, for the CPU and CUDA.
+"""`get_accelerator()`: DeepSpeed's device abstraction, for the CPU and CUDA (docs/from-deepspeed.md).
 
-DeepSpeed client scripts ask it for the device name, count and backend instead of calling
-`torch.cuda` directly, which is what lets the same script run on a CPU-only machine::
-
-    from shardwise.deepspeed.accelerator import get_accelerator
-
-    device = get_accelerator().device_name(engine.local_rank)   # "cpu", or "cuda:1"
-    batch = batch.to(device)
-
-The accelerator is CUDA when torch sees a GPU, else the CPU; `DS_ACCELERATOR` (`cpu` or `cuda`) chooses, as in
-DeepSpeed. On the CPU, device-only operations (`synchronize`, `set_device`, `empty_cache`, profiler ranges) do nothing.
+DeepSpeed client scripts ask it for the device name, count and backend instead of calling `torch.cuda` directly, which
+is what lets the same script run on a CPU-only machine. The accelerator is CUDA when torch sees a GPU, else the CPU;
+`DS_ACCELERATOR` (`cpu` or `cuda`) chooses, as in DeepSpeed. On the CPU, device-only operations do nothing.
 """
 
 from __future__ import annotations

@@ -19,12 +19,10 @@ import torch.distributed as dist
 
 from shardwise.comm.distributed import init_distributed as _init_from_env
 
-__all__ = [
-    "ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all_single", "barrier", "broadcast",
-    "destroy_process_group", "get_global_rank", "get_local_rank", "get_rank", "get_world_group", "get_world_size",
-    "inference_all_reduce", "init_distributed", "irecv", "is_available", "is_initialized", "isend", "new_group",
-    "recv", "reduce", "reduce_scatter_tensor", "send",
-]
+__all__ = ["ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all_single", "barrier",
+           "broadcast", "destroy_process_group", "get_global_rank", "get_local_rank", "get_rank", "get_world_group",
+           "get_world_size", "inference_all_reduce", "init_distributed", "irecv", "is_available", "is_initialized",
+           "isend", "new_group", "recv", "reduce", "reduce_scatter_tensor", "send"]
 
 ReduceOp = dist.ReduceOp
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -1,9 +1,7 @@
 """`deepspeed.pipe`: `PipelineModule` with DeepSpeed's signature, `LayerSpec`, `TiedLayerSpec`, topologies.
 
-The classes are shardwise's (:mod:`shardwise.pipe`); only `PipelineModule`'s argument order and DeepSpeed-only arguments
-(`topology`, `seed_fn`, `checkpointable_layers`, `dynamic_shape`) differ. DeepSpeed's process topologies name axes over
-the ranks, the last axis varying fastest: `PipeDataParallelTopology(num_pp, num_dp)` lays ranks out stage-major, as
-shardwise's pipeline does (:class:`shardwise.pipe.topology.PipeTopology`), so a topology given to `PipelineModule` names
+The classes are shardwise's (:mod:`shardwise.pipe`). `PipeDataParallelTopology(num_pp, num_dp)` lays ranks out
+stage-major (the last axis varies fastest), as shardwise's pipeline does, so a topology given to `PipelineModule` names
 the same ranks it will use.
 """
 
@@ -21,10 +19,8 @@ from shardwise.pipe import PipelineModule as _PipelineModule
 from shardwise.pipe.layers import CheckpointFn
 from shardwise.pipe.module import LayerEntry
 
-__all__ = [
-    "LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineModule",
-    "ProcessTopology", "TiedLayerSpec",
-]
+__all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineModule",
+           "ProcessTopology", "TiedLayerSpec"]
 
 
 class ProcessTopology:

@@ -67,7 +67,7 @@ class TensorBoardCallback(Callback):
                 "`pip install 'shardwise[tensorboard]'`, or pass `writer=` an object with `add_scalar`") from error
         self.writer = SummaryWriter(log_dir=self.log_dir)
 
-    def _write(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
         if self.writer is None or trainer.rank != 0:
             return
         for key in self.SCALARS:
@@ -75,11 +75,7 @@ class TensorBoardCallback(Callback):
             if isinstance(value, (int, float)):
                 self.writer.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", value, metrics["step"])
 
-    def on_step_end(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
-        self._write(trainer, metrics)
-
-    def on_eval_end(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
-        self._write(trainer, metrics)
+    on_eval_end = on_step_end
 
     def on_train_end(self, trainer: "Trainer", summary: "FitSummary") -> None:
         close = getattr(self.writer, "close", None)
@@ -95,8 +91,7 @@ class EarlyStopping(Callback):
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
             raise ValueError(f"`EarlyStopping(patience={patience!r})`: expected an integer >= 1")
         self.watch = Watch(metric, greater_is_better, min_delta)
-        self.patience = patience
-        self.waited = 0
+        self.patience, self.waited = patience, 0
 
     def on_eval_end(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
         if self.watch.update(metrics):
@@ -142,18 +137,15 @@ class CSVLogger(Callback):
         new = [key for key in row if key not in self.columns]
         self.rows.append(row)
         self.columns += new
-        if new or not self.path.is_file():
-            self._rewrite()  # a new column: every row again, under the wider header
+        if new or not self.path.is_file():  # a new column: every row again, under the wider header
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "w", newline="", encoding="utf-8") as handle:
+                writer = csv.DictWriter(handle, self.columns)
+                writer.writeheader()
+                writer.writerows(self.rows)
         else:
             with open(self.path, "a", newline="", encoding="utf-8") as handle:
                 csv.DictWriter(handle, self.columns).writerow(row)
-
-    def _rewrite(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "w", newline="", encoding="utf-8") as handle:
-            writer = csv.DictWriter(handle, self.columns)
-            writer.writeheader()
-            writer.writerows(self.rows)
 
 
 class WandbCallback(Callback):

@@ -51,8 +51,7 @@ class Meter:
         now = time.perf_counter()
         seconds, self.step_mark = max(now - self.step_mark, 1e-9), now
         self.steps, self.samples, self.tokens = self.steps + 1, self.samples + samples, self.tokens + tokens
-        self.total_steps += 1
-        self.total_samples += samples
+        self.total_steps, self.total_samples = self.total_steps + 1, self.total_samples + samples
         self.total_tokens += tokens
         return {"samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds if tokens else None}
 
@@ -60,11 +59,8 @@ class Meter:
         """Rates since the last call (then starts a new interval)."""
         now = time.perf_counter()
         seconds = max(now - self.mark, 1e-9)
-        rates = {
-            "step_time": seconds / self.steps if self.steps else None,
-            "samples_per_s": self.samples / seconds,
-            "tokens_per_s": self.tokens / seconds if self.tokens else None,
-        }
+        rates = {"step_time": seconds / self.steps if self.steps else None, "samples_per_s": self.samples / seconds,
+                 "tokens_per_s": self.tokens / seconds if self.tokens else None}
         self.mark, self.steps, self.samples, self.tokens = now, 0, 0, 0
         return rates
 

@@ -73,8 +73,7 @@ class Lines(Progress):
         width = len(str(self.total)) if self.total else 5
         parts = [f"step {step:{width}d}" + (f"/{self.total}" if self.total else ""), f"epoch {record['epoch']}",
                  f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}"]
-        rate = _rate(record)
-        if rate:
+        if rate := _rate(record):
             parts.append(rate)
         if self.total and record.get("step_time"):
             parts.append(f"eta {_duration((self.total - step) * record['step_time'])}")
@@ -107,8 +106,7 @@ class Bar(Progress):
             if isinstance(value, (int, float)):
                 self.smoothed[key] = value if old is None else old + _SMOOTHING * (value - old)
         postfix = {"loss": f"{metrics['loss']:.4f}", "lr": f"{metrics['lr']:.2e}"}
-        rate = _rate(self.smoothed) or self.rate
-        if rate:
+        if rate := _rate(self.smoothed) or self.rate:
             postfix["speed"] = rate
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
