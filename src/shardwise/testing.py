@@ -428,8 +428,7 @@ def _timeout_message(outcome: _Outcome, world: int, launch_dir: Path, timeout: f
     parts = [
         f"ranks {outcome.timed_out} of {world} did not finish within the {timeout:g} s timeout (finished: "
         f"{outcome.finished}); every rank was killed. A rank is stuck (often in a collective that not every rank "
-        "called) or the work needs a larger `timeout=`."
-    ]
+        "called) or the work needs a larger `timeout=`."]
     for rank in outcome.timed_out:
         stack = _read_text(_rank_files(launch_dir, rank).stack).strip()
         parts.append(f"rank {rank} Python stack at the timeout:\n{_tail(stack)}" if stack
@@ -463,20 +462,15 @@ def run_distributed(
     start_method: str | None = None,
     expect_dead: Collection[int] = (),
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on `world_size` fresh processes and return their results.
+    """Run ``fn(*args, **kwargs)`` on `world_size` fresh processes; return their (picklable) results in rank order.
 
     Each rank starts with the default process group initialized (`backend`, a file rendezvous in a fresh temporary
     directory), ``torch.set_num_threads(threads_per_rank)`` applied (``None`` leaves torch's default), and the
     environment variables torchrun sets: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``
     and a free ``MASTER_PORT``, on top of this process's environment and `env`. The group is destroyed when `fn`
     returns. Each rank's stdout/stderr is copied to this process's, prefixed with ``[rank N]``, once the launch ends.
-
-    Returns the ranks' return values in rank order (they must be picklable).
-
-    Raises `DistributedTestError` when a rank raises (message: its rank and traceback), exits or is killed before
-    returning (its exit code and last stderr lines), or when ranks are still running `timeout` seconds after they were
-    started (the ranks and their Python stacks). In every case all ranks are killed before this returns, so nothing
-    hangs.
+    A failure raises `DistributedTestError` (see the module docstring) once every rank is killed, so nothing hangs;
+    `timeout` counts from the ranks' start.
 
     `start_method` is ``"forkserver"`` (default where available) or ``"spawn"``; the ``SHARDWISE_TEST_START_METHOD``
     environment variable sets the default. `expect_dead` lists ranks a fault-injection test kills on purpose: such a
@@ -550,10 +544,8 @@ class _FunctionRef:
     def of(cls, fn: Callable[..., Any]) -> _FunctionRef:
         """Point at `fn`, refusing nested functions that no rank could import."""
         if "<locals>" in fn.__qualname__:
-            raise TypeError(
-                f"`@distributed_test` needs `{fn.__qualname__}` at module or class level so "
-                "that each rank can import it; move it out of the enclosing function."
-            )
+            raise TypeError(f"`@distributed_test` needs `{fn.__qualname__}` at module or class level so that each rank "
+                            "can import it; move it out of the enclosing function.")
         code = getattr(fn, "__code__", None)
         return cls(fn.__module__, fn.__qualname__, code.co_filename if code else None)
 

@@ -62,8 +62,7 @@ def _explicit(bounds: list[Any], count: int, num_stages: int) -> list[int]:
         and all(isinstance(b, int) and not isinstance(b, bool) for b in bounds)
         and bounds[0] == 0
         and bounds[-1] == count
-        and all(a < b for a, b in zip(bounds, bounds[1:]))
-    )
+        and all(a < b for a, b in zip(bounds, bounds[1:])))
     if not fine:
         raise ValueError(
             f"partition_method {bounds!r} is not a valid list of boundaries: expected {num_stages + 1} "

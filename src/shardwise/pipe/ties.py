@@ -35,8 +35,7 @@ class TiedWeights:
         self.pipe = groups.pipe
         self.untied = module.untied_parameters()
         self.entries = [
-            _Tied(key, stages, params, groups.ties[stages]) for key, stages, params in module.tied_parameters()
-        ]
+            _Tied(key, stages, params, groups.ties[stages]) for key, stages, params in module.tied_parameters()]
 
     def broadcast(self) -> None:
         """Make every stage's copy equal to the first stage's (collective over each tie group)."""
