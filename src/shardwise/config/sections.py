@@ -228,11 +228,8 @@ class OffloadSection(Section):
 
 
 class OffloadConfig(OffloadSection):
-    """`zero_optimization.offload_optimizer` (stages 1-3, docs/offload.md): `nvme` keeps this rank's fp32 masters
-    and optimizer state in files under `nvme_path`, stepped `sub_group_size` elements at a time with at most
-    `buffer_count` sub-groups in host memory, `ratio` below 1 keeping the first sub-groups' state in host
-    memory; `cpu` on a job on an accelerator keeps them in host memory and steps there, `ratio` below 1
-    keeping the first sub-groups' state on the device (DeepSpeed's partial offload)."""
+    """`zero_optimization.offload_optimizer` (stages 1-3): this rank's fp32 masters and optimizer state in files under
+    `nvme_path` (`nvme`) or in host memory (`cpu`, on a job on an accelerator); what each key does: docs/offload.md."""
 
     #: sub-groups of state in host memory at once: the one stepped, those read ahead, those written behind
     buffer_count: Count = Field(default=4, ge=1, le=1024)
@@ -253,11 +250,8 @@ class OffloadConfig(OffloadSection):
 
 
 class OffloadParamConfig(OffloadSection):
-    """`zero_optimization.offload_param` (stage 3, docs/offload.md): `nvme` (a CPU job) keeps each unit's local shard
-    (this rank's 1/N, compute dtype) in a file under `nvme_path`; gathering a unit reads it (read ahead where the
-    gatherer prefetches, at most `buffer_count` shards at once), and host memory keeps at most `max_in_cpu`
-    elements of shards between uses.  `cpu` on a job on an accelerator keeps each shard in host memory,
-    copied to the device as the unit is gathered (`buffer_count` units ahead)."""
+    """`zero_optimization.offload_param` (stage 3): each unit's local shard in a file under `nvme_path` (`nvme`, a CPU
+    job) or in host memory (`cpu`, on a job on an accelerator), read as the unit is gathered; docs/offload.md."""
 
     #: shards read ahead at once (DeepSpeed: buffers in the parameter swap pool)
     buffer_count: Count = Field(default=5, ge=1, le=1024)
@@ -315,11 +309,9 @@ class CheckpointConfig(Section):
 class CommsConfig(Section):
     """`comms`: how collectives fail (a shardwise section; DeepSpeed has no counterpart).
 
-    `timeout`: seconds any collective may wait for the other ranks before every rank raises an error naming
-    the ranks that are gone, failed or elsewhere (see docs/faults.md). `debug`: before every collective,
-    check that every rank issues the same one (costs one small all-reduce per collective). `shared_memory`:
-    when every rank is a CPU process on one host (gloo), all-reduce, reduce-scatter and all-gather go through a
-    shared segment under /dev/shm instead of loopback sockets (2-2.5x faster; see docs/benchmarks.md).
+    `timeout`: seconds any collective may wait before every rank raises naming the ranks gone, failed or elsewhere.
+    `debug`: check that every rank issues the same collective (one small all-reduce each). `shared_memory`: CPU ranks
+    on one host reduce and gather through /dev/shm instead of loopback sockets (2-2.5x faster; docs/faults.md).
     """
 
     timeout: Real = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S)

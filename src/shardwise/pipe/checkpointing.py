@@ -51,11 +51,8 @@ def global_order(per_stage: Sequence[Sequence[str]], tied_keys: Sequence[str]) -
 
 
 class GlobalModule(nn.Module):
-    """The whole pipeline's state-dict entries on one rank; see the module docstring.
-
-    Not a real module: it only answers ``state_dict``; ``named_parameters`` and
-    ``load_state_dict`` (for a ``module_load_fn``) reach this stage's module.
-    """
+    """The whole pipeline's state-dict entries on one rank. Not a real module: it only answers ``state_dict``;
+    ``named_parameters`` and ``load_state_dict`` (for a ``module_load_fn``) reach this stage's module."""
 
     stage_module: nn.Module
 

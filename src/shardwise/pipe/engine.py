@@ -315,12 +315,9 @@ def _check_pipeline_config(module: PipelineModule, config: Config, process_group
 
 
 def _agree_on_construction(module: PipelineModule, config: Config, name: Optional[str]) -> None:
-    """Every rank builds this same pipeline engine as its next one, before the world-wide group
-    creation (ranks that disagree get an error naming the difference instead of a hang).
-
-    Across stages only the config must be equal: each stage holds other layers, and its own
-    optimizer may give them their own hyperparameters.  The ranks of one stage compare their
-    layers and optimizers when the data-parallel engine of that stage is built.
+    """Every rank builds this same pipeline engine as its next one, before the world-wide group creation (ranks that
+    disagree get an error naming the difference instead of a hang). Across stages only the config must be equal (each
+    stage holds other layers, with its own optimizer); a stage's ranks compare those when its engine is built.
     """
     world = Comm(None)
     if not world.distributed:

@@ -338,8 +338,7 @@ class Trainer:
     def _eval_sums(self, batches: Iterator[Any], collected: Optional[Collected]) -> tuple[float, float]:
         """This rank's summed loss x samples and samples; ranks that run dry first repeat a batch at weight 0.
 
-        Every rank runs the same number of forwards, which a stage 3 engine
-        needs (its forward gathers parameters collectively).
+        Every rank runs the same number of forwards, which a stage 3 engine needs (its forward gathers collectively).
         """
         loss_sum = samples = 0.0
         last = None
