@@ -587,11 +587,9 @@ def distributed_test(
     """Decorate a pytest test so that its body runs on `world_size` ranks via `run_distributed`.
 
     The test must be defined at module level (or as a method of a module-level class). Fixture and parametrize values
-    are passed to every rank, so they must be picklable; the test passes when every rank returns. Usable bare
-    (``@distributed_test``) or called (``@distributed_test(world_size=3, timeout=30)``).
-
-    Ranks import the test module without pytest's assertion rewriting, so a failing ``assert a == b`` shows no values;
-    prefer ``torch.testing.assert_close`` or an explicit message.
+    are passed to every rank, so they must be picklable; the test passes when every rank returns. Usable bare or called
+    (``@distributed_test(world_size=3, timeout=30)``). Ranks import the test module without pytest's assertion
+    rewriting, so a failing ``assert a == b`` shows no values; prefer ``torch.testing.assert_close`` or a message.
     """
     if callable(world_size):
         return distributed_test()(world_size)
@@ -617,12 +615,9 @@ def run_subtests(fn: Callable[..., Any], cases: Iterable[Mapping[str, Any]], *, 
     """Run ``fn(**case)`` for each case inside a rank; report every failing case at once.
 
     Several cases per launch keep a suite fast: one launch costs far more than one case. A failing case does not stop
-    the others. When the default process group is initialized, all ranks meet at a barrier after each case (set
-    `barrier=False` to skip) so a case that fails early on one rank does not mix its collectives with the next case's. A
-    case that hangs a rank (e.g. one rank skips a collective) cannot be caught here; the launch `timeout` of
-    `run_distributed` / `distributed_test` catches it.
-
-    Raises one AssertionError naming each failing case with its traceback.
+    the others; one AssertionError names each with its traceback. With a process group, all ranks meet at a barrier
+    after each case (unless `barrier=False`) so a case that fails early on one rank does not mix its collectives with
+    the next case's; a case that hangs a rank is caught by the launch `timeout`.
     """
     failures: list[tuple[Mapping[str, Any], str]] = []
     total = 0

@@ -214,11 +214,10 @@ class Config(Section):
     ) -> Config:
         """A new Config with every `auto` settled and the batch sizes filled in for `world_size`.
 
-        `shardwise.initialize` calls it with what it was given: the model (dtype, hidden size for
-        bucket sizes), the optimizer and lr scheduler passed (their lr; a config section whose
-        params are all `auto` gives way to them), and the device the job runs on (`offload_*` to
-        `cpu` is only accepted on a CPU job). A trainer passes `total_num_steps` for a scheduler's
-        `total_num_steps: auto`. Logs the info lines (rank 0, once per line per config).
+        `shardwise.initialize` calls it with what it was given: the model (dtype, hidden size for bucket sizes), the
+        optimizer and lr scheduler passed (their lr; a config section whose params are all `auto` gives way to them),
+        and the device the job runs on. A trainer passes `total_num_steps` for a scheduler's `total_num_steps: auto`.
+        Logs the info lines (rank 0, once per line per config).
         """
         data = self.to_dict()
         for key in ("offload_optimizer", "offload_param"):  # read again below: as written, not every default

@@ -1,17 +1,11 @@
 """One rule for every key: turn a raw DeepSpeed-style dict into what the section models validate.
 
-`prepare` walks the raw config along the section models and, for each key:
-
-1. reads a DeepSpeed alias or legacy name as its canonical name (with an info line);
-2. a key shardwise implements: `auto` is settled by `auto.py`'s rules, a string number or boolean
-   becomes a number or boolean (`"1e-3"`, `"true"`) with an info line saying so, and the value goes
-   on to pydantic (whose number fields then take numbers only, `sections.Count` and `Real`);
-3. a DeepSpeed key in `catalog.CATALOG`: accepted with an info line when it changes nothing here,
-   an error naming the feature when it turns one on;
-4. anything else: an unknown-key error with the closest known key.
-
-Problems are collected, so the user sees all of them at once (past `errors.MAX_SHOWN`, unknown keys are
-counted without the difflib search).
+`prepare` walks the raw config along the section models and, for each key: reads a DeepSpeed alias or legacy name as
+its canonical name (an info line); for a key shardwise implements, settles `auto` by `auto.py`'s rules and reads a
+string number or boolean as one (an info line) before pydantic sees it; accepts a DeepSpeed key in `catalog.CATALOG`
+with an info line when it changes nothing here, an error naming the feature when it turns one on; and reports anything
+else as an unknown key with the closest known key. Problems are collected, so the user sees all of them at once (past
+`errors.MAX_SHOWN`, unknown keys are counted without the difflib search).
 """
 
 from __future__ import annotations

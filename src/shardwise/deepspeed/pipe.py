@@ -82,13 +82,11 @@ class PipeModelDataParallelTopology(ProcessTopology):
 
 
 class PipelineModule(_PipelineModule):
-    """DeepSpeed's `PipelineModule(layers, num_stages, topology, loss_fn, seed_layers, seed_fn, base_seed,
-    partition_method, activation_checkpoint_interval, activation_checkpoint_func, checkpointable_layers,
-    dynamic_shape)` over :class:`shardwise.pipe.PipelineModule`.
+    """DeepSpeed's `PipelineModule` signature over :class:`shardwise.pipe.PipelineModule`.
 
-    `topology` gives the number of stages (its `pipe` axis; a `model` axis must be 1). Activations may
-    change shape between micro-batches whatever `dynamic_shape` says. `seed_fn` and
-    `checkpointable_layers` are DeepSpeed features shardwise lacks: errors unless None.
+    `topology` gives the number of stages (its `pipe` axis; a `model` axis must be 1). Activations may change shape
+    between micro-batches whatever `dynamic_shape` says. `seed_fn` and `checkpointable_layers` are DeepSpeed features
+    shardwise lacks: errors unless None.
     """
 
     def __init__(

@@ -38,9 +38,8 @@ __all__ = ["PipelineEngine", "ScheduleTiming"]
 
 @dataclass
 class ScheduleTiming:
-    """Where the last batch's time went on this rank (seconds): ``compute`` in forward and backward,
-    the rest of ``total`` waiting (bubble, transfers).  The pipeline's bubble divides ``compute``
-    by the slowest rank's ``total`` (``benchmarks/pipeline.py``)."""
+    """Where the last batch's time went on this rank (seconds): ``compute`` in forward and backward, the rest of
+    ``total`` waiting (bubble, transfers; ``benchmarks/pipeline.py`` divides by the slowest rank's ``total``)."""
 
     total: float = 0.0
     compute: float = 0.0

@@ -66,11 +66,9 @@ def compute_loss(loss_fn: Optional[Callable[[Any, Any], torch.Tensor]], outputs:
 class PipelineSequential(nn.Module):
     """Every layer of a ``PipelineModule``, in order, as an ordinary module.
 
-    It shares the pipeline module's layer objects: ``tied_modules.<key>`` once per key, ``"<index>"`` for
-    every other module layer (``children``, in the pipeline module's order), so the state-dict names are the
-    pipeline's (a checkpoint of either loads into the other).  ``forward(inputs)`` returns the last layer's
-    output; ``forward(inputs, labels)`` returns ``loss_fn(outputs, labels)``.  It needs no process group and
-    trains under ``shardwise.initialize`` at any ZeRO stage.
+    It shares the pipeline module's layer objects under the same names (a checkpoint of either loads into the other).
+    ``forward(inputs)`` returns the last layer's output, ``forward(inputs, labels)`` the loss. It needs no process
+    group and trains under ``shardwise.initialize`` at any ZeRO stage.
     """
 
     def __init__(self, children: Iterable[tuple[str, nn.Module]], steps: list[Layer], loss_fn: Optional[Any],
@@ -125,10 +123,9 @@ class LayerSpec:
 class TiedLayerSpec(LayerSpec):
     """A layer whose module is shared by every occurrence of ``key``.
 
-    On one stage all occurrences of ``key`` are one module instance, built from the first occurrence.
-    ``forward_fn(module, x)``, when given, replaces the module's forward for this occurrence (a tied head:
-    ``F.linear(x, module.weight)``).  ``tied_weight_attr`` names the parameter(s) kept equal across the stages
-    that hold the key (dotted names reach into submodules); their shapes must agree between occurrences.
+    On one stage all occurrences of ``key`` are one module instance. ``forward_fn(module, x)`` replaces its forward for
+    this occurrence (a tied head: ``F.linear(x, module.weight)``); ``tied_weight_attr`` names the parameter(s) kept
+    equal across the stages that hold the key (dotted names reach into submodules).
     """
 
     def __init__(

@@ -82,10 +82,9 @@ def _recv(comm: Comm, shape: Any, dtype: torch.dtype, src: int, device: torch.de
 def working_copy(received: Any) -> Any:
     """What a stage computes on: each received tensor that needs a gradient, cloned.
 
-    The received tensors are leaves (their ``.grad`` goes back to the previous stage), and autograd
-    forbids an in-place op on a leaf that requires grad: a stage starting with ``ReLU(inplace=True)``
-    would fail. The clone (one copy of the activation, as DeepSpeed's engine makes) is what the
-    layers see and may overwrite; its gradient still flows into the leaf.
+    The received tensors are leaves (their ``.grad`` goes back to the previous stage), and autograd forbids an in-place
+    op on a leaf that requires grad (a first ``ReLU(inplace=True)``); the layers may overwrite the clone (one copy, as
+    DeepSpeed makes), and its gradient still flows into the leaf.
     """
     if not torch.is_grad_enabled():
         return received
