@@ -380,9 +380,7 @@ def _describe_exit(exitcode: int | None) -> str:
         except ValueError:
             name = f"signal {-exitcode}"
         return f"was killed by {name} (exit code {exitcode})"
-    if exitcode == 0:
-        return "exited with code 0 without returning a result"
-    return f"exited with code {exitcode} before returning a result"
+    return f"exited with code {exitcode} {'without returning' if exitcode == 0 else 'before returning'} a result"
 
 
 def _rank_report(procs: Sequence[BaseProcess], rank: int, launch_dir: Path) -> str:

@@ -3,9 +3,8 @@
 The policy (DESIGN.md) in table form; a key shardwise implements is a field of a section model (`sections.py`) instead.
 A *knob* (no `feature`) is accepted whatever its value: it tunes something with no meaning here, or asks for what
 shardwise always does (its `reason` ends the info line). A *switch* (`feature` set) is accepted while `is_off(value)`
-holds, and is an error naming `feature` and the `fix` otherwise. Learned from DeepSpeed's own schema
-(`deepspeed/runtime/config.py`, `constants.py`, `zero/config.py`, `zero/offload_config.py`, `precision_config.py`, the
-monitor and profiler configs); the wording is shardwise's.
+holds, and is an error naming `feature` and the `fix` otherwise. Learned from DeepSpeed's own schema (its
+`runtime/config.py`, `constants.py` and the zero, offload, precision, monitor and profiler configs); wording ours.
 """
 
 from __future__ import annotations

@@ -61,10 +61,8 @@ class Accelerator:
         return True
 
     def supported_dtypes(self) -> list[torch.dtype]:
-        dtypes = [torch.float32]
-        dtypes += [torch.float16] if self.is_fp16_supported() else []
-        dtypes += [torch.bfloat16] if self.is_bf16_supported() else []
-        return dtypes
+        halves = ((torch.float16, self.is_fp16_supported()), (torch.bfloat16, self.is_bf16_supported()))
+        return [torch.float32, *(dtype for dtype, supported in halves if supported)]
 
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == self._name

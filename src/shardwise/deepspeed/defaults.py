@@ -1,8 +1,7 @@
 """DeepSpeed's defaults, where they differ from `shardwise.initialize`'s plain-PyTorch ones.
 
-`shardwise.deepspeed.initialize` applies each of them to what the config leaves unsaid, and says so in
-one info line per default (rank 0), so an imports-only port trains as it did under DeepSpeed.
-docs/from-deepspeed.md has the same list as a table.
+`shardwise.deepspeed.initialize` applies each of them to what the config leaves unsaid, and says so in one info line
+per default (rank 0), so an imports-only port trains as it did under DeepSpeed (docs/from-deepspeed.md: the table).
 """
 
 from __future__ import annotations

@@ -53,8 +53,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def _config_source(args: Any, config: ConfigSource | None, config_params: ConfigSource | None) -> ConfigSource:
     """The config from `config`, its old name `config_params`, or `args.deepspeed_config` (one of them)."""
-    if config is None:
-        config = config_params
+    config = config if config is not None else config_params
     from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     if from_args is not None and config is not None:
         raise ValueError(

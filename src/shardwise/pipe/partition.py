@@ -17,11 +17,8 @@ Weigh = Callable[[int], int]
 
 
 def partition(names: Sequence[str], weigh: Weigh, num_stages: int, method: Any) -> list[int]:
-    """Boundaries for ``len(names)`` layers over ``num_stages`` stages.
-
-    ``names[i]`` is layer ``i``'s class name; ``weigh(i)`` its trainable
-    parameter count (only called for ``"parameters"``).
-    """
+    """Boundaries for ``len(names)`` layers (``names[i]``: layer ``i``'s class name) over ``num_stages`` stages;
+    ``weigh(i)`` is its trainable parameter count (only called for ``"parameters"``)."""
     count = len(names)
     if count < num_stages:
         raise ValueError(

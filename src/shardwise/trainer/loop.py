@@ -2,10 +2,9 @@
 
 Per step: ``gradient_accumulation_steps`` micro-batches through ``engine(...)``, ``engine.backward`` and ``engine.step``
 (:meth:`Trainer.train_step`, the one method a pipeline variant would override), then one all-reduce of the step's loss
-and data counts, evaluation when due, the callbacks, and one all-reduce of the callbacks' stop/save requests. Saves
-happen on every rank at the same step by construction. The data position (epoch, step within it) travels in the
-checkpoint's ``client_state``, so a resumed run continues with the very next batch and ends bit-for-bit where an
-uninterrupted run ends. A Trainer given a model builds its engine: a scheduler's ``total_num_steps: auto`` then resolves
+and data counts, evaluation when due, the callbacks, and one all-reduce of the callbacks' stop/save requests (so every
+rank saves at the same step). The data position (epoch, step within it) travels in the checkpoint's ``client_state``,
+so a resumed run continues with the very next batch and ends bit-for-bit where an uninterrupted run ends. A Trainer given a model builds its engine: a scheduler's ``total_num_steps: auto`` then resolves
 to the steps it will run, as Hugging Face's Trainer resolves it.
 """
 
