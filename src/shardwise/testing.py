@@ -18,22 +18,18 @@ a process group (gloo by default) and calls the function on every rank::
     def test_body_runs_on_every_rank() -> None:
         run_subtests(_check_stage, [{"stage": s} for s in (0, 1, 2, 3)])
 
-Failures never hang: a rank that raises, dies or exceeds ``timeout`` makes the launch
-raise `DistributedTestError` naming the rank, with its traceback (or exit code, or the
-Python stack it was stuck in), and every other rank is killed.
+Failures never hang: a rank that raises, dies or exceeds ``timeout`` makes the launch raise `DistributedTestError`
+naming the rank, with its traceback (or exit code, or the Python stack it was stuck in), and every other rank is killed.
 
-Ranks are forked from a ``multiprocessing`` forkserver that has already imported torch
-(with ``torch._dynamo``, which torch otherwise imports lazily on the first optimizer step)
-and shardwise, but never ran a torch op: a launch then costs a fork instead of a fresh
-interpreter importing torch, and no rank inherits a live OpenMP thread pool (forking a
-process that ran parallel torch ops can deadlock the child). Set the environment variable
-``SHARDWISE_TEST_START_METHOD=spawn`` (or pass ``start_method="spawn"``) to use fresh
-interpreters instead.
+Ranks are forked from a ``multiprocessing`` forkserver that has already imported torch (with ``torch._dynamo``, which
+torch otherwise imports lazily on the first optimizer step) and shardwise, but never ran a torch op: a launch then costs
+a fork instead of a fresh interpreter importing torch, and no rank inherits a live OpenMP thread pool (forking a process
+that ran parallel torch ops can deadlock the child). Set the environment variable ``SHARDWISE_TEST_START_METHOD=spawn``
+(or pass ``start_method="spawn"``) to use fresh interpreters instead.
 
-What a rank needs must be picklable: the function (defined at module level, so the rank
-can import it by name), its arguments and its return value. Like any ``multiprocessing``
-program, a script that calls `run_distributed` must guard its entry point with
-``if __name__ == "__main__":``. Only torch and the standard library are used here.
+What a rank needs must be picklable: the function (defined at module level, so the rank can import it by name), its
+arguments and its return value. Like any ``multiprocessing`` program, a script that calls `run_distributed` must guard
+its entry point with ``if __name__ == "__main__":``. Only torch and the standard library are used here.
 """
 
 from __future__ import annotations
@@ -67,9 +63,8 @@ __all__ = ["DistributedTestError", "distributed_test", "run_distributed", "run_s
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-# Modules the forkserver imports once so that every rank forked from it starts warm.
-# Only those already imported by the caller are preloaded: a module that fails to import
-# with anything but ImportError would kill the forkserver itself.
+# Modules the forkserver imports once so that every rank forked from it starts warm. Only those already imported by the
+# caller are preloaded: a module that fails to import with anything but ImportError would kill the forkserver itself.
 _PRELOAD_CANDIDATES = ("torch", "torch.distributed", "numpy", "pytest", "shardwise")
 # Preloaded whenever torch is: torch imports it lazily on the first optimizer step or DDP
 # construction, which costs every rank of nearly every training test 3+ s on 2 cores.
@@ -118,15 +113,13 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def _read_text(path: Path) -> str:
-    """Return a file's text, or "" when the rank never wrote it."""
-    try:
+    try:  # "" when the rank never wrote it
         return path.read_text(errors="replace")
     except FileNotFoundError:
         return ""
 
 
 def _tail(text: str, limit: int = _TAIL_CHARS) -> str:
-    """Return the end of `text`, marked as cut when it is longer than `limit`."""
     return text if len(text) <= limit else "...\n" + text[-limit:]
 
 
@@ -149,7 +142,6 @@ class _RankSpec:
 
     @property
     def files(self) -> _RankFiles:
-        """This rank's files in the launch directory."""
         return _rank_files(Path(self.launch_dir), self.rank)
 
 
@@ -166,7 +158,8 @@ def _rank_entry(spec: _RankSpec, call: bytes) -> None:
         fn, args, kwargs = pickle.loads(call)
         _init_process_group(spec)
         result = fn(*args, **kwargs)
-        _destroy_process_group()
+        if dist := _dist():
+            dist.destroy_process_group()
         payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException:  # noqa: BLE001 - SystemExit/KeyboardInterrupt are failures too
         _report_error_and_exit(spec.files)
@@ -198,8 +191,7 @@ def _install_fault_handlers(spec: _RankSpec) -> None:
         _KEEP_OPEN.append(stack_file)
     # If the launcher itself dies, nobody kills this rank: end it after a generous delay.
     try:
-        faulthandler.dump_traceback_later(spec.timeout + _ORPHAN_GRACE_S, exit=True,
-                                          file=stderr)
+        faulthandler.dump_traceback_later(spec.timeout + _ORPHAN_GRACE_S, exit=True, file=stderr)
     except OverflowError:
         pass  # a timeout too large for the timer is as good as none
 
@@ -244,12 +236,11 @@ def _init_process_group(spec: _RankSpec) -> None:
     dist.barrier()
 
 
-def _destroy_process_group() -> None:
-    """Tear the default group down unless the function already did."""
+def _dist() -> Any:
+    """`torch.distributed` while a default group is initialized (the function may have destroyed it), else None."""
     import torch.distributed as dist  # here: the harness imports torch only inside a rank, not at its own import
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def _report_error_and_exit(files: _RankFiles) -> NoReturn:
@@ -267,28 +258,12 @@ def _report_error_and_exit(files: _RankFiles) -> NoReturn:
 # --------------------------------------------------------------------------- the launcher side
 
 
-def _free_port() -> int:
-    """Return a TCP port that is free now, for code that reads MASTER_PORT itself."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _start_method(requested: str | None) -> str:
-    """Pick forkserver where the platform has it, unless the caller or env asks otherwise."""
-    method = requested or os.environ.get(_START_METHOD_ENV) or ""
+def _context(requested: str | None) -> BaseContext:
+    """Forkserver (started warm) where the platform has it, unless the caller or the environment asks otherwise."""
     available = multiprocessing.get_all_start_methods()
-    if not method:
-        return "forkserver" if "forkserver" in available else "spawn"
+    method = requested or os.environ.get(_START_METHOD_ENV) or ("forkserver" if "forkserver" in available else "spawn")
     if method not in available:
-        raise ValueError(
-            f"start method `{method}` is not available here; expected one of {available}."
-        )
-    return method
-
-
-def _context(method: str) -> BaseContext:
-    """Return the multiprocessing context, starting a warm forkserver when that is the method."""
+        raise ValueError(f"start method `{method}` is not available here; expected one of {available}.")
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
         _ensure_warm_forkserver(ctx)
@@ -317,8 +292,7 @@ def _ensure_warm_forkserver(ctx: BaseContext) -> None:
             os.environ["PYTHONPATH"] = saved
 
 
-def _pickle_call(fn: Callable[..., Any], args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> bytes:
+def _pickle_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
     """Pickle the call once for all ranks, failing before any process starts."""
     try:
         return pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
@@ -329,17 +303,6 @@ def _pickle_call(fn: Callable[..., Any], args: tuple[Any, ...],
             "a nested function) and its arguments (for `distributed_test`: the fixture and "
             "parametrize values) must be picklable."
         ) from exc
-
-
-def _start_ranks(ctx: BaseContext, specs: Sequence[_RankSpec], call: bytes,
-                 procs: list[BaseProcess]) -> None:
-    """Start one process per rank, appending each to `procs` as soon as it runs."""
-    for spec in specs:
-        proc = ctx.Process(  # type: ignore[attr-defined]
-            target=_rank_entry, args=(spec, call), name=f"shardwise-rank{spec.rank}"
-        )
-        proc.start()
-        procs.append(proc)
 
 
 def _kill_all(procs: Iterable[BaseProcess]) -> None:
@@ -359,11 +322,6 @@ class _Outcome:
     finished: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)  # in the order their exits were seen
     timed_out: list[int] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        """True when every rank returned a result in time."""
-        return not self.failed and not self.timed_out
 
 
 def _watch(procs: Sequence[BaseProcess], deadline: float, launch_dir: Path,
@@ -422,9 +380,7 @@ def _describe_exit(exitcode: int | None) -> str:
         except ValueError:
             name = f"signal {-exitcode}"
         return f"was killed by {name} (exit code {exitcode})"
-    if exitcode == 0:
-        return "exited with code 0 without returning a result"
-    return f"exited with code {exitcode} before returning a result"
+    return f"exited with code {exitcode} {'without returning' if exitcode == 0 else 'before returning'} a result"
 
 
 def _rank_report(procs: Sequence[BaseProcess], rank: int, launch_dir: Path) -> str:
@@ -440,27 +396,16 @@ def _rank_report(procs: Sequence[BaseProcess], rank: int, launch_dir: Path) -> s
     return report
 
 
-def _failure_message(outcome: _Outcome, procs: Sequence[BaseProcess], launch_dir: Path,
-                     timeout: float) -> str:
-    """Build the `DistributedTestError` text for a failed launch."""
-    if outcome.failed:
-        return _crash_message(outcome, procs, launch_dir)
-    return _timeout_message(outcome, len(procs), launch_dir, timeout)
-
-
 def _cause_first(failed: Sequence[int], launch_dir: Path) -> list[int]:
     """Order failed ranks so the likely cause comes first and its echoes after.
 
-    A rank that died without a traceback (os._exit, a signal, a segfault) comes first: a
-    peer's loss makes gloo raise in the other ranks, it does not kill them. Ranks that
-    raised follow in the order they wrote their tracebacks. Exit order as seen here is
-    only a tie-break: the forkserver may relay two nearly simultaneous exits either way.
+    A rank that died without a traceback (os._exit, a signal, a segfault) comes first: a peer's loss makes gloo raise in
+    the other ranks, it does not kill them. Ranks that raised follow in the order they wrote their tracebacks. Exit
+    order as seen here is only a tie-break: the forkserver may relay two nearly simultaneous exits either way.
     """
     def key(rank: int) -> tuple[int, int, int]:
         error = _rank_files(launch_dir, rank).error
-        if not error.exists():
-            return (0, 0, failed.index(rank))
-        return (1, error.stat().st_mtime_ns, failed.index(rank))
+        return (1, error.stat().st_mtime_ns, failed.index(rank)) if error.exists() else (0, 0, failed.index(rank))
 
     return sorted(failed, key=key)
 
@@ -479,17 +424,13 @@ def _crash_message(outcome: _Outcome, procs: Sequence[BaseProcess], launch_dir: 
 def _timeout_message(outcome: _Outcome, world: int, launch_dir: Path, timeout: float) -> str:
     """Report the ranks still running at the deadline, with the stacks they were stuck in."""
     parts = [
-        f"ranks {outcome.timed_out} of {world} did not finish within the {timeout:g} s "
-        f"timeout (finished: {outcome.finished}); every rank was killed. A rank is stuck "
-        "(often in a collective that not every rank called) or the work needs a larger "
-        "`timeout=`."
-    ]
+        f"ranks {outcome.timed_out} of {world} did not finish within the {timeout:g} s timeout (finished: "
+        f"{outcome.finished}); every rank was killed. A rank is stuck (often in a collective that not every rank "
+        "called) or the work needs a larger `timeout=`."]
     for rank in outcome.timed_out:
         stack = _read_text(_rank_files(launch_dir, rank).stack).strip()
-        if stack:
-            parts.append(f"rank {rank} Python stack at the timeout:\n{_tail(stack)}")
-        else:
-            parts.append(f"rank {rank} left no stack (it had not finished starting up).")
+        parts.append(f"rank {rank} Python stack at the timeout:\n{_tail(stack)}" if stack
+                     else f"rank {rank} left no stack (it had not finished starting up).")
     return "\n\n".join(parts)
 
 
@@ -500,29 +441,10 @@ def _replay_output(world_size: int, launch_dir: Path) -> None:
         for path, stream in ((files.stdout, sys.stdout), (files.stderr, sys.stderr)):
             text = _read_text(path)
             if text:
-                stream.write("".join(f"[rank {rank}] {line}" for line in
-                                     text.splitlines(keepends=True)))
+                stream.write("".join(f"[rank {rank}] {line}" for line in text.splitlines(keepends=True)))
                 if not text.endswith("\n"):
                     stream.write("\n")
                 stream.flush()
-
-
-def _read_results(world_size: int, launch_dir: Path) -> list[Any]:
-    """Unpickle every rank's return value, in rank order (None for a rank that died as expected)."""
-    paths = [_rank_files(launch_dir, rank).result for rank in range(world_size)]
-    return [pickle.loads(path.read_bytes()) if path.exists() else None for path in paths]
-
-
-def _check_arguments(world_size: int, timeout: float, threads_per_rank: int | None) -> None:
-    """Reject bad launch arguments before any process starts."""
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"`world_size` must be a positive int, got {world_size!r}.")
-    if not timeout > 0:
-        raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}.")
-    if threads_per_rank is not None and threads_per_rank < 1:
-        raise ValueError(
-            f"`threads_per_rank` must be a positive int or None, got {threads_per_rank!r}."
-        )
 
 
 def run_distributed(
@@ -538,44 +460,38 @@ def run_distributed(
     start_method: str | None = None,
     expect_dead: Collection[int] = (),
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on `world_size` fresh processes and return their results.
+    """Run ``fn(*args, **kwargs)`` on `world_size` fresh processes; return their (picklable) results in rank order.
 
-    Each rank starts with the default process group initialized (`backend`, a file
-    rendezvous in a fresh temporary directory), ``torch.set_num_threads(threads_per_rank)``
-    applied (``None`` leaves torch's default), and the environment variables torchrun
-    sets: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``
-    and a free ``MASTER_PORT``, on top of this process's environment and `env`. The group
-    is destroyed when `fn` returns. Each rank's stdout/stderr is copied to this process's,
-    prefixed with ``[rank N]``, once the launch ends.
+    Each rank starts with the default process group initialized (`backend`, a file rendezvous in a fresh temporary
+    directory), ``torch.set_num_threads(threads_per_rank)`` applied (``None`` leaves torch's default), and the
+    environment variables torchrun sets: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``
+    and a free ``MASTER_PORT``, on top of this process's environment and `env`. The group is destroyed when `fn`
+    returns. Each rank's stdout/stderr is copied to this process's, prefixed with ``[rank N]``, once the launch ends.
+    A failure raises `DistributedTestError` (see the module docstring) once every rank is killed, so nothing hangs;
+    `timeout` counts from the ranks' start.
 
-    Returns the ranks' return values in rank order (they must be picklable).
-
-    Raises `DistributedTestError` when a rank raises (message: its rank and traceback),
-    exits or is killed before returning (its exit code and last stderr lines), or when
-    ranks are still running `timeout` seconds after they were started (the ranks and
-    their Python stacks).
-    In every case all ranks are killed before this returns, so nothing hangs.
-
-    `start_method` is ``"forkserver"`` (default where available) or ``"spawn"``; the
-    ``SHARDWISE_TEST_START_METHOD`` environment variable sets the default.
-
-    `expect_dead` lists ranks a fault-injection test kills on purpose: such a rank may
-    end without a result (killed by a signal, or exiting) and its result is None; the
-    launch waits for the others as usual. It still fails the launch if it raises.
+    `start_method` is ``"forkserver"`` (default where available) or ``"spawn"``; the ``SHARDWISE_TEST_START_METHOD``
+    environment variable sets the default. `expect_dead` lists ranks a fault-injection test kills on purpose: such a
+    rank may end without a result (killed by a signal, or exiting) and its result is None; the launch waits for the
+    others as usual. It still fails the launch if it raises.
     """
-    _check_arguments(world_size, timeout, threads_per_rank)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"`world_size` must be a positive int, got {world_size!r}.")
+    if not timeout > 0:
+        raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}.")
+    if threads_per_rank is not None and threads_per_rank < 1:
+        raise ValueError(f"`threads_per_rank` must be a positive int or None, got {threads_per_rank!r}.")
     call = _pickle_call(fn, tuple(args), dict(kwargs or {}))
     environ = {**os.environ, **(env or {})}
     with _LAUNCH_LOCK:  # the forkserver start briefly changes os.environ
-        ctx = _context(_start_method(start_method))
+        ctx = _context(start_method)
     launch_dir = Path(tempfile.mkdtemp(prefix="shardwise-launch-"))
     try:
-        port = _free_port()
-        specs = [
-            _RankSpec(rank, world_size, str(launch_dir), str(launch_dir / "rendezvous"), port,
-                      backend, timeout, threads_per_rank, environ)
-            for rank in range(world_size)
-        ]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a port free now, for code reading MASTER_PORT
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        specs = [_RankSpec(rank, world_size, str(launch_dir), str(launch_dir / "rendezvous"), port, backend, timeout,
+                           threads_per_rank, environ) for rank in range(world_size)]
         return _launch(ctx, specs, call, launch_dir, timeout, frozenset(expect_dead))
     finally:
         shutil.rmtree(launch_dir, ignore_errors=True)
@@ -586,7 +502,11 @@ def _launch(ctx: BaseContext, specs: Sequence[_RankSpec], call: bytes, launch_di
     """Start, watch and always reap the ranks; turn a bad outcome into an error."""
     procs: list[BaseProcess] = []
     try:
-        _start_ranks(ctx, specs, call, procs)
+        for spec in specs:  # each appended once it runs, so that `_kill_all` reaps only started ranks
+            proc = ctx.Process(  # type: ignore[attr-defined]
+                target=_rank_entry, args=(spec, call), name=f"shardwise-rank{spec.rank}")
+            proc.start()
+            procs.append(proc)
         # Counted from here: a forkserver's one-time warm-up is not the ranks' fault.
         deadline = time.monotonic() + timeout
         outcome = _watch(procs, deadline, launch_dir, expect_dead)
@@ -595,9 +515,12 @@ def _launch(ctx: BaseContext, specs: Sequence[_RankSpec], call: bytes, launch_di
     finally:
         _kill_all(procs)
     _replay_output(len(specs), launch_dir)
-    if not outcome.ok:
-        raise DistributedTestError(_failure_message(outcome, procs, launch_dir, timeout))
-    return _read_results(len(specs), launch_dir)
+    if outcome.failed:
+        raise DistributedTestError(_crash_message(outcome, procs, launch_dir))
+    if outcome.timed_out:
+        raise DistributedTestError(_timeout_message(outcome, len(procs), launch_dir, timeout))
+    results = (_rank_files(launch_dir, rank).result for rank in range(len(specs)))
+    return [pickle.loads(path.read_bytes()) if path.exists() else None for path in results]  # None: died as expected
 
 
 # --------------------------------------------------------------------------- pytest decorator
@@ -619,10 +542,8 @@ class _FunctionRef:
     def of(cls, fn: Callable[..., Any]) -> _FunctionRef:
         """Point at `fn`, refusing nested functions that no rank could import."""
         if "<locals>" in fn.__qualname__:
-            raise TypeError(
-                f"`@distributed_test` needs `{fn.__qualname__}` at module or class level so "
-                "that each rank can import it; move it out of the enclosing function."
-            )
+            raise TypeError(f"`@distributed_test` needs `{fn.__qualname__}` at module or class level so that each rank "
+                            "can import it; move it out of the enclosing function.")
         code = getattr(fn, "__code__", None)
         return cls(fn.__module__, fn.__qualname__, code.co_filename if code else None)
 
@@ -663,14 +584,10 @@ def distributed_test(
 ) -> Any:
     """Decorate a pytest test so that its body runs on `world_size` ranks via `run_distributed`.
 
-    The test must be defined at module level (or as a method of a module-level class).
-    Fixture and parametrize values are passed to every rank, so they must be picklable;
-    the test passes when every rank returns. Usable bare (``@distributed_test``) or
-    called (``@distributed_test(world_size=3, timeout=30)``).
-
-    Ranks import the test module without pytest's assertion rewriting, so a failing
-    ``assert a == b`` shows no values; prefer ``torch.testing.assert_close`` or an
-    explicit message.
+    The test must be defined at module level (or as a method of a module-level class). Fixture and parametrize values
+    are passed to every rank, so they must be picklable; the test passes when every rank returns. Usable bare or called
+    (``@distributed_test(world_size=3, timeout=30)``). Ranks import the test module without pytest's assertion
+    rewriting, so a failing ``assert a == b`` shows no values; prefer ``torch.testing.assert_close`` or a message.
     """
     if callable(world_size):
         return distributed_test()(world_size)
@@ -692,18 +609,13 @@ def distributed_test(
 # --------------------------------------------------------------------------- sub-cases
 
 
-def run_subtests(fn: Callable[..., Any], cases: Iterable[Mapping[str, Any]], *,
-                 barrier: bool = True) -> None:
+def run_subtests(fn: Callable[..., Any], cases: Iterable[Mapping[str, Any]], *, barrier: bool = True) -> None:
     """Run ``fn(**case)`` for each case inside a rank; report every failing case at once.
 
-    Several cases per launch keep a suite fast: one launch costs far more than one case.
-    A failing case does not stop the others. When the default process group is
-    initialized, all ranks meet at a barrier after each case (set `barrier=False` to skip)
-    so a case that fails early on one rank does not mix its collectives with the next
-    case's. A case that hangs a rank (e.g. one rank skips a collective) cannot be caught
-    here; the launch `timeout` of `run_distributed` / `distributed_test` catches it.
-
-    Raises one AssertionError naming each failing case with its traceback.
+    Several cases per launch keep a suite fast: one launch costs far more than one case. A failing case does not stop
+    the others; one AssertionError names each with its traceback. With a process group, all ranks meet at a barrier
+    after each case (unless `barrier=False`) so a case that fails early on one rank does not mix its collectives with
+    the next case's; a case that hangs a rank is caught by the launch `timeout`.
     """
     failures: list[tuple[Mapping[str, Any], str]] = []
     total = 0
@@ -713,34 +625,10 @@ def run_subtests(fn: Callable[..., Any], cases: Iterable[Mapping[str, Any]], *,
             fn(**case)
         except Exception:  # noqa: BLE001 - collect every case's failure, then report
             failures.append((case, traceback.format_exc()))
-        if barrier:
-            _barrier()
+        if barrier and (dist := _dist()):
+            dist.barrier()
     if failures:
-        raise AssertionError(_subtest_message(fn, failures, total))
-
-
-def _barrier() -> None:
-    """Align the ranks between sub-cases when a process group exists."""
-    import torch.distributed as dist  # here: the harness imports torch only inside a rank, not at its own import
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _subtest_message(fn: Callable[..., Any], failures: Sequence[tuple[Mapping[str, Any], str]],
-                     total: int) -> str:
-    """Name each failing case of `fn` and show its traceback."""
-    where = _rank_label()
-    head = (f"{len(failures)} of {total} subtests of "
-            f"`{getattr(fn, '__qualname__', fn)}` failed{where}:")
-    body = [f"--- case {dict(case)!r} ---\n{tb.rstrip()}" for case, tb in failures]
-    return "\n\n".join([head, *body])
-
-
-def _rank_label() -> str:
-    """Return " on rank N" inside an initialized process group, else ""."""
-    import torch.distributed as dist  # here: the harness imports torch only inside a rank, not at its own import
-
-    if dist.is_available() and dist.is_initialized():
-        return f" on rank {dist.get_rank()}"
-    return ""
+        where = f" on rank {dist.get_rank()}" if (dist := _dist()) else ""
+        head = f"{len(failures)} of {total} subtests of `{getattr(fn, '__qualname__', fn)}` failed{where}:"
+        body = [f"--- case {dict(case)!r} ---\n{tb.rstrip()}" for case, tb in failures]
+        raise AssertionError("\n\n".join([head, *body]))

@@ -1,10 +1,9 @@
 """Hugging Face's `"auto"` values: what each becomes, and when it is known.
 
-Batch numbers become "not given" (DeepSpeed's rule derives them from the other two and the world size).
-Keys that depend on what `initialize` receives stay pending until `Config.resolve` (`_LATER` and the
-`optimizer` / `scheduler` params below). Any other key takes the engine's default at load.
-transformers' `HfTrainerDeepSpeedConfig` fills the same keys from `TrainingArguments`; this module fills
-them from what shardwise knows instead (learned from its rules, not copied).
+Batch numbers become "not given" (DeepSpeed's rule derives them from the other two and the world size). Keys that depend
+on what `initialize` receives stay pending until `Config.resolve` (`_LATER` and the `optimizer` / `scheduler` params
+below). Any other key takes the engine's default at load. transformers' `HfTrainerDeepSpeedConfig` fills the same keys
+from `TrainingArguments`; this module fills them from what shardwise knows instead (learned from its rules, not copied).
 """
 
 from __future__ import annotations
@@ -68,7 +67,9 @@ def fill(data: MutableMapping[str, Any], pending: Mapping[str, str], facts: Fact
     notes: list[Note] = []
     passed = {"optimizer": facts.optimizer, "lr_scheduler": facts.lr_scheduler}
     for key, name in (("optimizer", "optimizer"), ("scheduler", "lr_scheduler")):
-        if passed[name] is not None and _all_auto(data.get(key)):
+        # a section whose params are all `auto` gives way to the object passed
+        params = data[key].get("params") if isinstance(data.get(key), Mapping) else None
+        if passed[name] is not None and isinstance(params, Mapping) and params and all(map(is_auto, params.values())):
             del data[key]
             notes.append(Note(key, f"`{key}`: every param is `auto`, so the {name} passed to initialize is used"))
     # The optimizer's params first: a scheduler's `warmup_max_lr: auto` reads the lr they leave.
@@ -91,7 +92,9 @@ def _settle(data: MutableMapping[str, Any], path: str, facts: Facts) -> Note:
     """Set (or drop, for the default) the pending `auto` at `path`."""
     section, _, name = path.partition(".params.")
     if path in _DTYPES:
-        return _set(data, path, _model_dtype(facts.model) == _DTYPES[path], "the model's dtype")
+        params = facts.model.parameters() if facts.model is not None else ()
+        dtype = next((p.dtype for p in params if p.is_floating_point()), None)
+        return _set(data, path, dtype == _DTYPES[path], "the model's dtype")
     if path in _BUCKETS:
         formula, compute = _BUCKETS[path]
         size = hidden_size(facts.model)
@@ -133,14 +136,6 @@ def _drop(data: MutableMapping[str, Any], path: str, why: str) -> Note:
     return Note(path, f"`{path}: auto` became {why}")
 
 
-def _all_auto(section: Any) -> bool:
-    """Whether `section` has params and every one is `auto` (it then gives way to the object passed)."""
-    if not isinstance(section, Mapping):
-        return False
-    params = section.get("params")
-    return isinstance(params, Mapping) and bool(params) and all(is_auto(v) for v in params.values())
-
-
 def _total_steps(facts: Facts, path: str) -> int:
     if facts.total_num_steps is None:
         raise ConfigError(
@@ -162,15 +157,6 @@ def _optimizer_lr(data: Mapping[str, Any], facts: Facts) -> float | list[float]:
     if isinstance(section, Mapping) and section.get("type") in OPTIMIZERS:
         return float(OPTIMIZERS[section["type"]].default("lr"))
     return float(SCHEDULES["WarmupLR"]["warmup_max_lr"])
-
-
-def _model_dtype(model: nn.Module | None) -> torch.dtype | None:
-    if model is None:
-        return None
-    for param in model.parameters():
-        if param.is_floating_point():
-            return param.dtype
-    return None
 
 
 def hidden_size(model: nn.Module | None) -> int | None:

@@ -1,12 +1,10 @@
 """DeepSpeed's config keys that shardwise does not implement, one entry each, and DeepSpeed's aliases.
 
-The policy (DESIGN.md) in table form; a key shardwise implements is a field of a section model
-(`sections.py`) instead. A *knob* (no `feature`) is accepted whatever its value: it tunes something with
-no meaning here, or asks for what shardwise always does (its `reason` ends the info line). A *switch*
-(`feature` set) is accepted while `is_off(value)` holds, and is an error naming `feature` and the `fix`
-otherwise. Learned from DeepSpeed's own schema (`deepspeed/runtime/config.py`, `constants.py`,
-`zero/config.py`, `zero/offload_config.py`, `precision_config.py`, the monitor and profiler configs);
-the wording is shardwise's.
+The policy (DESIGN.md) in table form; a key shardwise implements is a field of a section model (`sections.py`) instead.
+A *knob* (no `feature`) is accepted whatever its value: it tunes something with no meaning here, or asks for what
+shardwise always does (its `reason` ends the info line). A *switch* (`feature` set) is accepted while `is_off(value)`
+holds, and is an error naming `feature` and the `fix` otherwise. Learned from DeepSpeed's own schema (its
+`runtime/config.py`, `constants.py` and the zero, offload, precision, monitor and profiler configs); wording ours.
 """
 
 from __future__ import annotations
@@ -61,13 +59,6 @@ def _at_most(limit: int) -> Callable[[Any], bool]:
             return float(value) <= limit
         except (TypeError, ValueError):
             return False
-
-    return check
-
-
-def _equals(expected: str) -> Callable[[Any], bool]:
-    def check(value: Any) -> bool:
-        return _false(value) or str(value).strip().lower() == expected
 
     return check
 
@@ -129,7 +120,8 @@ CATALOG: dict[str, Entry] = {
     "prescale_gradients": knob(_ALWAYS_FP32),
     "gradient_predivide_factor": knob(_ALWAYS_FP32),
     "gradient_allreduce_op": switch(
-        "summing gradients over ranks instead of averaging them", _equals("mean"),
+        "summing gradients over ranks instead of averaging them",
+        lambda value: _false(value) or str(value).strip().lower() == "mean",
         "remove it or set it to `mean`", "`mean` is what shardwise always does"),
     "zero_allow_untested_optimizer": knob(
         "a permission flag; shardwise shards any element-wise torch optimizer without one"),

@@ -16,9 +16,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = [
-    "MAX_SHOWN", "ConfigError", "Note", "Problems", "announce", "canonical", "problem_line", "shown_value", "suggest",
-]
+__all__ = ["MAX_SHOWN", "ConfigError", "Note", "Problems", "announce", "canonical", "problem_line", "shown_value",
+           "suggest"]
 
 logger = logging.getLogger("shardwise")
 

@@ -14,10 +14,8 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = [
-    "MAX_ACCUMULATION", "MAX_DEPTH", "MAX_ELEMENTS", "MAX_FILE_BYTES", "MAX_LOSS_SCALE", "MAX_MICRO_BATCH",
-    "MAX_STEPS", "MAX_TIMEOUT_S", "MAX_TRAIN_BATCH", "MAX_VALUES", "MAX_YAML_LINES", "NO_LIMIT", "check_shape",
-]
+__all__ = ["MAX_ACCUMULATION", "MAX_DEPTH", "MAX_ELEMENTS", "MAX_FILE_BYTES", "MAX_LOSS_SCALE", "MAX_MICRO_BATCH",
+           "MAX_STEPS", "MAX_TIMEOUT_S", "MAX_TRAIN_BATCH", "MAX_VALUES", "MAX_YAML_LINES", "NO_LIMIT", "check_shape"]
 
 #: a config file larger than this is refused before it is parsed: ~400x the largest real DeepSpeed config.
 #: JSON parses at ~100 MB/s, so this bound is about memory and output, not time.

@@ -1,24 +1,18 @@
 """One rule for every key: turn a raw DeepSpeed-style dict into what the section models validate.
 
-`prepare` walks the raw config along the section models and, for each key:
-
-1. reads a DeepSpeed alias or legacy name as its canonical name (with an info line);
-2. a key shardwise implements: `auto` is settled by `auto.py`'s rules, a string number or boolean
-   becomes a number or boolean (`"1e-3"`, `"true"`) with an info line saying so, and the value goes
-   on to pydantic (whose number fields then take numbers only, `sections.Count` and `Real`);
-3. a DeepSpeed key in `catalog.CATALOG`: accepted with an info line when it changes nothing here,
-   an error naming the feature when it turns one on;
-4. anything else: an unknown-key error with the closest known key.
-
-Problems are collected, so the user sees all of them at once (past `errors.MAX_SHOWN`, unknown keys are
-counted without the difflib search).
+`prepare` walks the raw config along the section models and, for each key: reads a DeepSpeed alias or legacy name as
+its canonical name (an info line); for a key shardwise implements, settles `auto` by `auto.py`'s rules and reads a
+string number or boolean as one (an info line) before pydantic sees it; accepts a DeepSpeed key in `catalog.CATALOG`
+with an info line when it changes nothing here, an error naming the feature when it turns one on; and reports anything
+else as an unknown key with the closest known key. Problems are collected, so the user sees all of them at once (past
+`errors.MAX_SHOWN`, unknown keys are counted without the difflib search).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Set
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel
@@ -216,23 +210,14 @@ class Prepared:
                 f"`{shown}.device: {device}` is not an offload device; expected `cpu`, `nvme` or `none`; "
                 "set one of them or remove the section")
             return None
-        return self._acting(value, here, device)
-
-    def _acting(self, value: Mapping[str, Any], here: tuple[str, ...], device: str) -> dict[str, Any]:
-        """Offload to ``device``: the keys that act are kept for the section's model to validate."""
-        shown = self.shown(here)
         acting = (_NVME_ACTING if device == "nvme" else _CPU_ACTING)[here[-1]]
         out: dict[str, Any] = {"device": device}
         for key in sorted(acting & {str(k) for k in value}):
             out[key] = value[key] if key == "nvme_path" else self._coerced(value[key], (*here, key))
-        self._tuning_note(value, shown, acting)
-        return out
-
-    def _tuning_note(self, value: Mapping[str, Any], shown: str, acting: Set[str]) -> None:
-        tuning = sorted(str(k) for k in value if k in OFFLOAD_KEYS and k != "device" and k not in acting)
-        if tuning:
+        if tuning := sorted(str(k) for k in value if k in OFFLOAD_KEYS and k != "device" and k not in acting):
             names = ", ".join(f"`{k}`" for k in tuning)
             self.notes.append(Note(shown, f"`{shown}`: {names} ignored (they tune the offload itself)"))
+        return out
 
     def _judge(self, entry: Entry, value: Any, here: tuple[str, ...]) -> None:
         shown = self.shown(here)

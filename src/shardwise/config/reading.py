@@ -1,19 +1,15 @@
 """Reading config files: JSON as DeepSpeed reads it (comments, trailing commas), or YAML; total and bounded.
 
 Whatever the bytes, reading ends in a mapping or a `ConfigError` naming the file and the fix: a file over
-`limits.MAX_FILE_BYTES`, bytes that are not UTF-8, a syntax error, a key given twice, `1e999`, `NaN`,
-nesting past `limits.MAX_DEPTH` and YAML aliases that expand past `limits.MAX_VALUES` are all errors.
-No file takes more than about a second to refuse.
-
-YAML is PyYAML's safe loader with three departures, each because the default silently does something else:
+`limits.MAX_FILE_BYTES`, bytes that are not UTF-8, a syntax error, a key given twice, `1e999`, `NaN`, nesting past
+`limits.MAX_DEPTH` and YAML aliases that expand past `limits.MAX_VALUES` are all errors. No file takes more than about a
+second to refuse. YAML is PyYAML's safe loader with three departures, each because the default silently does something
+else:
 
 * a key given twice in one mapping is an error naming it (PyYAML keeps the last one);
-* anchors and aliases are allowed (`engines: {a: &base {...}, b: *base}` is a fair use), but the document
-  they expand to may hold at most `limits.MAX_VALUES` values: an alias is counted each time it is used,
-  so a "billion laughs" file (ten aliases of ten aliases of ...) is refused in milliseconds, as is an
-  alias that contains itself;
-* `3e-4` and `1e6` are floats, as in YAML 1.2 and JSON (YAML 1.1 wants a dot, so PyYAML read them as
-  strings).
+* anchors and aliases are allowed (`engines: {a: &base {...}, b: *base}` is a fair use), but an alias is counted each
+  time it is used, so a "billion laughs" file is refused in milliseconds, as is an alias that contains itself;
+* `3e-4` and `1e6` are floats, as in YAML 1.2 and JSON (YAML 1.1 wants a dot, so PyYAML read them as strings).
 """
 
 from __future__ import annotations
@@ -228,8 +224,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
     """Parse a .json/.yaml/.yml file whose top level must be a mapping."""
     suffix = path.suffix.lower()
     if suffix not in (".json", ".yaml", ".yml"):
-        raise ConfigError(
-            f"config file `{path}`: unsupported suffix {suffix!r}; expected `.json`, `.yaml` or `.yml`")
+        raise ConfigError(f"config file `{path}`: unsupported suffix {suffix!r}; expected `.json`, `.yaml` or `.yml`")
     if not path.is_file():
         raise ConfigError(f"config file `{path}` does not exist; check the path")
     text = _read_text(path)

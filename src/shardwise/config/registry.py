@@ -1,11 +1,10 @@
 """The one registry of what a config can name: the torch optimizer each `optimizer.type` builds, and the
 learning-rate schedules a `scheduler` section can name, with their arguments and checks.
 
-It only describes: `shardwise.optim.optimizers.build_optimizer` and `shardwise.optim.schedulers` build from
-it, and the config sections validate against the same description, so the config and the constructors reject
-the same values. Every optimizer here updates each element from its own gradient and state, which is what
-lets ZeRO shard it piece by piece (see docs/zero.md); whole-tensor optimizers (LAMB, Adafactor, Muon) do not
-fit.
+It only describes: `shardwise.optim.optimizers.build_optimizer` and `shardwise.optim.schedulers` build from it, and the
+config sections validate against the same description, so the config and the constructors reject the same values. Every
+optimizer here updates each element from its own gradient and state, which is what lets ZeRO shard it piece by piece
+(see docs/zero.md); whole-tensor optimizers (LAMB, Adafactor, Muon) do not fit.
 """
 
 from __future__ import annotations
@@ -17,10 +16,8 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "DEEPSPEED_ONLY_OPTIMIZERS", "DEEPSPEED_ONLY_SCHEDULES", "OPTIMIZERS", "REQUIRED", "SCHEDULES", "WARMUP_TYPES",
-    "OptimizerSpec", "is_number", "param_problems",
-]
+__all__ = ["DEEPSPEED_ONLY_OPTIMIZERS", "DEEPSPEED_ONLY_SCHEDULES", "OPTIMIZERS", "REQUIRED", "SCHEDULES",
+           "WARMUP_TYPES", "OptimizerSpec", "is_number", "param_problems"]
 
 
 @dataclass(frozen=True)
@@ -131,11 +128,6 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _lr_ok(value: Any) -> bool:
-    values = value if isinstance(value, (list, tuple)) else [value]
-    return bool(values) and all(is_number(v) and v >= 0 for v in values)
-
-
 def param_problems(params: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Check schedule arguments (any subset of the known names); return `(name, problem)` pairs."""
     problems: list[tuple[str, str]] = []
@@ -153,7 +145,9 @@ def param_problems(params: Mapping[str, Any]) -> list[tuple[str, str]]:
     if params.get("warmup_type", "log") not in WARMUP_TYPES:
         bad("warmup_type", "'log' or 'linear'")
     for name in ("warmup_min_lr", "warmup_max_lr"):
-        if name in params and not _lr_ok(params[name]):
+        value = params.get(name, 0.0)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if not (values and all(is_number(v) and v >= 0 for v in values)):
             bad(name, "a number >= 0, or a list of them with one per param group")
     for name in ("warmup_min_ratio", "cos_min_ratio"):
         value = params.get(name, 0.0)

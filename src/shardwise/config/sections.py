@@ -3,12 +3,11 @@
 Keys follow DeepSpeed's JSON where the concept is the same. A section never sees DeepSpeed keys
 that shardwise does not implement, aliases or `auto` values: `policy.prepare` settles those first.
 
-Number fields take numbers only. pydantic's lax mode reads `true` as 1 and `"2"` as 2, so `stage: true`
-became stage 1 and `train_micro_batch_size_per_gpu: true` a batch of 1 without a word; its strict mode
-refuses `2e8` for an integer, which every DeepSpeed config writes for bucket sizes. `Count` (an int, or a
-float with no fractional part) and `Real` (an int or a finite float) sit between the two: never a bool or
-a string (`policy.prepare` reads a string that holds a number first, with an info line). Ranges are set
-per field with `Field(ge=..., le=...)`.
+Number fields take numbers only. pydantic's lax mode reads `true` as 1 and `"2"` as 2, so `stage: true` became stage 1
+and `train_micro_batch_size_per_gpu: true` a batch of 1 without a word; its strict mode refuses `2e8` for an integer,
+which every DeepSpeed config writes for bucket sizes. `Count` (an int, or a float with no fractional part) and `Real`
+(an int or a finite float) sit between the two: never a bool or a string (`policy.prepare` reads a string that holds a
+number first, with an info line). Ranges are set per field with `Field(ge=..., le=...)`.
 """
 
 from __future__ import annotations
@@ -25,10 +24,9 @@ from .errors import MAX_SHOWN, Item, Problems, canonical, shown_value, suggest
 from .limits import MAX_ELEMENTS, MAX_LOSS_SCALE, MAX_STEPS, MAX_TIMEOUT_S
 from .registry import OPTIMIZERS, REQUIRED, SCHEDULES, OptimizerSpec, is_number, param_problems
 
-__all__ = [
-    "BF16Config", "CheckpointConfig", "CommsConfig", "Count", "FP16Config", "NotANumber", "OffloadConfig",
-    "OffloadParamConfig", "OffloadSection", "OptimizerConfig", "Real", "SchedulerConfig", "Section", "ZeroConfig",
-]
+__all__ = ["BF16Config", "CheckpointConfig", "CommsConfig", "Count", "FP16Config", "NotANumber", "OffloadConfig",
+           "OffloadParamConfig", "OffloadSection", "OptimizerConfig", "Real", "SchedulerConfig", "Section",
+           "ZeroConfig"]
 
 
 class NotANumber(ValueError):
@@ -115,10 +113,9 @@ def _hint(key: Any, known: Any, items: list[Item]) -> str:
 class OptimizerConfig(Section):
     """`optimizer`: a torch optimizer by DeepSpeed name (`Adam`, `AdamW`, `SGD`, ...) and its arguments.
 
-    `params` are torch's keyword arguments, plus DeepSpeed's Adam extras `adam_w_mode` (default
-    true, as in DeepSpeed: `Adam` then means decoupled weight decay, i.e. AdamW) and `torch_adam`
-    (accepted; shardwise always uses torch's implementation). The names are those of
-    `shardwise.config.registry.OPTIMIZERS`.
+    `params` are torch's keyword arguments, plus DeepSpeed's Adam extras `adam_w_mode` (default true, as in DeepSpeed:
+    `Adam` then means decoupled weight decay, i.e. AdamW) and `torch_adam` (accepted; shardwise always uses torch's
+    implementation). The names are those of `shardwise.config.registry.OPTIMIZERS`.
     """
 
     type: str
@@ -212,10 +209,9 @@ class BF16Config(Section):
 class OffloadSection(Section):
     """What both offload sections share: `device`, `nvme_path`, `buffer_count`, `pin_memory`.
 
-    `device: cpu`: on a job on an accelerator the state lives in host memory (ZeRO-Offload, docs/offload.md);
-    on a CPU job that is where it already lives, so it is accepted with an info line. `pin_memory` pins the
-    host buffers the copies to and from an accelerator use. `device: none` is dropped as off before these
-    models see the section.
+    `device: cpu`: on a job on an accelerator the state lives in host memory (ZeRO-Offload, docs/offload.md); on a CPU
+    job that is where it already lives, so it is accepted with an info line. `pin_memory` pins the host buffers the
+    copies to and from an accelerator use. `device: none` is dropped as off before these models see the section.
     """
 
     device: Literal["cpu", "nvme"] = "cpu"
@@ -232,11 +228,8 @@ class OffloadSection(Section):
 
 
 class OffloadConfig(OffloadSection):
-    """`zero_optimization.offload_optimizer` (stages 1-3, docs/offload.md): `nvme` keeps this rank's fp32 masters
-    and optimizer state in files under `nvme_path`, stepped `sub_group_size` elements at a time with at most
-    `buffer_count` sub-groups in host memory, `ratio` below 1 keeping the first sub-groups' state in host
-    memory; `cpu` on a job on an accelerator keeps them in host memory and steps there, `ratio` below 1
-    keeping the first sub-groups' state on the device (DeepSpeed's partial offload)."""
+    """`zero_optimization.offload_optimizer` (stages 1-3): this rank's fp32 masters and optimizer state in files under
+    `nvme_path` (`nvme`) or in host memory (`cpu`, on a job on an accelerator); what each key does: docs/offload.md."""
 
     #: sub-groups of state in host memory at once: the one stepped, those read ahead, those written behind
     buffer_count: Count = Field(default=4, ge=1, le=1024)
@@ -257,11 +250,8 @@ class OffloadConfig(OffloadSection):
 
 
 class OffloadParamConfig(OffloadSection):
-    """`zero_optimization.offload_param` (stage 3, docs/offload.md): `nvme` (a CPU job) keeps each unit's local shard
-    (this rank's 1/N, compute dtype) in a file under `nvme_path`; gathering a unit reads it (read ahead where the
-    gatherer prefetches, at most `buffer_count` shards at once), and host memory keeps at most `max_in_cpu`
-    elements of shards between uses.  `cpu` on a job on an accelerator keeps each shard in host memory,
-    copied to the device as the unit is gathered (`buffer_count` units ahead)."""
+    """`zero_optimization.offload_param` (stage 3): each unit's local shard in a file under `nvme_path` (`nvme`, a CPU
+    job) or in host memory (`cpu`, on a job on an accelerator), read as the unit is gathered; docs/offload.md."""
 
     #: shards read ahead at once (DeepSpeed: buffers in the parameter swap pool)
     buffer_count: Count = Field(default=5, ge=1, le=1024)
@@ -273,8 +263,7 @@ class ZeroConfig(Section):
     """`zero_optimization`: ZeRO stage (0 replicate, 1 shard optimizer state, 2 + gradients, 3 + params).
 
     Bucket sizes count elements, as in DeepSpeed. DeepSpeed's names without the `stage3_` prefix
-    (`prefetch_bucket_size`, ...) and `stage3_gather_fp16_weights_on_model_save` are read as the
-    fields here.
+    (`prefetch_bucket_size`, ...) and `stage3_gather_fp16_weights_on_model_save` are read as the fields here.
     """
 
     stage: Count = Field(default=0, ge=0, le=3)
@@ -320,11 +309,9 @@ class CheckpointConfig(Section):
 class CommsConfig(Section):
     """`comms`: how collectives fail (a shardwise section; DeepSpeed has no counterpart).
 
-    `timeout`: seconds any collective may wait for the other ranks before every rank raises an error naming
-    the ranks that are gone, failed or elsewhere (see docs/faults.md). `debug`: before every collective,
-    check that every rank issues the same one (costs one small all-reduce per collective). `shared_memory`:
-    when every rank is a CPU process on one host (gloo), all-reduce, reduce-scatter and all-gather go through a
-    shared segment under /dev/shm instead of loopback sockets (2-2.5x faster; see docs/benchmarks.md).
+    `timeout`: seconds any collective may wait before every rank raises naming the ranks gone, failed or elsewhere.
+    `debug`: check that every rank issues the same collective (one small all-reduce each). `shared_memory`: CPU ranks
+    on one host reduce and gather through /dev/shm instead of loopback sockets (2-2.5x faster; docs/faults.md).
     """
 
     timeout: Real = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S)

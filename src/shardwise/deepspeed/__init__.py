@@ -1,17 +1,8 @@
-"""A drop-in for DeepSpeed client scripts: change only the imports.
+"""A drop-in for DeepSpeed client scripts: change only the imports (``import shardwise.deepspeed as deepspeed``).
 
-    import shardwise.deepspeed as deepspeed
-    from shardwise.deepspeed.accelerator import get_accelerator
-
-    parser = deepspeed.add_config_arguments(parser)          # --deepspeed, --deepspeed_config, --local_rank
-    args = parser.parse_args()
-    engine, optimizer, loader, scheduler = deepspeed.initialize(
-        args=args, model=net, model_parameters=net.parameters(), training_data=dataset)
-
-`engine` is a :class:`shardwise.Engine` with DeepSpeed's methods; `comm`, `zero`, `accelerator`, `pipe`,
-`utils` and `runtime.utils` are here under DeepSpeed's names. This dialect keeps DeepSpeed's defaults where
-`shardwise.initialize` keeps plain PyTorch's (:mod:`.defaults`). docs/from-deepspeed.md lists the porting
-steps and what differs.
+`engine` is a :class:`shardwise.Engine` with DeepSpeed's methods; `comm`, `zero`, `accelerator`, `pipe`, `utils` and
+`runtime.utils` are here under DeepSpeed's names. This dialect keeps DeepSpeed's defaults where `shardwise.initialize`
+keeps plain PyTorch's (:mod:`.defaults`). docs/from-deepspeed.md shows a ported script and lists what differs.
 """
 
 from __future__ import annotations
@@ -23,7 +14,5 @@ from .comm import init_distributed
 from .initialize import add_config_arguments, initialize
 from .pipe import PipelineModule
 
-__all__ = [
-    "DeepSpeedEngine", "PipelineModule", "accelerator", "add_config_arguments", "comm", "init_distributed",
-    "initialize", "pipe", "runtime", "utils", "zero",
-]
+__all__ = ["DeepSpeedEngine", "PipelineModule", "accelerator", "add_config_arguments", "comm", "init_distributed",
+           "initialize", "pipe", "runtime", "utils", "zero"]

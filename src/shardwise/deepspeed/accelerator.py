@@ -1,16 +1,8 @@
-"""`get_accelerator()`: DeepSpeed's device abstraction, for the CPU and CUDA.
+"""`get_accelerator()`: DeepSpeed's device abstraction, for the CPU and CUDA (docs/from-deepspeed.md).
 
-DeepSpeed client scripts ask it for the device name, count and backend instead of calling
-`torch.cuda` directly, which is what lets the same script run on a CPU-only machine::
-
-    from shardwise.deepspeed.accelerator import get_accelerator
-
-    device = get_accelerator().device_name(engine.local_rank)   # "cpu", or "cuda:1"
-    batch = batch.to(device)
-
-The accelerator is CUDA when torch sees a GPU, else the CPU; `DS_ACCELERATOR` (`cpu` or `cuda`) chooses, as
-in DeepSpeed. On the CPU, device-only operations (`synchronize`, `set_device`, `empty_cache`, profiler
-ranges) do nothing.
+DeepSpeed client scripts ask it for the device name, count and backend instead of calling `torch.cuda` directly, which
+is what lets the same script run on a CPU-only machine. The accelerator is CUDA when torch sees a GPU, else the CPU;
+`DS_ACCELERATOR` (`cpu` or `cuda`) chooses, as in DeepSpeed. On the CPU, device-only operations do nothing.
 """
 
 from __future__ import annotations
@@ -69,10 +61,8 @@ class Accelerator:
         return True
 
     def supported_dtypes(self) -> list[torch.dtype]:
-        dtypes = [torch.float32]
-        dtypes += [torch.float16] if self.is_fp16_supported() else []
-        dtypes += [torch.bfloat16] if self.is_bf16_supported() else []
-        return dtypes
+        halves = ((torch.float16, self.is_fp16_supported()), (torch.bfloat16, self.is_bf16_supported()))
+        return [torch.float32, *(dtype for dtype, supported in halves if supported)]
 
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == self._name

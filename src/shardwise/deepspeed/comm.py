@@ -19,12 +19,10 @@ import torch.distributed as dist
 
 from shardwise.comm.distributed import init_distributed as _init_from_env
 
-__all__ = [
-    "ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all_single", "barrier", "broadcast",
-    "destroy_process_group", "get_global_rank", "get_local_rank", "get_rank", "get_world_group", "get_world_size",
-    "inference_all_reduce", "init_distributed", "irecv", "is_available", "is_initialized", "isend", "new_group",
-    "recv", "reduce", "reduce_scatter_tensor", "send",
-]
+__all__ = ["ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all_single", "barrier",
+           "broadcast", "destroy_process_group", "get_global_rank", "get_local_rank", "get_rank", "get_world_group",
+           "get_world_size", "inference_all_reduce", "init_distributed", "irecv", "is_available", "is_initialized",
+           "isend", "new_group", "recv", "reduce", "reduce_scatter_tensor", "send"]
 
 ReduceOp = dist.ReduceOp
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -138,5 +136,4 @@ def reduce_scatter_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tenso
 @_profiling_ignored
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes: list[int] | None = None,
                       input_split_sizes: list[int] | None = None, group: Any = None, async_op: bool = False) -> Any:
-    return dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group=group,
-                                  async_op=async_op)
+    return dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group=group, async_op=async_op)

@@ -1,8 +1,7 @@
 """DeepSpeed's defaults, where they differ from `shardwise.initialize`'s plain-PyTorch ones.
 
-`shardwise.deepspeed.initialize` applies each of them to what the config leaves unsaid, and says so in
-one info line per default (rank 0), so an imports-only port trains as it did under DeepSpeed.
-docs/from-deepspeed.md has the same list as a table.
+`shardwise.deepspeed.initialize` applies each of them to what the config leaves unsaid, and says so in one info line
+per default (rank 0), so an imports-only port trains as it did under DeepSpeed (docs/from-deepspeed.md: the table).
 """
 
 from __future__ import annotations
@@ -56,8 +55,10 @@ def apply_defaults(
     section = config.optimizer
     # `weight_decay: auto` resolves by `auto`'s rule (torch's default) and says so in its own line
     wait_for_auto = "optimizer.params.weight_decay" in config.pending
-    if (section is not None and not client_optimizer and not wait_for_auto
-            and _adam_without_decay(section.type, section.params)):
+    # DeepSpeed builds `Adam`/`AdamW` as its FusedAdam / DeepSpeedCPUAdam (weight_decay 0 by default) unless
+    # `torch_adam: true`, when torch's own class and defaults apply.
+    if (section is not None and not client_optimizer and not wait_for_auto and section.type in ("Adam", "AdamW")
+            and "weight_decay" not in section.params and section.params.get("torch_adam") is not True):
         update["optimizer"] = section.model_copy(update={"params": {**section.params, "weight_decay": 0.0}})
         choices.append(DialectChoice(
             f"`optimizer.type: {section.type}` without `weight_decay` gets weight_decay 0.0, as DeepSpeed's fused "
@@ -100,12 +101,6 @@ def _stage0_hysteresis(config: Config) -> list[tuple[str, Any, DialectChoice]]:
     return [("fp16", fp16.model_copy(update={"hysteresis": 1, "consecutive_hysteresis": False}), DialectChoice(
         f"ZeRO stage 0 fp16 ignores `fp16.hysteresis` ({fp16.hysteresis}): every overflow halves the loss scale",
         "apply the hysteresis at every stage; use `shardwise.initialize` for that"))]
-
-
-def _adam_without_decay(kind: str, params: dict[str, Any]) -> bool:
-    """DeepSpeed builds `Adam`/`AdamW` as its FusedAdam / DeepSpeedCPUAdam (weight_decay 0 by default)
-    unless `torch_adam: true`, when torch's own class and defaults apply."""
-    return kind in ("Adam", "AdamW") and "weight_decay" not in params and params.get("torch_adam") is not True
 
 
 def announce(choices: list[DialectChoice]) -> None:

@@ -31,11 +31,8 @@ ConfigSource = Config | dict[str, Any] | str | os.PathLike[str]
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add `--deepspeed`, `--deepspeed_config` (and the deprecated `--deepscale*`) and `--local_rank`.
 
-    torchrun passes no `--local_rank`: it sets `LOCAL_RANK`. DeepSpeed client scripts declare
-    `--local_rank` with default -1 and branch on `args.local_rank == -1`, which under torchrun
-    would silently take the one-process path. So `--local_rank` (also spelled `--local-rank`)
-    defaults to `LOCAL_RANK` here, and when the script already declared it, its default becomes
-    `LOCAL_RANK` whenever a launcher set it. A value given on the command line still wins.
+    `--local_rank` defaults to torchrun's `LOCAL_RANK` (torchrun passes no flag, and a script branching on
+    `args.local_rank == -1` would silently take the one-process path), also when the script declared it itself.
     """
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations (read by shardwise.deepspeed)")
     group.add_argument("--deepspeed", default=False, action="store_true",
@@ -56,8 +53,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def _config_source(args: Any, config: ConfigSource | None, config_params: ConfigSource | None) -> ConfigSource:
     """The config from `config`, its old name `config_params`, or `args.deepspeed_config` (one of them)."""
-    if config is None:
-        config = config_params
+    config = config if config is not None else config_params
     from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     if from_args is not None and config is not None:
         raise ValueError(
@@ -133,11 +129,11 @@ def initialize(
 ) -> tuple[Engine, Any, DataLoader[Any] | None, Any]:
     """DeepSpeed's `initialize`: returns `(engine, optimizer, training_dataloader, lr_scheduler)`.
 
-    The config comes from `config` (or `config_params`) or `args.deepspeed_config`. The process group is
-    created when none exists (`dist_init_required=False` requires one). With `training_data`, the third
-    item is a DataLoader over it (:func:`training_dataloader`; for a multi-stage pipeline an unshuffled,
-    repeating loader that `train_batch()` draws from), else None. `mpu` and `mesh_param` (model and sequence
-    parallelism) are not supported. DeepSpeed's defaults apply where the config is silent (:mod:`.defaults`).
+    The config comes from `config` (or `config_params`) or `args.deepspeed_config`. The process group is created when
+    none exists (`dist_init_required=False` requires one). With `training_data`, the third item is a DataLoader over it
+    (:func:`training_dataloader`; for a multi-stage pipeline an unshuffled, repeating loader that `train_batch()` draws
+    from), else None. `mpu` and `mesh_param` (model and sequence parallelism) are not supported. DeepSpeed's defaults
+    apply where the config is silent (:mod:`.defaults`).
     """
     if model is None:
         raise TypeError("shardwise.deepspeed.initialize needs `model=` (a torch.nn.Module)")

@@ -1,11 +1,8 @@
 """`deepspeed.pipe`: `PipelineModule` with DeepSpeed's signature, `LayerSpec`, `TiedLayerSpec`, topologies.
 
-The classes are shardwise's (:mod:`shardwise.pipe`); only `PipelineModule`'s argument order and
-DeepSpeed-only arguments (`topology`, `seed_fn`, `checkpointable_layers`, `dynamic_shape`) differ.
-DeepSpeed's process topologies name axes over the ranks, the last axis varying fastest:
-`PipeDataParallelTopology(num_pp, num_dp)` lays ranks out stage-major, as shardwise's pipeline does
-(:class:`shardwise.pipe.topology.PipeTopology`), so a topology given to `PipelineModule` names the
-same ranks it will use.
+The classes are shardwise's (:mod:`shardwise.pipe`). `PipeDataParallelTopology(num_pp, num_dp)` lays ranks out
+stage-major (the last axis varies fastest), as shardwise's pipeline does, so a topology given to `PipelineModule` names
+the same ranks it will use.
 """
 
 from __future__ import annotations
@@ -22,10 +19,8 @@ from shardwise.pipe import PipelineModule as _PipelineModule
 from shardwise.pipe.layers import CheckpointFn
 from shardwise.pipe.module import LayerEntry
 
-__all__ = [
-    "LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineModule",
-    "ProcessTopology", "TiedLayerSpec",
-]
+__all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineModule",
+           "ProcessTopology", "TiedLayerSpec"]
 
 
 class ProcessTopology:
@@ -87,13 +82,11 @@ class PipeModelDataParallelTopology(ProcessTopology):
 
 
 class PipelineModule(_PipelineModule):
-    """DeepSpeed's `PipelineModule(layers, num_stages, topology, loss_fn, seed_layers, seed_fn, base_seed,
-    partition_method, activation_checkpoint_interval, activation_checkpoint_func, checkpointable_layers,
-    dynamic_shape)` over :class:`shardwise.pipe.PipelineModule`.
+    """DeepSpeed's `PipelineModule` signature over :class:`shardwise.pipe.PipelineModule`.
 
-    `topology` gives the number of stages (its `pipe` axis; a `model` axis must be 1). Activations may
-    change shape between micro-batches whatever `dynamic_shape` says. `seed_fn` and
-    `checkpointable_layers` are DeepSpeed features shardwise lacks: errors unless None.
+    `topology` gives the number of stages (its `pipe` axis; a `model` axis must be 1). Activations may change shape
+    between micro-batches whatever `dynamic_shape` says. `seed_fn` and `checkpointable_layers` are DeepSpeed features
+    shardwise lacks: errors unless None.
     """
 
     def __init__(

@@ -37,12 +37,10 @@ def Init(  # noqa: N802 - DeepSpeed's name; a function returning the context man
 ) -> _zero.Init:
     """Build modules already partitioned for ZeRO stage 3, with DeepSpeed's arguments.
 
-    `pin_memory`, `mem_efficient_linear` and `dtype` are accepted and change nothing (the engine
-    casts to the config's dtype). `remote_device` `cpu` or `nvme`: the shards are built in host
-    memory and `initialize` places them as the config's `offload_param` says (`nvme` needs
-    `offload_param: {device: nvme}` in the config; an info line says what happens). Arguments that
-    turn on a feature shardwise lacks (ZeRO++ quantization, model or sequence parallel groups, a
-    parameter swapper) are errors.
+    `pin_memory`, `mem_efficient_linear` and `dtype` change nothing (the engine casts to the config's dtype).
+    `remote_device` `cpu` or `nvme`: the shards are built in host memory and `initialize` places them as the config's
+    `offload_param` says (an info line says what happens). Arguments that turn on a feature shardwise lacks (ZeRO++
+    quantization, model or sequence parallel groups, a parameter swapper) are errors.
     """
     given = dict(mpu=mpu, zero_param_parallel_group=zero_param_parallel_group,
                  zero_quantized_weights=zero_quantized_weights,

@@ -1,21 +1,10 @@
 """A pipeline engine behind the checkpoint protocol (``shardwise.checkpoint.protocol.Checkpointable``).
 
-The checkpoint layer sees an engine through that protocol only; :class:`PipelineState` is the pipeline's, a
-plain engine's (:class:`~shardwise.engine.state.EngineState`) with four things changed:
-
-* ``comm`` is the whole world: every stage of every replica takes part and writes its pieces;
-* ``module`` is a :class:`GlobalModule`: every name of the whole model, in ``to_sequential()``'s order, with
-  this stage's live tensors and ``meta`` placeholders for the other stages' (only their shapes and dtypes are
-  read). A stage registers its layers under their global names, so the names, and the files, are those of a
-  plain module;
-* ``shards`` are the stage's pieces, except that a tied weight is written once, by the first stage holding it
-  (ZeRO-1 cuts its pieces at other offsets on other stages, and overlapping pieces of one tensor are not a
-  valid DCP checkpoint); it is loaded on every stage;
-* buffers and frozen parameters are written by the first replica of the first
-  stage holding them, and read by every stage that holds them.
-
-So a pipeline checkpoint loads into ``to_sequential()`` at any ZeRO stage and
-world size, and back into a pipeline of any replica count or partition.
+:class:`PipelineState` is a plain engine's state with the whole world as ``comm``, a :class:`GlobalModule` (every name
+of the whole model in ``to_sequential()``'s order, ``meta`` placeholders for other stages'), and a tied weight written
+once, by its first stage (ZeRO-1 cuts its pieces at other offsets on other stages, and overlapping pieces of one tensor
+are not a valid DCP checkpoint). So a pipeline checkpoint loads into ``to_sequential()`` at any ZeRO stage and world
+size, and back into a pipeline of any replica count or partition (docs/pipeline.md).
 """
 
 from __future__ import annotations
@@ -62,11 +51,8 @@ def global_order(per_stage: Sequence[Sequence[str]], tied_keys: Sequence[str]) -
 
 
 class GlobalModule(nn.Module):
-    """The whole pipeline's state-dict entries on one rank; see the module docstring.
-
-    Not a real module: it only answers ``state_dict``; ``named_parameters`` and
-    ``load_state_dict`` (for a ``module_load_fn``) reach this stage's module.
-    """
+    """The whole pipeline's state-dict entries on one rank. Not a real module: it only answers ``state_dict``;
+    ``named_parameters`` and ``load_state_dict`` (for a ``module_load_fn``) reach this stage's module."""
 
     stage_module: nn.Module
 

@@ -1,15 +1,8 @@
-"""The pipeline engine: 1F1B over the stages of a replica, ZeRO 0/1 across replicas.
+"""The pipeline engine: 1F1B over the stages of a replica, ZeRO 0/1 across replicas (docs/pipeline.md).
 
-It is an :class:`~shardwise.Engine` over this rank's stage and its data-parallel group, so precision, the ZeRO
-strategy, the optimizer wrapper, the scheduler, lr and loss-scale control and the getters are the same objects
-as a plain engine's.  What it adds:
-
-* ``train_batch(data_iter)``: ``gradient_accumulation_steps`` micro-batches through the 1F1B schedule
-  (:mod:`.schedule`), each backward accumulating into the strategy's buffers with no reduction; then tied
-  weights' gradients are summed over their stages (:mod:`.ties`), every bucket is reduced over the
-  data-parallel group, and the optimizer steps with the norm (clipping, overflow) taken over all stages;
-* ``eval_batch(data_iter)``: the same forwards without gradients;
-* checkpoints and ``full_state_dict`` of the whole model, over all ranks.
+It is an :class:`~shardwise.Engine` over this rank's stage and its data-parallel group, so precision, the ZeRO strategy,
+the optimizer wrapper, the scheduler and the getters are a plain engine's; it adds ``train_batch``, ``eval_batch`` and
+whole-model checkpoints and ``full_state_dict``.
 """
 
 from __future__ import annotations
@@ -45,9 +38,8 @@ __all__ = ["PipelineEngine", "ScheduleTiming"]
 
 @dataclass
 class ScheduleTiming:
-    """Where the last batch's time went on this rank (seconds): ``compute`` in forward and backward,
-    the rest of ``total`` waiting (bubble, transfers).  The pipeline's bubble divides ``compute``
-    by the slowest rank's ``total`` (``benchmarks/pipeline.py``)."""
+    """Where the last batch's time went on this rank (seconds): ``compute`` in forward and backward, the rest of
+    ``total`` waiting (bubble, transfers; ``benchmarks/pipeline.py`` divides by the slowest rank's ``total``)."""
 
     total: float = 0.0
     compute: float = 0.0
@@ -117,9 +109,8 @@ class PipelineEngine(Engine):
         """Train on ``gradient_accumulation_steps`` micro-batches ``(inputs, labels)`` from
         ``data_iter`` and take one optimizer step; returns their mean loss on every rank.
 
-        The first stage uses the inputs and the last stage the labels; both
-        draw every micro-batch from their own ``data_iter``, which must yield
-        the same data on both. Without ``data_iter`` they draw from the engine's own
+        The first stage uses the inputs and the last stage the labels; both draw every micro-batch from their own
+        ``data_iter``, which must yield the same data on both. Without ``data_iter`` they draw from the engine's own
         (:meth:`set_dataloader`); a ``data_iter`` given becomes the engine's own, as in DeepSpeed.
         """
         optimizer = self._require_optimizer("`engine.train_batch`")
@@ -323,12 +314,9 @@ def _check_pipeline_config(module: PipelineModule, config: Config, process_group
 
 
 def _agree_on_construction(module: PipelineModule, config: Config, name: Optional[str]) -> None:
-    """Every rank builds this same pipeline engine as its next one, before the world-wide group
-    creation (ranks that disagree get an error naming the difference instead of a hang).
-
-    Across stages only the config must be equal: each stage holds other layers, and its own
-    optimizer may give them their own hyperparameters.  The ranks of one stage compare their
-    layers and optimizers when the data-parallel engine of that stage is built.
+    """Every rank builds this same pipeline engine as its next one, before the world-wide group creation (ranks that
+    disagree get an error naming the difference instead of a hang). Across stages only the config must be equal (each
+    stage holds other layers, with its own optimizer); a stage's ranks compare those when its engine is built.
     """
     world = Comm(None)
     if not world.distributed:

@@ -1,16 +1,9 @@
-"""A pipeline's layers: specs built only where they run, and running a list of layers.
+"""A pipeline's layers: specs built only where they run, and running a list of layers (docs/pipeline.md).
 
-A layer is any callable taking one value (a tensor or a tuple of tensors) and returning the next: a module, a
-function, a lambda, a bound method, a ``functools.partial``, or a :class:`LayerSpec`, a recipe ``cls(*args,
-**kwargs)`` that a pipeline rank builds only when the layer is on its own stage, so a model too big for one
-rank never exists whole anywhere.  A :class:`TiedLayerSpec` adds a key: every occurrence of the key on a stage
-is one module instance (a token embedding reused as the output head), and across stages the tied parameters
-are kept equal by the pipeline engine.  Partitioning needs each layer's size and the tie check needs the tied
-parameters' shapes before anything is built for real: :func:`build_on_meta` builds a spec on the ``meta``
-device, which allocates no memory.
-
-:class:`~.module.PipelineModule` (one stage) and :class:`PipelineSequential` (what ``to_sequential()``
-returns) run their layers through :func:`run_layers`, so both checkpoint the same way.
+A :class:`LayerSpec` is built only on the rank whose stage holds it, so a model too big for one rank never exists whole
+anywhere; :func:`build_on_meta` builds one on the ``meta`` device (no memory) for partitioning and the tie check.
+:class:`~.module.PipelineModule` and :class:`PipelineSequential` both run through :func:`run_layers`, so both
+checkpoint the same way.
 """
 
 from __future__ import annotations
@@ -38,8 +31,7 @@ class _Chunk:
     """A run of consecutive layers, called with the activation unpacked (as checkpoint functions want)."""
 
     def __init__(self, layers: Sequence[Layer], packed: bool) -> None:
-        self.layers = layers
-        self.packed = packed
+        self.layers, self.packed = layers, packed
 
     def __call__(self, *args: Any) -> Any:
         value: Any = args if self.packed else args[0]
@@ -74,11 +66,9 @@ def compute_loss(loss_fn: Optional[Callable[[Any, Any], torch.Tensor]], outputs:
 class PipelineSequential(nn.Module):
     """Every layer of a ``PipelineModule``, in order, as an ordinary module.
 
-    It shares the pipeline module's layer objects: ``tied_modules.<key>`` once per key, ``"<index>"`` for
-    every other module layer (``children``, in the pipeline module's order), so the state-dict names are the
-    pipeline's (a checkpoint of either loads into the other).  ``forward(inputs)`` returns the last layer's
-    output; ``forward(inputs, labels)`` returns ``loss_fn(outputs, labels)``.  It needs no process group and
-    trains under ``shardwise.initialize`` at any ZeRO stage.
+    It shares the pipeline module's layer objects under the same names (a checkpoint of either loads into the other).
+    ``forward(inputs)`` returns the last layer's output, ``forward(inputs, labels)`` the loss. It needs no process
+    group and trains under ``shardwise.initialize`` at any ZeRO stage.
     """
 
     def __init__(self, children: Iterable[tuple[str, nn.Module]], steps: list[Layer], loss_fn: Optional[Any],
@@ -88,8 +78,7 @@ class PipelineSequential(nn.Module):
             self.add_module(name, child)
         self.loss_fn = loss_fn
         self._steps = list(steps)
-        self.activation_checkpoint_interval = checkpoint_interval
-        self.activation_checkpoint_func = checkpoint_func
+        self.activation_checkpoint_interval, self.activation_checkpoint_func = checkpoint_interval, checkpoint_func
 
     def forward(self, inputs: Any, labels: Any = None) -> Any:
         outputs = run_layers(self._steps, inputs, self.activation_checkpoint_interval, self.activation_checkpoint_func)
@@ -110,9 +99,7 @@ class LayerSpec:
             raise TypeError(
                 f"LayerSpec needs a module class (or a callable returning a module) as its first argument, "
                 f"got a `{type(cls).__name__}`; write `LayerSpec(nn.Linear, 4, 4)`")
-        self.cls = cls
-        self.args = args
-        self.kwargs = kwargs
+        self.cls, self.args, self.kwargs = cls, args, kwargs
 
     @property
     def name(self) -> str:
@@ -136,10 +123,9 @@ class LayerSpec:
 class TiedLayerSpec(LayerSpec):
     """A layer whose module is shared by every occurrence of ``key``.
 
-    On one stage all occurrences of ``key`` are one module instance, built from the first occurrence.
-    ``forward_fn(module, x)``, when given, replaces the module's forward for this occurrence (a tied head:
-    ``F.linear(x, module.weight)``).  ``tied_weight_attr`` names the parameter(s) kept equal across the stages
-    that hold the key (dotted names reach into submodules); their shapes must agree between occurrences.
+    On one stage all occurrences of ``key`` are one module instance. ``forward_fn(module, x)`` replaces its forward for
+    this occurrence (a tied head: ``F.linear(x, module.weight)``); ``tied_weight_attr`` names the parameter(s) kept
+    equal across the stages that hold the key (dotted names reach into submodules).
     """
 
     def __init__(
@@ -158,8 +144,7 @@ class TiedLayerSpec(LayerSpec):
                 "`tied_modules.<key>`); use e.g. `'embed'`")
         if forward_fn is not None and not callable(forward_fn):
             raise TypeError(f"TiedLayerSpec `{key}`: forward_fn must be callable `(module, x) -> y`, got {forward_fn!r}")
-        self.key = key
-        self.forward_fn = forward_fn
+        self.key, self.forward_fn = key, forward_fn
         attrs = [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
         if not attrs or not all(isinstance(a, str) and a for a in attrs):
             raise ValueError(

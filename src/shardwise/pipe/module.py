@@ -1,16 +1,8 @@
 """``PipelineModule``: one model definition, as a list of layers, cut into stages.
 
-Names follow DeepSpeed's, so a state dict reads the same whichever way the model runs:
-
-* a layer built from a :class:`LayerSpec` or given as an ``nn.Module`` is the
-  submodule ``"<index>"`` (its position in ``layers``): ``"3.weight"``;
-* the module of a tied key is ``tied_modules.<key>``, once, whatever the
-  number of its occurrences: ``"tied_modules.embed.weight"``;
-* functions, lambdas and other callables hold no state and have no name.
-
-A rank of a multi-stage pipeline builds and registers only the layers of its own stage, under those same
-global names.  With one stage (``num_stages`` 1 or None, or a single process) the module holds every layer and
-is an ordinary ``nn.Module``.
+Names follow DeepSpeed's (``"3.weight"``, ``"tied_modules.embed.weight"``; callables have none), so a state dict reads
+the same whichever way the model runs; a rank of a multi-stage pipeline registers only its stage's layers, under those
+global names (docs/pipeline.md).
 """
 
 from __future__ import annotations
@@ -61,18 +53,10 @@ class _Tie:
 class PipelineModule(nn.Module):
     """A model given as a list of layers, trained pipelined or as a plain module.
 
-    ``layers`` holds :class:`LayerSpec`, :class:`TiedLayerSpec`, ``nn.Module`` instances and any callable
-    (function, lambda, bound method, ``functools.partial``); each layer takes the previous one's output (a
-    tensor or a tuple of tensors).  ``num_stages`` cuts them into pipeline stages by ``partition_method`` (see
-    :mod:`.partition`); ``None`` means one stage.  ``loss_fn(outputs, labels)`` is what the last stage
-    computes. ``activation_checkpoint_interval > 0`` recomputes every run of that many layers in backward,
-    through ``activation_checkpoint_func(fn, *args)`` (default: torch's non-reentrant checkpoint).
-    ``seed_layers`` seeds each layer's construction with ``base_seed + index``, so a layer starts the same
-    whichever rank builds it.
-
-    With more than one stage (and more than one rank), construction needs the default process group (created
-    from torchrun's environment if absent) and builds only this rank's stage; ``shardwise.initialize`` then
-    returns a pipeline engine.
+    ``layers`` holds :class:`LayerSpec`, :class:`TiedLayerSpec`, ``nn.Module`` instances and any callable; each takes
+    the previous one's output. ``num_stages`` cuts them by ``partition_method``; every argument in docs/pipeline.md.
+    With more than one stage (and rank), construction needs the default process group (created from torchrun's
+    environment if absent) and builds only this rank's stage; ``shardwise.initialize`` then returns a pipeline engine.
     """
 
     def __init__(
@@ -91,14 +75,16 @@ class PipelineModule(nn.Module):
         self.tied_modules = nn.ModuleDict()
         self._layers = _checked_layers(layers)
         self.loss_fn = loss_fn
-        self.activation_checkpoint_interval = _checked_interval(activation_checkpoint_interval)
+        interval = self.activation_checkpoint_interval = activation_checkpoint_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"activation_checkpoint_interval={interval!r}: expected an integer >= 0 (0 turns "
+                             "checkpointing off, k recomputes every k layers in backward)")
         if activation_checkpoint_func is not None and not callable(activation_checkpoint_func):
             raise TypeError(
                 f"activation_checkpoint_func must be callable `(function, *args) -> output`, got "
                 f"{activation_checkpoint_func!r}")
         self.activation_checkpoint_func = activation_checkpoint_func or default_checkpoint
-        self.seed_layers = seed_layers
-        self.base_seed = base_seed
+        self.seed_layers, self.base_seed = seed_layers, base_seed
         self._meta: dict[int, nn.Module] = {}
         self._ties = self._check_ties()
         self.num_stages, self.topology, self.stage_id = _placement(num_stages)
@@ -270,10 +256,9 @@ class PipelineModule(nn.Module):
     def to_sequential(self) -> nn.Module:
         """A plain ``nn.Module`` running every layer in order, sharing this module's layers.
 
-        Tied keys stay one module (one Parameter, whose gradient sums every use), ``forward_fn``s stay bound
-        to it, callables are kept, and activation checkpointing runs at the same interval.  State-dict names
-        are the same as this module's.  Needs no process group; only a module holding every layer (one stage)
-        can be exported.
+        Tied keys stay one module (one Parameter, whose gradient sums every use), ``forward_fn``s stay bound to it,
+        callables are kept, and activation checkpointing runs at the same interval.  State-dict names are the same as
+        this module's.  Needs no process group; only a module holding every layer (one stage) can be exported.
         """
         if self.num_stages > 1:
             raise RuntimeError(
@@ -305,14 +290,6 @@ def _checked_layers(layers: Sequence[LayerEntry]) -> list[LayerEntry]:
     if not checked:
         raise ValueError("`layers` is empty; a PipelineModule needs at least one layer")
     return checked
-
-
-def _checked_interval(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"activation_checkpoint_interval={value!r}: expected an integer >= 0 (0 turns checkpointing off, "
-            "k recomputes every k layers in backward)")
-    return value
 
 
 def _same_tie(

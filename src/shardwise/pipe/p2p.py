@@ -1,11 +1,5 @@
-"""Activations forward and their gradients back, between neighbouring stages (docs/pipeline.md,
-"Activations between stages").
-
-Each activation is preceded by a small header (dtype, whether it needs a gradient, shape, per tensor), so
-shapes and dtypes may change from one micro-batch to the next; gradients come back only for floating tensors
-that needed one, in the same order, so they need no header.  Messages between two ranks arrive in the order
-they were sent, and activations and gradients travel in opposite directions, so neither needs a tag.  All
-traffic goes through :class:`~shardwise.comm.distributed.Comm`, which counts the bytes.
+"""Activations forward and their gradients back, between neighbouring stages (docs/pipeline.md, "Activations
+between stages"). All traffic goes through :class:`~shardwise.comm.distributed.Comm`, which counts the bytes.
 """
 
 from __future__ import annotations
@@ -88,10 +82,9 @@ def _recv(comm: Comm, shape: Any, dtype: torch.dtype, src: int, device: torch.de
 def working_copy(received: Any) -> Any:
     """What a stage computes on: each received tensor that needs a gradient, cloned.
 
-    The received tensors are leaves (their ``.grad`` goes back to the previous stage), and autograd
-    forbids an in-place op on a leaf that requires grad: a stage starting with ``ReLU(inplace=True)``
-    would fail. The clone (one copy of the activation, as DeepSpeed's engine makes) is what the
-    layers see and may overwrite; its gradient still flows into the leaf.
+    The received tensors are leaves (their ``.grad`` goes back to the previous stage), and autograd forbids an in-place
+    op on a leaf that requires grad (a first ``ReLU(inplace=True)``); the layers may overwrite the clone (one copy, as
+    DeepSpeed makes), and its gradient still flows into the leaf.
     """
     if not torch.is_grad_enabled():
         return received
@@ -104,10 +97,7 @@ class Channel:
     """This stage's links to the previous and next stage of its replica (group ranks = stages)."""
 
     def __init__(self, comm: Comm, stage: int, num_stages: int, device: torch.device) -> None:
-        self.comm = comm
-        self.stage = stage
-        self.num_stages = num_stages
-        self.device = device
+        self.comm, self.stage, self.num_stages, self.device = comm, stage, num_stages, device
         self._sending: list[tuple[Work, torch.Tensor]] = []
 
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:

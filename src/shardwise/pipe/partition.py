@@ -1,11 +1,4 @@
-"""Which layers go to which stage: DeepSpeed's ``partition_method`` values.
-
-* ``"parameters"``: balance the trainable parameter count of the stages, as
-  DeepSpeed does (:mod:`.spread`: same counting, same boundaries);
-* ``"uniform"``: balance the number of layers;
-* ``"type:REGEX"``: balance the number of layers whose class name matches
-  ``REGEX`` (case-insensitive), e.g. ``"type:Block"`` for transformer blocks;
-* a list ``[0, b1, ..., L]``: explicit boundaries, stage ``s`` runs layers ``[b_s, b_{s+1})``.
+"""Which layers go to which stage: DeepSpeed's ``partition_method`` values (docs/pipeline.md).
 
 The result is always a list of ``num_stages + 1`` boundaries and every stage gets at least one layer.
 ``type:`` balancing minimises the heaviest stage first and then, among those partitions, the longest stage, so
@@ -15,21 +8,17 @@ layers that weigh nothing (functions, activations) spread instead of piling up o
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
-from .spread import least_spread
-
-__all__ = ["balanced", "partition", "uniform"]
+__all__ = ["balanced", "least_spread", "partition", "uniform"]
 
 Weigh = Callable[[int], int]
 
 
 def partition(names: Sequence[str], weigh: Weigh, num_stages: int, method: Any) -> list[int]:
-    """Boundaries for ``len(names)`` layers over ``num_stages`` stages.
-
-    ``names[i]`` is layer ``i``'s class name; ``weigh(i)`` its trainable
-    parameter count (only called for ``"parameters"``).
-    """
+    """Boundaries for ``len(names)`` layers (``names[i]``: layer ``i``'s class name) over ``num_stages`` stages;
+    ``weigh(i)`` is its trainable parameter count (only called for ``"parameters"``)."""
     count = len(names)
     if count < num_stages:
         raise ValueError(
@@ -70,8 +59,7 @@ def _explicit(bounds: list[Any], count: int, num_stages: int) -> list[int]:
         and all(isinstance(b, int) and not isinstance(b, bool) for b in bounds)
         and bounds[0] == 0
         and bounds[-1] == count
-        and all(a < b for a, b in zip(bounds, bounds[1:]))
-    )
+        and all(a < b for a, b in zip(bounds, bounds[1:])))
     if not fine:
         raise ValueError(
             f"partition_method {bounds!r} is not a valid list of boundaries: expected {num_stages + 1} "
@@ -141,3 +129,57 @@ def _cut(weights: Sequence[int], parts: int, cap_weight: int, cap_count: int) ->
         bounds.append(end)
     bounds.append(count)
     return bounds
+
+
+@dataclass(frozen=True)
+class _Cell:
+    """The kept partition of the first ``i`` layers into ``j`` stages: spread, heaviest, lightest, last cut."""
+
+    spread: int
+    heaviest: int
+    lightest: int
+    start: int
+
+
+def least_spread(weights: Sequence[int], parts: int) -> list[int]:
+    """Boundaries ``[0, b1, ..., len(weights)]`` of ``parts`` non-empty stages, as DeepSpeed balances them.
+
+    DeepSpeed (``runtime/utils.py``, ``partition_balanced``) does not minimise the heaviest stage: it fills a table over
+    (first ``i`` layers, ``j`` stages) keeping, for each cell, the cut whose heaviest minus lightest stage is smallest
+    given the best cell for ``j - 1`` stages, and on a tie the cut with the *last* stage shortest (the latest start).
+    That is not always the least spread overall, but a checkpoint or a script tuned for DeepSpeed expects those
+    boundaries (AlexNet on 2 stages: layer 19, not 17); re-implemented in exact integer arithmetic. Needs
+    ``len(weights) > parts`` (DeepSpeed splits uniformly otherwise).
+    """
+    count = len(weights)
+    if count <= parts:
+        raise ValueError(f"least_spread: {count} weights for {parts} parts; needs more weights than parts")
+    prefix = [0]
+    for weight in weights:
+        prefix.append(prefix[-1] + weight)
+    table: list[list[Optional[_Cell]]] = [[None] * (parts + 1) for _ in range(count + 1)]
+    for end in range(1, count + 1):
+        table[end][1] = _Cell(0, prefix[end], prefix[end], 0)
+        for stages in range(2, min(end, parts) + 1):
+            table[end][stages] = _best(table, prefix, end, stages)
+    bounds = [count]
+    for stages in range(parts, 0, -1):
+        cell = table[bounds[-1]][stages]
+        assert cell is not None
+        bounds.append(cell.start)
+    return bounds[::-1]
+
+
+def _best(table: list[list[Optional[_Cell]]], prefix: list[int], end: int, stages: int) -> _Cell:
+    """The cell for layers ``[0, end)`` in ``stages`` stages: the last stage is ``[start, end)``."""
+    best: Optional[_Cell] = None
+    for start in range(stages - 1, end):  # the first `stages - 1` stages need a layer each
+        before = table[start][stages - 1]
+        assert before is not None  # filled: start >= stages - 1
+        last = prefix[end] - prefix[start]
+        heaviest, lightest = max(before.heaviest, last), min(before.lightest, last)
+        if best is None or heaviest - lightest <= best.spread:  # `<=`: a tie goes to the later start
+            best = _Cell(heaviest - lightest, heaviest, lightest, start)
+    assert best is not None
+    return best
+

@@ -1,9 +1,7 @@
 """Pipeline schedules as data: per stage, a list of actions (forward or backward, micro-batch).
 
-The engine executes such a list with a small loop, as ``torch.distributed.pipelining`` does; nothing about
-the order is hidden in control flow.  1F1B: stage ``s`` of ``S`` runs ``S - s - 1`` warm-up forwards, then
-alternates one forward and one backward, then drains the remaining backwards, so it holds at most ``S - s``
-micro-batches' activations (docs/pipeline.md, "The schedule").
+The engine executes such a list with a small loop, as ``torch.distributed.pipelining`` does; nothing about the order is
+hidden in control flow (1F1B's order and memory bound: docs/pipeline.md, "The schedule").
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Keeping tied weights equal across the stages that hold them (docs/pipeline.md, "Tied layers").
 
-The copies start equal (the first stage holding the key broadcasts its values), and before every optimizer
-step their gradients are summed over those stages: the gradient of one module used twice.  Only
-``tied_weight_attr`` is kept equal, as in DeepSpeed; a tied module's other parameters may train on one stage
-only, else the copies drift apart, which :meth:`TiedWeights.check_untied` refuses.
+The copies start equal and their gradients are summed over those stages before every step. Only ``tied_weight_attr``
+is kept equal, as in DeepSpeed; a tied module's other parameters trained on two stages would drift apart, which
+:meth:`TiedWeights.check_untied` refuses.
 """
 
 from __future__ import annotations
@@ -36,8 +35,7 @@ class TiedWeights:
         self.pipe = groups.pipe
         self.untied = module.untied_parameters()
         self.entries = [
-            _Tied(key, stages, params, groups.ties[stages]) for key, stages, params in module.tied_parameters()
-        ]
+            _Tied(key, stages, params, groups.ties[stages]) for key, stages, params in module.tied_parameters()]
 
     def broadcast(self) -> None:
         """Make every stage's copy equal to the first stage's (collective over each tie group)."""

@@ -45,10 +45,9 @@ class PipeTopology:
 class PipeGroups:
     """This rank's communicators.
 
-    ``pipe``: the stages of this replica (norm and loss collectives); ``p2p``: the same ranks, used only for
-    activations and gradients (a group of their own, so point-to-point tags never meet collective ones);
-    ``data``: this stage's replicas (gradient averaging, ZeRO-1); ``ties``: per set of stages sharing a tied
-    key, those stages of this replica.
+    ``pipe``: the stages of this replica (norm and loss collectives); ``p2p``: the same ranks, used only for activations
+    and gradients (a group of their own, so point-to-point tags never meet collective ones); ``data``: this stage's
+    replicas (gradient averaging, ZeRO-1); ``ties``: per set of stages sharing a tied key, those stages of this replica.
     """
 
     topology: PipeTopology

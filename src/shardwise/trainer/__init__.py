@@ -12,18 +12,5 @@ from .checkpoints import ResumeError
 from .loop import FitSummary, StepResult, Trainer
 from .metrics import plot_metrics, read_metrics
 
-__all__ = [
-    "BatchError",
-    "CSVLogger",
-    "Callback",
-    "EarlyStopping",
-    "FitSummary",
-    "MLflowCallback",
-    "ResumeError",
-    "StepResult",
-    "TensorBoardCallback",
-    "Trainer",
-    "WandbCallback",
-    "plot_metrics",
-    "read_metrics",
-]
+__all__ = ["BatchError", "CSVLogger", "Callback", "EarlyStopping", "FitSummary", "MLflowCallback", "ResumeError",
+           "StepResult", "TensorBoardCallback", "Trainer", "WandbCallback", "plot_metrics", "read_metrics"]

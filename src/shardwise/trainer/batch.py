@@ -1,11 +1,7 @@
-"""One batch: moving it to the model's device, calling the engine with it, finding the loss.
+"""One batch: moving it to the model's device, calling the engine with it, finding the loss (docs/trainer.md).
 
-A batch reaches the model as ``engine(*batch)`` for a tuple or list, ``engine(**batch)`` for a dict, and
-``engine(batch)`` for anything else.  With a ``loss_fn``, a tuple longer than the positional parameters the
-model's ``forward`` takes passes only the leading items (``(x, y)`` to ``nn.Linear``: ``engine(x)``); the rest
-are targets for ``loss_fn(output, batch)``, as in Keras or Lightning.  Without one, every item goes to the
-model.  The loss is ``loss_fn(output, batch)`` when a ``loss_fn`` is given, otherwise the output itself (a
-scalar tensor), ``output["loss"]`` or ``output.loss``.
+With a ``loss_fn``, a tuple longer than the positional parameters the model's ``forward`` takes passes only the leading
+items; the rest are targets for ``loss_fn(output, batch)``, as in Keras or Lightning.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Callbacks: objects with any of ``on_train_start``, ``on_step_end``, ``on_log``, ``on_eval_end``, ``on_save``,
-``on_train_end``.
+``on_train_end`` (docs/trainer.md).
 
-Every hook runs on every rank and receives the trainer first.  A callback that wants a checkpoint now or the
-run to end calls ``trainer.request_save()`` or ``trainer.request_stop(reason)``; the trainer turns that into a
-decision all ranks take together at the end of the step (no rank saves alone; a stop asked on one rank stops
-all).  Subclassing :class:`Callback` is optional: any object with some of the hooks works: the loop calls them
-by name (:class:`.control.CallbackList`) and knows nothing of this module.
-
-The loggers (TensorBoard, CSV, Weights & Biases, MLflow) write on rank 0 only. Except TensorBoard's, they
-write from ``on_log``, so they see exactly the records the metrics file gets (every ``log_every`` steps, and
-every evaluation); the per-rank ``memory`` breakdown stays in that file, they get scalars.  TensorBoard, W&B
-and MLflow are imported when training starts, not before: shardwise does not depend on them, and an error says
-how to install them.
+Every hook runs on every rank; a save or stop a callback requests is decided by all ranks together at the end of the
+step. The loggers write on rank 0 only, and import TensorBoard, W&B and MLflow when training starts: shardwise does not
+depend on them.
 """
 
 from __future__ import annotations
@@ -62,14 +54,20 @@ class TensorBoardCallback(Callback):
     SCALARS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "samples_per_s", "eval_loss")
 
     def __init__(self, log_dir: Optional[str] = None, writer: Any = None) -> None:
-        self.log_dir = log_dir
-        self.writer = writer
+        self.log_dir, self.writer = log_dir, writer
 
     def on_train_start(self, trainer: "Trainer") -> None:
-        if self.writer is None and trainer.rank == 0:
-            self.writer = _summary_writer(self.log_dir)
+        if self.writer is not None or trainer.rank != 0:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # here: heavy, optional, only for this callback
+        except ImportError as error:
+            raise ImportError(
+                f"`TensorBoardCallback` needs the `tensorboard` package ({error}); install it with "
+                "`pip install 'shardwise[tensorboard]'`, or pass `writer=` an object with `add_scalar`") from error
+        self.writer = SummaryWriter(log_dir=self.log_dir)
 
-    def _write(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
         if self.writer is None or trainer.rank != 0:
             return
         for key in self.SCALARS:
@@ -77,26 +75,12 @@ class TensorBoardCallback(Callback):
             if isinstance(value, (int, float)):
                 self.writer.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", value, metrics["step"])
 
-    def on_step_end(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
-        self._write(trainer, metrics)
-
-    def on_eval_end(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
-        self._write(trainer, metrics)
+    on_eval_end = on_step_end
 
     def on_train_end(self, trainer: "Trainer", summary: "FitSummary") -> None:
         close = getattr(self.writer, "close", None)
         if callable(close):
             close()
-
-
-def _summary_writer(log_dir: Optional[str]) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter  # here: heavy, optional, only for this callback
-    except ImportError as error:
-        raise ImportError(
-            f"`TensorBoardCallback` needs the `tensorboard` package ({error}); install it with "
-            "`pip install 'shardwise[tensorboard]'`, or pass `writer=` an object with `add_scalar`") from error
-    return SummaryWriter(log_dir=log_dir)
 
 
 class EarlyStopping(Callback):
@@ -107,8 +91,7 @@ class EarlyStopping(Callback):
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
             raise ValueError(f"`EarlyStopping(patience={patience!r})`: expected an integer >= 1")
         self.watch = Watch(metric, greater_is_better, min_delta)
-        self.patience = patience
-        self.waited = 0
+        self.patience, self.waited = patience, 0
 
     def on_eval_end(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
         if self.watch.update(metrics):
@@ -154,18 +137,15 @@ class CSVLogger(Callback):
         new = [key for key in row if key not in self.columns]
         self.rows.append(row)
         self.columns += new
-        if new or not self.path.is_file():
-            self._rewrite()  # a new column: every row again, under the wider header
+        if new or not self.path.is_file():  # a new column: every row again, under the wider header
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "w", newline="", encoding="utf-8") as handle:
+                writer = csv.DictWriter(handle, self.columns)
+                writer.writeheader()
+                writer.writerows(self.rows)
         else:
             with open(self.path, "a", newline="", encoding="utf-8") as handle:
                 csv.DictWriter(handle, self.columns).writerow(row)
-
-    def _rewrite(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "w", newline="", encoding="utf-8") as handle:
-            writer = csv.DictWriter(handle, self.columns)
-            writer.writeheader()
-            writer.writerows(self.rows)
 
 
 class WandbCallback(Callback):

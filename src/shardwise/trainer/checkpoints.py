@@ -1,9 +1,6 @@
-"""The trainer's checkpoints: collective saves under ``checkpoint_dir``, pruning, and resume.
-
-Every rank calls :meth:`Checkpoints.save` at the same step (the trainer decides saves collectively), so the
-engine's collective save can never hang on a rank that skipped it.  Tags are ``global_step{N}``; with
-``keep_last`` set, rank 0 removes older ``global_step*`` directories once a new one is complete, except the
-best one (``best_metric``), whose tag rank 0 writes to ``best``.
+"""The trainer's checkpoints: collective saves under ``checkpoint_dir`` (``global_step{N}``), pruning to ``keep_last``
+besides the best one (named in ``best``), and resume. Every rank saves at the same step (the trainer decides saves
+collectively), so the engine's collective save can never hang on a rank that skipped it.
 """
 
 from __future__ import annotations

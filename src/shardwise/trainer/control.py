@@ -1,9 +1,6 @@
-"""The callbacks as the loop sees them, and decisions every rank takes together (small all-reduces
-through the engine's ``Comm``).
-
-A callback may ask for a stop or a save on one rank only; if that rank acted alone, the others would wait
-forever in the next collective (or save without it).  So requests are local, and the trainer turns them into
-one agreed decision per step: any rank asking is every rank doing.
+"""The callbacks as the loop sees them, and decisions every rank takes together (small all-reduces through the
+engine's ``Comm``): a stop or save asked on one rank alone would leave the others waiting forever in the next
+collective, so any rank asking is every rank doing.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ class Agreement:
     """Reductions of a few numbers over the data-parallel ranks (no-ops on one rank)."""
 
     def __init__(self, comm: Any, device: torch.device) -> None:
-        self.comm = comm
-        self.device = device
+        self.comm, self.device = comm, device
 
     def _reduce(self, values: Sequence[float], op: Any) -> list[float]:
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)

@@ -1,15 +1,9 @@
-"""Where the trainer's batches come from: a map-style dataset, an iterable dataset, or the user's DataLoader.
+"""Where the trainer's batches come from: a map-style dataset, an iterable dataset, or the user's DataLoader
+(docs/trainer.md).
 
-A map-style dataset is sharded over the data-parallel ranks as ``DistributedSampler`` shards it (seeded
-shuffle per epoch, ``seed + epoch``; the tail that does not divide among the ranks is dropped), in
-micro-batches of ``train_micro_batch_size_per_gpu``.  An iterable dataset is dealt out in turn: item ``i``
-goes to rank ``i % world_size`` (and, with workers, to one worker of that rank).  A ``DataLoader`` the user
-built is used as it is: sharding it is the user's choice (give it a ``DistributedSampler``).
-
-Every epoch can start at any micro-batch, which is what an exact resume needs.  A map-style dataset skips by
-index, without loading what it skips; the other two skip by reading.  The loaders built here carry their own
-generator, so starting an epoch draws nothing from torch's global RNG (a resumed run and an uninterrupted one
-see the same random stream).
+Every epoch can start at any micro-batch, which is what an exact resume needs. The loaders built here carry their own
+generator, so starting an epoch draws nothing from torch's global RNG (a resumed run and an uninterrupted one see the
+same random stream).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Evaluation results: ``compute_metrics`` over the whole eval set, and which evaluation was best.
 
-``compute_metrics(predictions, labels)`` is called as Hugging Face's Trainer calls it: each rank
-keeps its batches' predictions and labels (on the CPU); at the end they are gathered in rank order
-and concatenated, and every rank calls ``compute_metrics`` with the same tensors.  Predictions are
-the output's logits: ``output.logits``, ``output["logits"]``, the first item of a tuple output, or
-the output itself.  Labels are ``batch["labels"]`` (or ``"label"``), or the last item of a tuple
-batch.  Like Hugging Face, this holds every prediction of the eval set at once.
-
-The results are reduced over all ranks before anyone sees them, so every rank's :class:`Watch`
-(the best checkpoint, ``EarlyStopping``) takes the same decisions without talking.
+``compute_metrics(predictions, labels)`` is called as Hugging Face's Trainer calls it, with every rank's predictions
+gathered (docs/trainer.md). The results are reduced over all ranks before anyone sees them, so every rank's
+:class:`Watch` (the best checkpoint, ``EarlyStopping``) takes the same decisions without talking.
 """
 
 from __future__ import annotations

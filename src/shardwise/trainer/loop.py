@@ -1,11 +1,11 @@
 """``Trainer``: the training loop on top of an :class:`~shardwise.Engine`.
 
-Per step: ``gradient_accumulation_steps`` micro-batches through ``engine(...)``, ``engine.backward`` and
-``engine.step`` (:meth:`Trainer.train_step`, the one method a pipeline variant would override), then one
-all-reduce of the step's loss and data counts, evaluation when due, the callbacks, and one all-reduce of the
-callbacks' stop/save requests.  Saves happen on every rank at the same step by construction.  The data
-position (epoch, step within it) travels in the checkpoint's ``client_state``, so a resumed run continues with
-the very next batch and ends bit-for-bit where an uninterrupted run ends.
+Per step: ``gradient_accumulation_steps`` micro-batches through ``engine(...)``, ``engine.backward`` and ``engine.step``
+(:meth:`Trainer.train_step`, the one method a pipeline variant would override), then one all-reduce of the step's loss
+and data counts, evaluation when due, the callbacks, and one all-reduce of the callbacks' stop/save requests (so every
+rank saves at the same step). The data position (epoch, step within it) travels in the checkpoint's ``client_state``,
+so a resumed run continues with the very next batch and ends bit-for-bit where an uninterrupted run ends. A Trainer given a model builds its engine: a scheduler's ``total_num_steps: auto`` then resolves
+to the steps it will run, as Hugging Face's Trainer resolves it.
 """
 
 from __future__ import annotations
@@ -19,9 +19,13 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
+from ..comm.distributed import init_distributed
+from ..config import Config
+from ..engine.initialization import initialize
 from .batch import LossFn, compute_loss, forward, measure, positional_arity, to_device
-from .build import build_engine, steps_to_run
 from .checkpoints import Checkpoints
 from .control import Agreement, CallbackList, Decision, Requests
 from .data import Collate, Source, eval_source, train_source
@@ -81,29 +85,12 @@ class FitSummary:
         return asdict(self)
 
 
-def _micro_batch(engine: Any) -> Optional[int]:
-    """The config's micro-batch size, or None when it sets no batch size (fine with a user-built DataLoader)."""
-    try:
-        return int(engine.train_micro_batch_size_per_gpu())
-    except ValueError:
-        return None
-
-
 class Trainer:
-    """Trains ``engine`` on ``train_data``; see ``docs/trainer.md``.
+    """Trains ``engine`` (or a model, with ``config``) on ``train_data``; every argument in ``docs/trainer.md``.
 
-    ``train_data`` (and ``eval_data``) is a map-style ``Dataset`` (sharded over the ranks like
-    ``DistributedSampler``, shuffled with ``seed + epoch``, in batches of ``train_micro_batch_size_per_gpu``),
-    an ``IterableDataset``, or a ``DataLoader`` you built.  Training runs ``max_steps`` optimizer steps or
-    ``epochs`` epochs, whichever ends first.  With ``checkpoint_dir`` it saves every ``save_every`` steps and
-    at the end (keeping the last ``keep_last``), and with ``resume`` it first continues from the newest
-    checkpoint there.
-
-    ``model_or_engine`` is an engine from ``shardwise.initialize``, or a model: then ``config`` is required
-    and the Trainer builds the engine (a scheduler's ``total_num_steps: auto`` becomes the steps this run will
-    take).  With ``compute_metrics(predictions, labels)`` each evaluation also reports its results as
-    ``eval_<name>``; with ``best_metric`` (``"loss"``, ``"eval_loss"``, or one of those names) the best
-    checkpoint is kept besides the last ``keep_last`` and named in ``checkpoint_dir/best``.
+    Training runs ``max_steps`` optimizer steps or ``epochs`` epochs, whichever ends first. With ``checkpoint_dir`` it
+    saves every ``save_every`` steps and at the end (keeping the last ``keep_last``, and the ``best_metric`` best), and
+    with ``resume`` it first continues from the newest checkpoint there.
     """
 
     def __init__(
@@ -138,9 +125,7 @@ class Trainer:
         self.engine = engine
         self.max_steps, self.epochs = max_steps, epochs
         self.eval_every, self.save_every = eval_every, save_every
-        self.resume_enabled = resume
-        self.loss_fn = loss_fn
-        self.seed = seed
+        self.resume_enabled, self.loss_fn, self.seed = resume, loss_fn, seed
         self.rank, self.world_size = engine.comm.rank, engine.comm.world_size
         self.device = next((p.device for p in engine.module.parameters()), torch.device("cpu"))
         # With a loss_fn, trailing tuple items the forward cannot take are its targets (see batch.py).
@@ -149,7 +134,10 @@ class Trainer:
         self.watch = Watch(best_metric, greater_is_better) if best_metric is not None else None
         self.agreement = Agreement(engine.comm, self.device)
         self.accumulation = engine.gradient_accumulation_steps()
-        self.micro = _micro_batch(engine)
+        try:  # None: the config sets no batch size (fine with a user-built DataLoader)
+            self.micro: Optional[int] = int(engine.train_micro_batch_size_per_gpu())
+        except ValueError:
+            self.micro = None
         where = dict(micro=self.micro, rank=self.rank, world=self.world_size, collate_fn=collate_fn, num_workers=num_workers)
         self.source = train_source(train_data, seed=seed, **where)
         self.eval_source: Optional[Source] = eval_source(eval_data, **where) if eval_data is not None else None
@@ -349,8 +337,7 @@ class Trainer:
     def _eval_sums(self, batches: Iterator[Any], collected: Optional[Collected]) -> tuple[float, float]:
         """This rank's summed loss x samples and samples; ranks that run dry first repeat a batch at weight 0.
 
-        Every rank runs the same number of forwards, which a stage 3 engine
-        needs (its forward gathers parameters collectively).
+        Every rank runs the same number of forwards, which a stage 3 engine needs (its forward gathers collectively).
         """
         loss_sum = samples = 0.0
         last = None
@@ -504,3 +491,51 @@ def _check_arguments(max_steps: Optional[int], epochs: Optional[int], eval_every
     if compute_metrics is not None and not callable(compute_metrics):
         raise TypeError(f"`compute_metrics` is a {type(compute_metrics).__name__}; expected a callable "
                         "`(predictions, labels) -> dict`")
+
+
+#: the config path a Trainer settles when it is ``auto``
+TOTAL_STEPS = "scheduler.params.total_num_steps"
+
+
+def build_engine(model_or_engine: Any, config: Any, train_data: Any, max_steps: Optional[int],
+                 epochs: Optional[int]) -> Any:
+    """``model_or_engine`` if it is an engine; otherwise ``shardwise.initialize(model, config=...)``."""
+    if not isinstance(model_or_engine, nn.Module):
+        if config is not None:
+            raise ValueError(
+                "`config=` was passed with an engine: the engine already has its config; pass the model "
+                "(`Trainer(model, data, config=...)`) to have the Trainer build the engine, or drop `config=`")
+        return model_or_engine
+    if config is None:
+        raise ValueError(
+            f"`Trainer` got a `{type(model_or_engine).__name__}` model but no config: pass `config=` (a dict, a "
+            "`.json`/`.yaml` path or a `shardwise.Config`), or an engine from `shardwise.initialize`")
+    loaded = Config.load(config)
+    if not dist.is_initialized():
+        init_distributed(timeout=loaded.dist_timeout)
+    if TOTAL_STEPS in loaded.pending:
+        world = dist.get_world_size()
+        total = planned_steps(train_data, loaded, world, max_steps, epochs)
+        loaded = loaded.resolve(world_size=world, model=model_or_engine, total_num_steps=total)
+    return initialize(model_or_engine, config=loaded)
+
+
+def planned_steps(data: Any, config: Config, world: int, max_steps: Optional[int], epochs: Optional[int]) -> int:
+    """The optimizer steps a Trainer will run, known before it starts; an error says when it cannot be."""
+    sizes = config.batch_sizes(world)
+    batches = train_source(data, micro=sizes.micro_batch_size, rank=dist.get_rank(), world=world, seed=0,
+                           collate_fn=None, num_workers=0).batches_per_epoch  # counted as the Trainer will count them
+    per_epoch = batches // sizes.gradient_accumulation_steps if batches is not None else None
+    total = steps_to_run(max_steps, epochs, per_epoch)
+    if total is None:
+        raise ValueError(
+            f"`{TOTAL_STEPS}` is `auto`, and `train_data` ({type(data).__name__}) has no length, so `epochs={epochs}` "
+            "gives no step count: pass `max_steps=N` too, or set the scheduler's `total_num_steps` to a number")
+    return max(total, 1)
+
+
+def steps_to_run(max_steps: Optional[int], epochs: Optional[int], per_epoch: Optional[int]) -> Optional[int]:
+    """``max_steps`` or ``epochs`` x ``per_epoch``, whichever ends first (None when neither is known)."""
+    by_epochs = epochs * per_epoch if epochs is not None and per_epoch is not None else None
+    candidates = [steps for steps in (max_steps, by_epochs) if steps is not None]
+    return min(candidates) if candidates else None

@@ -1,11 +1,6 @@
 """Metrics: throughput between log points (evaluation and saves left out), the JSON-lines file (one record per
-logged step), and its curves as a PNG.
-
-A record holds ``step``, ``epoch``, ``loss`` (mean over ranks and the step's micro-batches), ``lr`` (first
-param group), ``grad_norm``, ``loss_scale``, ``step_time`` (seconds per step since the last record),
-``samples_per_s``, ``tokens_per_s`` (when the batches are token ids) and ``memory`` (per rank,
-:meth:`Engine.memory_breakdown`).  Evaluations add records with ``eval_loss``. Non-finite numbers (an fp16
-overflow's grad norm) are written as ``null``.
+logged step; its fields in docs/trainer.md), and its curves as a PNG. Non-finite numbers (an fp16 overflow's grad norm)
+are written as ``null``.
 """
 
 from __future__ import annotations
@@ -56,8 +51,7 @@ class Meter:
         now = time.perf_counter()
         seconds, self.step_mark = max(now - self.step_mark, 1e-9), now
         self.steps, self.samples, self.tokens = self.steps + 1, self.samples + samples, self.tokens + tokens
-        self.total_steps += 1
-        self.total_samples += samples
+        self.total_steps, self.total_samples = self.total_steps + 1, self.total_samples + samples
         self.total_tokens += tokens
         return {"samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds if tokens else None}
 
@@ -65,11 +59,8 @@ class Meter:
         """Rates since the last call (then starts a new interval)."""
         now = time.perf_counter()
         seconds = max(now - self.mark, 1e-9)
-        rates = {
-            "step_time": seconds / self.steps if self.steps else None,
-            "samples_per_s": self.samples / seconds,
-            "tokens_per_s": self.tokens / seconds if self.tokens else None,
-        }
+        rates = {"step_time": seconds / self.steps if self.steps else None, "samples_per_s": self.samples / seconds,
+                 "tokens_per_s": self.tokens / seconds if self.tokens else None}
         self.mark, self.steps, self.samples, self.tokens = now, 0, 0, 0
         return rates
 

@@ -1,15 +1,8 @@
-"""What rank 0 shows while training: a tqdm bar on a terminal, plain log lines otherwise.
+"""What rank 0 shows while training: a tqdm bar on a terminal, plain log lines otherwise (docs/trainer.md).
 
-Other ranks show nothing.  The bar carries loss, lr, tokens/s (or samples/s, smoothed over the last steps) and
-tqdm's ETA, updated every step; the lines, printed every ``log_every`` steps, carry the same and an ETA from
-the measured step time.  A terminal that reports 0 columns (some ptys, CI consoles) gets the lines: a bar
-there would draw nothing at all.
-
-The engine logs ``step N: lr=... grad_norm=...`` every ``steps_per_print`` steps.  Under a Trainer those
-numbers are already in the display and the metrics file, and a line printed straight to the terminal would
-break into the progress bar (and leave pieces of old bars).  So while ``fit()`` runs (:func:`routed_logs`), a
-filter on the console handlers that print ``shardwise`` records drops the engine's step lines and hands every
-other line to the display (``tqdm.write`` above a bar).
+A terminal that reports 0 columns (some ptys, CI consoles) gets the lines: a bar there would draw nothing at all. While
+``fit()`` runs (:func:`routed_logs`) the engine's own step lines are dropped (the display and the metrics file carry
+them, and a line printed straight to the terminal would break the bar) and other lines go through ``tqdm.write``.
 """
 
 from __future__ import annotations
@@ -80,8 +73,7 @@ class Lines(Progress):
         width = len(str(self.total)) if self.total else 5
         parts = [f"step {step:{width}d}" + (f"/{self.total}" if self.total else ""), f"epoch {record['epoch']}",
                  f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}"]
-        rate = _rate(record)
-        if rate:
+        if rate := _rate(record):
             parts.append(rate)
         if self.total and record.get("step_time"):
             parts.append(f"eta {_duration((self.total - step) * record['step_time'])}")
@@ -114,8 +106,7 @@ class Bar(Progress):
             if isinstance(value, (int, float)):
                 self.smoothed[key] = value if old is None else old + _SMOOTHING * (value - old)
         postfix = {"loss": f"{metrics['loss']:.4f}", "lr": f"{metrics['lr']:.2e}"}
-        rate = _rate(self.smoothed) or self.rate
-        if rate:
+        if rate := _rate(self.smoothed) or self.rate:
             postfix["speed"] = rate
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
@@ -157,8 +148,7 @@ class _Route(logging.Filter):
 
     def __init__(self, handler: logging.Handler, show: Callable[[str], None]) -> None:
         super().__init__()
-        self.handler = handler
-        self.show = show
+        self.handler, self.show = handler, show
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.name.startswith(LOGGER_NAME):

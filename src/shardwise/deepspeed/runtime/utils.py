@@ -16,8 +16,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from shardwise.pipe.partition import uniform
-from shardwise.pipe.spread import least_spread
+from shardwise.pipe.partition import least_spread, uniform
 
 from ..accelerator import get_accelerator
 from ..utils.logging import logger

@@ -14,11 +14,9 @@ import torch.distributed as dist
 from ..comm import get_rank as get_data_parallel_rank
 from ..comm import get_world_size as get_data_parallel_world_size
 
-__all__ = [
-    "get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size",
-    "get_model_parallel_rank", "get_model_parallel_world_size", "get_sequence_parallel_world_size",
-    "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size",
-]
+__all__ = ["get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size",
+           "get_model_parallel_rank", "get_model_parallel_world_size", "get_sequence_parallel_world_size",
+           "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size"]
 
 
 def get_data_parallel_group() -> Any:
