@@ -1,12 +1,8 @@
 """Writing a checkpoint: atomic files, the atomic commit, and a failed write said in words.
 
-Every rank writes into ``.tmp-TAG-NONCE/`` and fsyncs its files.  Once all are done, rank 0 (the only rank
-that renames) fsyncs that directory, renames it to ``TAG`` (atomic on POSIX), fsyncs ``SAVE_DIR`` and replaces
-``latest`` through :func:`write_atomic`: a new file under a random name, created exclusively and never
-through a symlink, renamed into place (so links planted in ``SAVE_DIR`` cannot redirect a write).  A crash
-before the rename leaves only a ``.tmp-*`` directory, which ``latest`` never names; one after it leaves the
-new checkpoint complete, ``latest`` naming the previous one.  An overwritten tag is moved aside first and
-deleted after the rename.
+The steps and what a crash between them leaves are in ``docs/checkpoints.md`` ("Atomic commit"); rank 0 is the
+only rank that renames.  :func:`write_atomic` creates a new file under a random name, exclusively and never through
+a symlink, and renames it into place, so links planted in ``SAVE_DIR`` cannot redirect a write.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """``load_checkpoint`` of a DeepSpeed checkpoint directory into a shardwise engine (any stage, world size).
 
-Every rank reads the whole checkpoint (:func:`read_deepspeed`), bounded by and checked against this engine's
-model, then takes its own pieces.  As in ``load.py``, everything is checked on every rank before anything is
-changed, and a failure on one rank is raised on all.  At stage 0 DeepSpeed saves the torch optimizer's
-``state_dict``, which numbers the parameters by position in the param groups: it is matched position by
-position with this engine's optimizer, every shape checked; two parameters of one shape are never told apart
-by guessing.
+Every rank reads the whole checkpoint (:func:`read_deepspeed`), bounded by and checked against this engine's model, then
+takes its own pieces.  As in ``load.py``, everything is checked on every rank before anything is changed, and a failure
+on one rank is raised on all.  At stage 0 DeepSpeed saves the torch optimizer's ``state_dict``, which numbers the
+parameters by position in the param groups: it is matched position by position with this engine's optimizer, every shape
+checked; two parameters of one shape are never told apart by guessing.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ import torch
 
 from ..comm.agreement import Session
 from ..optim.param_state import ParamShard
-from .deepspeed_files import ModelShapes
-from .deepspeed_format import DeepSpeedCheckpoint, DeepSpeedParam, read_deepspeed
+from .deepspeed_format import DeepSpeedCheckpoint, DeepSpeedParam, ModelShapes, read_deepspeed
 from .files import CheckpointError
 from .protocol import Checkpointable
 

@@ -1,15 +1,11 @@
 """The checkpoint layer's front door, and checkpoints of several engines: one subdirectory per engine, one ``latest``.
 
-::
-
-    SAVE_DIR/latest, SAVE_DIR/TAG/engines.json  {"format": "shardwise.engine.multi", "engines": [...], ...}
-    SAVE_DIR/TAG/<name>/                        a complete checkpoint of one engine (see layout.py)
-
-:func:`save_checkpoints` writes every engine into one temporary directory and commits it once, collectively
-over the default process group.  A named engine's ``save_checkpoint`` writes the same layout for itself, into
-a new tag or beside the other engines of an existing one, so named engines saving into one directory never
-overwrite each other; an engine without a name owns ``TAG/`` (``save.py``).  Choosing here keeps the layers
-one-way: this module imports save.py and load.py, and neither imports it.
+:func:`save_checkpoints` (layout: ``docs/checkpoints.md``, "Several engines in one checkpoint") writes every
+engine into one temporary directory and commits it once, collectively over the default process group.  A named
+engine's ``save_checkpoint`` writes the same layout for itself, into a new tag or beside the other engines of an
+existing one, so named engines saving into one directory never overwrite each other; an engine without a name owns
+``TAG/`` (``save.py``).  Choosing here keeps the layers one-way: this module imports save.py and load.py, and
+neither imports it.
 """
 
 from __future__ import annotations
@@ -64,10 +60,9 @@ def save_checkpoints(save_dir: Any, engines: Mapping[str, Checkpointable], tag: 
     """Collectively write the checkpoints of ``engines`` (``{name: engine}``) into ``save_dir/tag/<name>/``
     and commit them together; returns the tag's directory.
 
-    Every rank of the default process group calls it, passing the engines it
-    holds (an engine on a subgroup is passed by the ranks of that subgroup).
-    ``tag`` defaults to ``global_step{N}`` of the first engine by name;
-    ``client_state`` is stored with every engine.
+    Every rank of the default process group calls it, passing the engines it holds (an engine on a subgroup is passed by
+    the ranks of that subgroup). ``tag`` defaults to ``global_step{N}`` of the first engine by name; ``client_state`` is
+    stored with every engine.
     """
     if not engines:
         raise CheckpointError("save_checkpoints: no engines given; pass `{name: engine, ...}`")
@@ -174,9 +169,8 @@ def load_checkpoints(load_dir: Any, engines: Mapping[str, Checkpointable], tag: 
                      **options: Any) -> tuple[Optional[str], Optional[dict[str, Any]]]:
     """Collectively restore each engine of ``{name: engine}`` from ``load_dir/tag/<name>/``.
 
-    Returns ``(the tag's directory, the client_state saved with the engines)``,
-    or ``(None, None)`` with a warning when ``tag`` is None and ``load_dir``
-    has no ``latest``.  ``options`` are ``load_checkpoint``'s.
+    Returns ``(the tag's directory, the client_state saved with the engines)``, or ``(None, None)`` with a warning when
+    ``tag`` is None and ``load_dir`` has no ``latest``.  ``options`` are ``load_checkpoint``'s.
     """
     if not engines:
         raise CheckpointError("load_checkpoints: no engines given; pass `{name: engine, ...}`")

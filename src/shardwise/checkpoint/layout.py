@@ -1,19 +1,9 @@
 """Where a checkpoint's files live, how a load finds one, and what a directory of another kind is.
 
-::
-
-    SAVE_DIR/
-      latest                    the tag of the newest complete checkpoint (replaced atomically)
-      TAG/                      appears only once every rank's files are flushed (commit.py)
-        shardwise.json          the manifest (rank 0): the run, shapes, aliases, optimizer layout, encoded state
-        rankR.json              rank R's RNG state, written right after its tensor file is flushed
-        __R_0.distcp            rank R's tensor file
-        .metadata               DCP's index of every chunk, written by rank 0 once all ranks are done
-      .tmp-TAG-NONCE/           a save in progress, or what a crash left: never used by `latest`
-
-A checkpoint of several engines is ``TAG/engines.json`` and one such directory per engine (``group.py``).
-:func:`foreign_format` names a DeepSpeed, plain DCP, Hugging Face or ``torch.save`` path (by names and magic
-bytes only), which would otherwise look like an unfinished save or a missing directory.
+The layout is drawn in ``docs/checkpoints.md`` ("On-disk layout"); ``TAG/`` appears only once every rank's files
+are flushed (commit.py).  A checkpoint of several engines is ``TAG/engines.json`` and one such directory per engine
+(``group.py``).  :func:`foreign_format` names a DeepSpeed, plain DCP, Hugging Face or ``torch.save`` path (by names
+and magic bytes only), which would otherwise look like an unfinished save or a missing directory.
 """
 
 from __future__ import annotations

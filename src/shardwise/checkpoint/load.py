@@ -21,8 +21,7 @@ from ..comm.agreement import Session, join
 from ..optim.param_state import ParamShard
 from .codec import Decoder, empty_tensors, refuse_pickles
 from .deepspeed_load import load_deepspeed
-from .digests import expected_digests
-from .files import CheckpointError
+from .files import CheckpointError, expected_digests
 from .layout import LATEST, MANIFEST, find_deepspeed, holds_none, member_path, rank_file, resolve
 from .protocol import Apply, Checkpointable
 from .stateful import ModelNames, ModelState, OptimizerState, Sources, TensorState, capture_rng, dtype_name, restore_rng
@@ -52,11 +51,10 @@ def load_checkpoint(
 ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
     """Collectively restore ``engine`` from ``load_dir/tag`` (``tag=None``: the one ``latest`` names).
 
-    Returns ``(path of the checkpoint loaded, the client_state given to
-    save_checkpoint)``, or ``(None, None)`` with a warning when ``tag`` is None
-    and ``load_dir`` holds no complete checkpoint.  See ``docs/checkpoints.md``
-    for what each option restores.  In a checkpoint of several engines, the
-    engine's files are ``TAG/<member>/`` (``member`` defaults to the engine's name).
+    Returns ``(path of the checkpoint loaded, the client_state given to save_checkpoint)``, or ``(None, None)`` with a
+    warning when ``tag`` is None and ``load_dir`` holds no complete checkpoint.  See ``docs/checkpoints.md`` for what
+    each option restores.  In a checkpoint of several engines, the engine's files are ``TAG/<member>/`` (``member``
+    defaults to the engine's name).
     """
     member = member if member is not None else engine.name
     load_dir = Path(load_dir)

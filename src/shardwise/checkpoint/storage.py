@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from . import files
 from .codec import TENSOR_DTYPES, is_count
-from .digests import expected_digests, verify
 from .files import HINT, MAX_DIMS, MAX_INDEX_BYTES, CheckpointError, fail, read_limited, record_is_stored, regular_size
 from .layout import INDEX, MANIFEST
 
@@ -244,7 +244,7 @@ class SafeReader(FileSystemReader):
 
     def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
         super().__init__(path)
-        self.expected = expected_digests(manifest, path / MANIFEST)
+        self.expected = files.expected_digests(manifest, path / MANIFEST)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -266,7 +266,7 @@ class SafeReader(FileSystemReader):
             by_file.setdefault(info.relative_path, []).append(info)
         root = Path(self.path)
         for name, infos in by_file.items():
-            verify(root, name, self.expected)
+            files.verify(root, name, self.expected)
             with open(root / name, "rb") as stream:
                 for info in sorted(infos, key=lambda i: i.offset):
                     where = f"the tensor record at byte {info.offset} of {root / name}"

@@ -1,11 +1,10 @@
 """Checks of a checkpoint's manifest and rank files, of their agreement with the tensor index, and of decoded values.
 
-Nothing a checkpoint says is used before it passes here: field types (pydantic, strict: ``1`` is not ``true``),
-names that must resolve, encoded values that must decode, and every shape the load will allocate from, which
-must equal that tensor's size in the index (itself bounded by the bytes on disk).  Decoded states are then
-checked by :func:`conform` against the live object's (the *template*) before anything is applied: a crafted
-checkpoint can change a number, never add an attribute, turn a number into a callable, or swap a tensor for one
-of another shape.
+Nothing a checkpoint says is used before it passes here: field types (pydantic, strict: ``1`` is not ``true``), names
+that must resolve, encoded values that must decode, and every shape the load will allocate from, which must equal that
+tensor's size in the index (itself bounded by the bytes on disk).  Decoded states are then checked by :func:`conform`
+against the live object's (the *template*) before anything is applied: a crafted checkpoint can change a number, never
+add an attribute, turn a number into a callable, or swap a tensor for one of another shape.
 """
 
 from __future__ import annotations

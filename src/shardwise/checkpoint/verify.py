@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from .digests import expected_digests, require_listed, verify
+from . import files
 from .files import MAX_MANIFEST_BYTES, MAX_RANK_FILE_BYTES, MAX_WORLD_SIZE, CheckpointError, read_json, regular_size
 from .layout import FORMAT, INDEX, LATEST, MANIFEST, TEMP_PREFIX, VERSION, foreign_format, rank_file, tags
 from .storage import read_metadata, record_ends
@@ -31,7 +31,7 @@ def check_complete(path: Path) -> dict[str, Any]:
         raise CheckpointError(foreign)
     has_index = regular_size(path / INDEX) is not None
     if has_index and regular_size(path / MANIFEST) is not None:  # checked before anything unpickles the index
-        verify(path, INDEX, expected_digests(read_json(path / MANIFEST), path / MANIFEST))
+        files.verify(path, INDEX, files.expected_digests(read_json(path / MANIFEST), path / MANIFEST))
     metadata = read_metadata(path) if has_index else None
     missing = _missing_files(path, metadata)
     if missing:
@@ -59,14 +59,14 @@ def check_complete(path: Path) -> dict[str, Any]:
     # every file a load may read has its checksum in the manifest (else none is checked)
     data = sorted(record_ends(metadata.storage_data, path / INDEX))
     ranks = [rank_file(r) for r in range(manifest["world_size"])]
-    require_listed(path, [INDEX, *ranks, *data], expected_digests(manifest, file))
+    files.require_listed(path, [INDEX, *ranks, *data], files.expected_digests(manifest, file))
     return manifest
 
 
 def read_rank_file(path: Path, rank: int, world_size: int, expected: dict[str, Any]) -> dict[str, Any]:
     """Rank ``rank``'s ``rankR.json`` in checkpoint ``path``, checked: its checksum (``expected``: the
     manifest's ``files``), its RNG state can be set, and every tensor it refers to has that size in the index."""
-    verify(path, rank_file(rank), expected)
+    files.verify(path, rank_file(rank), expected)
     file = path / rank_file(rank)
     info = read_json(file, MAX_RANK_FILE_BYTES)
     check_rank_file(info, rank, world_size, read_metadata(path).state_dict_metadata, file)
