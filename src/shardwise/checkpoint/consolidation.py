@@ -29,7 +29,7 @@ from .deepspeed_format import read_deepspeed
 from .files import CheckpointError, check_views, record_is_stored
 from .stateful import ModelState, TensorState
 from .storage import LoadPlanner, SafeReader, dcp_errors
-from .verify import check_complete
+from .validate import check_complete
 
 __all__ = ["consolidate", "consolidated_client_state", "consolidated_state_dict", "describe", "load_consolidated"]
 

@@ -74,7 +74,13 @@ def read_pickle(path: Path, allow_pickle: bool = False, budget: Optional[int] = 
             with safe_globals(ALLOWED):
                 value = torch.load(stream, map_location="cpu", weights_only=not allow_pickle)
         except torch.serialization.pickle.UnpicklingError as exc:
-            raise CheckpointError(_refusal(path, str(exc))) from None
+            found = re.search(r"GLOBAL ([\w.]+)", str(exc)) or re.search(r"function (<[^>]+>|[\w.]+)", str(exc))
+            raise CheckpointError(
+                f"{path} needs `{found.group(1) if found else str(exc).splitlines()[0][:200]}` to be unpickled, which "
+                f"shardwise does not load from a DeepSpeed checkpoint (it builds only tensors, plain values and "
+                f"{sorted(n for _, n in ALLOWED)}): loading it could run code from the file. If you trust the file, set "
+                "`checkpoint.allow_pickle: true`; otherwise drop that object from the `client_state` you saved"
+            ) from None
         except (OSError, RuntimeError, EOFError, ValueError) as exc:
             raise CheckpointError(
                 f"{path}: cannot read this DeepSpeed file ({type(exc).__name__}: {exc!s:.200}); DeepSpeed files "
@@ -84,17 +90,6 @@ def read_pickle(path: Path, allow_pickle: bool = False, budget: Optional[int] = 
         raise CheckpointError(f"{path}: expected a dict, as DeepSpeed saves, got a {type(value).__name__}")
     check_views(value, path)
     return value
-
-
-def _refusal(path: Path, detail: str) -> str:
-    found = re.search(r"GLOBAL ([\w.]+)", detail) or re.search(r"function (<[^>]+>|[\w.]+)", detail)
-    name = found.group(1) if found else detail.splitlines()[0][:200]
-    return (
-        f"{path} needs `{name}` to be unpickled, which shardwise does not load from a DeepSpeed checkpoint (it "
-        f"builds only tensors, plain values and {sorted(n for _, n in ALLOWED)}): loading it could run code from "
-        "the file. If you trust the file, set `checkpoint.allow_pickle: true`; otherwise drop that object from "
-        "the `client_state` you saved"
-    )
 
 
 class DeepSpeedFiles:

@@ -30,7 +30,7 @@ from .layout import GROUP_FORMAT, GROUP_MANIFEST, LATEST, MANIFEST, read_group, 
 from .load import load_checkpoint
 from .protocol import Checkpointable
 from .save import join_save, save_unnamed, write_engine
-from .verify import check_complete
+from .validate import check_complete
 
 __all__ = ["load_checkpoints", "save_checkpoint", "save_checkpoints"]
 

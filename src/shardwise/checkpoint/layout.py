@@ -192,10 +192,13 @@ def foreign_format(path: Path) -> Optional[str]:
     names = _names(path)
     if MANIFEST in names:
         return None
-    deepspeed = _deepspeed_file(path, names)
-    if deepspeed is not None:
+    found = sorted(n for n in names if _DEEPSPEED.fullmatch(n))
+    tag = _latest_tag(path) if LATEST in names and not found else None
+    if tag is not None and "/" not in tag and tag not in ("", ".", "..") and is_real_dir(path / tag):
+        found = [f"{tag}/{n}" for n in sorted(n for n in _names(path / tag) if _DEEPSPEED.fullmatch(n))]
+    if found:
         return (
-            f"{path} is a DeepSpeed checkpoint (it has `{deepspeed}`), not a shardwise one: `engine.load_checkpoint` "
+            f"{path} is a DeepSpeed checkpoint (it has `{found[0]}`), not a shardwise one: `engine.load_checkpoint` "
             "and `shardwise checkpoint consolidate` read it (pass the directory holding `latest`, or one tag "
             "directory), `inspect` does not"
         )
@@ -220,18 +223,6 @@ def _names(path: Path) -> set[str]:
         return set()
 
 
-def _deepspeed_file(path: Path, names: set[str]) -> Optional[str]:
-    found = sorted(n for n in names if _DEEPSPEED.fullmatch(n))
-    if found:
-        return found[0]
-    tag = _latest_tag(path) if LATEST in names else None
-    if tag is None or "/" in tag or tag in ("", ".", "..") or not is_real_dir(path / tag):
-        return None
-    inner = path / tag
-    found = sorted(n for n in _names(inner) if _DEEPSPEED.fullmatch(n))
-    return f"{tag}/{found[0]}" if found else None
-
-
 def is_deepspeed_tag_dir(path: Path) -> bool:
     """``path`` is one DeepSpeed checkpoint (a tag directory) and no shardwise one."""
     if not is_real_dir(path) or (path / MANIFEST).exists():
@@ -254,9 +245,7 @@ def find_deepspeed(load_dir: Path, tag: Optional[str]) -> Optional[Path]:
     if tag is None and is_deepspeed_tag_dir(load_dir):
         return load_dir
     tag = tag if tag is not None else _latest_tag(load_dir)
-    if tag is None:
-        return None
-    if "/" in tag or "\\" in tag or tag in ("", ".", "..") or len(tag) > MAX_TAG_LENGTH:
+    if tag is None or "/" in tag or "\\" in tag or tag in ("", ".", "..") or len(tag) > MAX_TAG_LENGTH:
         return None
     inner = load_dir / tag
     return inner if is_deepspeed_tag_dir(inner) else None

@@ -26,8 +26,7 @@ from .layout import LATEST, MANIFEST, find_deepspeed, holds_none, member_path, r
 from .protocol import Apply, Checkpointable
 from .stateful import ModelNames, ModelState, OptimizerState, Sources, TensorState, capture_rng, dtype_name, restore_rng
 from .storage import LoadPlanner, SafeReader, dcp_errors
-from .validate import conform
-from .verify import check_complete, read_rank_file
+from .validate import check_complete, conform, read_rank_file
 
 __all__ = ["load_checkpoint"]
 
@@ -75,7 +74,8 @@ def load_checkpoint(
         )
         return None, None
     options = _Options(load_optimizer_states, load_lr_scheduler_states, load_module_only, module_load_fn, strict)
-    deepspeed = _agreed(session, "looking for a DeepSpeed checkpoint", lambda: _deepspeed_at(load_dir, tag),
+    found = lambda: None if (at := find_deepspeed(load_dir, tag)) is None else str(at.absolute())  # noqa: E731
+    deepspeed = _agreed(session, "looking for a DeepSpeed checkpoint", found,
                         lambda views: f"ranks found different DeepSpeed checkpoints in {load_dir} ({views}); `load_dir` "
                         "must be one directory shared by all ranks, and `latest` must not change during the load")
     if deepspeed is not None:  # a foreign format, recognised by its file names: no manifest, no checksums
@@ -93,11 +93,6 @@ def _agreed(session: Session, what: str, look: Callable[[], Any], differ: Callab
     if any(v != views[0] for v in views):
         raise CheckpointError(f"rank {session.rank}: {differ(views)}")
     return views[0]
-
-
-def _deepspeed_at(load_dir: Path, tag: Optional[str]) -> Optional[str]:
-    found = find_deepspeed(load_dir, tag)
-    return None if found is None else str(found.absolute())
 
 
 def _find(load_dir: Path, tag: Optional[str], member: Optional[str]) -> Path:
@@ -162,8 +157,15 @@ class _Load:
         for state in states.values():
             state.apply()
         self.apply_entries()
-        self._apply_decoded()
-        return str(self.path), self.decoded.client_state
+        decoded, extras, optimizer = self.decoded, self.engine.extras(), self.engine.optimizer
+        if decoded.param_groups is not None and optimizer is not None:
+            for group, saved in zip(optimizer.param_groups, decoded.param_groups):
+                group.update(saved)
+        for name, values in decoded.extras.items():
+            extras[name].load_state_dict(values)
+        if decoded.rng is not None:
+            restore_rng(decoded.rng)
+        return str(self.path), decoded.client_state
 
     def _read_manifest(self) -> dict[str, Any]:
         self.path = _find(self.load_dir, self.tag, self.member).absolute()
@@ -309,17 +311,6 @@ class _Load:
                 f"{dtype_name(self.engine.dtype)}: the loss scaler starts fresh",
                 stacklevel=6,
             )
-
-    def _apply_decoded(self) -> None:
-        decoded, extras = self.decoded, self.engine.extras()
-        optimizer = self.engine.optimizer
-        if decoded.param_groups is not None and optimizer is not None:
-            for group, saved in zip(optimizer.param_groups, decoded.param_groups):
-                group.update(saved)
-        for name, state in decoded.extras.items():
-            extras[name].load_state_dict(state)
-        if decoded.rng is not None:
-            restore_rng(decoded.rng)
 
 
 def _counters(saved: Any, template: dict[str, Any]) -> dict[str, int]:

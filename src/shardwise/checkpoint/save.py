@@ -135,22 +135,19 @@ class _Save:
             self.rank_info["rng"] = rng.encode(capture_rng(), "RNG state")
         states["rng"] = TensorState(dict(rng.tensors))
         if self.rank == 0:
-            self._encode_extras()
+            encode, optimizer, extras = self.extra.encode, self.engine.optimizer, self.engine.extras()
+            scheduler = extras.get("scheduler")
+            groups = ([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+                      if optimizer else None)
+            self.encoded = {
+                "client_state": encode(self.client_state, "client_state"),
+                "scheduler": None if scheduler is None else encode(scheduler.state_dict(), "lr_scheduler.state_dict()"),
+                "precision": encode(extras["precision"].state_dict(), "precision.state_dict()"),
+                "counters": extras["counters"].state_dict(),
+                "param_groups": encode(groups, "optimizer param_groups") if groups is not None else None,
+            }
         states["extra"] = TensorState(dict(self.extra.tensors))
         return states
-
-    def _encode_extras(self) -> None:
-        encode, optimizer = self.extra.encode, self.engine.optimizer
-        extras = self.engine.extras()
-        scheduler = extras.get("scheduler")
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else None
-        self.encoded = {
-            "client_state": encode(self.client_state, "client_state"),
-            "scheduler": encode(scheduler.state_dict(), "lr_scheduler.state_dict()") if scheduler is not None else None,
-            "precision": encode(extras["precision"].state_dict(), "precision.state_dict()"),
-            "counters": extras["counters"].state_dict(),
-            "param_groups": encode(groups, "optimizer param_groups") if groups is not None else None,
-        }
 
     def _finish(self, descriptions: list[dict[str, Any]], writer: _RankWriter, metadata: Any, results: list[Any],
                 files: dict[str, Any], weights_16bit: Optional[dict[str, torch.Tensor]]) -> None:
