@@ -111,15 +111,11 @@ def new_temp(temp: Path, tag: Optional[str]) -> None:
     own, and what earlier, failed saves of ``tag`` left next to it is deleted first."""
     if tag is not None:
         temp.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temps(temp.parent, tag)
+        pattern = re.compile(re.escape(f"{TEMP_PREFIX}{tag}-") + r"[0-9a-f]{12}(\.replaced)?")
+        for child in temp.parent.glob(f"{TEMP_PREFIX}{tag}-*"):
+            if pattern.fullmatch(child.name) and (child.is_symlink() or child.is_dir()):
+                _remove(child)
     temp.mkdir()
-
-
-def _remove_stale_temps(save_dir: Path, tag: str) -> None:
-    pattern = re.compile(re.escape(f"{TEMP_PREFIX}{tag}-") + r"[0-9a-f]{12}(\.replaced)?")
-    for child in save_dir.glob(f"{TEMP_PREFIX}{tag}-*"):
-        if pattern.fullmatch(child.name) and (child.is_symlink() or child.is_dir()):
-            _remove(child)
 
 
 def explained(temp: Path, fn: Callable[[], _T]) -> _T:
