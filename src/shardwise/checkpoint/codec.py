@@ -17,7 +17,7 @@ import math
 import pickle
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence, TypeGuard
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeGuard
 
 import torch
 
@@ -210,30 +210,34 @@ def leaf_tag(node: Node, i: int) -> Optional[str]:
     return tag if tag not in _CONTAINERS else None
 
 
-def walk(data: Any, where: str) -> Iterator[tuple[Node, int]]:
-    """``(container, position)`` of every value inside encoded ``data``, containers before their children."""
+def walk(data: Any, where: str,
+         done: Optional[Callable[[Node], None]] = None) -> Iterator[tuple[Node, int, Optional[Node]]]:
+    """``(container, position, the value as a container to walk into or None)`` of every value inside encoded
+    ``data``, containers before their children; ``done(container)`` once its children are walked."""
     stack = [Node("root", [data], [], None, 0, 0, where)]
     while stack:
         node = stack[-1]
         if node.next == len(node.values):
             stack.pop()
+            if done is not None:
+                done(node)
             continue
         i = node.next
         node.next += 1
-        yield node, i
         child = expand(node, i)
+        yield node, i, child
         if child is not None:
             stack.append(child)
 
 
 def check_encoded(data: Any, where: str) -> list[dict[str, Any]]:
     """Raise if encoded ``data`` could not be decoded; its tensor references otherwise."""
-    return [node.values[i] for node, i in walk(data, where) if leaf_tag(node, i) == "__tensor__"]
+    return [node.values[i] for node, i, _ in walk(data, where) if leaf_tag(node, i) == "__tensor__"]
 
 
 def empty_tensors(data: Any) -> dict[str, torch.Tensor]:
     """A fresh tensor to read each tensor that encoded ``data`` refers to into, by key."""
-    refs = [v for node, i in walk(data, "value") if isinstance(v := node.values[i], dict) and "__tensor__" in v]
+    refs = [v for node, i, _ in walk(data, "value") if isinstance(v := node.values[i], dict) and "__tensor__" in v]
     return {ref["__tensor__"]: torch.empty(ref["shape"], dtype=getattr(torch, ref["dtype"])) for ref in refs}
 
 
@@ -302,23 +306,11 @@ class Decoder:
     allow_pickle: bool = False
 
     def decode(self, data: Any, where: str) -> Any:
-        top = Node("root", [data], [], None, 0, 0, where)
-        stack = [top]
-        while stack:
-            node = stack[-1]
-            if node.next == len(node.values):
-                stack.pop()
-                if stack:
-                    stack[-1].out.append(node.build())
-                continue
-            i = node.next
-            node.next += 1
-            child = expand(node, i)
+        built: list[Any] = []  # the root's, once walked: its one child, decoded
+        for node, i, child in walk(data, where, lambda n: (n.parent.out if n.parent else built).append(n.build())):
             if child is None:
                 node.out.append(self._leaf(node, i))
-            else:
-                stack.append(child)
-        return top.out[0]
+        return built[0][0]
 
     def _leaf(self, node: Node, i: int) -> Any:
         data = node.values[i]
@@ -363,7 +355,7 @@ def refuse_pickles(data: Any, where: str, allow_pickle: bool) -> None:
     refuses before it has changed anything."""
     if allow_pickle:
         return
-    for node, i in walk(data, where):
+    for node, i, _ in walk(data, where):
         value = node.values[i]
         if isinstance(value, dict) and "__pickle__" in value:
             Decoder({}, allow_pickle=False).decode(value, node.child_where(i))

@@ -272,41 +272,34 @@ def read_deepspeed(path: Path, allow_pickle: bool = False, model: Optional[Model
         if optim:
             model.check_param_shapes(_shapes(states, files.first_model_states), module, files.first_model_states)
     try:
-        return _assemble(path, files, states, optim, module, dtype, read, model)
+        accumulation = config.get("gradient_accumulation_steps", 1) if isinstance(config, dict) else 1
+        if not optim:
+            groups, hyper, scaler = _stage0(states, module, files.first_model_states)
+            stage, world = 0, int(states.get("dp_world_size") or 1)
+        else:
+            stage3, scaler = "fp32_flat_groups" in optim[0], _scaler(optim[0].get("loss_scaler"))
+            stage, world = 3 if stage3 else int(optim[0].get("zero_stage", 1)), len(optim)
+            groups, hyper = (_stage3 if stage3 else _stage12)(states, optim, files)
+            module.update(_frozen_stage3(files, read, states, model) if stage3 else
+                          _tensors(states.get("frozen_param_fragments") or {}, "frozen_param_fragments", path))
+        if model is not None:
+            model.check_module(module, path)
+        return DeepSpeedCheckpoint(
+            path=path, stage=stage, world_size=world, dtype=dtype, groups=groups, hyper=hyper, module=module,
+            buffer_names=[str(n) for n in states.get("buffer_names") or []],
+            shared={str(k): str(v) for k, v in (states.get("shared_params") or {}).items()},
+            scheduler=states.get("lr_scheduler") if isinstance(states.get("lr_scheduler"), dict) else None,
+            counters={k: _count(states, k, files.first_model_states) for k in ("global_steps", "skipped_steps")},
+            scaler=scaler,
+            client_state={k: v for k, v in states.items() if k not in _DEEPSPEED_KEYS},
+            accumulation=accumulation if isinstance(accumulation, int) and not isinstance(accumulation, bool)
+            and accumulation > 0 else 1,
+        )
     except (KeyError, IndexError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
         raise CheckpointError(
             f"{path}: the files do not hold what DeepSpeed writes ({type(exc).__name__}: {exc!s:.200}); they were "
             "damaged or edited, or are not one DeepSpeed save: load a checkpoint as DeepSpeed saved it"
         ) from None
-
-
-def _assemble(path: Path, files: DeepSpeedFiles, states: dict[str, Any], optim: list[dict[str, Any]],
-              module: dict[str, torch.Tensor], dtype: str, read: Callable[[Path], dict[str, Any]],
-              model: Optional[ModelShapes]) -> DeepSpeedCheckpoint:
-    config = states.get("ds_config") or {}
-    accumulation = config.get("gradient_accumulation_steps", 1) if isinstance(config, dict) else 1
-    if not optim:
-        groups, hyper, scaler = _stage0(states, module, files.first_model_states)
-        stage, world = 0, int(states.get("dp_world_size") or 1)
-    else:
-        stage3, scaler = "fp32_flat_groups" in optim[0], _scaler(optim[0].get("loss_scaler"))
-        stage, world = 3 if stage3 else int(optim[0].get("zero_stage", 1)), len(optim)
-        groups, hyper = (_stage3 if stage3 else _stage12)(states, optim, files)
-        module.update(_frozen_stage3(files, read, states, model) if stage3 else
-                      _tensors(states.get("frozen_param_fragments") or {}, "frozen_param_fragments", path))
-    if model is not None:
-        model.check_module(module, path)
-    return DeepSpeedCheckpoint(
-        path=path, stage=stage, world_size=world, dtype=dtype, groups=groups, hyper=hyper, module=module,
-        buffer_names=[str(n) for n in states.get("buffer_names") or []],
-        shared={str(k): str(v) for k, v in (states.get("shared_params") or {}).items()},
-        scheduler=states.get("lr_scheduler") if isinstance(states.get("lr_scheduler"), dict) else None,
-        counters={k: _count(states, k, files.first_model_states) for k in ("global_steps", "skipped_steps")},
-        scaler=scaler,
-        client_state={k: v for k, v in states.items() if k not in _DEEPSPEED_KEYS},
-        accumulation=accumulation if isinstance(accumulation, int) and not isinstance(accumulation, bool)
-        and accumulation > 0 else 1,
-    )
 
 
 def _optimizer_dict(states: dict[str, Any], path: Path) -> dict[str, Any]:

@@ -277,10 +277,21 @@ class _Load:
                 decoded.extras["scheduler"] = conform(state, extras["scheduler"].state_dict(), "scheduler")
         if not self.options.module_only:
             self._decode_precision(decoder.decode(manifest["precision"], "precision state"), extras)
-            decoded.extras["counters"] = _counters(manifest["counters"], extras["counters"].state_dict())
+            template = extras["counters"].state_dict()
+            counters = conform(manifest["counters"], template, "counters")
+            if set(counters) != set(template) or any(v < 0 for v in counters.values()):  # exactly the engine's keys
+                raise CheckpointError(
+                    f"`counters` in the checkpoint manifest must hold {sorted(template)} as non-negative integers, "
+                    f"got {counters!r}; the manifest was damaged or crafted: refusing it (nothing was changed)"
+                )
+            decoded.extras["counters"] = counters
         if self.rng is not None:
-            decoded.rng = _rng(Decoder(self.rng[1], self.allow_pickle).decode(self.rng[0], "RNG state"),
-                               f"{self.path / rank_file(self.rank)}: rng")
+            # each state shaped like this process's; parts it has no generator for are dropped, as restore_rng would
+            where, template = f"{self.path / rank_file(self.rank)}: rng", capture_rng()
+            rng = Decoder(self.rng[1], self.allow_pickle).decode(self.rng[0], "RNG state")
+            if not isinstance(rng, dict) or not {"python", "torch"} <= set(rng):
+                raise CheckpointError(f"`{where}` must hold at least the `python` and `torch` states; refusing it")
+            decoded.rng = conform({k: v for k, v in rng.items() if k in template}, template, where)
 
     def _without_scheduler_keys(self, groups: Any, current: list[dict[str, Any]], has_scheduler: bool) -> Any:
         """The saved param groups, less the keys an lr scheduler put there (``initial_lr``) when this engine has
@@ -311,23 +322,3 @@ class _Load:
                 f"{dtype_name(self.engine.dtype)}: the loss scaler starts fresh",
                 stacklevel=6,
             )
-
-
-def _counters(saved: Any, template: dict[str, Any]) -> dict[str, int]:
-    """The step counters: exactly the engine's keys, each a non-negative integer."""
-    counters = conform(saved, template, "counters")
-    if set(counters) != set(template) or any(v < 0 for v in counters.values()):
-        raise CheckpointError(
-            f"`counters` in the checkpoint manifest must hold {sorted(template)} as non-negative integers, "
-            f"got {counters!r}; the manifest was damaged or crafted: refusing it (nothing was changed)"
-        )
-    return counters
-
-
-def _rng(saved: Any, where: str) -> dict[str, Any]:
-    """A rank's RNG states, each shaped like this process's; parts this process has no generator for are
-    dropped, as :func:`restore_rng` would ignore them."""
-    template = capture_rng()
-    if not isinstance(saved, dict) or not {"python", "torch"} <= set(saved):
-        raise CheckpointError(f"`{where}` must hold at least the `python` and `torch` states; refusing it")
-    return conform({k: v for k, v in saved.items() if k in template}, template, where)
