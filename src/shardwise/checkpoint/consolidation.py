@@ -134,10 +134,7 @@ def describe(save_dir: Any) -> str:
             latest = layout.read_latest(root)
         if not entries:
             raise CheckpointError(layout.foreign_format(root) or f"no checkpoints in {root}")
-    lines = [f"{root}:"]
-    for name, path, committed in entries:
-        lines.append(_describe_one(name, path, committed, name == latest))
-    return "\n".join(lines)
+    return "\n".join([f"{root}:", *(_describe_one(name, path, done, name == latest) for name, path, done in entries)])
 
 
 def _describe_one(name: str, path: Path, committed: bool, is_latest: bool) -> str:

@@ -377,7 +377,17 @@ def _stage12(states: dict[str, Any], optim: list[dict[str, Any]],
         pieces = [o["single_partition_of_fp32_groups"][g].reshape(-1) for o in optim]
         # each rank's per-element state cut to its piece of the vector (dropping padding)
         flat_state = _joined([_base_state(o, g) for o in optim], [slice(0, p.numel()) for p in pieces])
-        groups.append(_walk_consecutive(group_shapes, paddings[g], torch.cat(pieces), flat_state, files.path))
+        flat, params, offset = torch.cat(pieces), [], 0
+        for (name, shape), padding in zip(group_shapes, paddings[g]):
+            numel = math.prod(shape)
+            if offset + numel > flat.numel():
+                raise CheckpointError(f"{files.path}: the fp32 partitions hold {flat.numel()} elements, too few for "
+                                      f"`{name}` at offset {offset} ({numel} elements); a rank's optimizer file is "
+                                      "from another save")
+            params.append(DeepSpeedParam(name, shape, flat[offset : offset + numel].view(shape).clone(),
+                                         _slice_state(flat_state, offset, numel)))
+            offset += numel + int(padding)
+        groups.append(params)
         base = optim[0].get("base_optimizer_state")
         saved_groups = base.get("param_groups") if isinstance(base, dict) else None
         hyper.append(_hyper(saved_groups[g]) if saved_groups and g < len(saved_groups) else {})
@@ -405,20 +415,6 @@ def _joined(parts: list[dict[str, Any]], cuts: list[slice]) -> dict[str, Any]:
 
 def _per_element(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
-
-
-def _walk_consecutive(shapes: list[tuple[str, torch.Size]], paddings: list[int], flat: torch.Tensor,
-                      state: dict[str, Any], path: Path) -> list[DeepSpeedParam]:
-    params, offset = [], 0
-    for (name, shape), padding in zip(shapes, paddings):
-        numel = math.prod(shape)
-        if offset + numel > flat.numel():
-            raise CheckpointError(f"{path}: the fp32 partitions hold {flat.numel()} elements, too few for `{name}` "
-                                  f"at offset {offset} ({numel} elements); a rank's optimizer file is from another save")
-        params.append(DeepSpeedParam(name, shape, flat[offset : offset + numel].view(shape).clone(),
-                                     _slice_state(state, offset, numel)))
-        offset += numel + int(padding)
-    return params
 
 
 def _slice_state(state: dict[str, Any], start: int, numel: int) -> dict[str, Any]:

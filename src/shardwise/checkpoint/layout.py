@@ -186,7 +186,21 @@ def foreign_format(path: Path) -> Optional[str]:
     except OSError:
         return None
     if stat.S_ISREG(mode):
-        return _file_format(path)
+        try:
+            with open(path, "rb") as handle:
+                head = handle.read(16)
+        except OSError:
+            head = b""
+        if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+            kind = "a single file saved with `torch.save`"
+            fix = "load it with `model.load_state_dict(torch.load(FILE, weights_only=True))` before `shardwise.initialize`"
+        elif len(head) >= 9 and head[8:9] == b"{":
+            kind = "a safetensors file"
+            fix = "load it with `shardwise.checkpoint.load_consolidated(FILE)` (or `safetensors.torch.load_file`) and `model.load_state_dict`"
+        else:
+            kind = "a file"
+            fix = "pass the `save_dir` given to `save_checkpoint`, or one checkpoint directory in it"
+        return f"{path} is {kind}, not a shardwise checkpoint directory: {fix}"
     if not stat.S_ISDIR(mode):
         return None
     names = _names(path)
@@ -249,21 +263,3 @@ def find_deepspeed(load_dir: Path, tag: Optional[str]) -> Optional[Path]:
         return None
     inner = load_dir / tag
     return inner if is_deepspeed_tag_dir(inner) else None
-
-
-def _file_format(path: Path) -> str:
-    try:
-        with open(path, "rb") as handle:
-            head = handle.read(16)
-    except OSError:
-        head = b""
-    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
-        kind = "a single file saved with `torch.save`"
-        fix = "load it with `model.load_state_dict(torch.load(FILE, weights_only=True))` before `shardwise.initialize`"
-    elif len(head) >= 9 and head[8:9] == b"{":
-        kind = "a safetensors file"
-        fix = "load it with `shardwise.checkpoint.load_consolidated(FILE)` (or `safetensors.torch.load_file`) and `model.load_state_dict`"
-    else:
-        kind = "a file"
-        fix = "pass the `save_dir` given to `save_checkpoint`, or one checkpoint directory in it"
-    return f"{path} is {kind}, not a shardwise checkpoint directory: {fix}"

@@ -80,7 +80,11 @@ def load_checkpoint(
                         "must be one directory shared by all ranks, and `latest` must not change during the load")
     if deepspeed is not None:  # a foreign format, recognised by its file names: no manifest, no checksums
         return load_deepspeed(engine, session, Path(deepspeed), options)
-    wanted = _names_with_saved_state(load_dir, tag, member)
+    try:  # parameters the checkpoint has optimizer state for (a frozen one keeps it); the load reports any problem
+        manifest = check_complete(_find(load_dir, tag, member))
+        wanted = frozenset(((manifest.get("optimizer") or {}).get("state") or {}).keys())
+    except Exception:  # noqa: BLE001 - the load reports it, with context
+        wanted = frozenset()
     with engine.shards(loading=True, wanted=wanted) as shards:
         result = _Load(engine, shards, session, load_dir, tag, member, options).run()
     engine.after_load()
@@ -98,15 +102,6 @@ def _agreed(session: Session, what: str, look: Callable[[], Any], differ: Callab
 def _find(load_dir: Path, tag: Optional[str], member: Optional[str]) -> Path:
     """The directory of this engine's checkpoint (its own subdirectory in a checkpoint of several)."""
     return member_path(resolve(load_dir, tag), member)
-
-
-def _names_with_saved_state(load_dir: Path, tag: Optional[str], member: Optional[str]) -> frozenset[str]:
-    """Parameters the checkpoint has optimizer state for (a frozen one keeps it); the load reports any problem."""
-    try:
-        manifest = check_complete(_find(load_dir, tag, member))
-        return frozenset(((manifest.get("optimizer") or {}).get("state") or {}).keys())
-    except Exception:  # noqa: BLE001 - the load reports it, with context
-        return frozenset()
 
 
 class _Options:

@@ -268,12 +268,8 @@ class OptimizerState(TensorState):
                 shared.add(key)
             else:
                 values[key] = Decoder({}).decode(entry["value"], f"optimizer state of `{saved}`")
-
-        def install() -> None:
-            # a replicated tensor (Adam's `step`) was read once: each piece gets its own copy, as in torch.optim
-            shard.state.set({k: (v.clone() if k in shared else v) for k, v in values.items()})
-
-        self.actions.append(install)
+        # a replicated tensor (Adam's `step`) was read once: each piece gets its own copy, as in torch.optim
+        self.actions.append(lambda: shard.state.set({k: (v.clone() if k in shared else v) for k, v in values.items()}))
 
 
 # -------------------------------------------------------------------- RNG
