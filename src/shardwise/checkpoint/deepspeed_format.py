@@ -277,7 +277,9 @@ def read_deepspeed(path: Path, allow_pickle: bool = False, model: Optional[Model
             groups, hyper, scaler = _stage0(states, module, files.first_model_states)
             stage, world = 0, int(states.get("dp_world_size") or 1)
         else:
-            stage3, scaler = "fp32_flat_groups" in optim[0], _scaler(optim[0].get("loss_scaler"))
+            stage3, record = "fp32_flat_groups" in optim[0], optim[0].get("loss_scaler")
+            scaler = record.fields if isinstance(record, DeepSpeedRecord) else (  # the loss scaler's fields
+                record if isinstance(record, dict) else None)
             stage, world = 3 if stage3 else int(optim[0].get("zero_stage", 1)), len(optim)
             groups, hyper = (_stage3 if stage3 else _stage12)(states, optim, files)
             module.update(_frozen_stage3(files, read, states, model) if stage3 else
@@ -335,11 +337,6 @@ def _shapes(states: dict[str, Any], path: Path) -> list[list[tuple[str, torch.Si
                               f"got {type(shapes).__name__}; the file was damaged or is not DeepSpeed's")
     return [[(str(n), as_size(s, f"param_shapes[{g}][{n!r}]", path)) for n, s in group.items()]
             for g, group in enumerate(shapes)]
-
-
-def _scaler(record: Any) -> Optional[dict[str, Any]]:
-    """The loss scaler's fields (``cur_scale``, ``cur_iter``, ...) from DeepSpeed's object or dict."""
-    return record.fields if isinstance(record, DeepSpeedRecord) else record if isinstance(record, dict) else None
 
 
 def _hyper(group: Any) -> dict[str, Any]:

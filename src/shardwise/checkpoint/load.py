@@ -1,10 +1,10 @@
 """``load_checkpoint``: restore an engine from a checkpoint of any world size and ZeRO stage.
 
-Each rank asks DCP for the element ranges it owns *now*; DCP reads the overlap with whatever ranges were
-saved.  Everything is read into fresh tensors, and every value is decoded and checked before the first one is
-applied, so a refused checkpoint leaves the engine as it was.  Steps, each timeout-bounded and raised on every
-rank: join → read the manifest → plan → read (DCP), decode and check → apply (module entries, collective where
-partitioned; masters, optimizer state, hyperparameters, scheduler, loss scaler, counters, RNG) → re-gather.
+Each rank asks DCP for the element ranges it owns *now*; DCP reads the overlap with whatever ranges were saved.
+Nothing is applied until every rank has read and checked everything (``docs/checkpoints.md``).  Steps, each
+timeout-bounded and raised on every rank: join → read the manifest → plan → read (DCP), decode and check → apply
+(module entries, collective where partitioned; masters, optimizer state, hyperparameters, scheduler, loss scaler,
+counters, RNG) → re-gather.
 """
 
 from __future__ import annotations
