@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from _checkpoint_common import build, tied_model, train
 
-from shardwise.checkpoint.digests import digest
+from shardwise.checkpoint.files import digest
 
 TAG = "step2"
 CLIENT_STATE = {"epoch": 3, "t": torch.arange(4.0), "nested": {"a": (1, 2)}}

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from shardwise.checkpoint import CheckpointError, consolidated_state_dict
 from shardwise.checkpoint.codec import Decoder
 from shardwise.checkpoint.stateful import capture_rng, restore_rng
-from shardwise.checkpoint.verify import read_rank_file
+from shardwise.checkpoint.validate import read_rank_file
 from shardwise.testing import run_distributed
 
 _VALUES: list[Any] = [

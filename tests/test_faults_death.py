@@ -22,7 +22,7 @@ from _faults_common import COMMS_TIMEOUT, VICTIM, die, make_engine, outcome, rec
 from shardwise.checkpoint.layout import read_latest
 from shardwise.checkpoint.save import _RankWriter
 from shardwise.checkpoint.storage import SafeReader
-from shardwise.checkpoint.verify import check_complete
+from shardwise.checkpoint.validate import check_complete
 from shardwise.testing import run_distributed
 
 STAGES = (0, 1, 2, 3)

@@ -17,7 +17,7 @@ import math
 import pickle
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence, TypeGuard
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeGuard
 
 import torch
 
@@ -25,7 +25,7 @@ from .files import MAX_DEPTH, MAX_DIMS, CheckpointError
 
 __all__ = [
     "DTYPES", "NUMPY_DTYPES", "TENSOR_DTYPES", "Decoder", "Encoder", "check_encoded", "dtype_name", "empty_tensors",
-    "is_count", "refuse_pickles", "tensor_refs",
+    "is_count", "refuse_pickles",
 ]
 
 # The names `__dtype__` may carry: torch dtypes and nothing else (an allow-list, never `getattr(torch, name)`).
@@ -157,11 +157,6 @@ class Node:
         return built
 
 
-def root(data: Any, where: str) -> Node:
-    """The node holding ``data`` as its one child; ``where`` names ``data`` in errors."""
-    return Node("root", [data], [], None, 0, 0, where)
-
-
 def expand(node: Node, i: int) -> Optional[Node]:
     """Child ``i`` of ``node`` as a container to walk into, or None for a leaf; nesting is bounded."""
     data = node.values[i]
@@ -215,38 +210,34 @@ def leaf_tag(node: Node, i: int) -> Optional[str]:
     return tag if tag not in _CONTAINERS else None
 
 
-def walk(data: Any, where: str) -> Iterator[tuple[Node, int]]:
-    """``(container, position)`` of every value inside encoded ``data``, containers before their children."""
-    stack = [root(data, where)]
+def walk(data: Any, where: str,
+         done: Optional[Callable[[Node], None]] = None) -> Iterator[tuple[Node, int, Optional[Node]]]:
+    """``(container, position, the value as a container to walk into or None)`` of every value inside encoded
+    ``data``, containers before their children; ``done(container)`` once its children are walked."""
+    stack = [Node("root", [data], [], None, 0, 0, where)]
     while stack:
         node = stack[-1]
         if node.next == len(node.values):
             stack.pop()
+            if done is not None:
+                done(node)
             continue
         i = node.next
         node.next += 1
-        yield node, i
         child = expand(node, i)
+        yield node, i, child
         if child is not None:
             stack.append(child)
 
 
 def check_encoded(data: Any, where: str) -> list[dict[str, Any]]:
     """Raise if encoded ``data`` could not be decoded; its tensor references otherwise."""
-    return [node.values[i] for node, i in walk(data, where) if leaf_tag(node, i) == "__tensor__"]
-
-
-def tensor_refs(data: Any) -> Iterator[dict[str, Any]]:
-    """Every ``__tensor__`` reference inside encoded ``data``."""
-    for node, i in walk(data, "value"):
-        value = node.values[i]
-        if isinstance(value, dict) and "__tensor__" in value:
-            yield value
+    return [node.values[i] for node, i, _ in walk(data, where) if leaf_tag(node, i) == "__tensor__"]
 
 
 def empty_tensors(data: Any) -> dict[str, torch.Tensor]:
     """A fresh tensor to read each tensor that encoded ``data`` refers to into, by key."""
-    refs = tensor_refs(data)
+    refs = [v for node, i, _ in walk(data, "value") if isinstance(v := node.values[i], dict) and "__tensor__" in v]
     return {ref["__tensor__"]: torch.empty(ref["shape"], dtype=getattr(torch, ref["dtype"])) for ref in refs}
 
 
@@ -315,23 +306,11 @@ class Decoder:
     allow_pickle: bool = False
 
     def decode(self, data: Any, where: str) -> Any:
-        top = root(data, where)
-        stack = [top]
-        while stack:
-            node = stack[-1]
-            if node.next == len(node.values):
-                stack.pop()
-                if stack:
-                    stack[-1].out.append(node.build())
-                continue
-            i = node.next
-            node.next += 1
-            child = expand(node, i)
+        built: list[Any] = []  # the root's, once walked: its one child, decoded
+        for node, i, child in walk(data, where, lambda n: (n.parent.out if n.parent else built).append(n.build())):
             if child is None:
                 node.out.append(self._leaf(node, i))
-            else:
-                stack.append(child)
-        return top.out[0]
+        return built[0][0]
 
     def _leaf(self, node: Node, i: int) -> Any:
         data = node.values[i]
@@ -351,13 +330,10 @@ class Decoder:
             return DTYPES[data["__dtype__"]]
         if tag == "__ndarray__":
             return _ndarray(data, node.child_where(i))
-        return self._unpickle(data, node.child_where(i))
-
-    def _unpickle(self, data: dict[str, Any], where: str) -> Any:
         if not self.allow_pickle:
             raise CheckpointError(
-                f"`{where}` in this checkpoint is a pickled `{data.get('type', '?')}` and loading it needs "
-                "arbitrary unpickling, which is off by default: set `checkpoint.allow_pickle: true` in the config "
+                f"`{node.child_where(i)}` in this checkpoint is a pickled `{data.get('type', '?')}` and loading it "
+                "needs arbitrary unpickling, which is off by default: set `checkpoint.allow_pickle: true` in the config "
                 "only if you trust this checkpoint (unpickling can run arbitrary code)"
             )
         return pickle.loads(base64.b64decode(data["__pickle__"]))
@@ -379,7 +355,7 @@ def refuse_pickles(data: Any, where: str, allow_pickle: bool) -> None:
     refuses before it has changed anything."""
     if allow_pickle:
         return
-    for node, i in walk(data, where):
+    for node, i, _ in walk(data, where):
         value = node.values[i]
         if isinstance(value, dict) and "__pickle__" in value:
             Decoder({}, allow_pickle=False).decode(value, node.child_where(i))

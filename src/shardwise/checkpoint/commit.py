@@ -1,12 +1,8 @@
 """Writing a checkpoint: atomic files, the atomic commit, and a failed write said in words.
 
-Every rank writes into ``.tmp-TAG-NONCE/`` and fsyncs its files.  Once all are done, rank 0 (the only rank
-that renames) fsyncs that directory, renames it to ``TAG`` (atomic on POSIX), fsyncs ``SAVE_DIR`` and replaces
-``latest`` through :func:`write_atomic`: a new file under a random name, created exclusively and never
-through a symlink, renamed into place (so links planted in ``SAVE_DIR`` cannot redirect a write).  A crash
-before the rename leaves only a ``.tmp-*`` directory, which ``latest`` never names; one after it leaves the
-new checkpoint complete, ``latest`` naming the previous one.  An overwritten tag is moved aside first and
-deleted after the rename.
+The steps and what a crash between them leaves are in ``docs/checkpoints.md`` ("Atomic commit"); rank 0 is the
+only rank that renames.  :func:`write_atomic` creates a new file under a random name, exclusively and never through
+a symlink, and renames it into place, so links planted in ``SAVE_DIR`` cannot redirect a write.
 """
 
 from __future__ import annotations
@@ -115,15 +111,11 @@ def new_temp(temp: Path, tag: Optional[str]) -> None:
     own, and what earlier, failed saves of ``tag`` left next to it is deleted first."""
     if tag is not None:
         temp.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temps(temp.parent, tag)
+        pattern = re.compile(re.escape(f"{TEMP_PREFIX}{tag}-") + r"[0-9a-f]{12}(\.replaced)?")
+        for child in temp.parent.glob(f"{TEMP_PREFIX}{tag}-*"):
+            if pattern.fullmatch(child.name) and (child.is_symlink() or child.is_dir()):
+                _remove(child)
     temp.mkdir()
-
-
-def _remove_stale_temps(save_dir: Path, tag: str) -> None:
-    pattern = re.compile(re.escape(f"{TEMP_PREFIX}{tag}-") + r"[0-9a-f]{12}(\.replaced)?")
-    for child in save_dir.glob(f"{TEMP_PREFIX}{tag}-*"):
-        if pattern.fullmatch(child.name) and (child.is_symlink() or child.is_dir()):
-            _remove(child)
 
 
 def explained(temp: Path, fn: Callable[[], _T]) -> _T:

@@ -29,7 +29,7 @@ from .deepspeed_format import read_deepspeed
 from .files import CheckpointError, check_views, record_is_stored
 from .stateful import ModelState, TensorState
 from .storage import LoadPlanner, SafeReader, dcp_errors
-from .verify import check_complete
+from .validate import check_complete
 
 __all__ = ["consolidate", "consolidated_client_state", "consolidated_state_dict", "describe", "load_consolidated"]
 
@@ -134,10 +134,7 @@ def describe(save_dir: Any) -> str:
             latest = layout.read_latest(root)
         if not entries:
             raise CheckpointError(layout.foreign_format(root) or f"no checkpoints in {root}")
-    lines = [f"{root}:"]
-    for name, path, committed in entries:
-        lines.append(_describe_one(name, path, committed, name == latest))
-    return "\n".join(lines)
+    return "\n".join([f"{root}:", *(_describe_one(name, path, done, name == latest) for name, path, done in entries)])
 
 
 def _describe_one(name: str, path: Path, committed: bool, is_latest: bool) -> str:

@@ -1,11 +1,10 @@
 """``load_checkpoint`` of a DeepSpeed checkpoint directory into a shardwise engine (any stage, world size).
 
-Every rank reads the whole checkpoint (:func:`read_deepspeed`), bounded by and checked against this engine's
-model, then takes its own pieces.  As in ``load.py``, everything is checked on every rank before anything is
-changed, and a failure on one rank is raised on all.  At stage 0 DeepSpeed saves the torch optimizer's
-``state_dict``, which numbers the parameters by position in the param groups: it is matched position by
-position with this engine's optimizer, every shape checked; two parameters of one shape are never told apart
-by guessing.
+Every rank reads the whole checkpoint (:func:`read_deepspeed`), bounded by and checked against this engine's model, then
+takes its own pieces.  As in ``load.py``, everything is checked on every rank before anything is changed, and a failure
+on one rank is raised on all.  At stage 0 DeepSpeed saves the torch optimizer's ``state_dict``, which numbers the
+parameters by position in the param groups: it is matched position by position with this engine's optimizer, every shape
+checked; two parameters of one shape are never told apart by guessing.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ import torch
 
 from ..comm.agreement import Session
 from ..optim.param_state import ParamShard
-from .deepspeed_files import ModelShapes
-from .deepspeed_format import DeepSpeedCheckpoint, DeepSpeedParam, read_deepspeed
+from .deepspeed_format import DeepSpeedCheckpoint, DeepSpeedParam, ModelShapes, read_deepspeed
 from .files import CheckpointError
 from .protocol import Checkpointable
 
@@ -51,11 +49,6 @@ class _Plan:
                 "its weights with `shardwise checkpoint consolidate DIR --out FILE` and load those yourself"
             )
         self.params = _by_name(ckpt, engine, shards, self.rank, options.optimizer)
-        self._check_params()
-        self.entries = self._entries()
-        self.extras = self._extras()
-
-    def _check_params(self) -> None:
         for shard in self.shards:
             found = self.params.get(shard.name)
             if found is None or found.value is None and shard.name not in self.ckpt.module:
@@ -76,6 +69,8 @@ class _Plan:
                     f"rank {self.rank}: the DeepSpeed optimizer has {len(self.ckpt.hyper)} param group(s), this one "
                     f"{current}; build the optimizer with the same param groups, or pass `load_optimizer_states=False`"
                 )
+        self.entries = self._entries()
+        self.extras = self._extras()
 
     def _entries(self) -> list[str]:
         """Module entries without a master here (buffers, frozen parameters) that the checkpoint has."""
@@ -93,7 +88,11 @@ class _Plan:
         if self.options.module_only:
             return {}
         extras = self.engine.extras()
-        found: dict[str, dict[str, Any]] = {"counters": self._counters()}
+        # DeepSpeed saves no micro-step count; at a save (an accumulation boundary) it is steps x accumulation
+        steps = self.ckpt.counters["global_steps"]
+        counters = {"global_steps": steps, "skipped_steps": self.ckpt.counters["skipped_steps"],
+                    "micro_steps": steps * self.ckpt.accumulation}
+        found: dict[str, dict[str, Any]] = {"counters": counters}
         if self.options.scheduler and self.ckpt.scheduler is not None:
             if "scheduler" in extras:
                 found["scheduler"] = dict(self.ckpt.scheduler)
@@ -104,12 +103,6 @@ class _Plan:
         if precision is not None:
             found["precision"] = precision
         return found
-
-    def _counters(self) -> dict[str, int]:
-        # DeepSpeed saves no micro-step count; at a save (an accumulation boundary) it is steps x accumulation
-        steps = self.ckpt.counters["global_steps"]
-        return {"global_steps": steps, "skipped_steps": self.ckpt.counters["skipped_steps"],
-                "micro_steps": steps * self.ckpt.accumulation}
 
     def _precision(self, current: dict[str, Any]) -> Optional[dict[str, Any]]:
         saved = self.ckpt.scaler
@@ -135,24 +128,19 @@ class _Plan:
             buffer.copy_(self.ckpt.module[name].reshape(buffer.shape))
         apply_entries()  # collective where the stage partitions them: every rank calls it
         for shard in self.shards:
-            self._apply_shard(shard)
+            param = self.params[shard.name]
+            value = param.value if param.value is not None else self.ckpt.module[shard.name].float()
+            shard.master.reshape(-1).copy_(value.reshape(-1)[shard.start : shard.end])
+            if self.options.optimizer and param.state:
+                shard.state.set({k: (v.reshape(-1)[shard.start : shard.end].clone().to(shard.master.device)
+                                     if isinstance(v, torch.Tensor) and v.dim() > 0 else
+                                     (v.clone() if isinstance(v, torch.Tensor) else v)) for k, v in param.state.items()})
         if self.options.optimizer and self.engine.optimizer is not None:
             for group, saved in zip(self.engine.optimizer.param_groups, self.ckpt.hyper):
                 group.update({k: v for k, v in saved.items() if k in group and k != "params"})
         extras = self.engine.extras()
         for name, state in self.extras.items():
             extras[name].load_state_dict(state)
-
-    def _apply_shard(self, shard: ParamShard) -> None:
-        param = self.params[shard.name]
-        value = param.value if param.value is not None else self.ckpt.module[shard.name].float()
-        shard.master.reshape(-1).copy_(value.reshape(-1)[shard.start : shard.end])
-        if not self.options.optimizer or not param.state:
-            return
-        state = {k: (v.reshape(-1)[shard.start : shard.end].clone().to(shard.master.device)
-                     if isinstance(v, torch.Tensor) and v.dim() > 0 else
-                     (v.clone() if isinstance(v, torch.Tensor) else v)) for k, v in param.state.items()}
-        shard.state.set(state)
 
 
 def _by_name(ckpt: DeepSpeedCheckpoint, engine: Checkpointable, shards: list[ParamShard], rank: int,

@@ -1,15 +1,11 @@
 """The checkpoint layer's front door, and checkpoints of several engines: one subdirectory per engine, one ``latest``.
 
-::
-
-    SAVE_DIR/latest, SAVE_DIR/TAG/engines.json  {"format": "shardwise.engine.multi", "engines": [...], ...}
-    SAVE_DIR/TAG/<name>/                        a complete checkpoint of one engine (see layout.py)
-
-:func:`save_checkpoints` writes every engine into one temporary directory and commits it once, collectively
-over the default process group.  A named engine's ``save_checkpoint`` writes the same layout for itself, into
-a new tag or beside the other engines of an existing one, so named engines saving into one directory never
-overwrite each other; an engine without a name owns ``TAG/`` (``save.py``).  Choosing here keeps the layers
-one-way: this module imports save.py and load.py, and neither imports it.
+:func:`save_checkpoints` (layout: ``docs/checkpoints.md``, "Several engines in one checkpoint") writes every
+engine into one temporary directory and commits it once, collectively over the default process group.  A named
+engine's ``save_checkpoint`` writes the same layout for itself, into a new tag or beside the other engines of an
+existing one, so named engines saving into one directory never overwrite each other; an engine without a name owns
+``TAG/`` (``save.py``).  Choosing here keeps the layers one-way: this module imports save.py and load.py, and
+neither imports it.
 """
 
 from __future__ import annotations
@@ -34,7 +30,7 @@ from .layout import GROUP_FORMAT, GROUP_MANIFEST, LATEST, MANIFEST, read_group, 
 from .load import load_checkpoint
 from .protocol import Checkpointable
 from .save import join_save, save_unnamed, write_engine
-from .verify import check_complete
+from .validate import check_complete
 
 __all__ = ["load_checkpoints", "save_checkpoint", "save_checkpoints"]
 
@@ -64,10 +60,9 @@ def save_checkpoints(save_dir: Any, engines: Mapping[str, Checkpointable], tag: 
     """Collectively write the checkpoints of ``engines`` (``{name: engine}``) into ``save_dir/tag/<name>/``
     and commit them together; returns the tag's directory.
 
-    Every rank of the default process group calls it, passing the engines it
-    holds (an engine on a subgroup is passed by the ranks of that subgroup).
-    ``tag`` defaults to ``global_step{N}`` of the first engine by name;
-    ``client_state`` is stored with every engine.
+    Every rank of the default process group calls it, passing the engines it holds (an engine on a subgroup is passed by
+    the ranks of that subgroup). ``tag`` defaults to ``global_step{N}`` of the first engine by name; ``client_state`` is
+    stored with every engine.
     """
     if not engines:
         raise CheckpointError("save_checkpoints: no engines given; pass `{name: engine, ...}`")
@@ -75,7 +70,24 @@ def save_checkpoints(save_dir: Any, engines: Mapping[str, Checkpointable], tag: 
     comm = comm if comm is not None else Comm(None)
     first = engines[names[0]]
     with _announced(comm, "save_checkpoints", names, first):
-        return _save(save_dir, engines, names, tag, client_state, comm, first)
+        tag = validate_tag(tag if tag is not None else f"global_step{first.global_steps}")
+        root = Path(save_dir).absolute()
+        session = join_save(comm, "save_checkpoints", root, tag, first.settings.timeout,
+                            "pass the same `tag=` on every rank, or none",
+                            engines={name: _ranks(engine.comm) for name, engine in engines.items()})
+        members = _agree_on_engines(session)
+        temp = temp_dir(root, tag, session.payloads[0]["nonce"])
+        session.step("preparing the directory", lambda: new_temp(temp, tag) if session.rank == 0 else None)
+        try:
+            for name in sorted(members):  # the same order on every rank: engines on shared ranks never cross
+                if name in engines:
+                    write_engine(engines[name], root, tag, temp / name, client_state)
+            session.step("committing", lambda: _commit(root, tag, temp, sorted(members)) if session.rank == 0 else None)
+        except BaseException:
+            if session.rank == 0:
+                shutil.rmtree(temp, ignore_errors=True)
+            raise
+        return str(root / tag)
 
 
 @contextlib.contextmanager
@@ -89,29 +101,6 @@ def _announced(comm: Comm, operation: str, names: list[str], first: Checkpointab
     announcer = Announcer(comm, owner, lambda: (first.global_steps, 0), engine=False)
     with doing(operation, owner), announcer.scope(operation, after_agreement=True):
         yield
-
-
-def _save(save_dir: Any, engines: Mapping[str, Checkpointable], names: list[str], tag: Optional[str],
-          client_state: Optional[dict[str, Any]], comm: Comm, first: Checkpointable) -> str:
-    """:func:`save_checkpoints`, once the ranks agreed to run it."""
-    tag = validate_tag(tag if tag is not None else f"global_step{first.global_steps}")
-    root = Path(save_dir).absolute()
-    session = join_save(comm, "save_checkpoints", root, tag, first.settings.timeout,
-                        "pass the same `tag=` on every rank, or none",
-                        engines={name: _ranks(engine.comm) for name, engine in engines.items()})
-    members = _agree_on_engines(session)
-    temp = temp_dir(root, tag, session.payloads[0]["nonce"])
-    session.step("preparing the directory", lambda: new_temp(temp, tag) if session.rank == 0 else None)
-    try:
-        for name in sorted(members):  # the same order on every rank: engines on shared ranks never cross
-            if name in engines:
-                write_engine(engines[name], root, tag, temp / name, client_state)
-        session.step("committing", lambda: _commit(root, tag, temp, sorted(members)) if session.rank == 0 else None)
-    except BaseException:
-        if session.rank == 0:
-            shutil.rmtree(temp, ignore_errors=True)
-        raise
-    return str(root / tag)
 
 
 def _agree_on_engines(session: Session) -> dict[str, list[int]]:
@@ -140,7 +129,18 @@ def _commit(root: Path, tag: str, temp: Path, names: list[str]) -> None:
         check_complete(temp / name)
     final = root / tag
     if os.path.lexists(final) and is_real_dir(final) and (final / GROUP_MANIFEST).is_file():
-        _add_members(final, temp, names)
+        # add these engines to the existing tag, replacing only their subdirectories, then `latest`
+        present = read_group(final)
+        for name in names:
+            target, aside = final / name, final / f".replaced-{name}-{secrets.token_hex(4)}"
+            if os.path.lexists(target):
+                os.rename(target, aside)
+            os.rename(temp / name, target)
+            shutil.rmtree(aside, ignore_errors=True)
+        write_json(final / GROUP_MANIFEST, _group_manifest(final.name, sorted(set(present) | set(names))))
+        fsync_dir(final)
+        write_atomic(final.parent / LATEST, final.name.encode())
+        shutil.rmtree(temp, ignore_errors=True)
         return
     if os.path.lexists(final) and (final / MANIFEST).is_file() and len(names) == 1:
         raise CheckpointError(
@@ -155,28 +155,12 @@ def _group_manifest(tag: str, names: list[str]) -> dict[str, Any]:
     return {"format": GROUP_FORMAT, "version": 1, "tag": tag, "engines": names}
 
 
-def _add_members(final: Path, temp: Path, names: list[str]) -> None:
-    """Move ``temp/<name>`` into the existing multi-engine ``final`` (replacing only those), then ``latest``."""
-    present = read_group(final)
-    for name in names:
-        target, aside = final / name, final / f".replaced-{name}-{secrets.token_hex(4)}"
-        if os.path.lexists(target):
-            os.rename(target, aside)
-        os.rename(temp / name, target)
-        shutil.rmtree(aside, ignore_errors=True)
-    write_json(final / GROUP_MANIFEST, _group_manifest(final.name, sorted(set(present) | set(names))))
-    fsync_dir(final)
-    write_atomic(final.parent / LATEST, final.name.encode())
-    shutil.rmtree(temp, ignore_errors=True)
-
-
 def load_checkpoints(load_dir: Any, engines: Mapping[str, Checkpointable], tag: Optional[str] = None,
                      **options: Any) -> tuple[Optional[str], Optional[dict[str, Any]]]:
     """Collectively restore each engine of ``{name: engine}`` from ``load_dir/tag/<name>/``.
 
-    Returns ``(the tag's directory, the client_state saved with the engines)``,
-    or ``(None, None)`` with a warning when ``tag`` is None and ``load_dir``
-    has no ``latest``.  ``options`` are ``load_checkpoint``'s.
+    Returns ``(the tag's directory, the client_state saved with the engines)``, or ``(None, None)`` with a warning when
+    ``tag`` is None and ``load_dir`` has no ``latest``.  ``options`` are ``load_checkpoint``'s.
     """
     if not engines:
         raise CheckpointError("load_checkpoints: no engines given; pass `{name: engine, ...}`")

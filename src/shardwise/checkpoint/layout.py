@@ -1,19 +1,9 @@
 """Where a checkpoint's files live, how a load finds one, and what a directory of another kind is.
 
-::
-
-    SAVE_DIR/
-      latest                    the tag of the newest complete checkpoint (replaced atomically)
-      TAG/                      appears only once every rank's files are flushed (commit.py)
-        shardwise.json          the manifest (rank 0): the run, shapes, aliases, optimizer layout, encoded state
-        rankR.json              rank R's RNG state, written right after its tensor file is flushed
-        __R_0.distcp            rank R's tensor file
-        .metadata               DCP's index of every chunk, written by rank 0 once all ranks are done
-      .tmp-TAG-NONCE/           a save in progress, or what a crash left: never used by `latest`
-
-A checkpoint of several engines is ``TAG/engines.json`` and one such directory per engine (``group.py``).
-:func:`foreign_format` names a DeepSpeed, plain DCP, Hugging Face or ``torch.save`` path (by names and magic
-bytes only), which would otherwise look like an unfinished save or a missing directory.
+The layout is drawn in ``docs/checkpoints.md`` ("On-disk layout"); ``TAG/`` appears only once every rank's files
+are flushed (commit.py).  A checkpoint of several engines is ``TAG/engines.json`` and one such directory per engine
+(``group.py``).  :func:`foreign_format` names a DeepSpeed, plain DCP, Hugging Face or ``torch.save`` path (by names
+and magic bytes only), which would otherwise look like an unfinished save or a missing directory.
 """
 
 from __future__ import annotations
@@ -196,16 +186,33 @@ def foreign_format(path: Path) -> Optional[str]:
     except OSError:
         return None
     if stat.S_ISREG(mode):
-        return _file_format(path)
+        try:
+            with open(path, "rb") as handle:
+                head = handle.read(16)
+        except OSError:
+            head = b""
+        if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+            kind = "a single file saved with `torch.save`"
+            fix = "load it with `model.load_state_dict(torch.load(FILE, weights_only=True))` before `shardwise.initialize`"
+        elif len(head) >= 9 and head[8:9] == b"{":
+            kind = "a safetensors file"
+            fix = "load it with `shardwise.checkpoint.load_consolidated(FILE)` (or `safetensors.torch.load_file`) and `model.load_state_dict`"
+        else:
+            kind = "a file"
+            fix = "pass the `save_dir` given to `save_checkpoint`, or one checkpoint directory in it"
+        return f"{path} is {kind}, not a shardwise checkpoint directory: {fix}"
     if not stat.S_ISDIR(mode):
         return None
     names = _names(path)
     if MANIFEST in names:
         return None
-    deepspeed = _deepspeed_file(path, names)
-    if deepspeed is not None:
+    found = sorted(n for n in names if _DEEPSPEED.fullmatch(n))
+    tag = _latest_tag(path) if LATEST in names and not found else None
+    if tag is not None and "/" not in tag and tag not in ("", ".", "..") and is_real_dir(path / tag):
+        found = [f"{tag}/{n}" for n in sorted(n for n in _names(path / tag) if _DEEPSPEED.fullmatch(n))]
+    if found:
         return (
-            f"{path} is a DeepSpeed checkpoint (it has `{deepspeed}`), not a shardwise one: `engine.load_checkpoint` "
+            f"{path} is a DeepSpeed checkpoint (it has `{found[0]}`), not a shardwise one: `engine.load_checkpoint` "
             "and `shardwise checkpoint consolidate` read it (pass the directory holding `latest`, or one tag "
             "directory), `inspect` does not"
         )
@@ -230,18 +237,6 @@ def _names(path: Path) -> set[str]:
         return set()
 
 
-def _deepspeed_file(path: Path, names: set[str]) -> Optional[str]:
-    found = sorted(n for n in names if _DEEPSPEED.fullmatch(n))
-    if found:
-        return found[0]
-    tag = _latest_tag(path) if LATEST in names else None
-    if tag is None or "/" in tag or tag in ("", ".", "..") or not is_real_dir(path / tag):
-        return None
-    inner = path / tag
-    found = sorted(n for n in _names(inner) if _DEEPSPEED.fullmatch(n))
-    return f"{tag}/{found[0]}" if found else None
-
-
 def is_deepspeed_tag_dir(path: Path) -> bool:
     """``path`` is one DeepSpeed checkpoint (a tag directory) and no shardwise one."""
     if not is_real_dir(path) or (path / MANIFEST).exists():
@@ -264,27 +259,7 @@ def find_deepspeed(load_dir: Path, tag: Optional[str]) -> Optional[Path]:
     if tag is None and is_deepspeed_tag_dir(load_dir):
         return load_dir
     tag = tag if tag is not None else _latest_tag(load_dir)
-    if tag is None:
-        return None
-    if "/" in tag or "\\" in tag or tag in ("", ".", "..") or len(tag) > MAX_TAG_LENGTH:
+    if tag is None or "/" in tag or "\\" in tag or tag in ("", ".", "..") or len(tag) > MAX_TAG_LENGTH:
         return None
     inner = load_dir / tag
     return inner if is_deepspeed_tag_dir(inner) else None
-
-
-def _file_format(path: Path) -> str:
-    try:
-        with open(path, "rb") as handle:
-            head = handle.read(16)
-    except OSError:
-        head = b""
-    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
-        kind = "a single file saved with `torch.save`"
-        fix = "load it with `model.load_state_dict(torch.load(FILE, weights_only=True))` before `shardwise.initialize`"
-    elif len(head) >= 9 and head[8:9] == b"{":
-        kind = "a safetensors file"
-        fix = "load it with `shardwise.checkpoint.load_consolidated(FILE)` (or `safetensors.torch.load_file`) and `model.load_state_dict`"
-    else:
-        kind = "a file"
-        fix = "pass the `save_dir` given to `save_checkpoint`, or one checkpoint directory in it"
-    return f"{path} is {kind}, not a shardwise checkpoint directory: {fix}"

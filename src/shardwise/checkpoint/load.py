@@ -1,10 +1,10 @@
 """``load_checkpoint``: restore an engine from a checkpoint of any world size and ZeRO stage.
 
-Each rank asks DCP for the element ranges it owns *now*; DCP reads the overlap with whatever ranges were
-saved.  Everything is read into fresh tensors, and every value is decoded and checked before the first one is
-applied, so a refused checkpoint leaves the engine as it was.  Steps, each timeout-bounded and raised on every
-rank: join → read the manifest → plan → read (DCP), decode and check → apply (module entries, collective where
-partitioned; masters, optimizer state, hyperparameters, scheduler, loss scaler, counters, RNG) → re-gather.
+Each rank asks DCP for the element ranges it owns *now*; DCP reads the overlap with whatever ranges were saved.
+Nothing is applied until every rank has read and checked everything (``docs/checkpoints.md``).  Steps, each
+timeout-bounded and raised on every rank: join → read the manifest → plan → read (DCP), decode and check → apply
+(module entries, collective where partitioned; masters, optimizer state, hyperparameters, scheduler, loss scaler,
+counters, RNG) → re-gather.
 """
 
 from __future__ import annotations
@@ -21,14 +21,12 @@ from ..comm.agreement import Session, join
 from ..optim.param_state import ParamShard
 from .codec import Decoder, empty_tensors, refuse_pickles
 from .deepspeed_load import load_deepspeed
-from .digests import expected_digests
-from .files import CheckpointError
+from .files import CheckpointError, expected_digests
 from .layout import LATEST, MANIFEST, find_deepspeed, holds_none, member_path, rank_file, resolve
 from .protocol import Apply, Checkpointable
 from .stateful import ModelNames, ModelState, OptimizerState, Sources, TensorState, capture_rng, dtype_name, restore_rng
 from .storage import LoadPlanner, SafeReader, dcp_errors
-from .validate import conform
-from .verify import check_complete, read_rank_file
+from .validate import check_complete, conform, read_rank_file
 
 __all__ = ["load_checkpoint"]
 
@@ -52,11 +50,10 @@ def load_checkpoint(
 ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
     """Collectively restore ``engine`` from ``load_dir/tag`` (``tag=None``: the one ``latest`` names).
 
-    Returns ``(path of the checkpoint loaded, the client_state given to
-    save_checkpoint)``, or ``(None, None)`` with a warning when ``tag`` is None
-    and ``load_dir`` holds no complete checkpoint.  See ``docs/checkpoints.md``
-    for what each option restores.  In a checkpoint of several engines, the
-    engine's files are ``TAG/<member>/`` (``member`` defaults to the engine's name).
+    Returns ``(path of the checkpoint loaded, the client_state given to save_checkpoint)``, or ``(None, None)`` with a
+    warning when ``tag`` is None and ``load_dir`` holds no complete checkpoint.  See ``docs/checkpoints.md`` for what
+    each option restores.  In a checkpoint of several engines, the engine's files are ``TAG/<member>/`` (``member``
+    defaults to the engine's name).
     """
     member = member if member is not None else engine.name
     load_dir = Path(load_dir)
@@ -77,12 +74,17 @@ def load_checkpoint(
         )
         return None, None
     options = _Options(load_optimizer_states, load_lr_scheduler_states, load_module_only, module_load_fn, strict)
-    deepspeed = _agreed(session, "looking for a DeepSpeed checkpoint", lambda: _deepspeed_at(load_dir, tag),
+    found = lambda: None if (at := find_deepspeed(load_dir, tag)) is None else str(at.absolute())  # noqa: E731
+    deepspeed = _agreed(session, "looking for a DeepSpeed checkpoint", found,
                         lambda views: f"ranks found different DeepSpeed checkpoints in {load_dir} ({views}); `load_dir` "
                         "must be one directory shared by all ranks, and `latest` must not change during the load")
     if deepspeed is not None:  # a foreign format, recognised by its file names: no manifest, no checksums
         return load_deepspeed(engine, session, Path(deepspeed), options)
-    wanted = _names_with_saved_state(load_dir, tag, member)
+    try:  # parameters the checkpoint has optimizer state for (a frozen one keeps it); the load reports any problem
+        manifest = check_complete(_find(load_dir, tag, member))
+        wanted = frozenset(((manifest.get("optimizer") or {}).get("state") or {}).keys())
+    except Exception:  # noqa: BLE001 - the load reports it, with context
+        wanted = frozenset()
     with engine.shards(loading=True, wanted=wanted) as shards:
         result = _Load(engine, shards, session, load_dir, tag, member, options).run()
     engine.after_load()
@@ -97,23 +99,9 @@ def _agreed(session: Session, what: str, look: Callable[[], Any], differ: Callab
     return views[0]
 
 
-def _deepspeed_at(load_dir: Path, tag: Optional[str]) -> Optional[str]:
-    found = find_deepspeed(load_dir, tag)
-    return None if found is None else str(found.absolute())
-
-
 def _find(load_dir: Path, tag: Optional[str], member: Optional[str]) -> Path:
     """The directory of this engine's checkpoint (its own subdirectory in a checkpoint of several)."""
     return member_path(resolve(load_dir, tag), member)
-
-
-def _names_with_saved_state(load_dir: Path, tag: Optional[str], member: Optional[str]) -> frozenset[str]:
-    """Parameters the checkpoint has optimizer state for (a frozen one keeps it); the load reports any problem."""
-    try:
-        manifest = check_complete(_find(load_dir, tag, member))
-        return frozenset(((manifest.get("optimizer") or {}).get("state") or {}).keys())
-    except Exception:  # noqa: BLE001 - the load reports it, with context
-        return frozenset()
 
 
 class _Options:
@@ -164,8 +152,15 @@ class _Load:
         for state in states.values():
             state.apply()
         self.apply_entries()
-        self._apply_decoded()
-        return str(self.path), self.decoded.client_state
+        decoded, extras, optimizer = self.decoded, self.engine.extras(), self.engine.optimizer
+        if decoded.param_groups is not None and optimizer is not None:
+            for group, saved in zip(optimizer.param_groups, decoded.param_groups):
+                group.update(saved)
+        for name, values in decoded.extras.items():
+            extras[name].load_state_dict(values)
+        if decoded.rng is not None:
+            restore_rng(decoded.rng)
+        return str(self.path), decoded.client_state
 
     def _read_manifest(self) -> dict[str, Any]:
         self.path = _find(self.load_dir, self.tag, self.member).absolute()
@@ -277,10 +272,21 @@ class _Load:
                 decoded.extras["scheduler"] = conform(state, extras["scheduler"].state_dict(), "scheduler")
         if not self.options.module_only:
             self._decode_precision(decoder.decode(manifest["precision"], "precision state"), extras)
-            decoded.extras["counters"] = _counters(manifest["counters"], extras["counters"].state_dict())
+            template = extras["counters"].state_dict()
+            counters = conform(manifest["counters"], template, "counters")
+            if set(counters) != set(template) or any(v < 0 for v in counters.values()):  # exactly the engine's keys
+                raise CheckpointError(
+                    f"`counters` in the checkpoint manifest must hold {sorted(template)} as non-negative integers, "
+                    f"got {counters!r}; the manifest was damaged or crafted: refusing it (nothing was changed)"
+                )
+            decoded.extras["counters"] = counters
         if self.rng is not None:
-            decoded.rng = _rng(Decoder(self.rng[1], self.allow_pickle).decode(self.rng[0], "RNG state"),
-                               f"{self.path / rank_file(self.rank)}: rng")
+            # each state shaped like this process's; parts it has no generator for are dropped, as restore_rng would
+            where, template = f"{self.path / rank_file(self.rank)}: rng", capture_rng()
+            rng = Decoder(self.rng[1], self.allow_pickle).decode(self.rng[0], "RNG state")
+            if not isinstance(rng, dict) or not {"python", "torch"} <= set(rng):
+                raise CheckpointError(f"`{where}` must hold at least the `python` and `torch` states; refusing it")
+            decoded.rng = conform({k: v for k, v in rng.items() if k in template}, template, where)
 
     def _without_scheduler_keys(self, groups: Any, current: list[dict[str, Any]], has_scheduler: bool) -> Any:
         """The saved param groups, less the keys an lr scheduler put there (``initial_lr``) when this engine has
@@ -311,34 +317,3 @@ class _Load:
                 f"{dtype_name(self.engine.dtype)}: the loss scaler starts fresh",
                 stacklevel=6,
             )
-
-    def _apply_decoded(self) -> None:
-        decoded, extras = self.decoded, self.engine.extras()
-        optimizer = self.engine.optimizer
-        if decoded.param_groups is not None and optimizer is not None:
-            for group, saved in zip(optimizer.param_groups, decoded.param_groups):
-                group.update(saved)
-        for name, state in decoded.extras.items():
-            extras[name].load_state_dict(state)
-        if decoded.rng is not None:
-            restore_rng(decoded.rng)
-
-
-def _counters(saved: Any, template: dict[str, Any]) -> dict[str, int]:
-    """The step counters: exactly the engine's keys, each a non-negative integer."""
-    counters = conform(saved, template, "counters")
-    if set(counters) != set(template) or any(v < 0 for v in counters.values()):
-        raise CheckpointError(
-            f"`counters` in the checkpoint manifest must hold {sorted(template)} as non-negative integers, "
-            f"got {counters!r}; the manifest was damaged or crafted: refusing it (nothing was changed)"
-        )
-    return counters
-
-
-def _rng(saved: Any, where: str) -> dict[str, Any]:
-    """A rank's RNG states, each shaped like this process's; parts this process has no generator for are
-    dropped, as :func:`restore_rng` would ignore them."""
-    template = capture_rng()
-    if not isinstance(saved, dict) or not {"python", "torch"} <= set(saved):
-        raise CheckpointError(f"`{where}` must hold at least the `python` and `torch` states; refusing it")
-    return conform({k: v for k, v in saved.items() if k in template}, template, where)

@@ -1,19 +1,10 @@
 """``save_checkpoint``: every rank writes its own shard; visible only once all are on disk.
 
-Steps, each timeout-bounded, a failure anywhere raised on every rank:
-
-1. *join* through the c10d store (same call, tag and directory); no collective on the training group before;
-2. *describe*: ranks exchange which parameters and optimizer state they hold, for rank 0's manifest;
-3. *prepare*: the engine hands over the full module entries (gathered where partitioned); each rank lays out
-   its tensors and RNG state; rank 0 encodes ``client_state``, scheduler, loss-scaler and counter state;
-4. *write*: DCP's planner and writer run as ``dcp.save`` runs them, but each exchange is a store step, not a
-   collective on the training group, where a rank that died inside DCP would leave the others waiting 30
-   minutes.  Each rank writes and fsyncs ``__R_0.distcp``, then ``rankR.json`` (its "done" marker);
-5. *commit*: rank 0 writes the ``.metadata`` index and the manifest (with every file's checksum), checks every
-   file is there, renames the directory to its tag and replaces ``latest`` (:mod:`.commit`).
-
-A failure (a full disk, an unwritable directory) names the directory and the cause; only the new temporary
-directory is removed, the previous checkpoint and ``latest`` stay as they were.
+Steps (join, describe, prepare, write, commit: ``docs/checkpoints.md``, "Atomic commit"), each timeout-bounded, a
+failure anywhere raised on every rank.  DCP's planner and writer run as ``dcp.save`` runs them, but each exchange is
+a store step, not a collective on the training group, where a rank that died inside DCP would leave the others
+waiting 30 minutes.  A failure (a full disk, an unwritable directory) names the directory and the cause; only the
+new temporary directory is removed, the previous checkpoint and ``latest`` stay as they were.
 """
 
 from __future__ import annotations
@@ -38,8 +29,7 @@ from ..model_io.export import save_state_dict
 from ..optim.param_state import ParamShard
 from .codec import Encoder
 from .commit import commit, explained, need_space, new_temp, write_json
-from .digests import digest
-from .files import CheckpointError, StoreValueError
+from .files import CheckpointError, StoreValueError, digest
 from .layout import FORMAT, INDEX, LATEST, MANIFEST, VERSION, rank_file, temp_dir, validate_tag
 from .protocol import Checkpointable
 from .stateful import ModelNames, ModelState, OptimizerState, TensorState, capture_rng, describe_shards, dtype_name
@@ -145,22 +135,19 @@ class _Save:
             self.rank_info["rng"] = rng.encode(capture_rng(), "RNG state")
         states["rng"] = TensorState(dict(rng.tensors))
         if self.rank == 0:
-            self._encode_extras()
+            encode, optimizer, extras = self.extra.encode, self.engine.optimizer, self.engine.extras()
+            scheduler = extras.get("scheduler")
+            groups = ([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+                      if optimizer else None)
+            self.encoded = {
+                "client_state": encode(self.client_state, "client_state"),
+                "scheduler": None if scheduler is None else encode(scheduler.state_dict(), "lr_scheduler.state_dict()"),
+                "precision": encode(extras["precision"].state_dict(), "precision.state_dict()"),
+                "counters": extras["counters"].state_dict(),
+                "param_groups": encode(groups, "optimizer param_groups") if groups is not None else None,
+            }
         states["extra"] = TensorState(dict(self.extra.tensors))
         return states
-
-    def _encode_extras(self) -> None:
-        encode, optimizer = self.extra.encode, self.engine.optimizer
-        extras = self.engine.extras()
-        scheduler = extras.get("scheduler")
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else None
-        self.encoded = {
-            "client_state": encode(self.client_state, "client_state"),
-            "scheduler": encode(scheduler.state_dict(), "lr_scheduler.state_dict()") if scheduler is not None else None,
-            "precision": encode(extras["precision"].state_dict(), "precision.state_dict()"),
-            "counters": extras["counters"].state_dict(),
-            "param_groups": encode(groups, "optimizer param_groups") if groups is not None else None,
-        }
 
     def _finish(self, descriptions: list[dict[str, Any]], writer: _RankWriter, metadata: Any, results: list[Any],
                 files: dict[str, Any], weights_16bit: Optional[dict[str, torch.Tensor]]) -> None:

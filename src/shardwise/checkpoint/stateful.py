@@ -1,12 +1,8 @@
 """The engine's state as torch ``Stateful`` objects that DCP saves and loads, and each rank's RNG states.
 
-A ``state_dict()`` is a flat dict of what goes to the tensor files.  Loading reads into *fresh* tensors only;
-what to do with them is kept in ``actions``, run by the load once every rank has read and checked everything.
-Keys are independent of world size and stage (that is what makes a checkpoint reshardable):
-
-* ``model/master/NAME``: the fp32 master of NAME flattened to 1-D, as the ``[start, end)`` ranges each rank owns;
-* ``model/module/NAME``: any other module entry (buffer, frozen parameter), full, in its dtype, from one rank;
-* ``optim/NAME/KEY``: optimizer state, chunked like the master when per-element, else one tensor (``step``).
+A ``state_dict()`` is a flat dict of what goes to the tensor files.  Loading reads into *fresh* tensors only; what to do
+with them is kept in ``actions``, run by the load once every rank has read and checked everything. Keys are independent
+of world size and stage, which makes a checkpoint reshardable (``docs/checkpoints.md``, "On-disk layout", lists them).
 """
 
 from __future__ import annotations
@@ -272,12 +268,8 @@ class OptimizerState(TensorState):
                 shared.add(key)
             else:
                 values[key] = Decoder({}).decode(entry["value"], f"optimizer state of `{saved}`")
-
-        def install() -> None:
-            # a replicated tensor (Adam's `step`) was read once: each piece gets its own copy, as in torch.optim
-            shard.state.set({k: (v.clone() if k in shared else v) for k, v in values.items()})
-
-        self.actions.append(install)
+        # a replicated tensor (Adam's `step`) was read once: each piece gets its own copy, as in torch.optim
+        self.actions.append(lambda: shard.state.set({k: (v.clone() if k in shared else v) for k, v in values.items()}))
 
 
 # -------------------------------------------------------------------- RNG

@@ -6,13 +6,11 @@ cannot (its uneven shards follow a fixed rule) and ShardedTensor needs a collect
 (any 1-D pieces of a 1-D tensor) and two planners that understand it are here.  Replicated pieces are written
 once: DCP drops chunks with the same index.
 
-The planners never write or read pickled objects; each tensor record is checked to be stored uncompressed
-before DCP reads it.  The ``.metadata`` index is unpickled building only DCP's metadata classes, torch
-dtypes/sizes and paths, then checked (:func:`check_index`) before DCP plans with it, since a crafted index
-could point at other files, claim more elements than the bytes on disk, leave tensor parts unwritten (heap in
-the output) or ask for decompression: data files must be bare ``__R_N.distcp`` names, records must not
-overlap and hold their chunk's bytes, chunks must cover each tensor exactly once.  DCP wraps every error in
-``CheckpointException`` (a ``BaseException``); :func:`dcp_errors` makes it a :class:`CheckpointError`.
+The ``.metadata`` index is unpickled building only DCP's metadata classes, then checked (:func:`check_index`)
+before DCP plans with it, since a crafted index could point at other files, claim more elements than the bytes on
+disk, leave tensor parts unwritten (heap in the output) or ask for decompression (the rules: ``docs/checkpoints.md``,
+"Threat model").  DCP wraps every error in ``CheckpointException`` (a ``BaseException``); :func:`dcp_errors` makes it
+a :class:`CheckpointError`.
 """
 
 from __future__ import annotations
@@ -43,8 +41,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from . import files
 from .codec import TENSOR_DTYPES, is_count
-from .digests import expected_digests, verify
 from .files import HINT, MAX_DIMS, MAX_INDEX_BYTES, CheckpointError, fail, read_limited, record_is_stored, regular_size
 from .layout import INDEX, MANIFEST
 
@@ -244,7 +242,7 @@ class SafeReader(FileSystemReader):
 
     def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
         super().__init__(path)
-        self.expected = expected_digests(manifest, path / MANIFEST)
+        self.expected = files.expected_digests(manifest, path / MANIFEST)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -266,7 +264,7 @@ class SafeReader(FileSystemReader):
             by_file.setdefault(info.relative_path, []).append(info)
         root = Path(self.path)
         for name, infos in by_file.items():
-            verify(root, name, self.expected)
+            files.verify(root, name, self.expected)
             with open(root / name, "rb") as stream:
                 for info in sorted(infos, key=lambda i: i.offset):
                     where = f"the tensor record at byte {info.offset} of {root / name}"
@@ -331,7 +329,11 @@ def _check_tensor(fqn: str, entry: Any, storage: dict[Any, Any], file: Path) -> 
         offsets = _size(getattr(chunk, "offsets", None), file, f"{fqn}.chunks[{i}].offsets", len(size))
         sizes = _size(getattr(chunk, "sizes", None), file, f"{fqn}.chunks[{i}].sizes", len(size))
         spans.append((offsets, sizes))
-        _check_record(fqn, offsets, math.prod(sizes) * dtype.itemsize, storage, file)
+        info, nbytes = storage.get(MetadataIndex(fqn, offsets)), math.prod(sizes) * dtype.itemsize
+        if info is None:
+            fail(file, f"{fqn}.chunks", f"include offset {offsets} with no storage record")
+        if info.length < nbytes:
+            fail(file, f"storage_data[{fqn}@{offsets}].length", f"is {info.length} bytes, less than the {nbytes} its chunk holds")
     _check_cover(fqn, size, spans, file)
 
 
@@ -350,14 +352,6 @@ def _check_cover(fqn: str, size: tuple[int, ...], spans: list[tuple[tuple[int, .
         end = start + length
     if end != size[0]:
         fail(file, f"{fqn}.chunks", f"cover elements [0, {end}) of {size[0]}")
-
-
-def _check_record(fqn: str, offsets: tuple[int, ...], nbytes: int, storage: dict[Any, Any], file: Path) -> None:
-    info = storage.get(MetadataIndex(fqn, offsets))
-    if info is None:
-        fail(file, f"{fqn}.chunks", f"include offset {offsets} with no storage record")
-    if info.length < nbytes:
-        fail(file, f"storage_data[{fqn}@{offsets}].length", f"is {info.length} bytes, less than the {nbytes} its chunk holds")
 
 
 def record_ends(storage: dict[Any, Any], file: Path) -> dict[str, int]:

@@ -1,27 +1,32 @@
 """Checks of a checkpoint's manifest and rank files, of their agreement with the tensor index, and of decoded values.
 
-Nothing a checkpoint says is used before it passes here: field types (pydantic, strict: ``1`` is not ``true``),
-names that must resolve, encoded values that must decode, and every shape the load will allocate from, which
-must equal that tensor's size in the index (itself bounded by the bytes on disk).  Decoded states are then
-checked by :func:`conform` against the live object's (the *template*) before anything is applied: a crafted
-checkpoint can change a number, never add an attribute, turn a number into a callable, or swap a tensor for one
-of another shape.
+Nothing a checkpoint says is used before it passes here: field types (pydantic, strict: ``1`` is not ``true``), names
+that must resolve, encoded values that must decode, and every shape the load will allocate from, which must equal that
+tensor's size in the index (itself bounded by the bytes on disk).  Decoded states are then checked by :func:`conform`
+against the live object's (the *template*) before anything is applied: a crafted checkpoint can change a number, never
+add an attribute, turn a number into a callable, or swap a tensor for one of another shape.  :func:`check_complete`
+tells a complete, intact checkpoint from a broken one first: every file the manifest and the DCP index name is there,
+whole, with the checksum the manifest recorded.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn, Optional
 
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from . import files
 from .codec import TENSOR_DTYPES, Decoder, check_encoded
-from .files import HINT, MAX_DIMS, MAX_WORLD_SIZE, CheckpointError, fail
+from .files import HINT, MAX_DIMS, MAX_WORLD_SIZE, CheckpointError, fail, read_json, regular_size
+from .layout import FORMAT, INDEX, LATEST, MANIFEST, TEMP_PREFIX, VERSION, foreign_format, rank_file, tags
+from .storage import read_metadata, record_ends
 
-__all__ = ["check_against_index", "check_manifest", "check_rank_file", "conform"]
+__all__ = ["check_against_index", "check_complete", "check_manifest", "check_rank_file", "conform", "read_rank_file"]
 
 
 def _tensor_dtype(name: str) -> str:
@@ -134,24 +139,19 @@ def check_manifest(manifest: Any, file: Path) -> list[dict[str, Any]]:
         refs += _encoded(manifest.get(part), part, file)
     optimizer = manifest.get("optimizer")
     if optimizer is not None:
-        refs += _check_optimizer(optimizer, manifest["params"], file)
+        groups = optimizer.get("param_groups")
+        refs += _encoded(groups, "optimizer.param_groups", file)
+        if groups is not None and not all(isinstance(g, dict) for g in groups):
+            fail(file, "optimizer.param_groups", "must be a list of dicts (one per param group)")
+        for name, entries in optimizer["state"].items():
+            if name not in manifest["params"]:
+                fail(file, f"optimizer.state.{name}", "is state of a name that is not a trainable parameter")
+            for key, entry in entries.items():
+                if entry["kind"] == "value" and _encoded(entry["value"], f"optimizer.state.{name}.{key}", file):
+                    fail(file, f"optimizer.state.{name}.{key}", "is a plain value that holds tensors")
     for ref in refs:
         if not ref["__tensor__"].startswith("extra/"):
             fail(file, "tensor reference", f"`{ref['__tensor__']:.80}` is not an `extra/N` key")
-    return refs
-
-
-def _check_optimizer(optimizer: dict[str, Any], params: dict[str, Any], file: Path) -> list[dict[str, Any]]:
-    groups = optimizer.get("param_groups")
-    refs = _encoded(groups, "optimizer.param_groups", file)
-    if groups is not None and not all(isinstance(g, dict) for g in groups):
-        fail(file, "optimizer.param_groups", "must be a list of dicts (one per param group)")
-    for name, entries in optimizer["state"].items():
-        if name not in params:
-            fail(file, f"optimizer.state.{name}", "is state of a name that is not a trainable parameter")
-        for key, entry in entries.items():
-            if entry["kind"] == "value" and _encoded(entry["value"], f"optimizer.state.{name}.{key}", file):
-                fail(file, f"optimizer.state.{name}.{key}", "is a plain value that holds tensors")
     return refs
 
 
@@ -230,6 +230,93 @@ def check_against_index(manifest: dict[str, Any], refs: list[dict[str, Any]], te
         key = ref["__tensor__"]  # `extra/3` is stored as `extra/extra/3` (its Stateful is named `extra`)
         expect(f"{key.split('/', 1)[0]}/{key}", ref["shape"], ref["dtype"])
 
+_SHOWN = 12  # missing files listed in an error
+
+
+def check_complete(path: Path) -> dict[str, Any]:
+    """The manifest of the checkpoint in ``path``, checked against its index and files; raises naming every
+    missing or short file, or the first field a checkpoint shardwise wrote could not hold."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist (tags in {path.parent}: {tags(path.parent)})")
+    foreign = foreign_format(path)
+    if foreign is not None:
+        raise CheckpointError(foreign)
+    has_index = regular_size(path / INDEX) is not None
+    if has_index and regular_size(path / MANIFEST) is not None:  # checked before anything unpickles the index
+        files.verify(path, INDEX, files.expected_digests(read_json(path / MANIFEST), path / MANIFEST))
+    metadata = read_metadata(path) if has_index else None
+    missing = _missing_files(path, metadata)
+    if missing:
+        hint = (
+            "its save did not finish (a rank crashed or was killed while writing), so it was never committed"
+            if path.name.startswith(TEMP_PREFIX) or MANIFEST in missing or INDEX in missing
+            else "files were removed or truncated after it was written"
+        )
+        shown = missing[:_SHOWN] + ([f"... {len(missing) - _SHOWN} more"] if len(missing) > _SHOWN else [])
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: missing or truncated {shown}; {hint}. Load a complete "
+            f"checkpoint instead (the one `{LATEST}` names, or another tag)"
+        )
+    assert metadata is not None  # `_missing_files` lists `.metadata` when there is none
+    file = path / MANIFEST
+    manifest = read_json(file)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("version"), int) \
+            or manifest["version"] > VERSION:
+        found = (manifest.get("format"), manifest.get("version")) if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(
+            f"{file} is not a shardwise checkpoint manifest of version <= {VERSION} (format, version: {found!r:.100})"
+        )
+    refs = check_manifest(manifest, file)
+    check_against_index(manifest, refs, metadata.state_dict_metadata, file)
+    # every file a load may read has its checksum in the manifest (else none is checked)
+    data = sorted(record_ends(metadata.storage_data, path / INDEX))
+    ranks = [rank_file(r) for r in range(manifest["world_size"])]
+    files.require_listed(path, [INDEX, *ranks, *data], files.expected_digests(manifest, file))
+    return manifest
+
+
+def read_rank_file(path: Path, rank: int, world_size: int, expected: dict[str, Any]) -> dict[str, Any]:
+    """Rank ``rank``'s ``rankR.json`` in checkpoint ``path``, checked: its checksum (``expected``: the
+    manifest's ``files``), its RNG state can be set, and every tensor it refers to has that size in the index."""
+    files.verify(path, rank_file(rank), expected)
+    file = path / rank_file(rank)
+    info = read_json(file, files.MAX_RANK_FILE_BYTES)
+    check_rank_file(info, rank, world_size, read_metadata(path).state_dict_metadata, file)
+    return info
+
+
+def _world_size(path: Path) -> Optional[int]:
+    for candidate in [path / MANIFEST, *sorted(path.glob("rank*.json"))[:8]]:
+        limit = files.MAX_RANK_FILE_BYTES if candidate.name != MANIFEST else files.MAX_MANIFEST_BYTES
+        try:
+            world = read_json(candidate, limit)
+        except (FileNotFoundError, CheckpointError):
+            continue
+        value = world.get("world_size") if isinstance(world, dict) else None
+        if type(value) is int and 1 <= value <= MAX_WORLD_SIZE:
+            return value
+    ranks = [int(m.group(1)) for f in path.glob("__*_*.distcp") if (m := re.fullmatch(r"__(\d{1,7})_\d+\.distcp", f.name))]
+    ranks = [r for r in ranks if r < MAX_WORLD_SIZE]
+    return max(ranks) + 1 if ranks else None
+
+
+def _missing_files(path: Path, metadata: Any) -> list[str]:
+    missing = [name for name in (MANIFEST, INDEX) if regular_size(path / name) is None]
+    world = _world_size(path)
+    if world is None:
+        return missing + ["every rank's tensor file (none was started)"]
+    for r in range(world):
+        # `rankR.json` is written right after rank R's tensor file is flushed: without it, that file is cut short
+        if regular_size(path / rank_file(r)) is None:
+            missing += [f"__{r}_0.distcp (rank {r} did not finish writing it)", rank_file(r)]
+    if metadata is None:
+        return missing
+    for name, size in sorted(record_ends(metadata.storage_data, path / INDEX).items()):
+        actual = regular_size(path / name)
+        if actual is None or actual < size:
+            missing.append(name)
+    return missing
+
 
 # ------------------------------------------------------------ decoded values
 
@@ -248,9 +335,17 @@ def conform(loaded: Any, template: Any, where: str) -> Any:
     sequences match element by element when the lengths agree, else every element matches the first.
     """
     if isinstance(template, dict):
-        return _conform_dict(loaded, template, where)
+        if not isinstance(loaded, dict):
+            _refuse(where, "a mapping", _kind(loaded))
+        unknown = [k for k in loaded if k not in template]
+        if unknown:
+            _refuse(where, f"only the keys {sorted(map(str, template))}", f"unknown key(s) {sorted(map(str, unknown))}")
+        return {k: conform(v, template[k], f"{where}[{k!r}]") for k, v in loaded.items()}
     if isinstance(template, (list, tuple)):
-        return _conform_sequence(loaded, template, where)
+        if not isinstance(loaded, (list, tuple)):
+            _refuse(where, f"a {type(template).__name__}", _kind(loaded))
+        templates = template if len(loaded) == len(template) else [template[0] if template else None] * len(loaded)
+        return type(loaded)(conform(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(loaded, templates)))
     if isinstance(template, torch.Tensor):
         ok = isinstance(loaded, torch.Tensor) and loaded.dtype == template.dtype and loaded.shape == template.shape
         if not ok:
@@ -268,22 +363,6 @@ def conform(loaded: Any, template: Any, where: str) -> Any:
     if type(loaded) is not type(template):
         _refuse(where, _kind(template), _kind(loaded))
     return loaded
-
-
-def _conform_dict(loaded: Any, template: dict[Any, Any], where: str) -> dict[Any, Any]:
-    if not isinstance(loaded, dict):
-        _refuse(where, "a mapping", _kind(loaded))
-    unknown = [k for k in loaded if k not in template]
-    if unknown:
-        _refuse(where, f"only the keys {sorted(map(str, template))}", f"unknown key(s) {sorted(map(str, unknown))}")
-    return {k: conform(v, template[k], f"{where}[{k!r}]") for k, v in loaded.items()}
-
-
-def _conform_sequence(loaded: Any, template: Any, where: str) -> Any:
-    if not isinstance(loaded, (list, tuple)):
-        _refuse(where, f"a {type(template).__name__}", _kind(loaded))
-    templates = template if len(loaded) == len(template) else [template[0] if template else None] * len(loaded)
-    return type(loaded)(conform(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(loaded, templates)))
 
 
 def _refuse(where: str, expected: str, got: str) -> NoReturn:
