@@ -8,7 +8,6 @@ n/a; and each system alone in its own process beside the paired run.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import subprocess
 import sys
@@ -61,17 +60,16 @@ def test_a_system_alone_in_its_own_process() -> None:
     assert alone.state_mib is not None and alone.state_mib > 0 and alone.peak_mib is None  # n/a on the CPU
 
 
-def test_deepspeed_on_without_deepspeed_says_how_to_get_it() -> None:
-    from benchmarks.cuda import _with_deepspeed
+def test_deepspeed_on_without_deepspeed_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import benchmarks.cuda as cuda
 
-    try:
-        importlib.metadata.version("deepspeed")
-        pytest.skip("DeepSpeed is installed here: `--deepspeed on` runs it")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    assert _with_deepspeed("off") is False and _with_deepspeed("auto") is False
+    monkeypatch.setattr(cuda, "deepspeed_installed", lambda: False)  # as on a machine without it, wherever this runs
+    assert cuda._with_deepspeed("off") is False and cuda._with_deepspeed("auto") is False
     with pytest.raises(SystemExit, match="DeepSpeed is not installed here"):
-        _with_deepspeed("on")
+        cuda._with_deepspeed("on")
+    monkeypatch.setattr(cuda, "deepspeed_installed", lambda: True)
+    assert cuda._with_deepspeed("on") is True and cuda._with_deepspeed("auto") is True
+    assert cuda._with_deepspeed("off") is False
 
 
 def test_bf16_peaks_by_device_name_and_the_flops_formula() -> None:
