@@ -24,7 +24,7 @@ import torch
 from ...optim.param_state import OptimizerSlot, StateSlot
 from .copies import DeviceCopies
 from .plan import OffloadSpec, whole_sub_groups
-from .store import Home, Kept, ModelSide, Piece, Run
+from .store import Home, Kept, ModelSide, Piece, Run, planned_index
 from .subgroups import stepping_only
 
 __all__ = ["Host", "fused_on_host"]
@@ -96,11 +96,7 @@ class Host(Home):
         self.pieces.append(piece)
         if piece.at < 0:
             return  # a frozen flat-stage parameter, kept whole by the store
-        index = len(self._index)
-        if index >= len(self._runs) or (self._runs[index].shard_offset, self._runs[index].numel) != (piece.at, piece.numel):
-            raise RuntimeError(f"rank {self.spec.rank}: the pieces do not match the plan their host buffers were laid "
-                               "out for (a bug in shardwise); please report it")
-        self._index[piece] = index
+        index = self._index[piece] = planned_index(piece, self._runs, len(self._index), self.spec.rank, "host buffers")
         if piece.at < self.split:
             self.near.add(piece, initial)
             return

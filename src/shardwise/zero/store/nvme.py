@@ -24,7 +24,7 @@ from ...optim.param_state import KeptSlot, copy_value
 from ..offload.files import NvmeFiles
 from .copies import DeviceCopies
 from .plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, say_split, state_bytes_per_element
-from .store import Home, Kept, ModelSide, Piece, Run
+from .store import Home, Kept, ModelSide, Piece, Run, planned_index
 from .subgroups import BufferPool, OffloadSlot, SubGroupStepper, placeholder, pool_for
 
 __all__ = ["Nvme"]
@@ -77,11 +77,7 @@ class Nvme(Home):
     def add(self, piece: Piece, initial: Optional[torch.Tensor]) -> None:
         if piece.at < 0:
             return  # a frozen flat-stage parameter, kept whole by the store
-        index = len(self._index)
-        if index >= len(self._runs) or (self._runs[index].shard_offset, self._runs[index].numel) != (piece.at, piece.numel):
-            raise RuntimeError(f"rank {self.spec.rank}: the offloaded pieces do not match the plan their files were "
-                               "laid out for (a bug in shardwise); please report it")
-        self._index[piece] = index
+        self._index[piece] = planned_index(piece, self._runs, len(self._index), self.spec.rank, "files")
         super().add(piece, initial)
 
     def start(self, piece: Piece, initial: torch.Tensor) -> torch.Tensor:

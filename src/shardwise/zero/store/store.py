@@ -40,7 +40,7 @@ from .copies import DeviceCopies
 
 __all__ = [
     "FrozenStore", "Home", "Kept", "MasterStore", "ModelSide", "NormShare", "Piece", "Resident", "Run", "Runs",
-    "sum_sq",
+    "planned_index", "sum_sq",
 ]
 
 
@@ -315,6 +315,15 @@ class Home(ABC):
 
     def close(self) -> None:
         """Let go of what is held outside memory (files)."""
+
+
+def planned_index(piece: Piece, runs: Sequence[Run], taken: int, rank: int, laid_out: str) -> int:
+    """Where ``piece`` (the ``taken``-th added) sits in ``runs``, the plan a home laid its ``laid_out`` buffers out
+    for; a piece that does not match is a bug, said so."""
+    if taken >= len(runs) or (runs[taken].shard_offset, runs[taken].numel) != (piece.at, piece.numel):
+        raise RuntimeError(f"rank {rank}: the pieces do not match the plan their {laid_out} were laid out for (a bug "
+                           "in shardwise); please report it")
+    return taken
 
 
 def sum_sq(grads: list[torch.Tensor]) -> torch.Tensor:
