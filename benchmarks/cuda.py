@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity means fp32 math on every side
     shardwise.init_distributed(backend="nccl" if args.device == "cuda" else "gloo")
     overrides = _overrides(args)
+    args.seq_len = args.seq_len or overrides.get("block_size", 0)  # 0: the model's block_size, overridden or not
     if args.alone:
         return _run_alone(args, overrides)
     peak = bf16_peak(torch.cuda.get_device_name()) if args.device == "cuda" else None

@@ -51,6 +51,8 @@ class DeepSpeedHarness:
     def __init__(self, model: nn.Module, system: System, workload: Workload) -> None:
         if not torch.cuda.is_available():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        # DeepSpeed reads its device from LOCAL_RANK, which a launcher sets; a one-process run has none
+        os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if torch.cuda.is_available() else 0))
         import deepspeed
 
         config = {

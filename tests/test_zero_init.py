@@ -230,3 +230,23 @@ def test_gathered_parameters_and_external_parameters() -> None:
     cases: list[tuple[str, Any]] = [("read_modify", read_modify_case), ("external", lambda: external_case(False)),
                                     ("registered", lambda: external_case(True)), ("others", other_stages_case)]
     run_subtests(lambda name: dict(cases)[name](), [{"name": n} for n, _ in cases])
+
+
+@distributed_test(world_size=2, timeout=120)
+def test_cudnn_rnn_weight_compaction_passes_partitioned_weights_by() -> None:
+    """``Module.to`` on CUDA runs ``nn.RNNBase.flatten_parameters``, whose ``torch._cudnn_rnn_flatten_weight`` would
+    re-point partitioned weights into one full buffer: it is skipped while they are partitioned (found on a GPU, where
+    a DeepSpeed client's GRU built under ``zero.Init`` failed in ``initialize``).  The CPU never calls it, so the test
+    calls it as flatten_parameters does; the GRU then trains as one built whole."""
+    torch.manual_seed(0)
+    whole = nn.GRU(8, 16, batch_first=True)
+    with shardwise.zero.Init(config=STAGE3):
+        torch.manual_seed(0)
+        gru = nn.GRU(8, 16, batch_first=True)
+    assert all(is_partitioned(p) for p in gru.parameters())
+    got = torch._cudnn_rnn_flatten_weight(gru._flat_weights, 4, 8, 3, 16, 0, 1, True, False)
+    assert got is None and all(is_partitioned(p) for p in gru.parameters())
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    engine = shardwise.initialize(gru, adamw(gru.parameters()), STAGE3)
+    out, _ = engine(x)
+    torch.testing.assert_close(out, whole(x)[0], rtol=0, atol=0)

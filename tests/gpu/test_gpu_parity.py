@@ -9,6 +9,15 @@ over one flat shard and over per-parameter tensors may round differently;
 the tolerances below bound that: fp32 1e-6 (the issue measured 4.8e-7 on an
 H100), bf16/fp16 masters 1e-4 after 5 steps at lr 1e-3 (a compute-copy
 rounding flip moves a master by at most lr per step).
+
+Offloaded variants step on the host with torch's fused CPU AdamW, which rounds
+apart from the device's kernel by about 1e-7 a step.  In fp32 that stays
+below 1e-6 (tests/gpu/test_gpu_offload.py holds it there); in bf16/fp16 it
+flips the compute copy of a weight that sits on a rounding boundary, and the
+later steps carry the flip (measured on an H200: 1.9e-4 in ``wte.weight``, the
+same at stages 1-3).  So there the bound is lr / 2: Adam's first step moves
+every element that has a gradient by exactly lr, so a lost update or a lost
+publication of one still shows.
 """
 
 from __future__ import annotations
@@ -33,7 +42,8 @@ def test_stage_trains_like_plain_torch(device: str, dtype: str, stage: int, vari
     want, want_losses = _gpu.plain_torch(where, dtype, STEPS)
     got = _gpu.masters(engine)
     diff, name = _gpu.max_diff(got, want)
-    assert diff <= TOLERANCE[dtype], f"stage {stage} {dtype} on {device}: {name} differs by {diff:.3g}"
+    tolerance = _gpu.LR / 2 if dtype != "fp32" and _gpu.offloads(variant) else TOLERANCE[dtype]
+    assert diff <= tolerance, f"stage {stage} {dtype} on {device}: {name} differs by {diff:.3g}"
     assert _gpu.max_diff(got, _gpu.gpt(0).state_dict())[0] > 10 * LR_MOVE, "the steps left the weights where they were"
     # the same batches gave the same losses (to the compute dtype's rounding of diverged weights)
     assert losses == pytest.approx(want_losses, rel=1e-2 if dtype != "fp32" else 1e-5)

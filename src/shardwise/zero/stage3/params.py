@@ -557,6 +557,11 @@ _CASTS: dict[Any, Callable[..., tuple[Optional[torch.device], Optional[torch.dty
     torch.Tensor.cpu: lambda *a, **k: (torch.device("cpu"), None),
     torch.Tensor.cuda: lambda *a, **k: (torch.device("cuda", torch.cuda.current_device()), None),
 }
+#: cuDNN's RNN weight compaction, which ``nn.RNNBase.flatten_parameters`` runs from ``Module.to``/``_apply`` on CUDA:
+#: it would re-point partitioned parameters into one full-size buffer.  It only speeds cuDNN up, and the unit's
+#: gather rebuilds the weights for each forward anyway, so it is skipped while any of them is partitioned (its
+#: result is unused: flatten_parameters discards it).  DeepSpeed's empty partitions dodge it by sharing a data pointer.
+_RNN_FLATTEN: Any = getattr(torch, "_cudnn_rnn_flatten_weight", None)
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
                     "__ifloordiv__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__imatmul__"}
 
@@ -618,6 +623,8 @@ def _checked_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any
         unit = param.__dict__[_UNIT_ATTR]
         if unit not in units and unit.owner.needs(unit):
             units.append(unit)
+    if units and func is _RNN_FLATTEN:
+        return None  # see _RNN_FLATTEN
     written = _written_units(args, kwargs) if _is_mutating(func, kwargs) else []
     if not units and not written:
         with torch._C.DisableTorchFunctionSubclass():

@@ -81,7 +81,8 @@ class Nvme(Home):
         super().add(piece, initial)
 
     def start(self, piece: Piece, initial: torch.Tensor) -> torch.Tensor:
-        self.stepper.write("master", piece.at, initial.float().contiguous(), "the initial masters")
+        # the files take host bytes: on an accelerator job ``initial`` is the model's own (device) tensor
+        self.stepper.write("master", piece.at, initial.to("cpu", torch.float32).contiguous(), "the initial masters")
         return placeholder(piece.numel)
 
     @property

@@ -426,7 +426,9 @@ class OffloadSlot:
         stepper = self.stepper
         per_element = {k: v for k, v in state.items() if is_per_element(v, self.numel)}
         for chunk in self.chunks:  # each chunk is stepped as its own tensor: its own copy of `step` and the like
-            stepper.small[chunk] = {k: copy_value(v) for k, v in state.items() if k not in per_element}
+            # (on the host, where the step runs: a state loaded from an accelerator job's checkpoint may not be)
+            stepper.small[chunk] = {k: copy_value(v.cpu() if isinstance(v, torch.Tensor) else v)
+                                    for k, v in state.items() if k not in per_element}
             stepper.chunk_kinds[chunk] = set(per_element)
         for kind, value in per_element.items():
             stepper.kind_file(kind, value.dtype)
