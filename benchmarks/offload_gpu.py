@@ -101,7 +101,8 @@ def _engine(spec: dict[str, Any], device: torch.device) -> tuple[Any, int]:
               "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": spec["micro"],
               "gradient_accumulation_steps": spec["accumulation"], "gradient_clipping": 1.0}
     model = _build(spec, config, device)
-    numel = sum(p.numel() for p in model.parameters())
+    # (DeepSpeed's zero.Init leaves each parameter empty, its size in `ds_numel`)
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     if spec["peer"]:
         return _deepspeed(model, config), numel
     with host_path_on_cpu():  # (a CPU job takes the host path as a GPU job does; nothing changes on a GPU job)
@@ -145,7 +146,7 @@ def _deepspeed(model: nn.Module, config: dict[str, Any]) -> Any:
 def _moved(engine: Any) -> tuple[int, int]:
     """Bytes copied (down, up) so far between the card and host memory by the store and the shards."""
     strategy = getattr(engine, "strategy", None)
-    if strategy is None:
+    if strategy is None:  # DeepSpeed's engine: not counted (its speed rows say n/a)
         return 0, 0
     copies = strategy.store.home.copies
     shards = getattr(strategy, "shards", None)
@@ -202,7 +203,8 @@ def _run_trial(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
         path = out.name
     command = [sys.executable, "-m", "benchmarks.offload_gpu", "--trial", json.dumps(spec), "--trial-out", path]
-    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    # LOCAL_RANK: DeepSpeed's engine reads its device from it, and no launcher set it
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "LOCAL_RANK": "0"}
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -289,8 +291,8 @@ def speed(args: argparse.Namespace, rates: tuple[float, float]) -> list[dict[str
     peak = bf16_peak(torch.cuda.get_device_name()) if args.device == "cuda" else None
     print(f"\nspeed: {accumulation} x {micro} sequences of {args.seq} tokens a step; {FLOPS_FORMULA}")
     print("| setting | engine | parameters | step s, median (range) | TFLOPS | % of bf16 peak | down / up a step "
-          "(theory) | at the measured bandwidth, s |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+          "(theory) | at the measured bandwidth, s | last loss |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     found = []
     peers = [False, True] if deepspeed_installed() else [False]
     for peer in peers:
@@ -307,9 +309,11 @@ def speed(args: argparse.Namespace, rates: tuple[float, float]) -> list[dict[str
             down, up = r["down_per_step"], r["up_per_step"]
             want = _theory(r, setting)
             at = down / 1e9 / rates[1] + up / 1e9 / rates[0]
+            moved = f"n/a ({_gb(want[0])} / {_gb(want[1])}) | n/a" if peer else \
+                f"{_gb(down)} / {_gb(up)} ({_gb(want[0])} / {_gb(want[1])}) | {at:.3f}"
             print(f"| {setting} | {'DeepSpeed' if peer else 'shardwise'} | {_size(r['numel'])} | {step:.2f} "
-                  f"({min(r['step_s']):.2f}-{max(r['step_s']):.2f}) | {flops:.1f} | {share} | {_gb(down)} / "
-                  f"{_gb(up)} ({_gb(want[0])} / {_gb(want[1])}) | {at:.3f} |", flush=True)
+                  f"({min(r['step_s']):.2f}-{max(r['step_s']):.2f}) | {flops:.1f} | {share} | {moved} | "
+                  f"{r['loss']:.3f} |", flush=True)
     return found
 
 
