@@ -15,13 +15,10 @@ once a peer's heartbeat stops, with a ``RuntimeError`` the fault layer names.  B
 (:meth:`SharedSegment.allocate`) need no staging: each rank sums its 1/N of the region across the N copies, fenced
 by two flags ("written", "done reading"), a fifth of the staged path's bytes at 2 ranks.
 
-Set up once per :class:`~shardwise.comm.distributed.Comm` that asks (its :class:`SharedMemory` handle), a
-collective step of its own: rank 0 creates the file, every rank maps it and checks a random token, and it is
-used only if every rank succeeded.  Every rank that knows the file's name removes it on every way out of the
-set-up, so a peer killed with ``SIGKILL`` leaves nothing; a creator killed before its peers learnt the name is
-swept by the next set-up on the host (:func:`sweep`: a file of this user named after a process that no longer
-exists).  Otherwise (several hosts, no ``/dev/shm``, no room) the group keeps gloo.  x86-64 only: there stores
-become visible to other cores in program order, so a peer that reads a flag also sees the data written before.
+Set up once per :class:`~shardwise.comm.distributed.Comm` that asks (its :class:`SharedMemory` handle), as
+docs/faults.md ("comms") describes: used only if every rank mapped the file, whose name every rank removes on every way
+out (:func:`sweep` takes a dead creator's).  x86-64 only: there stores become visible to other cores in program order,
+so a peer that reads a flag also sees the data written before.
 """
 
 from __future__ import annotations
