@@ -65,11 +65,9 @@ class _PackageChooser(ABCMeta):
 class ShardwiseStrategy(_Base, metaclass=_PackageChooser):
     """Train with a shardwise engine under ``lightning.pytorch.Trainer`` (or ``pytorch_lightning``'s).
 
-    ``config`` is a dict or a path (``.json``/``.yaml``) in DeepSpeed's keys, as for ``DeepSpeedStrategy``;
-    ``stage`` (0-3; default: the config's, or 2 without a config), ``offload_optimizer`` and
-    ``offload_parameters`` fill in what the config leaves unsaid and must not contradict it. The loss-scaling
-    arguments set the ``fp16`` section under ``precision="16-mixed"``. After ``fit`` has set up,
-    ``trainer.strategy.engine`` is the :class:`shardwise.Engine`. docs/lightning.md has the whole story.
+    ``config`` is a DeepSpeed config (dict or path); the other arguments fill in what it leaves unsaid and must not
+    contradict it (each against ``DeepSpeedStrategy``'s: docs/lightning.md, "Arguments").  After ``fit`` has set up,
+    ``trainer.strategy.engine`` is the :class:`shardwise.Engine`.
     """
 
     strategy_name = "shardwise"

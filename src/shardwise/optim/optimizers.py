@@ -29,12 +29,8 @@ def is_optimizer_like(obj: Any) -> bool:
 
 
 def build_optimizer(config: OptimizerConfig, params: Iterable[Any]) -> torch.optim.Optimizer:
-    """Build a torch optimizer from a validated ``optimizer {type, params}`` section.
-
-    The class comes from the one registry, :data:`shardwise.config.registry.OPTIMIZERS`. As in
-    DeepSpeed, ``type: Adam`` means decoupled weight decay (AdamW) unless ``adam_w_mode: false``;
-    ``torch_adam`` is accepted (torch's implementation is always the one used).
-    """
+    """Build a torch optimizer from a validated ``optimizer {type, params}`` section (its names and DeepSpeed's Adam
+    extras: :class:`~shardwise.config.sections.OptimizerConfig`), from the one registry, ``registry.OPTIMIZERS``."""
     spec = OPTIMIZERS.get(config.type)
     if spec is None:  # a hand-built section that skipped validation
         raise ValueError(f"optimizer.type `{config.type}` is not supported; use one of {sorted(OPTIMIZERS)}")
