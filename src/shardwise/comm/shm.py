@@ -72,8 +72,8 @@ def supported(world: int) -> str:
 
 @dataclasses.dataclass(eq=False)
 class ShmWork:
-    """An issued shared-memory collective: ``done`` is set once the worker finished it, with ``error`` what it
-    raised (``Comm`` waits for ``done`` in slices); ``wait`` for a caller of the segment's own methods."""
+    """An issued shared-memory collective (``Comm`` puts it on :attr:`SharedSegment.jobs`): ``done`` is set once the
+    worker finished it, with ``error`` what it raised (``Comm`` waits for ``done`` in slices)."""
 
     #: the segment's worker thread, which finishes it (its end before then is an error)
     worker: threading.Thread
@@ -127,24 +127,6 @@ class SharedSegment:
         """The group is broken (its waiter raised): the collective waiting for a peer stops at its next poll,
         and every later one fails at once, instead of each waiting out ``comms.timeout``."""
         self._abandoned = True
-
-    # ------------------------------------------------------------ the API
-    def all_reduce(self, tensor: torch.Tensor) -> ShmWork:
-        """Sum ``tensor`` across ranks, in place."""
-        return self._submit("all_reduce", tensor)
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> ShmWork:
-        """Every rank's ``input`` concatenated, in rank order, into ``output``."""
-        return self._submit("all_gather", output, input)
-
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> ShmWork:
-        """The sum across ranks of chunk ``rank`` of ``input`` (N equal chunks), into ``output``."""
-        return self._submit("reduce_scatter", output, input)
-
-    def _submit(self, kind: str, *tensors: torch.Tensor) -> ShmWork:
-        work = ShmWork(self.worker)
-        self.jobs.put((self, kind, tensors, work))
-        return work
 
     def _run(self, job: "Job") -> None:
         """On the worker: run one collective (over a buffer every rank maps, reading the peers' copies in place,
