@@ -73,25 +73,13 @@ def supported(world: int) -> str:
 @dataclasses.dataclass(eq=False)
 class ShmWork:
     """An issued shared-memory collective (``Comm`` puts it on :attr:`SharedSegment.jobs`): ``done`` is set once the
-    worker finished it, with ``error`` what it raised (``Comm`` waits for ``done`` in slices)."""
+    worker finished it, with ``error`` what it raised.  Only ``Comm`` waits for one, for ``done`` in slices
+    (``comm.distributed._finished``; shared memory serves gloo groups only, whose waits all go that way)."""
 
     #: the segment's worker thread, which finishes it (its end before then is an error)
     worker: threading.Thread
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: Optional[BaseException] = None
-
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        # The worker bounds every wait on a peer by itself; a bound here only stops a caller (exit) early.
-        limit = timeout.total_seconds() if timeout is not None else None
-        start = time.monotonic()
-        while not self.done.wait(1.0 if limit is None else min(1.0, limit)):
-            if not self.worker.is_alive():
-                raise RuntimeError("the shared-memory collective worker thread has ended")
-            if limit is not None and time.monotonic() - start > limit:
-                raise RuntimeError(f"shared-memory collective not finished within {limit:g} s")
-        if self.error is not None:
-            raise self.error
-        return True
 
 
 class SharedSegment:
