@@ -10,9 +10,7 @@ value per group.  At stage 0 the model states file holds the torch optimizer's `
 to the engine's parameters on load) and, in 16-bit, the fp32 masters (``fp32_groups``).
 
 The files (pickles, with no checksums) and the rules they are read under are in ``docs/checkpoints.md``
-("DeepSpeed checkpoints in"): DeepSpeed's classes are stand-ins that only record fields, and loading into an engine
-every file is bounded by the model (:class:`ModelShapes`) and every shape compared with it before any value is put
-together, since a crafted file can state any shape.
+("DeepSpeed checkpoints in"); a crafted file can state any shape, so each is bounded by the model (:class:`ModelShapes`).
 """
 
 from __future__ import annotations
