@@ -54,10 +54,6 @@ def _members(value: str, key: str, rank: int, world_size: int) -> set[int]:
     return members
 
 
-def _format(members: set[int]) -> str:
-    return ",".join(str(r) for r in sorted(members))
-
-
 def _sleep(attempt: int) -> None:
     time.sleep(min(0.002 * (attempt + 1), 0.05))
 
@@ -257,7 +253,7 @@ def _arrive(store: Any, key: str, rank: int, world_size: int) -> bool:
     while True:
         if current.startswith(_CLOSED):
             return False
-        wanted = _format(_members(current, key, rank, world_size) | {rank})
+        wanted = ",".join(str(r) for r in sorted(_members(current, key, rank, world_size) | {rank}))
         got = store.compare_set(key, current, wanted).decode(errors="replace")
         if got == wanted:
             return True

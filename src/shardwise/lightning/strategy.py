@@ -1,12 +1,10 @@
 """``ShardwiseStrategy``: Lightning's Trainer training through a shardwise engine.
 
 Lightning's ``DDPStrategy`` for everything about processes (launch, environment, ``reduce``/``barrier``/
-``broadcast``), handing the model to :func:`shardwise.initialize` at ``setup``.  Lightning runs the loop: it
-calls ``training_step`` through the engine's forward, accumulates under the engine's ``no_sync`` and steps at its
-boundaries, and steps its LR schedulers on the user's optimizer (:mod:`.groups`).  Checkpoints are the engine's
-(a collective, resharding directory with Lightning's state as its ``client_state``), so a save on some ranks only
-fails in the engine's checkpoint agreement, naming the missing ranks.  The class is built once per Lightning
-package (:mod:`.flavour`).  See docs/lightning.md.
+``broadcast``), handing the model to :func:`shardwise.initialize` at ``setup``.  Lightning runs the loop through the
+engine's forward, ``no_sync`` and step, and steps its LR schedulers on the user's optimizer (:mod:`.groups`).
+Checkpoints are the engine's, with Lightning's state as its ``client_state`` (docs/lightning.md, "Checkpoints").  The
+class is built once per Lightning package (:mod:`.flavour`).
 """
 
 from __future__ import annotations
