@@ -48,17 +48,12 @@ class DeepSpeedRecord:
         self.fields = dict(state) if isinstance(state, dict) else {"state": state}
 
 
-def _zero_stage(value: int) -> int:
-    """Stand-in for ``ZeroStageEnum(value)``: the stage as a plain int."""
-    return int(value)
-
-
 #: every non-torch class a DeepSpeed 0.14-0.19 checkpoint of the supported kinds stores
 ALLOWED: list[Any] = [
     (DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (DeepSpeedRecord, "deepspeed.utils.tensor_fragment.fragment_address"),
-    (_zero_stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (int, "deepspeed.runtime.zero.config.ZeroStageEnum"),  # `ZeroStageEnum(value)` read as the plain int stage
 ]
 
 
