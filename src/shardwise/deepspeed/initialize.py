@@ -29,11 +29,8 @@ ConfigSource = Config | dict[str, Any] | str | os.PathLike[str]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add `--deepspeed`, `--deepspeed_config` (and the deprecated `--deepscale*`) and `--local_rank`.
-
-    `--local_rank` defaults to torchrun's `LOCAL_RANK` (torchrun passes no flag, and a script branching on
-    `args.local_rank == -1` would silently take the one-process path), also when the script declared it itself.
-    """
+    """Add `--deepspeed`, `--deepspeed_config` (and the deprecated `--deepscale*`) and `--local_rank`, whose default
+    is torchrun's `LOCAL_RANK` (why: docs/from-deepspeed.md, "What `shardwise.deepspeed` provides")."""
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations (read by shardwise.deepspeed)")
     group.add_argument("--deepspeed", default=False, action="store_true",
                        help="enable DeepSpeed (a flag for the script; shardwise needs no switch)")
@@ -76,12 +73,8 @@ def _reject(name: str, value: Any, feature: str) -> None:
 def training_dataloader(
     engine: Engine, dataset: Dataset[Any], collate_fn: Callable[..., Any] | None = None
 ) -> DataLoader[Any]:
-    """DeepSpeed's training loader: `train_micro_batch_size_per_gpu` samples per batch, each rank its share.
-
-    A `DistributedSampler` over the engine's ranks (shuffled with seed 0, as torch's default;
-    call `loader.sampler.set_epoch(epoch)` for a new order each epoch); `dataloader_drop_last`
-    from the config drops the last incomplete batch.
-    """
+    """DeepSpeed's training loader: `train_micro_batch_size_per_gpu` samples per batch over a `DistributedSampler` of
+    the engine's ranks (seed 0: `loader.sampler.set_epoch(epoch)` for a new order), `dataloader_drop_last` honoured."""
     sampler: DistributedSampler[Any] = DistributedSampler(
         dataset, num_replicas=engine.comm.world_size, rank=engine.comm.rank)
     return DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
