@@ -530,12 +530,9 @@ def _remove_all(offers: list[bytes]) -> None:
 
 
 def sweep() -> list[str]:
-    """Remove this user's segment files whose creating process no longer exists; return their names.
-
-    A creator killed between making its file and telling its peers the name leaves the file behind (nobody
-    else knows it); without this, such files would pile up under ``--max-restarts``.  A file lives only for
-    the seconds of one set-up, so one whose creator is gone is never in use.
-    """
+    """Remove this user's segment files whose creating process no longer exists (a creator killed before its peers
+    learnt the name: docs/faults.md, "comms"); return their names.  A file lives only for the seconds of one set-up,
+    so one whose creator is gone is never in use."""
     removed: list[str] = []
     try:
         names = os.listdir(_DIRECTORY)

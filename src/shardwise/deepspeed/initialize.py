@@ -120,13 +120,11 @@ def initialize(
     mesh_param: Any = None,
     config_params: ConfigSource | None = None,
 ) -> tuple[Engine, Any, DataLoader[Any] | None, Any]:
-    """DeepSpeed's `initialize`: returns `(engine, optimizer, training_dataloader, lr_scheduler)`.
-
-    The config comes from `config` (or `config_params`) or `args.deepspeed_config`. The process group is created when
-    none exists (`dist_init_required=False` requires one). With `training_data`, the third item is a DataLoader over it
-    (:func:`training_dataloader`; for a multi-stage pipeline an unshuffled, repeating loader that `train_batch()` draws
-    from), else None. `mpu` and `mesh_param` (model and sequence parallelism) are not supported. DeepSpeed's defaults
-    apply where the config is silent (:mod:`.defaults`).
+    """DeepSpeed's `initialize`: returns `(engine, optimizer, training_dataloader, lr_scheduler)` (the arguments:
+    docs/from-deepspeed.md, "What `shardwise.deepspeed` provides").  The process group is created when none exists
+    (`dist_init_required=False` requires one); for a multi-stage pipeline the loader over `training_data` is an
+    unshuffled, repeating one that `train_batch()` draws from.  DeepSpeed's defaults apply where the config is silent
+    (:mod:`.defaults`).
     """
     if model is None:
         raise TypeError("shardwise.deepspeed.initialize needs `model=` (a torch.nn.Module)")

@@ -168,12 +168,9 @@ class ShardwiseStrategy(_Base, metaclass=_PackageChooser):
         self.lr_scheduler_configs = schedulers
 
     def _optimizer_and_schedulers(self, trainer: Any, module: Any, config: Config) -> tuple[Config, Any, list[Any]]:
-        """The user's optimizer and LR schedulers, for Lightning to step, and the engine's config without them.
-
-        They come from ``configure_optimizers``, or, when it returns None, from the config's ``optimizer`` and
-        ``scheduler`` sections as DeepSpeedStrategy builds them (a config schedule steps every optimizer step). A
-        section whose values are all ``auto`` gives way to what ``configure_optimizers`` returns, as Hugging Face's
-        configs expect; one with values of its own next to it is an error."""
+        """The user's optimizer and LR schedulers, for Lightning to step, and the engine's config without them: from
+        ``configure_optimizers``, or the config's sections as DeepSpeedStrategy builds them (docs/lightning.md, "What a
+        LightningModule can use"); a section with values of its own next to ``configure_optimizers``' is an error."""
         flavour = self._flavour
         optimizers, schedulers = flavour.init_optimizers(module)
         optimizer = single_optimizer(optimizers, schedulers)

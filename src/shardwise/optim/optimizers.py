@@ -39,11 +39,8 @@ def build_optimizer(config: OptimizerConfig, params: Iterable[Any]) -> torch.opt
 
 
 def resolve_optimizer(optimizer: OptimizerArg, config: Config, params: list[Any]) -> Optional[Any]:
-    """Turn the ``optimizer`` argument of ``initialize`` into an optimizer object.
-
-    ``params`` are the parameters (or param-group dicts) to optimize.  Returns
-    None for an inference-only engine (no optimizer argument and none in config).
-    """
+    """Turn the ``optimizer`` argument of ``initialize`` into an optimizer over ``params`` (parameters or param-group
+    dicts); None for an inference-only engine (no optimizer argument and none in config)."""
     if optimizer is None:
         return build_optimizer(config.optimizer, params) if config.optimizer is not None else None
     if config.optimizer is not None:
