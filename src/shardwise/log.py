@@ -1,14 +1,9 @@
 """Where the ``shardwise`` logger's lines go until the program decides.
 
-The engine's progress lines (every ``steps_per_print`` steps) and the config
-policy's info lines (a DeepSpeed key ignored, an alias read, an ``auto``
-filled in) go through ``logging.getLogger("shardwise")``, on rank 0.  Python
-drops INFO lines of a logger nobody configured, which would make "accepted with
-an info line" silent in practice; so, as DeepSpeed does, ``initialize`` gives
-that logger one handler writing ``[shardwise] message`` to stdout at INFO.
-``SHARDWISE_LOG_LEVEL`` (``WARNING``, ``DEBUG``...) changes the level.  A
-program that configured logging before ``initialize`` (a root handler, or a
-handler on ``shardwise``) keeps full control: nothing is added then.
+Python drops INFO lines of a logger nobody configured, which would make "accepted with an info line" silent in
+practice; so, as DeepSpeed does, ``initialize`` gives that logger one handler writing ``[shardwise] message`` to
+stdout at INFO (README.md says what goes there; ``SHARDWISE_LOG_LEVEL`` changes the level).  A program that configured
+logging before ``initialize`` (a root handler, or a handler on ``shardwise``) keeps full control: nothing is added then.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """Multi-rank test harness: run a function on N fresh processes with torch.distributed ready.
 
-Each launch starts ``world_size`` processes, rendezvouses them through a file in a
-fresh temporary directory (no port clashes between concurrent test runs), initializes
-a process group (gloo by default) and calls the function on every rank::
-
-    from shardwise.testing import run_distributed, distributed_test, run_subtests
-
-    def _sum_of_ranks() -> float:
-        t = torch.tensor([float(dist.get_rank())])
-        dist.all_reduce(t)
-        return t.item()
-
-    def test_all_reduce() -> None:
-        assert run_distributed(_sum_of_ranks, world_size=2) == [1.0, 1.0]
-
-    @distributed_test(world_size=2)
-    def test_body_runs_on_every_rank() -> None:
-        run_subtests(_check_stage, [{"stage": s} for s in (0, 1, 2, 3)])
+Each launch starts ``world_size`` processes, rendezvouses them through a file in a fresh temporary directory (no port
+clashes between concurrent test runs), initializes a process group (gloo by default) and calls the function on every
+rank: `run_distributed` (a function; its results come back), `distributed_test` (a pytest test's body on every rank;
+README.md, "Testing your own code on several ranks") and `run_subtests` (several cases in one launch, inside a rank).
 
 Failures never hang: a rank that raises, dies or exceeds ``timeout`` makes the launch raise `DistributedTestError`
 naming the rank, with its traceback (or exit code, or the Python stack it was stuck in), and every other rank is killed.

@@ -10,9 +10,7 @@ value per group.  At stage 0 the model states file holds the torch optimizer's `
 to the engine's parameters on load) and, in 16-bit, the fp32 masters (``fp32_groups``).
 
 The files (pickles, with no checksums) and the rules they are read under are in ``docs/checkpoints.md``
-("DeepSpeed checkpoints in"): DeepSpeed's classes are stand-ins that only record fields, and loading into an engine
-every file is bounded by the model (:class:`ModelShapes`) and every shape compared with it before any value is put
-together, since a crafted file can state any shape.
+("DeepSpeed checkpoints in"); a crafted file can state any shape, so each is bounded by the model (:class:`ModelShapes`).
 """
 
 from __future__ import annotations
@@ -50,17 +48,12 @@ class DeepSpeedRecord:
         self.fields = dict(state) if isinstance(state, dict) else {"state": state}
 
 
-def _zero_stage(value: int) -> int:
-    """Stand-in for ``ZeroStageEnum(value)``: the stage as a plain int."""
-    return int(value)
-
-
 #: every non-torch class a DeepSpeed 0.14-0.19 checkpoint of the supported kinds stores
 ALLOWED: list[Any] = [
     (DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (DeepSpeedRecord, "deepspeed.utils.tensor_fragment.fragment_address"),
-    (_zero_stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (int, "deepspeed.runtime.zero.config.ZeroStageEnum"),  # `ZeroStageEnum(value)` read as the plain int stage
 ]
 
 

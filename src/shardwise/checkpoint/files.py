@@ -1,11 +1,9 @@
 """The bottom layer: the checkpoint error, the bounds on what a checkpoint may ask, and reading its files.
 
-A checkpoint may come from someone else (``docs/checkpoints.md``, "Threat model"): a planted symlink could point at
-any file of the user and a planted FIFO would block forever, so each small file is opened with ``O_NOFOLLOW`` and
-``O_NONBLOCK``; the limits are far above what a real checkpoint needs.  ``torch.load`` allocates each storage at the
-size its record declares and inflates a deflated record in full, so every record must be stored and within budget;
-after it, no tensor may cover more elements than its storage (a stride-0 view of ``2**40`` elements over 4 bytes
-costs its full size in the first copy).
+A checkpoint may come from someone else (``docs/checkpoints.md``, "Threat model", which lists what each check here
+refuses and the limits): each small file is opened with ``O_NOFOLLOW`` and ``O_NONBLOCK`` (a planted symlink or FIFO);
+``torch.load`` allocates each storage at the size its record declares and inflates a deflated record in full, so every
+record must be stored and within budget, and no tensor may cover more elements than its storage.
 
 Checksums: the manifest lists every file with its size and SHA-256, and each is checked before it is parsed or read;
 a file the manifest does not list is refused, so no path skips a check.  SHA-256 runs at about 1 GB/s on one core:

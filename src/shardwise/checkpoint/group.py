@@ -1,11 +1,8 @@
 """The checkpoint layer's front door, and checkpoints of several engines: one subdirectory per engine, one ``latest``.
 
-:func:`save_checkpoints` (layout: ``docs/checkpoints.md``, "Several engines in one checkpoint") writes every
-engine into one temporary directory and commits it once, collectively over the default process group.  A named
-engine's ``save_checkpoint`` writes the same layout for itself, into a new tag or beside the other engines of an
-existing one, so named engines saving into one directory never overwrite each other; an engine without a name owns
-``TAG/`` (``save.py``).  Choosing here keeps the layers one-way: this module imports save.py and load.py, and
-neither imports it.
+:func:`save_checkpoints` and a named engine's ``save_checkpoint`` write the layout of ``docs/checkpoints.md`` ("Several
+engines in one checkpoint"); an engine without a name owns ``TAG/`` (``save.py``).  Choosing here keeps the layers
+one-way: this module imports save.py and load.py, and neither imports it.
 """
 
 from __future__ import annotations

@@ -6,11 +6,9 @@ cannot (its uneven shards follow a fixed rule) and ShardedTensor needs a collect
 (any 1-D pieces of a 1-D tensor) and two planners that understand it are here.  Replicated pieces are written
 once: DCP drops chunks with the same index.
 
-The ``.metadata`` index is unpickled building only DCP's metadata classes, then checked (:func:`check_index`)
-before DCP plans with it, since a crafted index could point at other files, claim more elements than the bytes on
-disk, leave tensor parts unwritten (heap in the output) or ask for decompression (the rules: ``docs/checkpoints.md``,
-"Threat model").  DCP wraps every error in ``CheckpointException`` (a ``BaseException``); :func:`dcp_errors` makes it
-a :class:`CheckpointError`.
+The ``.metadata`` index is unpickled building only DCP's metadata classes, then checked (:func:`check_index`, by the
+rules of ``docs/checkpoints.md``, "Threat model") before DCP plans with it.  DCP wraps every error in
+``CheckpointException`` (a ``BaseException``); :func:`dcp_errors` makes it a :class:`CheckpointError`.
 """
 
 from __future__ import annotations

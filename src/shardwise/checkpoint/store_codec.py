@@ -1,11 +1,10 @@
 """JSON for what the checkpoint agreement passes through the c10d store: plain values and DCP's save plans.
 
 The ranks of a save exchange DCP's ``SavePlan`` and ``WriteResult`` lists through the rendezvous store, and
-anything that can write there could run code on every rank if they were pickles.  :func:`restore` builds
-only JSON's own values and tagged objects ``{"TAG": value}`` from a fixed table: tuple, dict, ``torch.Size``,
-named dtypes, layouts, memory formats and ``WriteItemType``s, and DCP's plan dataclasses from exactly their
-constructor's fields, each of its declared type, with file names only as the bare ``__R_`` / ``__R_N.distcp``
-a save makes.  Anything else is a :class:`StoreValueError` naming the key and what is wrong.
+anything that can write there could run code on every rank if they were pickles (docs/checkpoints.md, "Threat
+model").  :func:`restore` builds only JSON's own values and tagged objects ``{"TAG": value}`` from fixed tables
+(:data:`_DECODERS`, ``_tables``), DCP's plan dataclasses from exactly their constructor's fields, and file names only
+as the bare ``__R_`` / ``__R_N.distcp`` a save makes; anything else is a :class:`StoreValueError` naming the key.
 """
 
 from __future__ import annotations

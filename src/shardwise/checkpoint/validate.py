@@ -1,12 +1,10 @@
 """Checks of a checkpoint's manifest and rank files, of their agreement with the tensor index, and of decoded values.
 
-Nothing a checkpoint says is used before it passes here: field types (pydantic, strict: ``1`` is not ``true``), names
-that must resolve, encoded values that must decode, and every shape the load will allocate from, which must equal that
-tensor's size in the index (itself bounded by the bytes on disk).  Decoded states are then checked by :func:`conform`
-against the live object's (the *template*) before anything is applied: a crafted checkpoint can change a number, never
-add an attribute, turn a number into a callable, or swap a tensor for one of another shape.  :func:`check_complete`
-tells a complete, intact checkpoint from a broken one first: every file the manifest and the DCP index name is there,
-whole, with the checksum the manifest recorded.
+Nothing a checkpoint says is used before it passes here (docs/checkpoints.md, "Nothing applied until everything checks
+out" and "Threat model"): field types (pydantic, strict: ``1`` is not ``true``), names that must resolve, encoded values
+that must decode, and every shape the load will allocate from, which must equal that tensor's size in the index.
+Decoded states are checked by :func:`conform` against the live object's (the *template*); :func:`check_complete` tells
+a complete, intact checkpoint from a broken one first.
 """
 
 from __future__ import annotations

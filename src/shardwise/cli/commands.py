@@ -92,21 +92,11 @@ def _exit_code(error: BaseException) -> int:
 
 
 def _launch_environment(args: Sequence[str], gpus: Optional[int] = None) -> None:
-    """Set the workers' environment that torchrun leaves to us (a variable the user set wins).
-
-    * Where the ranks run (:mod:`shardwise.comm.placement`): with fewer visible GPUs
-      (``gpus``; default: what torch sees) than local ranks they get an empty
-      ``CUDA_VISIBLE_DEVICES`` and run on the CPU with gloo, and one line on
-      stderr says so, naming both numbers and the fixes.
-    * ``OMP_NUM_THREADS``: each local process gets an equal share of the usable
-      cores. torchrun would set 1 and print a warning block on every launch; a
-      share is the same on a 2-core box, better on a big one, and quiet.
-    * ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` with ``--max-restarts``: torchrun
-      otherwise keeps one TCP store across restarts, and the restarted group
-      reads the dead group's gloo addresses from it. Measured here: 5 of 8
-      SIGKILL-and-restart runs hung in ``init_process_group`` or were refused,
-      0 of 8 with a fresh store per restart.
-    """
+    """Set the workers' environment that torchrun leaves to us (a variable the user set wins): where the ranks run
+    (:mod:`shardwise.comm.placement`; ``gpus`` defaults to what torch sees), ``OMP_NUM_THREADS`` (an equal share of
+    the cores: torchrun would set 1, with a warning block) and, with ``--max-restarts``,
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a shared store hung 5 of 8 restarts).  Why each, and what was measured:
+    docs/trainer.md ("Elastic restarts", "Command line")."""
     parsed = _parse_torchrun(args)
     # ranks torchrun starts on this node; None for `gpu`/`auto`/`xpu`, which it sizes to the devices it finds
     per_node = str(parsed.nproc_per_node)

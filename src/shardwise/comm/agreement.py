@@ -2,19 +2,15 @@
 
 Used by the checkpoint layer and by the engines' construction (:mod:`.construction`).  Before a collective call
 issues anything on the process group, the ranks meet through the c10d store, never a collective (one could pair
-with the gradient all-reduce of a rank that skipped the call).  Per call, with no state kept in the process: each
-rank draws its call number from a per-rank counter in the store, publishes its payload and joins the member list
-with ``compare_set``, and polls until every rank joined; at ``checkpoint.timeout`` it closes the call with
-``compare_set``, and a rank arriving after the close moves on to its next number, so ranks realign
-(docs/checkpoints.md has the protocol).  Once they met, :func:`join` announces the operation
-(:meth:`~.faults.announce.Scope.agreed`); a call whose missing ranks all wait in an announcement of their own
-(:func:`~.faults.control.waiting_in_next`) is closed as ``elsewhere`` and announced at once, naming both
-operations within seconds.  :meth:`Session.step` then gives bounded, error-propagating steps between phases.
+with the gradient all-reduce of a rank that skipped the call); the protocol, with no state kept in the process, is in
+docs/checkpoints.md.  Once they met, :func:`join` announces the operation (:meth:`~.faults.announce.Scope.agreed`); a
+call whose missing ranks all wait in an announcement of their own (:func:`~.faults.control.waiting_in_next`) is closed
+as ``elsewhere`` and announced at once, naming both operations within seconds.  :meth:`Session.step` then gives
+bounded, error-propagating steps between phases.
 
-Values cross the store as JSON (:mod:`.checkpoint.store_codec`, never a pickle), at most
-``MAX_STORE_VALUE_BYTES`` long; one no rank wrote is a :class:`~.checkpoint.files.StoreValueError`.  Every wait
-watches the heartbeats (:class:`~shardwise.faults.liveness.PeerWatch`): a dead rank is named within a few
-heartbeat intervals, not at ``checkpoint.timeout``.
+Values cross the store as JSON (:mod:`.checkpoint.store_codec`, never a pickle), at most ``MAX_STORE_VALUE_BYTES``
+long.  Every wait watches the heartbeats (:class:`~shardwise.faults.liveness.PeerWatch`): a dead rank is named within
+a few heartbeat intervals, not at ``checkpoint.timeout``.
 """
 
 from __future__ import annotations
@@ -56,10 +52,6 @@ def _members(value: str, key: str, rank: int, world_size: int) -> set[int]:
         raise store_codec.malformed(key, rank, f"holds {value!r:.80}, which lists ranks beyond the group's "
                                                f"{world_size}")
     return members
-
-
-def _format(members: set[int]) -> str:
-    return ",".join(str(r) for r in sorted(members))
 
 
 def _sleep(attempt: int) -> None:
@@ -261,7 +253,7 @@ def _arrive(store: Any, key: str, rank: int, world_size: int) -> bool:
     while True:
         if current.startswith(_CLOSED):
             return False
-        wanted = _format(_members(current, key, rank, world_size) | {rank})
+        wanted = ",".join(str(r) for r in sorted(_members(current, key, rank, world_size) | {rank}))
         got = store.compare_set(key, current, wanted).decode(errors="replace")
         if got == wanted:
             return True

@@ -1,10 +1,9 @@
 """What must be equal on every rank for an engine to train right, as canonical text and its digest.
 
 Three fingerprints, compared at ``initialize`` (:mod:`.construction`; docs/faults.md, "Ranks that build different
-engines"): ``parameters`` (every parameter and buffer in registration order: name, shape, dtype,
-``requires_grad``, the name a tied one is tied to), ``config`` (every resolved value except
-:data:`PER_RANK_KEYS`) and ``client`` (the optimizer, lr scheduler and ``model_parameters`` given besides the
-config).  Each is an ordered list of bounded ``(key, value)`` texts; only the digests cross the store.
+engines", lists what each covers and why): ``parameters``, ``config`` (every resolved value except
+:data:`PER_RANK_KEYS`) and ``client``.  Each is an ordered list of bounded ``(key, value)`` texts; only the digests
+cross the store.
 """
 
 from __future__ import annotations

@@ -15,13 +15,10 @@ once a peer's heartbeat stops, with a ``RuntimeError`` the fault layer names.  B
 (:meth:`SharedSegment.allocate`) need no staging: each rank sums its 1/N of the region across the N copies, fenced
 by two flags ("written", "done reading"), a fifth of the staged path's bytes at 2 ranks.
 
-Set up once per :class:`~shardwise.comm.distributed.Comm` that asks (its :class:`SharedMemory` handle), a
-collective step of its own: rank 0 creates the file, every rank maps it and checks a random token, and it is
-used only if every rank succeeded.  Every rank that knows the file's name removes it on every way out of the
-set-up, so a peer killed with ``SIGKILL`` leaves nothing; a creator killed before its peers learnt the name is
-swept by the next set-up on the host (:func:`sweep`: a file of this user named after a process that no longer
-exists).  Otherwise (several hosts, no ``/dev/shm``, no room) the group keeps gloo.  x86-64 only: there stores
-become visible to other cores in program order, so a peer that reads a flag also sees the data written before.
+Set up once per :class:`~shardwise.comm.distributed.Comm` that asks (its :class:`SharedMemory` handle), as
+docs/faults.md ("comms") describes: used only if every rank mapped the file, whose name every rank removes on every way
+out (:func:`sweep` takes a dead creator's).  x86-64 only: there stores become visible to other cores in program order,
+so a peer that reads a flag also sees the data written before.
 """
 
 from __future__ import annotations
@@ -75,26 +72,14 @@ def supported(world: int) -> str:
 
 @dataclasses.dataclass(eq=False)
 class ShmWork:
-    """An issued shared-memory collective: ``done`` is set once the worker finished it, with ``error`` what it
-    raised (``Comm`` waits for ``done`` in slices); ``wait`` for a caller of the segment's own methods."""
+    """An issued shared-memory collective (``Comm`` puts it on :attr:`SharedSegment.jobs`): ``done`` is set once the
+    worker finished it, with ``error`` what it raised.  Only ``Comm`` waits for one, for ``done`` in slices
+    (``comm.distributed._finished``; shared memory serves gloo groups only, whose waits all go that way)."""
 
     #: the segment's worker thread, which finishes it (its end before then is an error)
     worker: threading.Thread
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: Optional[BaseException] = None
-
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        # The worker bounds every wait on a peer by itself; a bound here only stops a caller (exit) early.
-        limit = timeout.total_seconds() if timeout is not None else None
-        start = time.monotonic()
-        while not self.done.wait(1.0 if limit is None else min(1.0, limit)):
-            if not self.worker.is_alive():
-                raise RuntimeError("the shared-memory collective worker thread has ended")
-            if limit is not None and time.monotonic() - start > limit:
-                raise RuntimeError(f"shared-memory collective not finished within {limit:g} s")
-        if self.error is not None:
-            raise self.error
-        return True
 
 
 class SharedSegment:
@@ -130,24 +115,6 @@ class SharedSegment:
         """The group is broken (its waiter raised): the collective waiting for a peer stops at its next poll,
         and every later one fails at once, instead of each waiting out ``comms.timeout``."""
         self._abandoned = True
-
-    # ------------------------------------------------------------ the API
-    def all_reduce(self, tensor: torch.Tensor) -> ShmWork:
-        """Sum ``tensor`` across ranks, in place."""
-        return self._submit("all_reduce", tensor)
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> ShmWork:
-        """Every rank's ``input`` concatenated, in rank order, into ``output``."""
-        return self._submit("all_gather", output, input)
-
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> ShmWork:
-        """The sum across ranks of chunk ``rank`` of ``input`` (N equal chunks), into ``output``."""
-        return self._submit("reduce_scatter", output, input)
-
-    def _submit(self, kind: str, *tensors: torch.Tensor) -> ShmWork:
-        work = ShmWork(self.worker)
-        self.jobs.put((self, kind, tensors, work))
-        return work
 
     def _run(self, job: "Job") -> None:
         """On the worker: run one collective (over a buffer every rank maps, reading the peers' copies in place,
@@ -563,12 +530,9 @@ def _remove_all(offers: list[bytes]) -> None:
 
 
 def sweep() -> list[str]:
-    """Remove this user's segment files whose creating process no longer exists; return their names.
-
-    A creator killed between making its file and telling its peers the name leaves the file behind (nobody
-    else knows it); without this, such files would pile up under ``--max-restarts``.  A file lives only for
-    the seconds of one set-up, so one whose creator is gone is never in use.
-    """
+    """Remove this user's segment files whose creating process no longer exists (a creator killed before its peers
+    learnt the name: docs/faults.md, "comms"); return their names.  A file lives only for the seconds of one set-up,
+    so one whose creator is gone is never in use."""
     removed: list[str] = []
     try:
         names = os.listdir(_DIRECTORY)

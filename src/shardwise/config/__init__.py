@@ -1,12 +1,9 @@
 """Validated shardwise configuration: DeepSpeed's keys, Hugging Face's `auto`, batch-size arithmetic.
 
-One rule for every key (`policy.py`): a key shardwise implements (`sections.py`) acts as in DeepSpeed; any other key
-DeepSpeed's schema knows (`catalog.py`) is accepted with an info line when it changes nothing here, and is an error
-naming the feature when it turns one on; anything else is an unknown key, reported with the closest known one. `"auto"`
-resolves from what is known (`auto.py`). Every invalid config raises :class:`ConfigError`, one line per problem with
-its dotted key path. Reading is total and bounded (`limits.py`, `reading.py`): whatever a file or dict holds, the
-outcome is a Config or a ConfigError within about a second. Defaults follow plain PyTorch: `gradient_clipping` is 0
-(off) when absent, whereas recent DeepSpeed clips at 1.0. This package imports no shardwise runtime module.
+One rule for every key (`policy.py`; docs/from-deepspeed.md, "One rule for every config key"), `"auto"` resolved from
+what is known (`auto.py`), every invalid config a :class:`ConfigError` with one line per problem, and reading total and
+bounded (`limits.py`, `reading.py`). Defaults follow plain PyTorch: `gradient_clipping` is 0 (off) when absent, whereas
+recent DeepSpeed clips at 1.0. This package imports no shardwise runtime module.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """One rule for every key: turn a raw DeepSpeed-style dict into what the section models validate.
 
-`prepare` walks the raw config along the section models and, for each key: reads a DeepSpeed alias or legacy name as
-its canonical name (an info line); for a key shardwise implements, settles `auto` by `auto.py`'s rules and reads a
-string number or boolean as one (an info line) before pydantic sees it; accepts a DeepSpeed key in `catalog.CATALOG`
-with an info line when it changes nothing here, an error naming the feature when it turns one on; and reports anything
-else as an unknown key with the closest known key. Problems are collected, so the user sees all of them at once (past
+`prepare` walks the raw config along the section models and applies to each key the rule of docs/from-deepspeed.md
+("One rule for every config key", "Names and values"): aliases read as their canonical name, `auto` settled by
+`auto.py`, string numbers read as numbers, a `catalog.CATALOG` key accepted or refused by its entry, anything else an
+unknown key with the closest known one. Problems are collected, so the user sees all of them at once (past
 `errors.MAX_SHOWN`, unknown keys are counted without the difflib search).
 """
 

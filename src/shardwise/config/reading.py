@@ -1,10 +1,8 @@
 """Reading config files: JSON as DeepSpeed reads it (comments, trailing commas), or YAML; total and bounded.
 
-Whatever the bytes, reading ends in a mapping or a `ConfigError` naming the file and the fix: a file over
-`limits.MAX_FILE_BYTES`, bytes that are not UTF-8, a syntax error, a key given twice, `1e999`, `NaN`, nesting past
-`limits.MAX_DEPTH` and YAML aliases that expand past `limits.MAX_VALUES` are all errors. No file takes more than about a
-second to refuse. YAML is PyYAML's safe loader with three departures, each because the default silently does something
-else:
+Whatever the bytes, reading ends in a mapping or a `ConfigError` naming the file and the fix, within about a second
+(the bounds: `limits.py`; docs/from-deepspeed.md, "Limits").  YAML is PyYAML's safe loader with three departures, each
+because the default silently does something else:
 
 * a key given twice in one mapping is an error naming it (PyYAML keeps the last one);
 * anchors and aliases are allowed (`engines: {a: &base {...}, b: *base}` is a fair use), but an alias is counted each

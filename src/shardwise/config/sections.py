@@ -3,11 +3,9 @@
 Keys follow DeepSpeed's JSON where the concept is the same. A section never sees DeepSpeed keys
 that shardwise does not implement, aliases or `auto` values: `policy.prepare` settles those first.
 
-Number fields take numbers only. pydantic's lax mode reads `true` as 1 and `"2"` as 2, so `stage: true` became stage 1
-and `train_micro_batch_size_per_gpu: true` a batch of 1 without a word; its strict mode refuses `2e8` for an integer,
-which every DeepSpeed config writes for bucket sizes. `Count` (an int, or a float with no fractional part) and `Real`
-(an int or a finite float) sit between the two: never a bool or a string (`policy.prepare` reads a string that holds a
-number first, with an info line). Ranges are set per field with `Field(ge=..., le=...)`.
+Number fields take numbers only (docs/from-deepspeed.md, "Numbers take numbers"): pydantic's lax mode reads `true` as
+1, and its strict mode refuses `2e8` for an integer, which every DeepSpeed config writes for bucket sizes. `Count` (an
+int, or a float with no fractional part) and `Real` (an int or a finite float) sit between the two.
 """
 
 from __future__ import annotations

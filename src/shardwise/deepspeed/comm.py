@@ -53,13 +53,9 @@ def init_distributed(
     rank: int = -1,
     world_size: int = -1,
 ) -> None:
-    """Create the default process group, as DeepSpeed's `init_distributed` does, unless one exists.
-
-    With neither `init_method` nor `rank`/`world_size`, it reads torchrun's environment (see
-    :func:`shardwise.init_distributed`; no environment: a one-rank group). `dist_backend`
-    defaults to `nccl` on CUDA, `gloo` on the CPU. MPI discovery and `distributed_port` have
-    nothing to do under torchrun and are ignored.
-    """
+    """Create the default process group, as DeepSpeed's `init_distributed` does, unless one exists: from `init_method`
+    or `rank`/`world_size`, else from torchrun's environment (:func:`shardwise.init_distributed`).  MPI discovery and
+    `distributed_port` have nothing to do under torchrun and are ignored."""
     if dist_init_required is False or dist.is_initialized():
         return
     if dist_backend not in (None, "nccl", "gloo"):

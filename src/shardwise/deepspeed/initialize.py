@@ -29,11 +29,8 @@ ConfigSource = Config | dict[str, Any] | str | os.PathLike[str]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add `--deepspeed`, `--deepspeed_config` (and the deprecated `--deepscale*`) and `--local_rank`.
-
-    `--local_rank` defaults to torchrun's `LOCAL_RANK` (torchrun passes no flag, and a script branching on
-    `args.local_rank == -1` would silently take the one-process path), also when the script declared it itself.
-    """
+    """Add `--deepspeed`, `--deepspeed_config` (and the deprecated `--deepscale*`) and `--local_rank`, whose default
+    is torchrun's `LOCAL_RANK` (why: docs/from-deepspeed.md, "What `shardwise.deepspeed` provides")."""
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations (read by shardwise.deepspeed)")
     group.add_argument("--deepspeed", default=False, action="store_true",
                        help="enable DeepSpeed (a flag for the script; shardwise needs no switch)")
@@ -76,12 +73,8 @@ def _reject(name: str, value: Any, feature: str) -> None:
 def training_dataloader(
     engine: Engine, dataset: Dataset[Any], collate_fn: Callable[..., Any] | None = None
 ) -> DataLoader[Any]:
-    """DeepSpeed's training loader: `train_micro_batch_size_per_gpu` samples per batch, each rank its share.
-
-    A `DistributedSampler` over the engine's ranks (shuffled with seed 0, as torch's default;
-    call `loader.sampler.set_epoch(epoch)` for a new order each epoch); `dataloader_drop_last`
-    from the config drops the last incomplete batch.
-    """
+    """DeepSpeed's training loader: `train_micro_batch_size_per_gpu` samples per batch over a `DistributedSampler` of
+    the engine's ranks (seed 0: `loader.sampler.set_epoch(epoch)` for a new order), `dataloader_drop_last` honoured."""
     sampler: DistributedSampler[Any] = DistributedSampler(
         dataset, num_replicas=engine.comm.world_size, rank=engine.comm.rank)
     return DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
@@ -127,13 +120,11 @@ def initialize(
     mesh_param: Any = None,
     config_params: ConfigSource | None = None,
 ) -> tuple[Engine, Any, DataLoader[Any] | None, Any]:
-    """DeepSpeed's `initialize`: returns `(engine, optimizer, training_dataloader, lr_scheduler)`.
-
-    The config comes from `config` (or `config_params`) or `args.deepspeed_config`. The process group is created when
-    none exists (`dist_init_required=False` requires one). With `training_data`, the third item is a DataLoader over it
-    (:func:`training_dataloader`; for a multi-stage pipeline an unshuffled, repeating loader that `train_batch()` draws
-    from), else None. `mpu` and `mesh_param` (model and sequence parallelism) are not supported. DeepSpeed's defaults
-    apply where the config is silent (:mod:`.defaults`).
+    """DeepSpeed's `initialize`: returns `(engine, optimizer, training_dataloader, lr_scheduler)` (the arguments:
+    docs/from-deepspeed.md, "What `shardwise.deepspeed` provides").  The process group is created when none exists
+    (`dist_init_required=False` requires one); for a multi-stage pipeline the loader over `training_data` is an
+    unshuffled, repeating one that `train_batch()` draws from.  DeepSpeed's defaults apply where the config is silent
+    (:mod:`.defaults`).
     """
     if model is None:
         raise TypeError("shardwise.deepspeed.initialize needs `model=` (a torch.nn.Module)")

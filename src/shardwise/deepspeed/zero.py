@@ -35,13 +35,9 @@ def Init(  # noqa: N802 - DeepSpeed's name; a function returning the context man
     sequence_data_parallel_group: Any = None,
     param_swapper: Any = None,
 ) -> _zero.Init:
-    """Build modules already partitioned for ZeRO stage 3, with DeepSpeed's arguments.
-
-    `pin_memory`, `mem_efficient_linear` and `dtype` change nothing (the engine casts to the config's dtype).
-    `remote_device` `cpu` or `nvme`: the shards are built in host memory and `initialize` places them as the config's
-    `offload_param` says (an info line says what happens). Arguments that turn on a feature shardwise lacks (ZeRO++
-    quantization, model or sequence parallel groups, a parameter swapper) are errors.
-    """
+    """Build modules already partitioned for ZeRO stage 3, with DeepSpeed's arguments (each: docs/from-deepspeed.md,
+    "What `shardwise.deepspeed` provides").  `pin_memory`, `mem_efficient_linear` and `dtype` change nothing (the engine
+    casts to the config's dtype); arguments that turn on a feature shardwise lacks are errors."""
     given = dict(mpu=mpu, zero_param_parallel_group=zero_param_parallel_group,
                  zero_quantized_weights=zero_quantized_weights,
                  zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights,

@@ -133,12 +133,9 @@ class Engine(DeepSpeedGetters, WeightsSurface):
 
     # ------------------------------------------------------------- set-up
     def _agree_on_construction(self, optimizer: Any, lr_scheduler: Any, model_parameters: Optional[list[Any]]) -> None:
-        """Every rank of the group builds this same engine as its next one (before any collective).
-
-        Ranks that build engines in different orders would pair one engine's first broadcast with another's;
-        ranks whose models, configs or optimizers differ would train silently wrong.  The c10d store names the
-        mismatch instead, within ``checkpoint.timeout`` (:mod:`shardwise.comm.construction`).
-        """
+        """Every rank of the group builds this same engine as its next one (before any collective), or the c10d store
+        names the mismatch within ``checkpoint.timeout`` (:mod:`shardwise.comm.construction`; why: docs/faults.md,
+        "Ranks that build different engines")."""
         if not self.comm.distributed:
             return
         fingerprints = engine_fingerprints(self.module, self.config, optimizer, lr_scheduler, model_parameters)
@@ -182,12 +179,8 @@ class Engine(DeepSpeedGetters, WeightsSurface):
         return list(self.module.buffers())
 
     def _sync_buffers(self, buffers: Optional[list[torch.Tensor]] = None) -> None:
-        """Before a training forward: rank 0's buffers on every rank, as DDP's ``broadcast_buffers=True``.
-
-        Running statistics (BatchNorm) would otherwise drift apart per rank, and evaluation and the checkpoint
-        (rank 0's) would see different models.  Not inside ``no_sync`` or without grad, where DDP does not either;
-        ``broadcast_buffers: false`` turns it off.
-        """
+        """Before a training forward (not inside ``no_sync`` or without grad): rank 0's buffers on every rank, as DDP's
+        ``broadcast_buffers=True`` (why: docs/zero.md, "Buffers follow rank 0")."""
         buffers = self._buffers_to_sync() if buffers is None else buffers
         if buffers:
             self._broadcast_from_rank0(buffers, "buffers")

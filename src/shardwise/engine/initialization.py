@@ -42,7 +42,9 @@ def initialize(model: nn.Module, optimizer: Any = None,
         init_distributed(timeout=loaded.dist_timeout)
     # Settle Hugging Face's `auto` values from what was passed, and the batch sizes for this world.
     backend = dist.get_backend(process_group)
-    replicas = _pipeline_replicas(model)
+    # a multi-stage pipeline's data-parallel replicas: its batch is micro × accumulation × replicas, as in DeepSpeed
+    topology = model.topology if isinstance(model, pipe.PipelineModule) else None
+    replicas = topology.replicas if topology is not None else None
     resolved = loaded.resolve(
         world_size=replicas or dist.get_world_size(process_group), model=model, optimizer=optimizer,
         lr_scheduler=lr_scheduler, device="cuda" if backend == "nccl" else "cpu",
@@ -50,11 +52,3 @@ def initialize(model: nn.Module, optimizer: Any = None,
     engine_class: type[Engine] = PipelineEngine if replicas else Engine  # stages × replicas: `train_batch`
     return engine_class(model, resolved, optimizer=optimizer, lr_scheduler=lr_scheduler,
                         model_parameters=model_parameters, process_group=process_group, name=name)
-
-
-def _pipeline_replicas(model: nn.Module) -> Optional[int]:
-    """A multi-stage pipeline's data-parallel replicas (its batch is micro × accumulation × replicas,
-    as in DeepSpeed); None for any other model."""
-    if isinstance(model, pipe.PipelineModule) and model.topology is not None:
-        return model.topology.replicas
-    return None

@@ -16,11 +16,8 @@ __all__ = ["load_checkpoints", "save_checkpoints"]
 
 def save_checkpoints(save_dir: Any, engines: Mapping[str, Engine], tag: Optional[str] = None,
                      client_state: Optional[dict[str, Any]] = None) -> str:
-    """Collectively save ``{name: engine}`` into ``save_dir/TAG/<name>/`` with one ``latest``; returns ``save_dir/TAG``.
-
-    Every rank calls it with the engines it holds; the tag appears with all of them or not at all.  ``tag``
-    defaults to ``global_step{N}`` of the first engine by name; ``client_state`` is kept with every engine.
-    """
+    """Collectively save ``{name: engine}`` into ``save_dir/TAG/<name>/`` with one ``latest``; returns ``save_dir/TAG``
+    (the rest: :func:`shardwise.checkpoint.save_checkpoints`, which this calls)."""
     from ..checkpoint.group import save_checkpoints as save  # here: the checkpoint layer imports DCP (~1.4 s)
 
     return save(save_dir, {name: engine.checkpointable() for name, engine in engines.items()}, tag, client_state)
@@ -28,11 +25,8 @@ def save_checkpoints(save_dir: Any, engines: Mapping[str, Engine], tag: Optional
 
 def load_checkpoints(load_dir: Any, engines: Mapping[str, Engine], tag: Optional[str] = None,
                      **options: Any) -> tuple[Optional[str], Optional[dict[str, Any]]]:
-    """Collectively restore ``{name: engine}`` from ``load_dir/TAG/<name>/`` (``TAG``: the one ``latest`` names).
-
-    Returns ``(load_dir/TAG, client_state)``, or ``(None, None)`` with a warning when there is no checkpoint
-    yet.  ``options`` are those of ``engine.load_checkpoint`` (``load_optimizer_states=``, ``strict=``...).
-    """
+    """Collectively restore ``{name: engine}`` from ``load_dir/TAG/<name>/``; returns ``(load_dir/TAG, client_state)``
+    (the rest: :func:`shardwise.checkpoint.load_checkpoints`, which this calls)."""
     from ..checkpoint.group import load_checkpoints as load  # here: the checkpoint layer imports DCP (~1.4 s)
 
     return load(load_dir, {name: engine.checkpointable() for name, engine in engines.items()}, tag, **options)

@@ -5,14 +5,8 @@ gathers with whatever the other ranks ran next.  Now each such operation first a
 control group (:meth:`~shardwise.comm.distributed.Comm.agree`, one exchange per operation), which operation of
 which engine at which step, and how many engine calls of the process failed; ranks in different operations
 raise :class:`~.errors.CollectiveMismatchError` on every rank before any data moves, and the group stays usable.
-
-What announces: the engine's collective methods (:func:`collective`, or a :class:`Scope` of their own),
-``forward`` and ``backward`` where they move data, stage 3's module hooks for a pass outside the engine,
-``GatheredParameters`` and ``save_checkpoints``/``load_checkpoints``.  A checkpoint operation announces after
-its store agreement (:func:`shardwise.comm.agreement.join`).  An announcement inside another on the same group
-is skipped.  :data:`OPERATIONS` lists what announces, for the test that every public collective does;
-``SHARDWISE_STRICT_COLLECTIVES=1`` makes a collective outside any announced operation an error.
-docs/faults.md ("Announcements") has the table of waits.
+What announces, and when, is in docs/faults.md ("Announcements"); :data:`OPERATIONS` lists it for the test that every
+public collective does.  An announcement inside another on the same group is skipped.
 """
 
 from __future__ import annotations

@@ -5,15 +5,11 @@ Each process group gets, on first use, a small gloo *control* group built on a p
 data collective).  Every exchange is the same 16 int64s, 8 values and their negatives reduced with MAX, so one
 all-reduce gives every rank each value's maximum and minimum; the last value is how many engine calls of the
 process failed after they started (:attr:`~.ledger.doing.failures`: ranks that differ there failed apart).
-The kinds: the step check (:data:`CHECK`, once per optimizer step), ``comms.debug``'s check before every
-collective (:data:`DEBUG`), and an operation's announcement (:data:`ANNOUNCE`, :mod:`.announce`).
-
-The exchange itself is :meth:`shardwise.comm.distributed.Comm.agree`, beside the collectives (it is on every
-gradient's path); this module sets the group up (:func:`open_group`) and, when values differ or the exchange
-fails, says how (:func:`disagreement`, :func:`failed`).  An exchange still waiting after 50 ms says so in the
-store (:func:`waiting_in_next`), so a checkpoint's agreement never issues one and abandons it: a gloo group
-dropped with an all-reduce in flight holds its exit until the work's timeout (measured: 19.5 s of 20 s).
-docs/faults.md ("How it works") tells the whole story.
+The kinds: the step check (:data:`CHECK`), ``comms.debug``'s check (:data:`DEBUG`) and an announcement
+(:data:`ANNOUNCE`).  The exchange itself is :meth:`shardwise.comm.distributed.Comm.agree` (it is on every gradient's
+path); this module sets the group up (:func:`open_group`), says how values differ or the exchange failed, and marks
+an exchange still waiting after 50 ms in the store (:func:`waiting_in_next`) so that none is ever abandoned.
+docs/faults.md ("How it works") tells why and the rest.
 """
 
 from __future__ import annotations

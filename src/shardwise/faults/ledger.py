@@ -79,12 +79,11 @@ def start(call: Optional["doing"] = None) -> None:
 class doing:  # noqa: N801 - used as a context manager, reads like one
     """``with doing("backward", engine.label):`` marks what this process does until the block ends.
 
-    An exception leaving the block is published for the other ranks (their errors then say this rank failed
-    and why), once however many blocks it leaves.  When the call had :func:`start` ed (its ranks agreed on it: an
-    announced :class:`~.announce.Scope` opened; an argument refused before that changes nothing), it also counts
-    in :attr:`failures`, which every announcement and step check compares across ranks (:mod:`.control`): a
-    failure on some ranks only is never followed by a silent pairing of the ranks' next collectives.  A class,
-    not a generator: it runs three times per training step.
+    An exception leaving the block is published for the other ranks, once however many blocks it leaves.  When the
+    call had :func:`start` ed (its ranks agreed on it; an argument refused before that changes nothing), it also counts
+    in :attr:`failures`, which every announcement and step check compares (:mod:`.control`): a failure on some ranks
+    only is never followed by a silent pairing of their next collectives.  A class, not a generator: it runs three
+    times per training step.
     """
 
     __slots__ = ("phase", "text", "started")

@@ -3,13 +3,9 @@
 Every wait is cut into slices of :data:`SLICE_S`; between them the waiter reads one store counter that every
 publication moves, and the peers' records only when it moved (:meth:`PeerErrors.find`).  ``Comm`` waits the
 slices, beside the collectives (every gradient's path waits on some); this module reads what the peers
-published.  torch 2.13's gloo reduce-scatter ignores a timed wait and never reports itself completed
-(measured, docs/faults.md), so it is waited for on a helper thread (:class:`Waiter`) whose signal is waited
-for in slices.  NCCL's data collectives are waited for whole (a timed wait may abort the communicator).
-
-A published error means "that rank will not come" (a stale one must not stop a healthy job) when the peer's
-collective failed (its group is broken), or when its engine calls failed more often than this rank's (every
-agreement compares the counts) and, for a data collective, it had not issued that collective when it failed.
+published.  gloo's reduce-scatter, which ignores a timed wait, is waited for on a helper thread (:class:`Waiter`).
+When a published error means "that rank will not come" (a stale one must not stop a healthy job), and what torch's
+works do with a timed wait (measured), is in docs/faults.md ("Reading published errors while waiting").
 """
 
 from __future__ import annotations

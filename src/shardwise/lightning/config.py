@@ -1,10 +1,8 @@
 """The engine's config for a Lightning run: the strategy's arguments (or a DeepSpeed config), then the Trainer's.
 
-``ShardwiseStrategy(config=..., stage=..., offload_optimizer=...)`` takes a config as ``DeepSpeedStrategy`` does
-(a dict or a path, in DeepSpeed's keys, with the DeepSpeed dialect's defaults); arguments fill in what it leaves
-unsaid, and one that contradicts it is an error (``DeepSpeedStrategy`` ignores every argument once a config is
-given).  At ``setup`` the Trainer's precision, clipping and accumulation follow the same rule; Lightning runs the
-accumulation itself, so the engine gets ``gradient_accumulation_steps: 1`` (docs/lightning.md).
+One rule for both (docs/lightning.md, "Arguments, against `DeepSpeedStrategy`"): an argument fills in what the config
+leaves unsaid, and one that contradicts it is an error.  Lightning runs the accumulation itself, so the engine gets
+``gradient_accumulation_steps: 1``.
 """
 
 from __future__ import annotations

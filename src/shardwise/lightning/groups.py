@@ -1,11 +1,10 @@
-"""The optimizer a Lightning user holds, mirrored into the one the engine steps.
+"""The optimizer a Lightning user holds, mirrored into the one the engine steps (docs/lightning.md, "What a
+LightningModule can use").
 
 Lightning acts on the optimizer ``configure_optimizers`` returned (LR schedulers, ``LearningRateMonitor``,
 ``BaseFinetuning``'s ``add_param_group``), while the engine steps fp32 master shards.  So the engine gets a copy
-(:attr:`GroupBridge.engine_optimizer`: the same class and hyperparameters), and before every engine step
-:meth:`GroupBridge.push` copies each user group's hyperparameters into it.  A parameter in none of the user's
-groups gets an inert one-parameter group (``lr`` and ``weight_decay`` 0) until the user's optimizer holds it,
-whose hyperparameters it then takes: ``add_param_group`` without rebuilding the engine (docs/lightning.md).
+(:attr:`GroupBridge.engine_optimizer`), and before every engine step :meth:`GroupBridge.push` copies each user group's
+hyperparameters into it; a parameter in none of the user's groups has an inert group of its own until it joins one.
 """
 
 from __future__ import annotations

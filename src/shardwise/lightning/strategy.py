@@ -1,12 +1,10 @@
 """``ShardwiseStrategy``: Lightning's Trainer training through a shardwise engine.
 
 Lightning's ``DDPStrategy`` for everything about processes (launch, environment, ``reduce``/``barrier``/
-``broadcast``), handing the model to :func:`shardwise.initialize` at ``setup``.  Lightning runs the loop: it
-calls ``training_step`` through the engine's forward, accumulates under the engine's ``no_sync`` and steps at its
-boundaries, and steps its LR schedulers on the user's optimizer (:mod:`.groups`).  Checkpoints are the engine's
-(a collective, resharding directory with Lightning's state as its ``client_state``), so a save on some ranks only
-fails in the engine's checkpoint agreement, naming the missing ranks.  The class is built once per Lightning
-package (:mod:`.flavour`).  See docs/lightning.md.
+``broadcast``), handing the model to :func:`shardwise.initialize` at ``setup``.  Lightning runs the loop through the
+engine's forward, ``no_sync`` and step, and steps its LR schedulers on the user's optimizer (:mod:`.groups`).
+Checkpoints are the engine's, with Lightning's state as its ``client_state`` (docs/lightning.md, "Checkpoints").  The
+class is built once per Lightning package (:mod:`.flavour`).
 """
 
 from __future__ import annotations
@@ -65,11 +63,9 @@ class _PackageChooser(ABCMeta):
 class ShardwiseStrategy(_Base, metaclass=_PackageChooser):
     """Train with a shardwise engine under ``lightning.pytorch.Trainer`` (or ``pytorch_lightning``'s).
 
-    ``config`` is a dict or a path (``.json``/``.yaml``) in DeepSpeed's keys, as for ``DeepSpeedStrategy``;
-    ``stage`` (0-3; default: the config's, or 2 without a config), ``offload_optimizer`` and
-    ``offload_parameters`` fill in what the config leaves unsaid and must not contradict it. The loss-scaling
-    arguments set the ``fp16`` section under ``precision="16-mixed"``. After ``fit`` has set up,
-    ``trainer.strategy.engine`` is the :class:`shardwise.Engine`. docs/lightning.md has the whole story.
+    ``config`` is a DeepSpeed config (dict or path); the other arguments fill in what it leaves unsaid and must not
+    contradict it (each against ``DeepSpeedStrategy``'s: docs/lightning.md, "Arguments").  After ``fit`` has set up,
+    ``trainer.strategy.engine`` is the :class:`shardwise.Engine`.
     """
 
     strategy_name = "shardwise"
@@ -172,12 +168,9 @@ class ShardwiseStrategy(_Base, metaclass=_PackageChooser):
         self.lr_scheduler_configs = schedulers
 
     def _optimizer_and_schedulers(self, trainer: Any, module: Any, config: Config) -> tuple[Config, Any, list[Any]]:
-        """The user's optimizer and LR schedulers, for Lightning to step, and the engine's config without them.
-
-        They come from ``configure_optimizers``, or, when it returns None, from the config's ``optimizer`` and
-        ``scheduler`` sections as DeepSpeedStrategy builds them (a config schedule steps every optimizer step). A
-        section whose values are all ``auto`` gives way to what ``configure_optimizers`` returns, as Hugging Face's
-        configs expect; one with values of its own next to it is an error."""
+        """The user's optimizer and LR schedulers, for Lightning to step, and the engine's config without them: from
+        ``configure_optimizers``, or the config's sections as DeepSpeedStrategy builds them (docs/lightning.md, "What a
+        LightningModule can use"); a section with values of its own next to ``configure_optimizers``' is an error."""
         flavour = self._flavour
         optimizers, schedulers = flavour.init_optimizers(module)
         optimizer = single_optimizer(optimizers, schedulers)

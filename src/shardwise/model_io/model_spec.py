@@ -5,12 +5,9 @@ A ``model.json`` describes how to build the model a checkpoint holds, in one of 
     {"module": "pkg.mod:GPT", "config_class": "GPTConfig", "config": {...}, "tokenizer": "bytes"}
     {"source": "gpt.py",      "class": "GPT", "config_class": "GPTConfig", "config": {...}, "tokenizer": "bytes"}
 
-``module`` names an installed module (importable from ``sys.path``, never from the current directory). ``source``
-names a Python file (a relative one from the ``model.json``'s folder); importing it runs it, so only with
-``trust_source`` (``shardwise generate --trust-model-source``, as Hugging Face's ``trust_remote_code``), otherwise
-the error shows the file and how to allow it.  Either way only an ``nn.Module`` subclass is built, from a dataclass
-config (or keyword arguments) of JSON values.  A ``model.json`` is looked for only in the checkpoint's own directory
-and its run directory, never further up (a file planted in a downloads folder is not found).
+``source`` (a Python file) is imported only with ``trust_source`` (``shardwise generate --trust-model-source``, as
+Hugging Face's ``trust_remote_code``).  Where a ``model.json`` is looked for and what it can and cannot make shardwise
+run: docs/checkpoints.md, "Threat model".
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """``engine.save_pretrained(dir)``: a folder Hugging Face's ``from_pretrained`` loads, from any ZeRO stage.
 
-The full fp32 weights are gathered to rank 0 (:meth:`Engine.full_state_dict`, collective), then rank 0 writes
-``model.safetensors`` (tied weights once, as Hugging Face stores them) and, from a ``PretrainedConfig``,
-``config.json`` and ``generation_config.json``.  They are written into a temporary folder next to ``dir`` and
-moved in only when all are complete: a failed gather or write leaves ``dir`` as it was.
-(``module.save_pretrained`` cannot do this at stage 3: the module's parameters are empty shards there.)
+The full fp32 weights are gathered to rank 0 (:meth:`Engine.full_state_dict`, collective), then rank 0 writes the
+folder's files into a temporary folder next to ``dir``, moved in only when all are complete (what each file holds, and
+why ``module.save_pretrained`` cannot do this at stage 3: docs/trainer.md, "Hugging Face export").
 """
 
 from __future__ import annotations
@@ -48,10 +46,8 @@ def save_pretrained(engine: Any, save_dir: str | os.PathLike[str]) -> str:
 def export_pretrained(ckpt_dir: str | os.PathLike[str], save_dir: str | os.PathLike[str], *, tag: str | None = None,
                       engine: str | None = None, config: str | os.PathLike[str] | None = None) -> list[Path]:
     """``shardwise checkpoint export --hf``: a saved checkpoint as a folder ``from_pretrained`` loads, in this
-    process (no process group): its full fp32 weights as ``model.safetensors``, and the model's Hugging Face
-    ``config.json`` (and ``generation_config.json``) from ``config`` (the file, or the folder holding it) or,
-    when not given, from the checkpoint folder or the one above it if it holds a Hugging Face config (one
-    with ``model_type``).  Returns the config files copied (none: ``from_pretrained`` will need one)."""
+    process (no process group; where the config files come from: docs/trainer.md, "Hugging Face export").  Returns
+    the config files copied (none: ``from_pretrained`` will need one)."""
     from ..checkpoint.consolidation import consolidated_state_dict  # here: it imports DCP (~1.4 s)
 
     state = consolidated_state_dict(ckpt_dir, tag, engine)

@@ -29,12 +29,8 @@ def is_optimizer_like(obj: Any) -> bool:
 
 
 def build_optimizer(config: OptimizerConfig, params: Iterable[Any]) -> torch.optim.Optimizer:
-    """Build a torch optimizer from a validated ``optimizer {type, params}`` section.
-
-    The class comes from the one registry, :data:`shardwise.config.registry.OPTIMIZERS`. As in
-    DeepSpeed, ``type: Adam`` means decoupled weight decay (AdamW) unless ``adam_w_mode: false``;
-    ``torch_adam`` is accepted (torch's implementation is always the one used).
-    """
+    """Build a torch optimizer from a validated ``optimizer {type, params}`` section (its names and DeepSpeed's Adam
+    extras: :class:`~shardwise.config.sections.OptimizerConfig`), from the one registry, ``registry.OPTIMIZERS``."""
     spec = OPTIMIZERS.get(config.type)
     if spec is None:  # a hand-built section that skipped validation
         raise ValueError(f"optimizer.type `{config.type}` is not supported; use one of {sorted(OPTIMIZERS)}")
@@ -43,11 +39,8 @@ def build_optimizer(config: OptimizerConfig, params: Iterable[Any]) -> torch.opt
 
 
 def resolve_optimizer(optimizer: OptimizerArg, config: Config, params: list[Any]) -> Optional[Any]:
-    """Turn the ``optimizer`` argument of ``initialize`` into an optimizer object.
-
-    ``params`` are the parameters (or param-group dicts) to optimize.  Returns
-    None for an inference-only engine (no optimizer argument and none in config).
-    """
+    """Turn the ``optimizer`` argument of ``initialize`` into an optimizer over ``params`` (parameters or param-group
+    dicts); None for an inference-only engine (no optimizer argument and none in config)."""
     if optimizer is None:
         return build_optimizer(config.optimizer, params) if config.optimizer is not None else None
     if config.optimizer is not None:

@@ -16,11 +16,10 @@ and the schedules are
 where `T` = `total_num_steps`. Iteration -1 is "not started": `warmup_min_lr` (WarmupCosineLR: 0 in
 every group), as DeepSpeed's `get_lr` before its first step.
 
-Where the schedule starts, `deepspeed_start` (docs/from-deepspeed.md): False (`shardwise.initialize`) follows
-torch: construction writes iteration `last_batch_iteration + 1`'s lr, so optimizer step `k` runs at iteration
-`k`. True (the `shardwise.deepspeed` dialect) as DeepSpeed 0.19: construction writes iteration
-`last_batch_iteration`'s lr and does not step, so step `k` runs at `k - 1`. Either way a state loaded with
-`last_batch_iteration: n` writes iteration `n`'s lr: a checkpoint continues at the lr it was saved at.
+Where the schedule starts is `deepspeed_start` (docs/from-deepspeed.md, the dialect table): False follows torch
+(construction writes iteration `last_batch_iteration + 1`'s lr, so step `k` runs at iteration `k`), True DeepSpeed 0.19
+(construction writes iteration `last_batch_iteration`'s lr, so step `k` runs at `k - 1`).  A loaded state with
+`last_batch_iteration: n` writes iteration `n`'s lr either way.
 
 On purpose unlike DeepSpeed: `warmup_num_steps` 0 means no warmup and 1 one step at the minimum (DeepSpeed
 silently raises it to 2), and bad arguments raise ValueError instead of a logged warning.  The classes subclass

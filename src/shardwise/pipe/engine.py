@@ -106,13 +106,9 @@ class PipelineEngine(Engine):
     # ------------------------------------------------------------ the API
     @collective("train_batch")
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
-        """Train on ``gradient_accumulation_steps`` micro-batches ``(inputs, labels)`` from
-        ``data_iter`` and take one optimizer step; returns their mean loss on every rank.
-
-        The first stage uses the inputs and the last stage the labels; both draw every micro-batch from their own
-        ``data_iter``, which must yield the same data on both. Without ``data_iter`` they draw from the engine's own
-        (:meth:`set_dataloader`); a ``data_iter`` given becomes the engine's own, as in DeepSpeed.
-        """
+        """Train on ``gradient_accumulation_steps`` micro-batches ``(inputs, labels)`` from ``data_iter`` and take one
+        optimizer step; returns their mean loss on every rank (each step: docs/pipeline.md, "engine.train_batch").
+        Without ``data_iter``, from the engine's own (:meth:`set_dataloader`); one given becomes it, as in DeepSpeed."""
         optimizer = self._require_optimizer("`engine.train_batch`")
         if self.config.auto_refresh_trainable and self.strategy.trainable_changed():
             self.refresh_trainable()

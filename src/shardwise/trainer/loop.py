@@ -4,8 +4,8 @@ Per step: ``gradient_accumulation_steps`` micro-batches through ``engine(...)``,
 (:meth:`Trainer.train_step`, the one method a pipeline variant would override), then one all-reduce of the step's loss
 and data counts, evaluation when due, the callbacks, and one all-reduce of the callbacks' stop/save requests (so every
 rank saves at the same step). The data position (epoch, step within it) travels in the checkpoint's ``client_state``,
-so a resumed run continues with the very next batch and ends bit-for-bit where an uninterrupted run ends. A Trainer given a model builds its engine: a scheduler's ``total_num_steps: auto`` then resolves
-to the steps it will run, as Hugging Face's Trainer resolves it.
+so a resumed run continues with the very next batch and ends bit-for-bit where an uninterrupted run ends.  Building
+the engine from a model, and everything else a user sees: docs/trainer.md.
 """
 
 from __future__ import annotations
@@ -86,12 +86,8 @@ class FitSummary:
 
 
 class Trainer:
-    """Trains ``engine`` (or a model, with ``config``) on ``train_data``; every argument in ``docs/trainer.md``.
-
-    Training runs ``max_steps`` optimizer steps or ``epochs`` epochs, whichever ends first. With ``checkpoint_dir`` it
-    saves every ``save_every`` steps and at the end (keeping the last ``keep_last``, and the ``best_metric`` best), and
-    with ``resume`` it first continues from the newest checkpoint there.
-    """
+    """Trains ``engine`` (or a model, with ``config``) on ``train_data`` for ``max_steps`` steps or ``epochs`` epochs,
+    whichever ends first; every argument (checkpoints, resume, evaluation, callbacks) in ``docs/trainer.md``."""
 
     def __init__(
         self,

@@ -2,15 +2,9 @@
 a dropped engine is freed).
 
 The engine and :class:`~shardwise.optim.precision.ZeroOptimizer` know only this interface; what a stage keeps where
-(replicated, sharded, gathered on demand) is the stage's business.  The step pipeline is the same for all stages
-(``run_backward`` runs its first three for the engine, in one call):
-
-``start_backward(sync)`` → autograd (the stage's hooks reduce gradients when ``sync``) → ``finish_backward()`` →
-``step_sums()`` (local) → [all-reduce if ``shards_grads``] → overflow check and the unscale/clip factor (the optimizer)
-→ ``step(inner, factor, sums, release)``: gradients scaled, the inner optimizer stepped over the stage's masters
-(parameters no rank had a gradient for left alone), the updated masters written into the model's parameters, and with
-``release`` (the engine's step) the gradients dropped as ``zero_grad()`` does.
-
+(replicated, sharded, gathered on demand) is the stage's business.  Every stage steps the same way: ``run_backward``,
+then :meth:`Strategy.step_sums`, all-reduced if ``shards_grads``, then the optimizer's overflow check and factor, then
+:meth:`Strategy.step` (each method says its part; the whole path is in docs/life-of-a-gradient.md).
 ``start_backward`` and ``finish_backward`` are each stage's own (no shared ``super()`` part): they are on every
 gradient's path, and what they share is three fields of :class:`Backward`.
 """

@@ -10,15 +10,10 @@ Two storages, chosen once per stage:
   ``param.grad``; at a boundary each is copied (in fp32) into its bucket's staging tensor and released, and the
   staging goes once the bucket is reduced.
 
-Each says where this rank's averaged fp32 gradient lands (:class:`ReducedGrads`: inside the full buffer when it
-is fp32, else a separate shard) and whether ``param.grad`` holds the full-size gradient the masters may step in
-place (:attr:`GradStorage.in_params`).  Each parameter's post-accumulate hook is :meth:`GradStorage.on_grad`:
-at a boundary it counts the bucket's arrivals, and a complete bucket (every earlier one launched, so all ranks
-issue the same collectives in the same order) goes to the stage's collective (one of the functions below).
-:meth:`GradStorage.finish` waits for every bucket in one call and takes the norm's share of each.
-
-``param.grad`` is the truth, as in plain PyTorch: whatever cleared it (``zero_grad``, ``p.grad = None``)
-discarded what the storage held, and autograd's fresh tensor is copied over the storage, never added.
+A complete bucket goes to the stage's collective (one of the functions below) only once every earlier one has gone,
+so all ranks issue the same collectives in the same order (:meth:`GradStorage.on_grad`).  ``param.grad`` is the
+truth, as in plain PyTorch: whatever cleared it (``zero_grad``, ``p.grad = None``) discarded what the storage held, and
+autograd's fresh tensor is copied over the storage, never added.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""How trainable parameters are laid out in flat buckets and split across ranks.
+"""How trainable parameters are laid out in flat buckets and split across ranks (docs/zero.md, "How partitions are
+laid out").
 
-Parameters are packed, in reverse registration order (roughly the order backward produces their gradients), into buckets
-of about ``reduce_bucket_size`` elements; a parameter never straddles two buckets.  Each bucket is padded to a multiple
-of the number of shards and split into equal contiguous slices: rank ``r`` owns slice ``r`` of *every* bucket.  So a
-bucket is reduced with one reduce-scatter whose output is exactly this rank's slice and re-gathered with one all-gather,
-and memory stays balanced even when one tensor (an embedding) is most of the model.  This rank's *shard* is its slices
-of all buckets; a :class:`Piece` is the part of one parameter inside it.
+Parameters are packed in reverse registration order into buckets of about ``reduce_bucket_size`` elements, each padded
+to a multiple of the number of shards and split into equal contiguous slices: rank ``r`` owns slice ``r`` of *every*
+bucket.  This rank's *shard* is its slices of all buckets; a :class:`Piece` is the part of one parameter inside it.
 """
 
 from __future__ import annotations

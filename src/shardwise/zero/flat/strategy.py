@@ -1,36 +1,20 @@
 """The flat stages 0, 1 and 2 (``Stage0``, ``Stage1``, ``Stage2``) over their shared base: full parameters on every
 rank.
 
-What the three share lives in :class:`FlatStrategy`: the :class:`~.layout.FlatLayout`, the step over this
-rank's masters (the master store's, :mod:`..store`, its model side :class:`FlatSide`), the all-gather of the updated
-slices behind the next forward, and carrying state across a change of the trainable set.  Where gradients live
-is the stage's :attr:`FlatStrategy.grad_storage` (:mod:`.grads`), whose hooks launch complete buckets
-themselves; each piece's ``.grad`` is a fixed view of the reduced gradients.  A stage differs only in how it
-reduces (its ``_reduction``) and which storage it uses:
+What the three share lives in :class:`FlatStrategy`: the :class:`~.layout.FlatLayout`, the step over this rank's
+masters (the master store's, :mod:`..store`, its model side :class:`FlatSide`), the all-gather of the updated slices
+behind the next forward, and carrying state across a change of the trainable set.  Gradients live in the stage's
+:attr:`FlatStrategy.grad_storage` (:mod:`.grads`), whose hooks launch complete buckets themselves.  A stage differs
+only in how it reduces (its ``_reduction``) and which storage it uses; the stages, and why the all-gathers run behind
+the next forward (:class:`PendingGathers`, :class:`GatheringParameter`), are in docs/zero.md.
 
-* stage 0 (:class:`Stage0`): plain data parallel; one shard, each bucket is all-reduced and the step writes
-  every parameter itself (in fp32 the parameters are the masters, so memory matches DDP);
-* stage 1 (:class:`Stage1`): N shards; each bucket is reduce-scattered, a rank steps the slice it owns and the
-  updated slices are all-gathered;
-* stage 2 (:class:`Stage2`): as stage 1, with gradients staged per bucket at the boundary instead of living in
-  a full-size buffer (:class:`~.grads.StagedGrads`); between boundaries (accumulation, ``no_sync``) they
-  accumulate in ``param.grad`` at full size, trading that memory for communicating once per step.
-
-The store's model side (:class:`FlatSide`, below): for a :class:`~.layout.FlatLayout` the trainable parameters become
-views of one flat buffer of the compute dtype, so this rank's slice of each bucket is where its updated values go and
-one all-gather per bucket, in place, brings the others' (:meth:`FlatSide.gather_pairs`).  In fp32 that slice is the
-masters itself (the store's :class:`~..store.store.Resident` home steps it in place).  With one shard and the gradients
-in ``param.grad`` (stage 0 in fp32) the parameters keep their own storage and are stepped themselves, as in DDP
-(:attr:`FlatSide.whole`).  A frozen parameter keeps its own storage; the store keeps its master whole.
-
-The all-gathers run behind the next forward (:class:`PendingGathers`).  torch's ``ZeroRedundancyOptimizer`` waits for
-its broadcasts inside ``step()``; here ``step()`` returns at once and a bucket is waited for only when one of its
-parameters is first used (any torch function on it: a forward, ``F.linear`` on a child's weight, ``state_dict()``,
-``p.norm()``, ``.data``), so the first layers compute while later layers' values arrive.  While its bucket is in flight
-a parameter's class is :class:`GatheringParameter`, whose ``__torch_function__`` waits for the bucket and makes its
-parameters plain ``nn.Parameter`` again first. Reading or setting ``.grad`` and reading ``.requires_grad`` touch no
-values and do not wait.  The strategy waits for everything itself before anything that writes parameters or masters
-(backward, step, loading, changing the trainable set, closing).
+:class:`FlatSide`: the trainable parameters become views of one flat buffer of the compute dtype, so this rank's slice
+of each bucket is where its updated values go and one all-gather per bucket, in place, brings the others'.  In fp32
+that slice is the masters itself (the store's :class:`~..store.store.Resident` home steps it in place); stage 0 in
+fp32 keeps the parameters' own storage and steps them as DDP does (:attr:`FlatSide.whole`).  A frozen parameter keeps
+its own storage; the store keeps its master whole.  Reading or setting ``.grad`` and reading ``.requires_grad`` touch
+no values and do not wait for a bucket in flight; the strategy waits for everything itself before anything that
+writes parameters or masters (backward, step, loading, changing the trainable set, closing).
 """
 
 from __future__ import annotations

@@ -2,31 +2,16 @@
 process is gone, room on the disk claimed first), and the digests of what it wrote there, checked against what it reads
 back.
 
-Folders: each rank of each engine makes its own, ``shardwise-<host>-ns<pid namespace>-pid<pid>-rank<r>-<random>``
-(:func:`tempfile.mkdtemp`: unique, made atomically), so two jobs or engines on one ``nvme_path`` never share a file.  It
-is removed when the engine is destroyed, else at exit (``weakref.finalize``); a process killed with ``SIGKILL`` cannot,
-so the next set-up on the host sweeps (:func:`sweep`) every folder whose creator no longer runs, as
-:func:`shardwise.comm.shm.sweep` does.  Only folders this host can judge are touched: host name and pid namespace must
-be this process's (a pid means nothing on another host or container), the folder this user's, its creator not running.
-A reused pid keeps its folder (a leak, never a loss).
+Why each piece is as it is (docs/offload.md, "Faults" and "Verified reads"):
 
-Room: ranks of one host usually share one disk, and a check of one rank passes for each while together they fill it.  So
-a rank first writes its need into its own folder (a *claim*, ``.room``, written whole by a rename), then adds up the
-claims of every live folder of this host on the same file system (``st_dev``), less what each has written already, and
-compares with the free space (:func:`claim_room`).  Of any two ranks the later to check sees both claims, so when they
-do not fit at least one raises (the others learn it from the fault layer).  Folders of other hosts are not counted.
-
-Files: reads and writes are plain ``pread``/``pwrite`` into tensors the caller owns; the bytes moved are counted
-(docs/offload.md).  A failing operation raises :class:`OffloadIOError` naming the rank, the file, the operation, the
-offset, the caller's context and the fix.
-
-Digests: a file can change between a write and a read with no error (another process, the disk, the page cache);
-trained on, such bytes make the loss inf or move weights silently.  So every write of a run of bytes records a 64-bit
-digest (xxHash's XXH3, chosen by measurement: docs/offload.md), and every read checks each recorded run inside what it
-read (:class:`Sums`); changed bytes raise :class:`OffloadChecksumError`, after which the files refuse every read, write
-and map.  Runs never overlap; a write drops the digests of runs it overlaps.  Bytes a read finds with no digest get one
-from that read.  A memory map may be written through (a checkpoint load): the runs it touches are checked when it is
-made, their digests suspended while a map lives, and taken anew from the file once the last one is freed.
+* Folders: ``shardwise-<host>-ns<pid namespace>-pid<pid>-rank<r>-<random>`` (:func:`tempfile.mkdtemp`), removed
+  with the engine or at exit; :func:`sweep` removes those of dead creators, as :func:`shardwise.comm.shm.sweep` does.
+* Room: each rank writes its claim (``.room``) before reading the others' (:func:`claim_room`), so of any two ranks
+  the later sees both.
+* Files: plain ``pread``/``pwrite`` into the caller's tensors, bytes counted; a failure is :class:`OffloadIOError`.
+* Digests (:class:`Sums`): one XXH3 per run written, checked by every read that covers it; a mismatch is
+  :class:`OffloadChecksumError`, after which the files refuse every read, write and map.  Runs never overlap (a write
+  drops those it overlaps); a map checks the runs it touches when made and suspends them until the last map is freed.
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """Stage 3's local shards apart from the model: in host memory for a model on an accelerator (``offload_param: {device:
 cpu}``), or in a file (``nvme``) with at most ``max_in_cpu`` elements in memory.
 
-Host memory (:class:`HostShard`, a :class:`~..stage3.params.ShardStorage`): each shard lives pinned in host memory.
-Reading ``unit.shard`` gives a copy on the device: the one read ahead (``buffer_count`` units past those the gatherer
-prefetches, on a stream of its own), else one made then, so the all-gather reads it on the device.  The device copy goes
-once no view of it is held (:meth:`~..stage3.params.Unit.shard_released`), written back first if torch's version counter
-says it was written.  A step publishing into a shard with no device copy writes host memory: the next gather takes it.
-On a CPU job under :func:`~..store.plan.host_path_on_cpu` the "device" copy is a second host tensor, so the CPU suite
-runs this path.
+Host memory (:class:`HostShard`, a :class:`~..stage3.params.ShardStorage`): each shard lives pinned in host memory;
+reading ``unit.shard`` gives a device copy (read ahead ``buffer_count`` units past the gatherer's prefetch, on a
+stream of its own, else made then), which goes once no view of it is held (:meth:`~..stage3.params.Unit.shard_released`),
+written back first if torch's version counter says it was written.  On a CPU job under
+:func:`~..store.plan.host_path_on_cpu` the "device" copy is a second host tensor, so the CPU suite runs this path.
 
-A file (:class:`NvmeShard`): each shard gets a run of bytes in one ``params`` file (:class:`~.files.NvmeFiles`). Reading
-``unit.shard`` brings it into host memory (a read ahead in flight, or a read then), for a gather or anything else that
-reads it.  The host copy is a tensor of its own, made anew at each read (a view of a copy that left keeps its memory
-rather than pointing at freed memory); only a copy torch's version counter says was written is written back.  Shards
-leave least recently used first, past ``max_in_cpu`` elements, and only where no view is held; never one an all-gather
-reads, nor one read ahead (at most ``buffer_count``) before its gather; an unused read ahead becomes an ordinary copy
-when its pass ends.  A read becomes the host copy only once it succeeded: a failed or interrupted read leaves the shard
-in its file, never a half-read copy used as weights or written back.
+A file (:class:`NvmeShard`): each shard is a run of bytes in one ``params`` file (:class:`~.files.NvmeFiles`), brought
+into a host copy of its own at each read (a view of a copy that left keeps its memory rather than pointing at freed
+memory).  When copies leave, and why a failed read never becomes a copy, is in docs/offload.md ("Parameters: the
+shard's storage", "Failed reads").
 """
 
 from __future__ import annotations
