@@ -235,9 +235,8 @@ class Gatherer:
                coming: Sequence[Unit] = ()) -> tuple[list[Unit], list[Unit]]:
         """The units of ``trace[start:]`` to gather ahead, within the prefetch budget (``coming``: units about to be
         gathered, counted as live), which become live; and the next units past the budget, whose shards
-        to read ahead from their files (``offload_param: nvme``).  The budget bounds what is gathered ahead of use,
-        not what each call adds: units an earlier call gathered count against it (were they skipped, every call
-        would add a bucket: a 40M GPT's forward had 34M of its 38M elements gathered at once, against 5.6M now)."""
+        to read ahead from their files (``offload_param: nvme``).  Units gathered ahead by earlier calls count
+        against the budget (else each call adds a bucket: a 40M GPT had 34M of its 38M elements gathered at once)."""
         budget, live = self.prefetch_numel, None
         index, ahead = start, []
         while index < len(trace) and budget > 0:

@@ -243,7 +243,8 @@ class Unit:
 
     @property
     def shard(self) -> torch.Tensor:
-        """This rank's slice of the unit, in the compute dtype (read from its file first where it lives in one)."""
+        """This rank's slice of the unit, in the compute dtype or fp32 (:attr:`wide`; read from its file first where it
+        lives in one)."""
         return self.storage.get()
 
     @shard.setter

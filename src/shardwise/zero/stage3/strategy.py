@@ -1,7 +1,7 @@
 """Stage 3: parameters, gradients, master weights and optimizer state all sharded (docs/stage3.md).
 
 Layout.  Every module's *direct* floating-point parameters form one :class:`~.params.Unit` (a flat buffer
-padded to a multiple of N; rank ``r`` keeps slice ``r`` in the compute dtype).  Units of at most
+padded to a multiple of N; rank ``r`` keeps slice ``r``, in fp32 unless it or the state is offloaded).  Units of at most
 ``stage3_param_persistence_threshold`` elements are merged into one *persistent* unit that stays gathered.  A
 tied parameter belongs to the first module that holds it; every module holding it gathers that unit.
 
@@ -16,11 +16,12 @@ Masters and step.  The pieces, their masters and optimizer state are the master 
 home chosen once); its model side is :class:`UnitSide`, here.  For each trainable parameter this rank owns a
 *piece*: the elements ``[start, end)`` of the flattened parameter in its slice of the unit.  The inner
 optimizer's param groups hold the pieces' keys in place of the parameters, so any torch optimizer steps exactly
-this rank's 1/N, skipping a piece whose ``.grad`` is None (frozen, or no gradient anywhere this step).  In fp32
-with the shards in memory the masters are views of the shards, as in torch FSDP: a step copies nothing, and the
-next forward gathers the new values (only the persistent unit is re-gathered).  Otherwise (fp16/bf16, or shards
-in a file, :mod:`..offload.shards`, where a view would leave host memory with the shard) the masters are apart
-and updated ones are cast into the shards (:meth:`UnitSide.write`).  Values written into the units outside a
+this rank's 1/N, skipping a piece whose ``.grad`` is None (frozen, or no gradient anywhere this step).  With the
+shards and state in memory the masters are views of the shards, as in torch FSDP (in fp16/bf16 too: the shards
+are kept in fp32 and cast as they are sent): a step copies nothing, and the next forward gathers the new values
+(only the persistent unit is re-gathered).  Otherwise (shards in a file, :mod:`..offload.shards`, where a view
+would leave host memory with the shard, or the state offloaded) the masters are apart and updated ones are cast
+into the shards (:meth:`UnitSide.write`).  Values written into the units outside a
 step (``GatheredParameters(modifier_rank=...)``, an in-place write in a forward, ``zero.load_state_dict``)
 reach the masters through this side: it is the gatherer's :class:`~.hooks.MasterValues` (:mod:`.hooks`).
 """
@@ -77,8 +78,7 @@ class Stage3(Strategy):
         self.side = UnitSide(self.comm.rank, in_files)
         offload = offload_spec(self.zero_config, self.comm.rank, self._device)
         fp32 = self.precision.dtype == torch.float32
-        #: bf16/fp16 with the shards and state in memory: each shard is kept in fp32, as the masters' storage, and
-        #: cast to the compute dtype as it is sent (as FSDP2 does), not kept twice (`Unit.wide`)
+        #: bf16/fp16, all in memory: the shards are kept in fp32 as the masters, cast as they are sent (`Unit.wide`)
         self._wide = not fp32 and offload is None and not in_files
         self.store = MasterStore(choose_home(self.side, offload, self._wide or (fp32 and not in_files), self._device,
                                              self.precision.dtype))
