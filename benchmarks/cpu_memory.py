@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .configs import System, Workload
+from .cuda import _overrides
 from .systems import build_harness
 from .workload import batch, gpt_module, synthetic_stream
 
@@ -85,12 +86,12 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _rank(system: System, workload: Workload, measured_steps: int) -> list[dict[str, Any]]:
+def _rank(system: System, workload: Workload, measured_steps: int, overrides: dict[str, int]) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     gpt = gpt_module()
     torch.manual_seed(workload.seed)
-    model = gpt.GPT(gpt.gpt_config(workload.size, block_size=workload.seq_len))
+    model = gpt.GPT(gpt.gpt_config(workload.size, **{"block_size": workload.seq_len, **overrides}))
     harness = build_harness(system, model, workload)
     stream = synthetic_stream(workload.seed)
     rank, rows = dist.get_rank(), []
@@ -105,16 +106,20 @@ def _rank(system: System, workload: Workload, measured_steps: int) -> list[dict[
     return rows
 
 
-def measure(system: System, workload: Workload, steps: int = 2) -> list[dict[str, Any]]:
-    """Rank 0's ``before``/``peak`` bytes (and what was alive at the peak) for ``steps`` steps of ``system``."""
+def measure(system: System, workload: Workload, steps: int = 2,
+            overrides: Optional[dict[str, int]] = None) -> list[dict[str, Any]]:
+    """Rank 0's ``before``/``peak`` bytes (and what was alive at the peak) for ``steps`` steps of ``system`` on the GPT
+    preset ``workload.size`` with ``overrides`` of its fields."""
     from shardwise.testing import run_distributed
 
-    return run_distributed(_rank, workload.world_size, args=(system, workload, steps), timeout=1800)[0]  # type: ignore[no-any-return]
+    args = (system, workload, steps, overrides or {})
+    return run_distributed(_rank, workload.world_size, args=args, timeout=1800)[0]  # type: ignore[no-any-return]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="40m")
+    parser.add_argument("--override", default="", help="preset fields, e.g. n_embd=1024,n_head=16,n_layer=24")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--dtype", nargs="+", default=["fp32", "bf16"])
@@ -129,7 +134,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             workload = Workload(size=args.size, world_size=world, micro_batch=args.micro_batch, seq_len=args.seq_len)
             for family in args.systems:
                 system = System(family, 3, dtype)
-                rows = measure(system, workload, args.steps)
+                rows = measure(system, workload, args.steps, _overrides(args))
                 peaks = ", ".join(f"{row['peak'] / MIB:.1f}" for row in rows)
                 print(f"| {system.name} | {world} | {rows[-1]['before'] / MIB:.1f} | {peaks} |", flush=True)
                 if args.detail:
