@@ -143,7 +143,6 @@ class Gatherer:
         self._trace: list[Unit] = []
         self._last: list[Unit] = []
         self._next_use: list[Optional[int]] = []
-        self._cursor = 0
         self._bw_calls: list[_Call] = []
         #: per unit, the backward calls with no post-backward that hold it: released when its gradients are in
         self.held_for_grads: dict[Unit, list[_Call]] = {}
@@ -233,15 +232,18 @@ class Gatherer:
             self._read_ahead[unit] = None
 
     def _ahead(self, trace: list[Unit], start: int,
-               coming: Sequence[Unit] = ()) -> tuple[list[Unit], int, list[Unit]]:
+               coming: Sequence[Unit] = ()) -> tuple[list[Unit], list[Unit]]:
         """The units of ``trace[start:]`` to gather ahead, within the prefetch budget (``coming``: units about to be
-        gathered, counted as live), which become live; where the budget stopped; and the next units, whose shards
-        to read ahead from their files (``offload_param: nvme``)."""
+        gathered, counted as live), which become live; and the next units past the budget, whose shards
+        to read ahead from their files (``offload_param: nvme``).  Units gathered ahead by earlier calls count
+        against the budget (else each call adds a bucket: a 40M GPT had 34M of its 38M elements gathered at once)."""
         budget, live = self.prefetch_numel, None
         index, ahead = start, []
         while index < len(trace) and budget > 0:
             unit = trace[index]
-            if not unit.gathered and unit not in ahead and unit not in coming:
+            if unit.gathered and unit not in coming:
+                budget -= unit.numel
+            elif not unit.gathered and unit not in ahead and unit not in coming:
                 if live is None:
                     live = self._live_numel() + sum(u.numel for u in dict.fromkeys(coming) if not u.gathered)
                 if live + unit.numel > self.max_live:
@@ -251,7 +253,7 @@ class Gatherer:
                 budget -= unit.numel
             index += 1
         self._live.update(ahead)
-        return ahead, index, trace[index : index + self.read_ahead]
+        return ahead, trace[index : index + self.read_ahead]
 
     def _settle_read_aheads(self) -> None:
         """A pass ended: shards read ahead for units it did not gather (a branch not taken) stop holding
@@ -274,7 +276,7 @@ class Gatherer:
         call = _Call(module, units)
         self._stack.append(call)
         if units and self._last:  # the next units' gathers start with this call's own (its own waited for below)
-            ahead, self._cursor, later = self._ahead(self._last, max(self._cursor, len(self._trace)))
+            ahead, later = self._ahead(self._last, len(self._trace))
             self._hold((), ahead, later)
         for unit in units:
             self._acquire_for(call, unit)
@@ -310,7 +312,7 @@ class Gatherer:
             self._end_backward()  # a backward that raised never ran its final callback
         self._pass = self._announce("forward")  # first: refused, it leaves the model as it was
         self._move(TrainingState.FORWARD, "begin a forward")
-        self._trace, self._cursor = [], 0
+        self._trace = []
 
     def _announce(self, kind: str) -> Any:
         """Announce a stage-3 ``kind`` pass (unless an announced engine call already covers it); the open scope."""
@@ -482,7 +484,7 @@ class Gatherer:
                 self._bw_cursor = index + 1
                 break
         # the call's own gathers and the next ones in one call, then the call's waited for
-        ahead, _, later = self._ahead(trace, self._bw_cursor, call.units)
+        ahead, later = self._ahead(trace, self._bw_cursor, call.units)
         self._hold(call.units, ahead, later)
         call.held = list(call.units)
         self._bw_calls.append(call)

@@ -63,7 +63,7 @@ class UnitOwner(Protocol):
         """New full values were written into ``unit`` and scattered to its shards."""
 
     def on_values_loaded(self, unit: "Unit", values: torch.Tensor, loaded: set[int]) -> None:
-        """``unit``'s shard took the fp32 ``values`` (this rank's slice) for the parameters ``loaded``."""
+        """``unit``'s shard takes the fp32 ``values`` (this rank's slice) for the parameters ``loaded`` (next)."""
 
     def on_traced_read(self, unit: "Unit", param: torch.Tensor) -> None:
         """``torch.compile`` traces a read of ``param``: make every replay of the graph find it gathered, or raise."""
@@ -227,6 +227,8 @@ class Unit:
         #: where this rank's slice lives (:attr:`shard` reads it)
         self.storage: ShardStorage = InMemoryShard(torch.empty(0))
         self.pristine: Optional[torch.Tensor] = None
+        #: the shard is kept in fp32 (the masters' storage), the full values in the compute dtype (see `build`)
+        self.wide = False
         #: where the full values are; changed only by :meth:`_move`
         self.state = UnitState.GATHERED  # until `build` keeps its shard and frees the rest
         #: whether the full values are (or are being) materialised: the state is not ``SHARDED`` (kept by
@@ -241,7 +243,8 @@ class Unit:
 
     @property
     def shard(self) -> torch.Tensor:
-        """This rank's slice of the unit, in the compute dtype (read from its file first where it lives in one)."""
+        """This rank's slice of the unit, in the compute dtype or fp32 (:attr:`wide`; read from its file first where it
+        lives in one)."""
         return self.storage.get()
 
     @shard.setter
@@ -303,11 +306,12 @@ class Unit:
             flat.narrow(0, offset, shape.numel()).copy_(value.reshape(-1))
         return flat
 
-    def build(self, flat: torch.Tensor, dtype: torch.dtype) -> None:
+    def build(self, flat: torch.Tensor, dtype: torch.dtype, wide: bool = False) -> None:
         """Take the full flat values ``flat`` (same on every rank; the gathered buffer itself when of ``dtype``),
-        keep this rank's slice, free the rest."""
-        self.full = flat.to(dtype)
-        self.shard = self.local(self.full).clone()
+        keep this rank's slice, free the rest.  ``wide``: the slice is kept in ``flat``'s fp32, holding the values
+        as ``dtype`` rounds them until the master weights take theirs, and cast to ``dtype`` when sent."""
+        self.full, self.wide = flat.to(dtype), wide
+        self.shard = self.local(self.full).to(flat.dtype if wide else dtype, copy=True)
         if self._persistent:
             self._move(UnitState.PERSISTENT, "stay gathered for good")
         for index, param in enumerate(self.params):
@@ -353,10 +357,14 @@ class Unit:
     def _gathering(self) -> torch.Tensor:
         """A sharded unit is about to be all-gathered: its shard (what it sends), its full buffer's storage back."""
         # the shard first: a read from its file that fails leaves the unit sharded, not gathering with no all-gather
-        shard = self.shard
+        shard = self._sent()
         self._move(UnitState.GATHERING, "start a gather")
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())
         return shard
+
+    def _sent(self) -> torch.Tensor:
+        """What this rank sends in an all-gather of the unit: its shard, in the compute dtype."""
+        return self.shard.to(self.full.dtype) if self.wide else self.shard
 
     def wait(self) -> None:
         """Finish a gather started with ``async_op=True`` (``GATHERING`` → ``GATHERED``)."""
@@ -401,9 +409,11 @@ class Unit:
         self.shard.copy_(self.local(self.full))
 
     def load_shard(self, values: torch.Tensor) -> None:
-        """This rank's slice becomes ``values`` (fp32, cast); a gathered copy follows (collective when gathered)."""
+        """This rank's slice becomes ``values`` (fp32, cast; a wide one took them from its owner); a gathered copy
+        follows (collective when gathered)."""
         self.settle()
-        self.shard.copy_(values)
+        if not self.wide:  # a wide shard holds the masters: the owner wrote them first (`on_values_loaded`)
+            self.shard.copy_(values)
         if self.pristine is not None:
             self.pristine.copy_(values)  # the exact values masters will start from
         if self.gathered:
@@ -412,7 +422,7 @@ class Unit:
     def refresh(self) -> None:
         """Re-gather a gathered unit from the (updated) shards (collective); a sharded unit raises."""
         self._expect_gathered("refresh its full values")
-        self.comm.all_gather(self.full, self.shard, label=self.label)
+        self.comm.all_gather(self.full, self._sent(), label=self.label)
         self.shard_released()  # only read (a persistent unit is never freed, where shards are released)
 
     def _expect_gathered(self, action: str) -> None:

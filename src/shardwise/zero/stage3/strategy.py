@@ -1,7 +1,7 @@
 """Stage 3: parameters, gradients, master weights and optimizer state all sharded (docs/stage3.md).
 
 Layout.  Every module's *direct* floating-point parameters form one :class:`~.params.Unit` (a flat buffer
-padded to a multiple of N; rank ``r`` keeps slice ``r`` in the compute dtype).  Units of at most
+padded to a multiple of N; rank ``r`` keeps slice ``r``, in fp32 unless it or the state is offloaded).  Units of at most
 ``stage3_param_persistence_threshold`` elements are merged into one *persistent* unit that stays gathered.  A
 tied parameter belongs to the first module that holds it; every module holding it gathers that unit.
 
@@ -16,11 +16,12 @@ Masters and step.  The pieces, their masters and optimizer state are the master 
 home chosen once); its model side is :class:`UnitSide`, here.  For each trainable parameter this rank owns a
 *piece*: the elements ``[start, end)`` of the flattened parameter in its slice of the unit.  The inner
 optimizer's param groups hold the pieces' keys in place of the parameters, so any torch optimizer steps exactly
-this rank's 1/N, skipping a piece whose ``.grad`` is None (frozen, or no gradient anywhere this step).  In fp32
-with the shards in memory the masters are views of the shards, as in torch FSDP: a step copies nothing, and the
-next forward gathers the new values (only the persistent unit is re-gathered).  Otherwise (fp16/bf16, or shards
-in a file, :mod:`..offload.shards`, where a view would leave host memory with the shard) the masters are apart
-and updated ones are cast into the shards (:meth:`UnitSide.write`).  Values written into the units outside a
+this rank's 1/N, skipping a piece whose ``.grad`` is None (frozen, or no gradient anywhere this step).  With the
+shards and state in memory the masters are views of the shards, as in torch FSDP (in fp16/bf16 too: the shards
+are kept in fp32 and cast as they are sent): a step copies nothing, and the next forward gathers the new values
+(only the persistent unit is re-gathered).  Otherwise (shards in a file, :mod:`..offload.shards`, where a view
+would leave host memory with the shard, or the state offloaded) the masters are apart and updated ones are cast
+into the shards (:meth:`UnitSide.write`).  Values written into the units outside a
 step (``GatheredParameters(modifier_rank=...)``, an in-place write in a forward, ``zero.load_state_dict``)
 reach the masters through this side: it is the gatherer's :class:`~.hooks.MasterValues` (:mod:`.hooks`).
 """
@@ -71,13 +72,15 @@ class Stage3(Strategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.units: list[Unit] = []
-        # the store's home, chosen once: in fp32 the shards are the masters unless they live in files
+        # the store's home, chosen once: the shards are the masters unless they live in files or the state is offloaded
         self._device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         in_files = params_home(self.zero_config, self._device) is not None
         self.side = UnitSide(self.comm.rank, in_files)
-        fp32 = self.precision.dtype == torch.float32
         offload = offload_spec(self.zero_config, self.comm.rank, self._device)
-        self.store = MasterStore(choose_home(self.side, offload, fp32 and not in_files, self._device,
+        fp32 = self.precision.dtype == torch.float32
+        #: bf16/fp16, all in memory: the shards are kept in fp32 as the masters, cast as they are sent (`Unit.wide`)
+        self._wide = not fp32 and offload is None and not in_files
+        self.store = MasterStore(choose_home(self.side, offload, self._wide or (fp32 and not in_files), self._device,
                                              self.precision.dtype))
         self.side.store = self.store
         #: the shards' file and host cache (`offload_param: nvme`), or host home (cpu, on an accelerator)
@@ -127,7 +130,7 @@ class Stage3(Strategy):
         for params, names, persistent in specs:
             unit = Unit(len(self.units), params, names, self.comm, self.gatherer, persistent)
             values = _initial_flat(unit, self.initial)
-            unit.build(values, self.precision.dtype)
+            unit.build(values, self.precision.dtype, self._wide)
             # after build: in fp32 `values` became the (now freed) full buffer, and the masters are the shard
             for piece in self.side.pieces(unit, group_of):
                 self.store.add(piece, self.side.initial(piece, values) if piece.param.requires_grad else None)
@@ -538,11 +541,13 @@ class UnitSide:
     @staticmethod
     def initial(piece: Piece, values: torch.Tensor) -> torch.Tensor:
         """The piece's exact fp32 values at build: in its unit's shard when that is fp32 (``unit.build`` freed
-        ``values`` then, it became the full buffer), else in ``values`` (the unit's full fp32 values)."""
-        shard = piece.unit.shard
-        if shard.dtype == torch.float32:
+        ``values`` then, it became the full buffer), else in ``values`` (the unit's full fp32 values); a wide shard
+        (its masters) takes them over the compute dtype's rounding it was built with."""
+        shard, unit = piece.unit.shard, piece.unit
+        if shard.dtype == torch.float32 and not unit.wide:
             return _local(piece, shard)
-        return values.narrow(0, piece.unit.offsets[piece.index] + piece.start, piece.numel)
+        exact = values.narrow(0, unit.offsets[piece.index] + piece.start, piece.numel)
+        return _local(piece, shard).copy_(exact) if unit.wide else exact
 
     def view(self, piece: Piece) -> Optional[torch.Tensor]:
         return None if self.in_files else _local(piece, piece.unit.shard)
@@ -606,16 +611,34 @@ class UnitSide:
         (only pieces that changed: the others' fp32 masters keep their exact values, a copy would round them)."""
         with torch._C.DisableTorchFunctionSubclass():
             fresh = unit.local(unit.full)
-            if torch.equal(fresh, unit.shard):
+            shard = unit.shard.to(fresh.dtype)  # (a wide shard as the compute dtype holds it)
+            if torch.equal(fresh, shard):
                 return
-            for piece in self.by_unit.get(unit, ()):
-                values = _local(piece, fresh)
-                if not torch.equal(values, _local(piece, unit.shard)):
-                    self.store.take(piece, values)
+            changed = [p for p in self.by_unit.get(unit, ()) if not torch.equal(_local(p, fresh), _local(p, shard))]
+            if unit.wide:
+                self._overwrite(unit, fresh, changed)
+                return
+            for piece in changed:
+                self.store.take(piece, _local(piece, fresh))
             unit.shard.copy_(fresh)
+
+    def _overwrite(self, unit: Unit, values: torch.Tensor, taking: Sequence[Piece]) -> None:
+        """A wide shard (the masters) takes ``values`` as the compute dtype holds them (what a shard of that dtype
+        would hold), the pieces ``taking`` take them as they are, and every other piece's master stays."""
+        shard = unit.shard
+        kept = [(p, _local(p, shard).clone()) for p in self.by_unit.get(unit, ())
+                if p not in taking and self.store.master_or_kept(p) is not None]
+        shard.copy_(values.to(unit.full.dtype))
+        for piece in taking:
+            _local(piece, shard).copy_(_local(piece, values))
+        for piece, master in kept:
+            _local(piece, shard).copy_(master)
 
     def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
         """``zero.load_state_dict`` gave ``unit`` fp32 ``values``: masters (kept ones too) take them exactly."""
+        if unit.wide:  # (before `unit.load_shard`, which leaves a wide shard to this)
+            self._overwrite(unit, values, [p for p in self.by_unit.get(unit, ()) if p.index in loaded])
+            return
         for piece in self.by_unit.get(unit, ()):
             if piece.index in loaded:
                 self.store.take(piece, _local(piece, values))

@@ -169,8 +169,8 @@ def _load_units(module: nn.Module, comm: Comm, reader: Optional[_Reader], plan: 
         comm.scatter(values, pieces, src=0)
         if partial and not was_gathered:
             unit.free()
+        unit.owner.on_values_loaded(unit, values, loaded)  # first: a wide shard (the masters) is written there
         unit.load_shard(values)
-        unit.owner.on_values_loaded(unit, values, loaded)
         unit.shard_released()  # done with it: a shard kept in a file may leave host memory (`max_in_cpu`)
 
 
