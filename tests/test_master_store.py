@@ -25,7 +25,8 @@ from shardwise.zero.store.store import MasterStore, Resident
 #: (stage, dtype, offload) -> (home, masters are the model's own storage)
 HOMES = {
     **{(stage, "fp32", None): (Resident, True) for stage in range(4)},
-    **{(stage, "bf16", None): (Resident, False) for stage in range(4)},
+    **{(stage, "bf16", None): (Resident, False) for stage in range(3)},
+    (3, "bf16", None): (Resident, True),  # stage 3 keeps its shards in fp32 and casts them as it sends them
     **{(stage, "fp32", "offload_optimizer"): (Nvme, False) for stage in (1, 2, 3)},
     (3, "fp32", "offload_param"): (Resident, False),  # a view of a shard kept in a file would leave memory with it
 }
