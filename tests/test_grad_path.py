@@ -119,10 +119,12 @@ def test_the_path_meets_the_target_on_two_ranks(stage: int) -> None:
     _check(_two_ranks(stage), stage)
 
 
-def test_two_ranks_add_the_announcement_and_the_norm_all_reduce_only() -> None:
+def test_two_ranks_add_the_announcement_the_norm_and_the_flags_only() -> None:
     """With two ranks the engine's backward is announced (one exchange) and the flat stages shard, so the
-    norm's all-reduce joins the path; everything else is the same calls as in one process."""
-    for stage, extra in ((2, ["engine/engine.py > comm/distributed.py", "optim/precision.py > comm/distributed.py"]),
+    norm's all-reduce joins the path, as does their agreement on which parameters had gradients (one process
+    knows that alone); everything else is the same calls as in one process."""
+    for stage, extra in ((2, ["engine/engine.py > comm/distributed.py", "optim/precision.py > comm/distributed.py",
+                              "zero/flat/strategy.py > comm/distributed.py"]),
                          (3, ["engine/engine.py > comm/distributed.py"])):
         alone = trace_path(stage).one_gradient().counts()["path"]
         ranks = _two_ranks(stage)["path"]

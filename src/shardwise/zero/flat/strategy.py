@@ -192,9 +192,13 @@ class FlatStrategy(Strategy):
         self.backward.active = False
         if not self.backward.sync:
             return
-        used = torch.tensor(self.grads.finish(), dtype=torch.float32, device=self.device)
+        had = self.grads.finish()
         # DDP's `find_unused_parameters`: torch's optimizers leave a parameter whose `.grad` is None alone (no
         # momentum, no weight decay), and so does the step here for one no rank had a gradient for
+        if not self.comm.distributed:  # this rank's flags are the answer: no round trip through the device
+            self._unused = [index for index, flag in enumerate(had) if not flag]  # (on CUDA, two waits for it)
+            return
+        used = torch.tensor(had, dtype=torch.float32, device=self.device)
         self.comm.all_reduce(used, label="which parameters had gradients")
         self._unused = (used == 0).nonzero().view(-1).tolist()
 
