@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ MB = 2**20
 
 
 def test_live_bytes_follow_allocations_frees_and_resizes() -> None:
+    gc.collect()  # (as below)
     kept = torch.zeros(MB // 4)  # 1 MiB, alive before: counted in `before`
     freed = torch.zeros(MB // 4)  # resized to 0 inside: counts 0 from then on
     with LiveBytes() as tracker:
@@ -29,6 +31,7 @@ def test_live_bytes_follow_allocations_frees_and_resizes() -> None:
 
 
 def test_live_bytes_count_what_autograd_saves() -> None:
+    gc.collect()  # earlier tests' garbage in cycles: collected inside, it would move `live()` under the test
     x = torch.randn(MB // 4, requires_grad=True)
     with LiveBytes() as tracker:
         start = tracker.live()
