@@ -36,6 +36,14 @@ def deepspeed_installed() -> bool:
     return True
 
 
+def ready_for_deepspeed() -> None:
+    """What DeepSpeed's engine reads from the environment in a process no launcher started: its accelerator (the
+    CPU where torch sees no GPU) and LOCAL_RANK, its device."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if torch.cuda.is_available() else 0))
+
+
 def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     """The torch optimizer at the bottom of DeepSpeed's wrappers."""
     for _ in range(5):
@@ -49,10 +57,7 @@ class DeepSpeedHarness:
     """``deepspeed.initialize`` with torch AdamW as the client optimizer."""
 
     def __init__(self, model: nn.Module, system: System, workload: Workload) -> None:
-        if not torch.cuda.is_available():
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        # DeepSpeed reads its device from LOCAL_RANK, which a launcher sets; a one-process run has none
-        os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if torch.cuda.is_available() else 0))
+        ready_for_deepspeed()
         import deepspeed
 
         config = {

@@ -41,7 +41,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .deepspeed_peer import deepspeed_installed
+from .deepspeed_peer import deepspeed_installed, ready_for_deepspeed
 from .peaks import FLOPS_FORMULA, bf16_peak
 from .worker import rss_bytes
 from .workload import gpt_module
@@ -114,6 +114,7 @@ def _partitioned(spec: dict[str, Any], config: dict[str, Any]) -> Any:
     """The ``zero.Init`` of the engine that will train the model: DeepSpeed's own for the peer (its engine takes only
     parameters its ``zero.Init`` partitioned), else shardwise's."""
     if spec["peer"]:
+        ready_for_deepspeed()
         import deepspeed
 
         return deepspeed.zero.Init(config_dict_or_path=_ds_config(config))
@@ -134,6 +135,7 @@ def _ds_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def _deepspeed(model: nn.Module, config: dict[str, Any]) -> Any:
     """DeepSpeed's engine for the same config (see :func:`_ds_config`)."""
+    ready_for_deepspeed()
     import deepspeed
 
     ds = _ds_config(config)
@@ -203,8 +205,7 @@ def _run_trial(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
         path = out.name
     command = [sys.executable, "-m", "benchmarks.offload_gpu", "--trial", json.dumps(spec), "--trial-out", path]
-    # LOCAL_RANK: DeepSpeed's engine reads its device from it, and no launcher set it
-    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "LOCAL_RANK": "0"}
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

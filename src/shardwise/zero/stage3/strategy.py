@@ -218,8 +218,8 @@ class Stage3(Strategy):
         self._had.update((unit, index) for index in had_grad)
         self._grad_device = source.device
         # one process: the reduction is the identity, and the flat gradients are the slice (no second buffer)
-        output = source if not self.comm.distributed and source.numel() == unit.shard_numel else \
-            torch.empty(unit.shard_numel, dtype=wire, device=source.device)
+        output = source if not self.comm.distributed else torch.empty(unit.shard_numel, dtype=wire,
+                                                                        device=source.device)
         work = self.comm.reduce_scatter(output, source, async_op=True, label=unit.label)
         self._works.append(InFlight(work, unit, source, output, trainable))
         if len(self._works) > _MAX_IN_FLIGHT:
