@@ -255,16 +255,15 @@ def test_offload_to_cpu_is_zero_offload_on_a_gpu_job_and_holds_already_on_a_cpu_
         wrong.resolve(device="cpu")  # holds already: nothing is moved on a CPU job
 
 
-def test_parameter_shards_on_nvme_are_refused_on_a_gpu_job_naming_the_fix(tmp_path: Path) -> None:
-    # (they would be read into host memory and handed to the GPU's all-gather there: refused before anything runs)
-    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+def test_parameter_shards_on_nvme_act_on_gpu_and_cpu_jobs_and_say_where_they_go(tmp_path: Path) -> None:
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 1000}
     config = Config.load({"zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme}})
-    with pytest.raises(ConfigError, match=r"`zero_optimization.offload_param.device: nvme` on a cuda job is not "
-                                          r"built yet .* `zero_optimization.offload_param: \{device: cpu\}`"):
-        config.resolve(device="cuda")
-    config.resolve(device="cpu")
-    Config.load({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": nvme}}
-                ).resolve(device="cuda")  # the fix it names
+    for device, onto in (("cuda", ", copied to cuda as the unit is gathered"), ("cpu", "")):
+        (line,) = [n.message for n in config.resolve(device=device).notes
+                   if n.path == "zero_optimization.offload_param"]
+        assert line.startswith("`zero_optimization.offload_param.device: nvme`: this rank's shard of each unit of "
+                               f"parameters lives in a file under {str(tmp_path)!r}, at most 1000 elements of them in "
+                               f"host memory{onto} (docs/offload.md)"), line
 
 
 def test_notes_are_logged_once_per_config(caplog: pytest.LogCaptureFixture) -> None:

@@ -26,7 +26,8 @@ from _parity import assert_close_params, batch, full_params, make_model, train_s
 
 import shardwise
 from shardwise.testing import distributed_test, run_distributed, run_subtests
-from shardwise.zero.offload.shards import HostShard, HostShards
+from shardwise.zero.offload.files import OffloadIOError
+from shardwise.zero.offload.shards import FileShardOnDevice, HostShard, HostShards, ShardCache
 from shardwise.zero.store.copies import DeviceCopies
 from shardwise.zero.store.host import Host, fused_on_host
 from shardwise.zero.store.nvme import Nvme
@@ -36,7 +37,7 @@ SUB_GROUP = 300
 ATOL = 1e-6
 
 
-def _config(stage: int, device: Optional[str], ratio: float = 1.0, param: bool = False, nvme: str = "",
+def _config(stage: int, device: Optional[str], ratio: float = 1.0, param: Optional[str] = None, nvme: str = "",
             micro: int = 2) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 500}
     if stage == 3:  # fc1 and head form the persistent unit; embed and fc2 gather on use
@@ -46,13 +47,16 @@ def _config(stage: int, device: Optional[str], ratio: float = 1.0, param: bool =
         if device == "nvme":
             section.update(nvme_path=nvme, buffer_count=2)
         zero.update(offload_optimizer=section, sub_group_size=SUB_GROUP)
-    if param:
+    if param == "cpu":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    elif param == "nvme":  # every shard leaves host memory after each use: each use reads the file
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "max_in_cpu": 0,
+                                 "buffer_count": 2}
     return {"zero_optimization": zero, "gradient_accumulation_steps": micro, "gradient_clipping": 0.1,  # (norms ~0.3: it clips)
             "checkpoint": {"timeout": 30}}
 
 
-def _engine(stage: int, device: Optional[str], ratio: float = 1.0, param: bool = False, nvme: str = "",
+def _engine(stage: int, device: Optional[str], ratio: float = 1.0, param: Optional[str] = None, nvme: str = "",
             micro: int = 2, seed: int = 0) -> Any:
     model = make_model(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -84,17 +88,23 @@ def _check_apart(engine: Any) -> None:
             home.copies.grads.untyped_storage().data_ptr(), piece.name
 
 
-def _parity_case(stage: int, device: str, ratio: float, param: bool, nvme: str, want: dict[str, torch.Tensor]) -> None:
+def _parity_case(stage: int, device: str, ratio: float, param: Optional[str], nvme: str,
+                 want: dict[str, torch.Tensor]) -> None:
     engine = _engine(stage, device, ratio, param, nvme)
     assert isinstance(engine.strategy.store.home, Host if device == "cpu" else Nvme)
     if param:
-        assert isinstance(engine.strategy.shards, HostShards)
-        assert all(isinstance(u.storage, HostShard) for u in engine.strategy.units)
+        shards = engine.strategy.shards
+        assert isinstance(shards, HostShards) and (shards.cache is not None) == (param == "nvme")
+        kind = FileShardOnDevice if param == "nvme" else HostShard
+        assert all(type(u.storage) is kind for u in engine.strategy.units)
     copies, apart = _copies(engine), _apart(engine)
     assert (0 < apart < engine.strategy.store.home.copies.grads.numel() + 1) if ratio < 1 else apart > 0
     train_steps(engine, 0, 20)
     theory = 20 * apart * 4  # fp32: each element apart goes down (its gradient) and up (its value) once a step
     assert (copies.moved.down, copies.moved.up) == (theory, theory), (copies.moved, theory)
+    if param == "nvme":  # the shards came through the file (`max_in_cpu: 0`), read ahead on the cache's thread
+        cache = engine.strategy.shards.cache
+        assert cache.ahead_hits > 0 and cache.misses > 0 and cache.held_numel() == 0, (cache.ahead_hits, cache.misses)
     got = full_params(engine)
     engine.backward(engine(*batch(40, dist.get_rank())))  # one more accumulation, up to its last step (not taken):
     assert not engine.step()  # the gradients are where that step would read them
@@ -114,9 +124,11 @@ def test_the_host_path_trains_like_no_offload(tmp_path: Path) -> None:
         train_steps(plain, 0, 20)
         want = full_params(plain)
         plain.destroy()
-        cases = [{"device": device, "ratio": ratio, "param": False} for device in ("cpu", "nvme") for ratio in (1.0, 0.5)]
+        cases = [{"device": device, "ratio": ratio, "param": None} for device in ("cpu", "nvme") for ratio in (1.0, 0.5)]
         if stage == 3:
-            cases += [{"device": "cpu", "ratio": 1.0, "param": True}, {"device": "nvme", "ratio": 0.5, "param": True}]
+            cases += [{"device": device, "ratio": ratio, "param": param}
+                      for device, ratio, param in (("cpu", 1.0, "cpu"), ("nvme", 0.5, "cpu"), ("cpu", 1.0, "nvme"),
+                                                   ("nvme", 0.5, "nvme"))]
         run_subtests(_parity_case, [{"stage": stage, "nvme": nvme, "want": want, **case} for case in cases])
     assert os.listdir(nvme) == [], os.listdir(nvme)
 
@@ -156,12 +168,14 @@ def test_gradients_written_after_their_copy_reach_the_step() -> None:
     run_subtests(_two_backwards_at_a_boundary, [{"stage": stage} for stage in (2, 3)])
 
 
-def _round_trip(stage: int, root: str, param: bool) -> None:
+def _round_trip(stage: int, root: str, param: Optional[str]) -> None:
     """Offloaded (ratio 0.5) -> plain and -> offloaded; plain -> offloaded; each continues alike."""
-    offloaded = _engine(stage, "cpu", 0.5, param)
+    nvme = str(Path(root) / "nvme")
+    os.makedirs(nvme, exist_ok=True)
+    offloaded = _engine(stage, "cpu", 0.5, param, nvme)
     train_steps(offloaded, 0, 3)
     offloaded.save_checkpoint(str(Path(root) / "host"), tag="a")
-    plain, again = _engine(stage, None, seed=1), _engine(stage, "cpu", 0.5, param, seed=1)
+    plain, again = _engine(stage, None, seed=1), _engine(stage, "cpu", 0.5, param, nvme, seed=1)
     for engine in (plain, again):
         engine.load_checkpoint(str(Path(root) / "host"), tag="a")
         assert_close_params(full_params(engine), full_params(offloaded), atol=0.0)
@@ -170,7 +184,7 @@ def _round_trip(stage: int, root: str, param: bool) -> None:
     for engine in (plain, again):  # masters and Adam state carried over exactly (fused against for-loop: 1e-7)
         assert_close_params(full_params(engine), full_params(offloaded), atol=ATOL)
     plain.save_checkpoint(str(Path(root) / "plain"), tag="b")
-    back = _engine(stage, "cpu", 1.0, param, seed=2)
+    back = _engine(stage, "cpu", 1.0, param, nvme, seed=2)
     back.load_checkpoint(str(Path(root) / "plain"), tag="b")
     assert_close_params(full_params(back), full_params(plain), atol=0.0)
     for engine in (back, plain):
@@ -183,11 +197,11 @@ def _round_trip(stage: int, root: str, param: bool) -> None:
 @distributed_test(world_size=2, timeout=300)
 def test_host_checkpoints_load_into_a_plain_engine_and_back(tmp_path: Path) -> None:
     run_subtests(_round_trip, [{"stage": stage, "root": str(tmp_path / f"s{stage}{param}"), "param": param}
-                               for stage in (1, 2, 3) for param in (False, True) if stage == 3 or not param])
+                               for stage in (1, 2, 3) for param in (None, "cpu", "nvme") if stage == 3 or not param])
 
 
 def _save_two(root: str) -> None:
-    engine = _engine(3, "cpu", 0.5, True, micro=1)
+    engine = _engine(3, "cpu", 0.5, "cpu", micro=1)
     train_steps(engine, 0, 3)
     engine.save_checkpoint(str(Path(root) / "two"), tag="t")
     engine.destroy()
@@ -197,7 +211,7 @@ def test_a_host_checkpoint_reshards_onto_one_rank(tmp_path: Path) -> None:
     """Saved by 2 offloaded ranks (stage 3, optimizer and parameters in host memory), loaded by 1 rank with and
     without offload: same weights, same next steps."""
     run_distributed(_save_two, 2, args=(str(tmp_path),), timeout=180)
-    engines = [_engine(3, "cpu", 1.0, True, micro=1), _engine(3, None, micro=1)]
+    engines = [_engine(3, "cpu", 1.0, "cpu", micro=1), _engine(3, None, micro=1)]
     for engine in engines:
         engine.load_checkpoint(str(tmp_path / "two"), tag="t")
     assert_close_params(full_params(engines[0]), full_params(engines[1]), atol=0.0)
@@ -263,6 +277,50 @@ def test_a_host_shard_copies_up_on_use_and_writes_back_only_what_was_written() -
         shard.put(torch.zeros(6, dtype=torch.float16))
 
 
+class _FileUnit(_Unit):
+    label = "`fc.weight`"
+
+
+def test_a_shard_in_a_file_comes_up_in_two_reads_ahead_and_goes_back_into_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`offload_param: nvme` on an accelerator: the file, its host copy (none kept: `max_in_cpu` 0) and the device
+    copy (a second host tensor here)."""
+    cache = ShardCache(str(tmp_path), 0, 6, torch.float32, max_in_cpu=0, ahead=2)
+    shards = HostShards(torch.device("cpu"), pin=True, cache=cache)
+    shard = shards.place(torch.arange(6, dtype=torch.float32), _FileUnit())
+    assert isinstance(shard, FileShardOnDevice)
+    shard.released()
+    assert shard.copy is None and shard.home.tensor is None and shards.down == 0  # only in the file now
+    shard.read_ahead()  # the file into host memory, on the cache's thread
+    assert shard.pending is None and shard.home.pending is not None
+    shard.home.pending.result()
+    shard.read_ahead()  # a later call of the window: copied up
+    assert shard.pending is not None and cache.ahead_hits == 1
+    used = shard.get()
+    assert torch.equal(used, torch.arange(6.0)) and shard.pending is None and shards.up == 24
+    used.mul_(2)
+    shard.released()  # written: into the file (its host copy had left), nothing read for it
+    assert shard.copy is None and shard.home.tensor is None and shards.down == 24 and cache.misses == 0
+    shard.write([(1, torch.tensor([7.0, 8.0]))])  # no copy anywhere: into the file
+    assert torch.equal(shard.get(), torch.tensor([0.0, 7.0, 8.0, 6.0, 8.0, 10.0])) and cache.misses == 1
+    shard.released()
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise OffloadIOError("reading failed", rank=0, path="params", operation="reading", error=5)
+
+    monkeypatch.setattr(cache.files, "read_into", broken)
+    shard.read_ahead()
+    shard.home.pending.exception()  # (waits)
+    shard.read_ahead()  # a failed read ahead is not copied up, nor raised here: by the use that needs it
+    assert shard.pending is None
+    with pytest.raises(OffloadIOError, match="The read ahead was dropped"):
+        shard.get()
+    monkeypatch.undo()
+    assert torch.equal(shard.get(), torch.tensor([0.0, 7.0, 8.0, 6.0, 8.0, 10.0]))
+    shards.close()
+    assert not os.listdir(tmp_path)
+
+
 def test_staging_casts_into_the_compute_dtype_in_batches() -> None:
     copies = DeviceCopies(torch.device("cpu"), torch.bfloat16, pin=False)
     written: list[tuple[str, int, torch.Tensor]] = []
@@ -279,11 +337,13 @@ def test_the_gpu_benchmark_runs_its_tiny_version_on_the_cpu(tmp_path: Path) -> N
     its own; the bytes it reports copied per step are theory's (4 bytes an element down, 2 up in bf16)."""
     from benchmarks.offload import main
 
-    main(["--device", "cpu", "--settings", "cpu+param", "--layers", "1", "--out", str(tmp_path)])
+    main(["--device", "cpu", "--settings", "cpu+param,nvme+param", "--layers", "1", "--nvme", str(tmp_path / "nvme"),
+          "--out", str(tmp_path)])
     results = json.loads((tmp_path / "offload_gpu.json").read_text())
     assert min(results["bandwidth_gbs"].values()) > 0
-    (tried,) = results["capacity"]
-    assert tried["result"] == "trains" and len(tried["step_s"]) == 2, tried
+    assert [t["spec"]["setting"] for t in results["capacity"]] == ["cpu+param", "nvme+param"], results["capacity"]
+    for tried in results["capacity"]:
+        assert tried["result"] == "trains" and len(tried["step_s"]) == 2, tried
     runs = {r["spec"]["setting"]: r for r in results["speed"]}
     assert set(runs) == {"none", "cpu"} and all(r["result"] == "trains" for r in runs.values()), runs
     cpu = runs["cpu"]

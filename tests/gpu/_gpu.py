@@ -12,7 +12,7 @@ and checkpoint tests run it.  The offload variants (issue 38): the optimizer's
 state in host memory (``cpu``) or in files (``nvme``, under :data:`NVME`),
 all of it or half of its sub-groups (``ratio`` 0.5: on the device for ``cpu``,
 in host memory for ``nvme``), and stage 3's parameters in host memory
-(``offload_param: cpu``).  ``sub_group_size`` is small enough that the tiny
+(``offload_param: cpu``) or in a file (``nvme``, with half the optimizer's state).  ``sub_group_size`` is small enough that the tiny
 GPT's state spans several sub-groups.  On the CPU the same variants take the
 host path under :func:`~shardwise.zero.store.plan.host_path_on_cpu` (host
 buffers apart from the model's, plain copies), so the CPU cases of this tier
@@ -68,6 +68,10 @@ ZERO_VARIANTS: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {
     "offload-nvme-half": ((1, 2, 3), {"offload_optimizer": {**_NVME_OPT, "ratio": 0.5}, "sub_group_size": SUB_GROUP}),
     "offload-param-cpu": ((3,), {"offload_optimizer": _CPU_OPT, "offload_param": {"device": "cpu", "pin_memory": True},
                                  "sub_group_size": SUB_GROUP}),
+    # every shard read from its file at each use (`max_in_cpu` 0), read ahead two units past a prefetch of one unit
+    "offload-param-nvme": ((3,), {"offload_optimizer": {**_NVME_OPT, "ratio": 0.5}, "sub_group_size": SUB_GROUP,
+                                  "stage3_prefetch_bucket_size": 1,
+                                  "offload_param": {**_NVME_OPT, "buffer_count": 2, "max_in_cpu": 0}}),
 }
 
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import shardwise
-from shardwise.zero.offload.shards import HostShard
+from shardwise.zero.offload.shards import FileShardOnDevice, HostShard
 from shardwise.zero.store.copies import DeviceCopies
 from shardwise.zero.store.plan import host_path_on_cpu
 
@@ -36,7 +36,7 @@ MICRO = 2
 OFFLOADS = [case for case in _gpu.zero_cases() if _gpu.offloads(case.values[1])]
 #: the cases whose CPU run checks this file's body (tests/test_offload_host.py covers every variant on 2 CPU ranks;
 #: all 13 CPU cases here took about 40 s of the suite, these three about 7 s)
-_CPU_CHECKED = {(1, "offload-cpu-half"), (2, "offload-nvme-half"), (3, "offload-param-cpu")}
+_CPU_CHECKED = {(1, "offload-cpu-half"), (2, "offload-nvme-half"), (3, "offload-param-cpu"), (3, "offload-param-nvme")}
 PARITY = [pytest.param(*device.values, *case.values, id=f"{case.id}-{device.id}", marks=[*case.marks, *device.marks])
           for case in OFFLOADS for device in _gpu.DEVICES
           if device.values[0] != "cpu" or tuple(case.values) in _CPU_CHECKED]
@@ -88,8 +88,15 @@ def test_offload_trains_as_no_offload_on_the_gpu(device: str, stage: int, varian
     assert copies.moved.up == STEPS * apart * dtype_bytes, (copies.moved, apart)
     if "param" in variant:
         storages = [u.storage for u in engine.strategy.units]
-        assert all(isinstance(s, HostShard) and s.home.is_pinned() == cuda for s in storages)
-        assert sum(s.held_bytes() for s in storages) < sum(s.home.numel() * 4 for s in storages), \
+        in_files = variant == "offload-param-nvme"
+        assert all(type(s) is (FileShardOnDevice if in_files else HostShard) for s in storages)
+        if in_files:  # (`max_in_cpu` 0: no host copy stays; the reads went into pinned memory)
+            cache = engine.strategy.shards.cache
+            assert cache.pin == cuda and cache.held_numel() == 0 and cache.ahead_hits > 0  # read ahead from the file
+            assert engine.strategy.shards.ahead_hits > 0  # and copied up ahead, on the side stream on a GPU
+        else:
+            assert all(s.home.is_pinned() == cuda for s in storages)
+        assert sum(s.held_bytes() for s in storages) < sum(s.nbytes for s in storages), \
             "the shards' device copies go after use"
     got = _gpu.masters(engine)
     diff, name = _gpu.max_diff(got, want)
@@ -113,7 +120,8 @@ def _cpu_job(load: Path, save: Path, out: Path, stage: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("device", _gpu.CUDA_ONLY)
-@pytest.mark.parametrize("stage, variant", [(1, "offload-cpu"), (3, "offload-param-cpu"), (2, "offload-nvme-half")])
+@pytest.mark.parametrize("stage, variant", [(1, "offload-cpu"), (3, "offload-param-cpu"), (2, "offload-nvme-half"),
+                                            (3, "offload-param-nvme")])
 def test_an_offloaded_checkpoint_goes_to_a_plain_engine_a_cpu_job_and_back(device: str, stage: int, variant: str,
                                                                            tmp_path: Path) -> None:
     where = _gpu.one_rank(device)

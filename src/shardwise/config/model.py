@@ -302,7 +302,7 @@ def _stage_notes(zero: ZeroConfig, given: frozenset[str], device: torch.device) 
 
 def _check_offload(data: dict[str, Any], device: torch.device) -> list[Note]:
     """`offload_optimizer` acts at stages 1-3 and `offload_param` at stage 3: to `cpu` on a job on an accelerator
-    (ZeRO-Offload), to `nvme` on any job (the parameters' on a CPU job only); `device: cpu` on a CPU job holds
+    (ZeRO-Offload), to `nvme` on any job; `device: cpu` on a CPU job holds
     already (the state is in host memory)."""
     zero = data["zero_optimization"]
     notes = []
@@ -318,12 +318,6 @@ def _check_offload(data: dict[str, Any], device: torch.device) -> list[Note]:
             notes += _no_effect_on_cpu(section, path, ("pin_memory", "ratio", "buffer_count"))
             continue
         _check_stage(zero, path, section.get("device", "cpu"))
-        if key == "offload_param" and section.get("device") == "nvme" and device.type != "cpu":
-            raise ConfigError(
-                f"`{path}.device: nvme` on a {device.type} job is not built yet (stage 3's shards in files are "
-                "read into host memory, and nothing copies them on to the device); keep the shards in host memory "
-                f"with `{path}: {{device: cpu}}` (the optimizer state can stay on NVMe: `offload_optimizer: "
-                "{device: nvme}`), or run on the CPU")
         notes.append(Note(path, f"`{path}.device: {section.get('device', 'cpu')}`: {_offload_line(zero, key, device)} "
                                 "(docs/offload.md)"))
         if device.type == "cpu":
@@ -361,9 +355,10 @@ def _offload_line(zero: dict[str, Any], key: str, device: torch.device) -> str:
                 f"where the optimizer steps them up to {size} elements at a time while the model trains on "
                 f"{device.type}")
     if section.get("device") == "nvme":
+        onto = "" if device.type == "cpu" else f", copied to {device.type} as the unit is gathered"
         return (f"this rank's shard of each unit of parameters lives in a file under {section['nvme_path']!r}, at "
                 f"most {section.get('max_in_cpu', field_default(OffloadParamConfig, 'max_in_cpu'))} elements of them "
-                "in host memory")
+                f"in host memory{onto}")
     return (f"this rank's shard of each unit of parameters lives in host memory, copied to {device.type} as the "
             "unit is gathered")
 

@@ -9,8 +9,9 @@ written back first if torch's version counter says it was written.  On a CPU job
 
 A file (:class:`NvmeShard`): each shard is a run of bytes in one ``params`` file (:class:`~.files.NvmeFiles`), brought
 into a host copy of its own at each read (a view of a copy that left keeps its memory rather than pointing at freed
-memory).  When copies leave, and why a failed read never becomes a copy, is in docs/offload.md ("Parameters: the
-shard's storage", "Failed reads").
+memory).  For a model on an accelerator (:class:`FileShardOnDevice`) the file and its host copy are the home of a
+device copy as above (docs/offload.md, "Parameters in a file on a GPU job").  When copies leave, and why a failed
+read never becomes a copy, is in docs/offload.md ("Parameters: the shard's storage", "Failed reads").
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from ..store.plan import moves_to_host
 from .files import NvmeFiles, OffloadIOError
 
 __all__ = [
-    "HostShard", "HostShards", "NvmeShard", "ShardCache", "offloads_params", "params_home", "shard_cache",
+    "DeviceCopy", "FileShardOnDevice", "HostShard", "HostShards", "NvmeShard", "ShardCache", "offloads_params",
+    "params_home", "shard_cache",
 ]
 
 _KEY = "zero_optimization.offload_param.nvme_path"
@@ -43,35 +45,59 @@ class Gathers(Protocol):
 
 
 class HostShards:
-    """This rank's shards in host memory, and the stream their copies ahead run on (see the module docstring)."""
+    """This rank's shards in host memory, or in a file with host copies (``cache``), and the stream their copies ahead
+    run on (see the module docstring)."""
 
-    def __init__(self, device: torch.device, pin: bool) -> None:
+    def __init__(self, device: torch.device, pin: bool, cache: Optional["ShardCache"] = None) -> None:
         self.device = device
         self.pin = pin and device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        #: set by `engine.destroy()` (as the file cache's): nothing is written back any more
-        self.closing = False
-        #: bytes copied up (host to device) and down (written back), for the measurement
-        self.up, self.down = 0, 0
+        #: the file behind the host copies (``offload_param: {device: nvme}`` on an accelerator), or None
+        self.cache = cache
+        if cache is not None:
+            cache.pin = self.pin  # its host copies are what the copies up read: pinned, they overlap
+        self._closing = False
+        #: bytes copied up (host to device) and down (written back), and uses that found their copy up made ahead
+        self.up, self.down, self.ahead_hits = 0, 0, 0
 
-    def place(self, shard: torch.Tensor, owner: Gathers) -> "HostShard":
-        """``shard`` (on the device) moves to host memory; its device copy goes once released."""
+    @property
+    def closing(self) -> bool:
+        """Set by `engine.destroy()` (as the file cache's): nothing is written back any more."""
+        return self._closing
+
+    @closing.setter
+    def closing(self, value: bool) -> None:
+        self._closing = value
+        if self.cache is not None:
+            self.cache.closing = value
+
+    def place(self, shard: torch.Tensor, owner: Gathers) -> "DeviceCopy":
+        """``shard`` (on the device) moves to host memory, or to the file; its device copy goes once released."""
         home = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=self.pin)
         home.copy_(shard)
-        return HostShard(self, home, shard, owner)
+        if self.cache is None:
+            return HostShard(self, home, shard, owner)
+        return FileShardOnDevice(self, self.cache.place(home, owner), shard, owner)
 
     def check_usable(self) -> None:
-        """Host memory does not lose what was written to it (the file cache's check has nothing to do here)."""
+        """Host memory does not lose what was written to it; a file may (:meth:`ShardCache.check_usable`)."""
+        if self.cache is not None:
+            self.cache.check_usable()
 
     def close(self) -> None:
-        """Nothing to delete: the shards go with their units."""
+        """Nothing to delete for host memory (the shards go with their units); a file's folder goes."""
+        if self.cache is not None:
+            self.cache.close()
 
 
-class HostShard:
-    """One unit's shard in host memory, and its copy on the device while in use (see the module docstring)."""
+class DeviceCopy:
+    """One unit's shard apart from the model, and its copy on the device while in use (see the module docstring);
+    where the shard lives is the subclass's: host memory (:class:`HostShard`) or a file (:class:`FileShardOnDevice`)."""
 
-    def __init__(self, shards: HostShards, home: torch.Tensor, copy: torch.Tensor, owner: Gathers) -> None:
-        self.shards, self.home, self.owner = shards, home, owner
+    def __init__(self, shards: HostShards, copy: torch.Tensor, owner: Gathers) -> None:
+        self.shards, self.owner = shards, owner
+        self.dtype, self.shape = copy.dtype, copy.shape
+        self.nbytes = copy.numel() * copy.element_size()
         #: the copy on the device (None: only in host memory), and its version when it last agreed with the host's
         self.copy: Optional[torch.Tensor] = copy
         self.clean = copy._version
@@ -81,6 +107,20 @@ class HostShard:
     @property
     def device(self) -> torch.device:
         return self.shards.device
+
+    def _host(self) -> torch.Tensor:
+        """The host values, waited for."""
+        raise NotImplementedError
+
+    def _host_now(self) -> Optional[torch.Tensor]:
+        """The host values if at hand without waiting, else None."""
+        raise NotImplementedError
+
+    def _write_home(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+    def _home_used(self) -> None:
+        """The host values were read or written: a file's cache may let them go."""
 
     def get(self) -> torch.Tensor:
         if self.copy is None:
@@ -92,52 +132,59 @@ class HostShard:
                     stream.wait_event(done)
                     copy.record_stream(stream)
                 self._take(copy)
+                self.shards.ahead_hits += 1
             else:
-                self._take(self.home.to(self.device, non_blocking=self.shards.pin, copy=True))
+                self._take(self._host().to(self.device, non_blocking=self.shards.pin, copy=True))
+                self._home_used()
         assert self.copy is not None
         return self.copy
 
     def _take(self, copy: torch.Tensor) -> None:
         self.copy, self.clean = copy, copy._version
-        self.shards.up += copy.numel() * copy.element_size()
+        self.shards.up += self.nbytes
 
     def put(self, shard: torch.Tensor) -> None:
         if shard is self.copy:
             return
-        if shard.dtype != self.home.dtype or shard.shape != self.home.shape:
+        if shard.dtype != self.dtype or shard.shape != self.shape:
             raise RuntimeError(
-                f"a stage 3 shard kept in host memory (`offload_param: {{device: cpu}}`) cannot become a "
-                f"{shard.dtype} tensor of shape {tuple(shard.shape)} (it is {self.home.dtype}, "
-                f"{tuple(self.home.shape)}); cast the model before `shardwise.initialize`, not after")
+                f"a stage 3 shard kept apart from the model (`offload_param`) cannot become a "
+                f"{shard.dtype} tensor of shape {tuple(shard.shape)} (it is {self.dtype}, "
+                f"{tuple(self.shape)}); cast the model before `shardwise.initialize`, not after")
         self.get().copy_(shard)
 
     def write(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """Into the device copy where there is one (written back when it goes), else into host memory."""
-        target = self.copy if self.copy is not None else self.home
-        if target is self.home:
+        """Into the device copy where there is one (written back when it goes), else into the home."""
+        if self.copy is None:
             self.pending = None  # a copy ahead would miss these values: the next use copies them up
-        if parts:  # (into host memory: waited for, the values may come from the device)
-            torch._foreach_copy_([target.narrow(0, at, v.numel()) for at, v in parts], [v for _, v in parts],
-                                 non_blocking=target is self.copy)
+            self._write_home(parts)
+            self._home_used()
+        elif parts:
+            torch._foreach_copy_([self.copy.narrow(0, at, v.numel()) for at, v in parts], [v for _, v in parts],
+                                 non_blocking=True)
 
     def released(self) -> None:
         """The device copy goes (written back if written), unless an all-gather reads it or a step publishes."""
         if self.copy is None or self.owner.shard_busy:
             return
         if self.copy._version != self.clean and not self.shards.closing:
-            self.home.copy_(self.copy)
-            self.shards.down += self.home.numel() * self.home.element_size()
+            self._write_home([(0, self.copy)])  # (a file's shard not in host memory: into the file, nothing read)
+            self.shards.down += self.nbytes
         self.copy = None
+        self._home_used()
 
     def read_ahead(self) -> None:
         if self.copy is not None or self.pending is not None:
             return
+        host = self._host_now()
+        if host is None:
+            return  # (a file's read ahead into host memory started: a later call copies it up)
         stream = self.shards.stream
         if stream is None:
-            self.pending = (self.home.clone(), None)
+            self.pending = (host.clone(), None)
             return
         with torch.cuda.stream(stream):
-            copy = self.home.to(self.device, non_blocking=self.shards.pin)
+            copy = host.to(self.device, non_blocking=self.shards.pin)
             done = torch.cuda.Event()
             done.record(stream)
         self.pending = (copy, done)
@@ -148,11 +195,58 @@ class HostShard:
 
     def held_bytes(self) -> int:
         """Bytes on the device (the copy, or one coming ahead)."""
-        held = self.copy is not None or self.pending is not None
-        return self.home.numel() * self.home.element_size() if held else 0
+        return self.nbytes if self.copy is not None or self.pending is not None else 0
 
     def discard(self) -> None:
         self.copy, self.pending = None, None
+
+
+class HostShard(DeviceCopy):
+    """One unit's shard in (pinned) host memory, ``home``: ``offload_param: {device: cpu}`` on an accelerator."""
+
+    def __init__(self, shards: HostShards, home: torch.Tensor, copy: torch.Tensor, owner: Gathers) -> None:
+        super().__init__(shards, copy, owner)
+        self.home = home
+
+    def _host(self) -> torch.Tensor:
+        return self.home
+
+    def _host_now(self) -> Optional[torch.Tensor]:
+        return self.home
+
+    def _write_home(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
+        if parts:  # (waited for: the values may come from the device)
+            torch._foreach_copy_([self.home.narrow(0, at, v.numel()) for at, v in parts], [v for _, v in parts])
+
+
+class FileShardOnDevice(DeviceCopy):
+    """One unit's shard in a file, with a host copy as the cache decides (an :class:`NvmeShard`, ``home``) and a copy
+    on the device while in use: ``offload_param: {device: nvme}`` on an accelerator.  Read ahead in two calls of the
+    gatherer's window: the first reads the file into host memory on the cache's thread, a later one copies it up."""
+
+    def __init__(self, shards: HostShards, home: "NvmeShard", copy: torch.Tensor, owner: Gathers) -> None:
+        super().__init__(shards, copy, owner)
+        self.home = home
+
+    def _host(self) -> torch.Tensor:
+        return self.home.get()
+
+    def _host_now(self) -> Optional[torch.Tensor]:
+        return self.home.ready()
+
+    def _write_home(self, parts: Sequence[tuple[int, torch.Tensor]]) -> None:
+        self.home.write(parts)
+
+    def _home_used(self) -> None:
+        self.home.released()
+
+    def settle_read_ahead(self) -> None:
+        self.pending = None
+        self.home.settle_read_ahead()
+
+    def discard(self) -> None:
+        super().discard()
+        self.home.discard()
 
 
 class ShardCache:
@@ -164,6 +258,8 @@ class ShardCache:
         self.files.reserve(nbytes, f"{numel:,} elements of {dtype}")  # what every rank of this host claims there
         self.files.create("params", nbytes)
         self.max_in_cpu = max_in_cpu
+        #: host copies in pinned memory (set by :class:`HostShards` for a model on an accelerator)
+        self.pin = False
         #: shards read ahead at most at once (``offload_param.buffer_count``)
         self.ahead = ahead
         self.used = 0  # bytes of the file given out
@@ -275,11 +371,22 @@ class NvmeShard:
                 shard.narrow(0, at, values.numel()).copy_(values)
             return
         for at, values in parts:  # only in the file: the parts go there, nothing is read
-            cast = values.detach().to(self.dtype).contiguous()
+            cast = values.detach().to("cpu", self.dtype).contiguous()  # (from a device copy written back too)
             self.cache.files.write_from("params", cast, self.offset + at * self.dtype.itemsize, where=self._where)
 
     def released(self) -> None:
         self.cache.trim()
+
+    def ready(self) -> Optional[torch.Tensor]:
+        """The host copy if it is at hand without waiting (a read ahead that succeeded is taken); else None, a read
+        ahead started if there is none (a failed one is left for :meth:`get` to raise, as it does)."""
+        pending = self.pending
+        if pending is not None and not (pending.done() and pending.exception() is None):
+            return None
+        if pending is None and self.tensor is None:
+            self.read_ahead()
+            return None
+        return self.get()
 
     def read_ahead(self) -> None:
         if self.tensor is not None or self.pending is not None or self.cache.reading_ahead() >= self.cache.ahead:
@@ -301,7 +408,7 @@ class NvmeShard:
     def _read(self) -> torch.Tensor:
         """A fresh host copy read from the file (a new tensor each time: a view of an evicted one keeps its own
         memory alive); it becomes :attr:`tensor` only once the read succeeded (:meth:`_take`)."""
-        tensor = torch.empty(self.shape, dtype=self.dtype, device=self._device)
+        tensor = torch.empty(self.shape, dtype=self.dtype, device=self._device, pin_memory=self.cache.pin)
         self.cache.files.read_into("params", tensor, self.offset, where=self._where)
         return tensor
 
@@ -387,4 +494,6 @@ def shard_cache(zero_config: object, rank: int, numel: int, dtype: torch.dtype,
     section = getattr(zero_config, "offload_param")  # noqa: B009 - typed object, checked above
     if where == "cpu":
         return HostShards(device, bool(section.pin_memory))
-    return ShardCache(str(section.nvme_path), rank, numel, dtype, int(section.max_in_cpu), int(section.buffer_count))
+    cache = ShardCache(str(section.nvme_path), rank, numel, dtype, int(section.max_in_cpu), int(section.buffer_count))
+    # on an accelerator (or a CPU job on the host path) the file and its host copies sit behind a device copy
+    return HostShards(device, bool(section.pin_memory), cache) if moves_to_host(device) else cache
