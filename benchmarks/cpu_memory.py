@@ -11,6 +11,11 @@ the operation that made them.  Not seen, on a GPU as here: buffers inside a coll
 only: temporaries inside a tensor subclass's own dispatch (FSDP2's optimizer step on DTensors).
 
     python -m benchmarks.cpu_memory --size 40m --dtype fp32 bf16 --world 1 2
+    python -m benchmarks.cpu_memory --stage 0 1 2 --dtype bf16 --world 1   # each stage against its torch peer
+
+``--systems`` takes families (``shardwise``, ``ddp``, ``zero1``, ``fsdp2``, ``deepspeed``) or ``peer``: the torch
+system a stage is compared against (:func:`benchmarks.configs.peer_of`: DDP at stage 0, ZeroRedundancyOptimizer at 1,
+FSDP2 without resharding at 2, FSDP2 at 3).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .configs import System, Workload
+from .configs import System, Workload, peer_of
 from .cuda import _overrides
 from .systems import build_harness
 from .workload import batch, gpt_module, synthetic_stream
@@ -116,6 +121,13 @@ def measure(system: System, workload: Workload, steps: int = 2,
     return run_distributed(_rank, workload.world_size, args=args, timeout=1800)[0]  # type: ignore[no-any-return]
 
 
+def system_for(family: str, stage: int, dtype: str) -> System:
+    """``family`` at ``stage`` and ``dtype``; ``peer`` is the torch system that stage is compared against."""
+    if family == "peer":
+        return peer_of(System("shardwise", stage, dtype))
+    return System(family, stage, dtype)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="40m")
@@ -124,22 +136,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--dtype", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--world", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--systems", nargs="+", default=["shardwise", "fsdp2"])
+    parser.add_argument("--stage", type=int, nargs="+", default=[3], choices=[0, 1, 2, 3])
+    parser.add_argument("--systems", nargs="+", default=["shardwise", "peer"],
+                        help="families, or `peer`: the stage's torch peer (DDP, ZeRO-1, FSDP2 without/with reshard)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--detail", action="store_true", help="what was alive at the peak, by the operation that made it")
     args = parser.parse_args(argv)
-    print("| system | world | before MiB | step peak MiB (each step) |\n|---|---|---|---|")
+    print("| system | world | before MiB | step peak MiB (each step) | sum MiB |\n|---|---|---|---|---|")
     for dtype in args.dtype:
         for world in args.world:
             workload = Workload(size=args.size, world_size=world, micro_batch=args.micro_batch, seq_len=args.seq_len)
-            for family in args.systems:
-                system = System(family, 3, dtype)
-                rows = measure(system, workload, args.steps, _overrides(args))
-                peaks = ", ".join(f"{row['peak'] / MIB:.1f}" for row in rows)
-                print(f"| {system.name} | {world} | {rows[-1]['before'] / MIB:.1f} | {peaks} |", flush=True)
-                if args.detail:
-                    print("  at peak:", {k: round(v / MIB, 1) for k, v in rows[-1]["at_peak"].items()}, flush=True)
+            for stage in args.stage:
+                for family in args.systems:
+                    _report(system_for(family, stage, dtype), workload, args)
     return 0
+
+
+def _report(system: System, workload: Workload, args: argparse.Namespace) -> None:
+    rows = measure(system, workload, args.steps, _overrides(args))
+    peaks = ", ".join(f"{row['peak'] / MIB:.1f}" for row in rows)
+    before, total = rows[-1]["before"] / MIB, (rows[-1]["before"] + rows[-1]["peak"]) / MIB
+    print(f"| {system.name} | {workload.world_size} | {before:.1f} | {peaks} | {total:.1f} |", flush=True)
+    if args.detail:
+        print("  at peak:", {k: round(v / MIB, 1) for k, v in rows[-1]["at_peak"].items()}, flush=True)
 
 
 if __name__ == "__main__":

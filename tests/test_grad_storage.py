@@ -37,8 +37,8 @@ WHOLE, IN_BUFFER, SEPARATE = "whole", "in buffer", "separate"
 # parameters are stepped themselves (plain DDP); stage 2's staged gradients never sit in `param.grad` at the step
 EXPECTED = {
     (0, "fp32"): (FlatGrads, WHOLE), (1, "fp32"): (FlatGrads, WHOLE),
-    (2, "fp32"): (StagedGrads, IN_BUFFER), (0, "bf16"): (FlatGrads, SEPARATE),
-    (1, "bf16"): (FlatGrads, SEPARATE), (2, "bf16"): (StagedGrads, SEPARATE),
+    (2, "fp32"): (StagedGrads, IN_BUFFER), (0, "bf16"): (StagedGrads, SEPARATE),
+    (1, "bf16"): (StagedGrads, SEPARATE), (2, "bf16"): (StagedGrads, SEPARATE),
 }
 
 

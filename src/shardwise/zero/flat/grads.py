@@ -384,6 +384,10 @@ class StagedGrads(GradStorage):
         return True
 
     def comm_input(self, bucket: Bucket) -> torch.Tensor:
+        if self.layout.num_shards == 1:
+            # one shard (stage 0, or one process): the reduction's output is the whole bucket, in fp32, so the
+            # gradients are staged straight into it and reduced in place (no second full-size fp32 buffer)
+            return self.reduced.slices[bucket.index]
         staging = self._staging.get(bucket.index)
         if staging is None:
             # `take` writes every parameter's slice (its gradient, or zeros) before the bucket is reduced,

@@ -159,7 +159,10 @@ class FlatStrategy(Strategy):
             self.grads.landed = lambda bucket: home.arrived(landing[bucket.index])
 
     def _storage(self, allocate: Allocate) -> GradStorage:
-        return self.grad_storage(self.layout, self.precision.dtype, self.device, allocate, self.backward,
+        # fp16/bf16: every stage stages its gradients in fp32 at the boundary (no full-size low-precision buffer kept
+        # beside the fp32 one the optimizer reads: 2 bytes a parameter less, docs/zero.md)
+        storage = self.grad_storage if self.precision.dtype == torch.float32 else StagedGrads
+        return storage(self.layout, self.precision.dtype, self.device, allocate, self.backward,
                                  self._reduction(), self.precision.reduce_dtype)
 
     def run_backward(self, tensor: torch.Tensor, sync: bool, retain_graph: bool = False) -> None:
@@ -253,10 +256,31 @@ class FlatStrategy(Strategy):
             param.grad = None  # not a use of the values (see `PendingGathers`); it stays None, as DDP leaves it
             if (piece := self.store.by_param.get(id(param))) is not None:
                 unused.append(piece)
-        self.store.step(inner, factor if apart else 1.0, unused)  # steps (an offloaded home a sub-group at a time) and publishes
+        with self._compute_copy_freed():
+            self.store.step(inner, factor if apart else 1.0, unused)  # steps (an offloaded home a sub-group at a time) and publishes
         if release:
             self._forget_grads()
         self._regather()
+
+    @contextlib.contextmanager
+    def _compute_copy_freed(self) -> Iterator[None]:
+        """fp16/bf16 with resident fp32 masters: the flat parameter buffer (a compute-dtype copy of the masters) is
+        freed while the optimizer steps, as FSDP2 frees its unsharded parameters after backward; the publish that
+        ends the step writes every piece again (then the all-gather the rest).  The step peak is then masters,
+        optimizer state, gradients and the optimizer's temporaries, without that copy (docs/benchmarks.md, 1.2B
+        width on the CPU)."""
+        home = self.store.home
+        if not (home.publishes_everything and not home.in_model and self.side.param_flat.numel()):
+            yield
+            return
+        self.side.free_values()
+        try:
+            yield
+        except BaseException:
+            self.side.restore_values()
+            self.store.publish()  # the masters as the step left them, not freed memory
+            raise
+        self.side.restore_values()  # (already done by the publish: nothing then)
 
     def sync_params_from_master(self) -> None:
         self.settle()
@@ -471,8 +495,23 @@ class FlatSide:
     def values(self, piece: Piece) -> torch.Tensor:
         return piece.param.detach().reshape(-1).narrow(0, piece.start, piece.numel).to(torch.float32, copy=True)
 
+    def free_values(self) -> None:
+        """Free the flat buffer's memory until the next :meth:`write` (its views stay, sized 0)."""
+        self.param_flat.untyped_storage().resize_(0)
+
+    def restore_values(self) -> None:
+        """The flat buffer's memory back after :meth:`free_values`, its bucket padding zeroed (nothing else kept:
+        the caller writes every piece, and the all-gather the other ranks' slices)."""
+        flat = self.param_flat
+        storage = flat.untyped_storage()
+        if storage.nbytes() == 0 and flat.numel():
+            storage.resize_(flat.numel() * flat.element_size())
+            for bucket in self.layout.buckets:
+                flat.narrow(0, bucket.flat_offset + bucket.numel, bucket.padded - bucket.numel).zero_()
+
     def write(self, runs: Runs, last: bool = False) -> None:
         """Into this rank's slice of the flat buffer (then all-gathered), or a frozen parameter itself."""
+        self.restore_values()
         regions = self._regions
         for piece, at, values in runs:
             region = regions.get(id(piece))
