@@ -281,3 +281,63 @@ def test_collective_bytes_match_theory() -> None:
 
     run_subtests(case, [{"stage": s} for s in (0, 1, 2)] + [{"stage": s, "rs": False} for s in (1, 2)])
 
+
+
+def _compute_copy_during_the_step(stage: int) -> None:
+    """bf16 (fp32 masters apart) with one shard (stage 0, or one process): the flat bf16 parameter buffer has no
+    memory while the inner optimizer steps, and every value is back afterwards, equal to the masters cast down; an
+    optimizer that raises mid-step leaves the model holding the masters as the step left them, not freed memory.
+    With shards on other ranks (stages 1-2, 2 ranks) the buffer stays: a failed step could not get their slices back."""
+    model = make_model()
+    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                  {"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}})
+    flat = engine.strategy.side.param_flat
+    seen: list[int] = []
+    inner = engine.optimizer.inner
+    real = inner.step
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        seen.append(flat.untyped_storage().nbytes())
+        return real(*args, **kwargs)
+
+    inner.step = watched
+    rank = dist.get_rank()
+    engine.backward(engine(*batch(0, rank)))
+    engine.step()
+    freed = stage == 0 or dist.get_world_size() == 1
+    assert seen == [0 if freed else flat.numel() * flat.element_size()], seen
+    masters = _gathered_masters(engine)
+    for name, param in engine.module.named_parameters():
+        assert torch.equal(param.detach(), masters[name].to(torch.bfloat16)), name
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("an optimizer that raises")
+
+    inner.step = failing
+    engine.backward(engine(*batch(1, rank)))
+    try:
+        engine.step()
+    except RuntimeError as error:
+        assert "an optimizer that raises" in str(error)
+    else:
+        raise AssertionError("the step did not raise")
+    assert flat.untyped_storage().nbytes() == flat.numel() * flat.element_size()
+    masters = _gathered_masters(engine)
+    for name, param in engine.module.named_parameters():
+        assert torch.equal(param.detach(), masters[name].to(torch.bfloat16)), name
+    engine.destroy()
+
+
+def _gathered_masters(engine: Any) -> dict[str, torch.Tensor]:
+    masters = engine.strategy.full_master_weights()  # (collective: every rank gets every master)
+    return {name: masters[id(param)] for name, param in engine.module.named_parameters()}
+
+
+@distributed_test(world_size=2, timeout=120)
+def test_bf16_flat_stages_free_the_compute_copy_while_the_optimizer_steps() -> None:
+    run_subtests(_compute_copy_during_the_step, [{"stage": stage} for stage in (0, 1, 2)])
+
+
+@distributed_test(world_size=1, timeout=120)
+def test_bf16_flat_stages_in_one_process_free_the_compute_copy_while_the_optimizer_steps() -> None:
+    run_subtests(_compute_copy_during_the_step, [{"stage": stage} for stage in (1, 2)])

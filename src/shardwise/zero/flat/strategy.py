@@ -264,13 +264,16 @@ class FlatStrategy(Strategy):
 
     @contextlib.contextmanager
     def _compute_copy_freed(self) -> Iterator[None]:
-        """fp16/bf16 with resident fp32 masters: the flat parameter buffer (a compute-dtype copy of the masters) is
-        freed while the optimizer steps, as FSDP2 frees its unsharded parameters after backward; the publish that
+        """fp16/bf16 with resident fp32 masters and one shard: the flat parameter buffer (a compute-dtype copy of the
+        masters) is freed while the optimizer steps, as FSDP2 frees its unsharded parameters after backward; the publish that
         ends the step writes every piece again (then the all-gather the rest).  The step peak is then masters,
         optimizer state, gradients and the optimizer's temporaries, without that copy (docs/benchmarks.md, 1.2B
         width on the CPU)."""
         home = self.store.home
-        if not (home.publishes_everything and not home.in_model and self.side.param_flat.numel()):
+        # one shard only (stage 0, or one process): this rank's masters are every value, so a step that raises
+        # still leaves the model whole (the other ranks' slices would need an all-gather the failure never reaches)
+        if not (home.publishes_everything and not home.in_model and self.side.param_flat.numel()
+                and self.layout.num_shards == 1):
             yield
             return
         self.side.free_values()
