@@ -7,7 +7,8 @@ host path on the CPU (:func:`~shardwise.zero.store.plan.host_path_on_cpu`) so ev
 * **bandwidth**: host to device and device to host, pinned, 1 GiB (the bound on the copies below).
 * **capacity**: for each setting (``--settings``: ``none``; ``cpu``, the optimizer in host memory; ``cpu+param``,
   and stage 3's parameters too; ``nvme``, the optimizer state on NVMe under ``--nvme`` with ``--ratio`` of it
-  there and the rest in host memory, parameters in host memory; ``nvme+param``, the parameters' shards in a file
+  there and the rest in host memory, parameters in host memory; ``nvme-opt``, the same with the parameters on the
+  card; ``nvme+param``, the parameters' shards in a file
   under ``--nvme`` too, up to 1e9 elements of them in host memory) and each layer count of ``--layers`` in
   turn, a GPT of width ``--width`` (``--heads`` heads, ``--vocab`` tokens, tied head) built with
   ``shardwise.zero.Init`` straight on the card, activation checkpointing on every block, stage 3, bf16,
@@ -50,7 +51,7 @@ from .workload import gpt_module
 __all__ = ["SETTINGS", "bandwidth", "main", "trial", "zero_section"]
 
 #: capacity settings: what each offloads
-SETTINGS = ("none", "cpu", "cpu+param", "nvme", "nvme+param")
+SETTINGS = ("none", "cpu", "cpu+param", "nvme", "nvme-opt", "nvme+param")
 #: the tiny run of ``--device cpu`` (the CPU suite's): width, heads, layers, sequence, vocabulary
 _TINY = {"width": 64, "heads": 2, "layers": "1,2", "seq": 32, "vocab": 256, "speed_layers": 2, "speed_width": 64,
          "tokens": 128, "micro": 2, "steps": 2, "sub_group": 20_000}
@@ -64,7 +65,7 @@ def zero_section(setting: str, nvme: str, ratio: float, sub_group: int) -> dict[
     if setting.startswith("nvme"):
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "ratio": ratio,
                                      "buffer_count": 4}
-    if setting in ("cpu+param", "nvme"):
+    if setting in ("cpu+param", "nvme"):  # (`nvme-opt`: the parameters stay on the card)
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if setting == "nvme+param":  # the shards in a file too, 1e9 elements of them in host memory (DeepSpeed's default)
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "buffer_count": 4,
