@@ -3,9 +3,10 @@
 Under ``host_path_on_cpu()`` a CPU job takes the path a job on an accelerator takes: ``offload_optimizer: {device:
 cpu}`` gets the store's host home and ``nvme`` the NVMe home, both with a gradient buffer and staging buffers
 apart from the model's tensors and the copies between them (plain copies here, CUDA copies on a GPU); and
-``offload_param: {device: cpu}`` keeps stage 3's shards in host memory with a second "device" copy while in
-use.  So every line of the host path but the CUDA calls runs here.  On 2 ranks, 20 steps with accumulation and
-clipping: stages 1-3, ``cpu`` and ``nvme``, ``ratio`` 1 and 0.5, and stage 3 with ``offload_param: cpu``, train
+``offload_param: {device: cpu}`` keeps stage 3's shards in host memory (``nvme``: in a file, through host memory)
+with a second "device" copy while in use.  So every line of the host path but the CUDA calls runs here.  On 2 ranks,
+20 steps with accumulation and clipping: stages 1-3, ``cpu`` and ``nvme``, ``ratio`` 1 and 0.5, and stage 3 with
+``offload_param`` ``cpu`` and ``nvme``, train
 to the weights of the same stage without offload within 1e-6 (measured: 0 for ``nvme``, 2.4e-7 for ``cpu``,
 which steps with torch's fused CPU AdamW where the reference runs its for-loop; 0 with the for-loop); the bytes
 copied each way per step are theory's; a script scaling its gradients between backward and step is seen;
