@@ -245,33 +245,40 @@ def test_fused_on_host_uses_the_fused_kernel_only_where_no_kernel_was_asked_for(
     assert free.param_groups[0]["fused"] is None
 
 
-def test_the_clip_factor_goes_to_the_fused_kernel_else_a_pass_of_its_own() -> None:
-    """The host step's unscale-and-clip: torch's ``grad_scale`` where every group runs the fused kernel (no pass
-    over the gradients before the step), a multiply first otherwise; the same update within a float rounding."""
+def _clipped_step(kernel: dict[str, Any]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One host step of AdamW (``kernel``: its kernel choice) with the factor 0.25: the ``grad_scale`` and the
+    gradient its step saw, the gradient before, and the updated values."""
     from shardwise.zero.store.host import _scaled_in_step
     from shardwise.zero.store.store import Piece
 
-    results = []
-    for kernel in ({}, {"foreach": False}):
-        torch.manual_seed(0)
-        key = torch.randn(1000, requires_grad=True)
-        key.grad = torch.randn(1000)
-        grad = key.grad.clone()
-        inner = torch.optim.AdamW([key], lr=0.1, **kernel)  # type: ignore[arg-type]
-        piece = Piece(key, "w", key.shape, 0, 1000, 0, 0, 0, key=key)
-        seen = []
-        real = inner.step
-        inner.step = lambda: (seen.append((getattr(inner, "grad_scale", None), key.grad.clone())), real())[1]
-        with fused_on_host(inner), _scaled_in_step(inner, [piece], 0.25):
-            inner.step()
-        scale, before = seen[0]
-        if kernel:  # the for-loop: multiplied first, no grad_scale
-            assert scale is None and torch.equal(before, grad * 0.25)
-        else:
-            assert scale is not None and scale.item() == 4.0 and torch.equal(before, grad)
-        assert not hasattr(inner, "grad_scale")
-        results.append(key.detach().clone())
-    assert torch.allclose(results[0], results[1], rtol=0, atol=1e-6)
+    torch.manual_seed(0)
+    key = torch.randn(1000, requires_grad=True)
+    key.grad = torch.randn(1000)
+    grad = key.grad.clone()
+    inner = torch.optim.AdamW([key], lr=0.1, **kernel)
+    seen = []
+    real = inner.step
+
+    def step() -> Any:
+        seen.append((getattr(inner, "grad_scale", None), key.grad.clone()))
+        return real()
+
+    inner.step = step  # type: ignore[method-assign]
+    with fused_on_host(inner), _scaled_in_step(inner, [Piece(key, "w", key.shape, 0, 1000, 0, 0, 0, key=key)], 0.25):
+        inner.step()
+    assert not hasattr(inner, "grad_scale")
+    (scale, before), = seen
+    return scale, before, grad, key.detach().clone()
+
+
+def test_the_clip_factor_goes_to_the_fused_kernel_else_a_pass_of_its_own() -> None:
+    """The host step's unscale-and-clip: torch's ``grad_scale`` where every group runs the fused kernel (no pass
+    over the gradients before the step), a multiply first otherwise; the same update within a float rounding."""
+    scale, before, grad, fused = _clipped_step({})
+    assert scale is not None and scale.item() == 4.0 and torch.equal(before, grad)
+    scale, before, grad, loop = _clipped_step({"foreach": False})
+    assert scale is None and torch.equal(before, grad * 0.25)
+    assert torch.allclose(fused, loop, rtol=0, atol=1e-6)
 
 
 class _Unit:
