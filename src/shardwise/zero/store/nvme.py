@@ -16,6 +16,7 @@ on an accelerator gradients come down and masters go up through :class:`~.copies
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, MutableMapping, Optional, Sequence
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from ...optim.param_state import KeptSlot, copy_value
 from ..offload.files import NvmeFiles
 from .copies import DeviceCopies
+from .host import fused_on_host
 from .plan import Chunk, OffloadSpec, plan_sub_groups, resident_split, say_split, state_bytes_per_element
 from .store import Home, Kept, ModelSide, Piece, Run, planned_index
 from .subgroups import BufferPool, OffloadSlot, SubGroupStepper, placeholder, pool_for
@@ -136,7 +138,10 @@ class Nvme(Home):
         self.publish()  # after a load: the files' masters into the model first
         self.side.settle()  # (a shard a failed step left held)
         self.settle_grads()
-        self.stepper.step(inner, self)
+        # on an accelerator the reference steps on the device, so nothing is lost by taking the host's fastest kernel
+        # (a CPU job keeps the model's own, as its run without offload does: the same values to the bit)
+        with fused_on_host(inner) if self.copies is not None else contextlib.nullcontext():
+            self.stepper.step(inner, self)
         self.side.settle()
 
     def stepped(self, chunk: Chunk) -> Optional[torch.Tensor]:
