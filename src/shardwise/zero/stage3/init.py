@@ -53,10 +53,11 @@ def _remote_device_line(remote_device: Optional[str], config: Optional[Config]) 
         return None
     if remote_device == "nvme" and section is not None:
         return ("zero.Init(remote_device='nvme'): each rank's shards are built in host memory and stay there until "
-                f"`initialize`, which moves them into files under {section.nvme_path!r} (`offload_param: nvme`)")
+                f"`initialize`, which moves them into files under {section.nvme_path!r} (`offload_param: nvme`; on a "
+                "GPU job by way of the GPU, which holds this rank's fp32 shards until `initialize` has placed them)")
     return ("zero.Init(remote_device='cpu'): each rank's shards are built where the model makes its parameters "
             "(host memory unless torch's default device is set); `initialize` then places them as the config says "
-            "(`offload_param: nvme`: in files; otherwise on the job's device, the host on a CPU job)")
+            "(`offload_param: nvme`: in files; `cpu` on a GPU job: in host memory; otherwise on the job's device)")
 
 
 class Init:
