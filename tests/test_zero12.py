@@ -341,3 +341,23 @@ def test_bf16_flat_stages_free_the_compute_copy_while_the_optimizer_steps() -> N
 @distributed_test(world_size=1, timeout=120)
 def test_bf16_flat_stages_in_one_process_free_the_compute_copy_while_the_optimizer_steps() -> None:
     run_subtests(_compute_copy_during_the_step, [{"stage": stage} for stage in (1, 2)])
+
+
+def _staged_into_the_output(stage: int) -> None:
+    """One shard (one process): a bucket's gradients are staged straight into this rank's fp32 reduced gradients,
+    with no staging tensor beside them (same values: `benchmarks.same_math`)."""
+    model = make_model()
+    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                  {"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}})
+    grads = engine.strategy.grads
+    for bucket in engine.strategy.layout.buckets:
+        assert grads.comm_input(bucket).data_ptr() == grads.reduced.slices[bucket.index].data_ptr()
+    engine.backward(engine(*batch(0, 0)))
+    assert not grads._staging
+    engine.step()
+    engine.destroy()
+
+
+@distributed_test(world_size=1, timeout=120)
+def test_bf16_flat_stages_in_one_process_stage_into_the_reduced_gradients() -> None:
+    run_subtests(_staged_into_the_output, [{"stage": stage} for stage in (0, 1, 2)])
