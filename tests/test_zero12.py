@@ -361,3 +361,30 @@ def _staged_into_the_output(stage: int) -> None:
 @distributed_test(world_size=1, timeout=120)
 def test_bf16_flat_stages_in_one_process_stage_into_the_reduced_gradients() -> None:
     run_subtests(_staged_into_the_output, [{"stage": stage} for stage in (0, 1, 2)])
+
+
+def _reduced_per_bucket(stage: int) -> None:
+    """One shard, bf16: each bucket's fp32 reduced gradients have memory from its first gradient in a reducing
+    backward to the step (so they grow as backward goes, as FSDP2's), none between steps."""
+    model = make_model()
+    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                  {"zero_optimization": {"stage": stage, "reduce_bucket_size": 300}, "bf16": {"enabled": True}})
+    reduced = engine.strategy.grads.reduced
+    buckets = len(reduced.slices)
+    assert buckets > 2 and reduced.nbytes() == sum(g.numel() * 4 for g in reduced.slices)  # before any step: all
+    live: list[int] = []
+    for param in engine.module.parameters():  # after the engine's own hook: the bucket it just filled has memory
+        param.register_post_accumulate_grad_hook(lambda _: live.append(sum(reduced._live)))
+    for step in range(3):
+        live.clear()
+        engine.backward(engine(*batch(step, 0)))
+        if step:  # (the first backward finds every bucket as initialize made it)
+            assert live[0] < buckets and live == sorted(live) and live[-1] == buckets, live
+        engine.step()
+        assert reduced.nbytes() == 0  # released: no memory until the next reducing backward
+    engine.destroy()
+
+
+@distributed_test(world_size=1, timeout=120)
+def test_bf16_flat_stages_in_one_process_hold_reduced_gradients_from_backward_to_step() -> None:
+    run_subtests(_reduced_per_bucket, [{"stage": stage} for stage in (0, 2)])

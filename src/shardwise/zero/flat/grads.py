@@ -86,6 +86,9 @@ class ReducedGrads:
         self.contiguous, self._owned = contiguous, owned
         #: (sum of squares taken while the reduction was waited for, the slices' versions then)
         self._share: Optional[tuple[torch.Tensor, tuple[int, ...]]] = None
+        #: per bucket, whether its slice has memory (:meth:`release` / :meth:`ensure`; all, unless per bucket)
+        self._live = [True] * len(slices)
+        self._per_bucket = owned and contiguous is None
 
     @classmethod
     def in_buffer(cls, layout: FlatLayout, grad_flat: torch.Tensor) -> "ReducedGrads":
@@ -94,13 +97,38 @@ class ReducedGrads:
         return cls(slices, grad_flat if layout.num_shards == 1 else None, owned=False, device=grad_flat.device)
 
     @classmethod
-    def separate(cls, layout: FlatLayout, device: torch.device) -> "ReducedGrads":
-        """A separate fp32 shard."""
+    def separate(cls, layout: FlatLayout, device: torch.device, per_bucket: bool = False) -> "ReducedGrads":
+        """A separate fp32 shard; ``per_bucket``: a tensor per bucket, each with memory only from its bucket's first
+        gradient in a reducing backward to the step (:meth:`ensure`, :meth:`release`)."""
+        if per_bucket:
+            slices = [torch.zeros(b.shard_numel, dtype=torch.float32, device=device) for b in layout.buckets]
+            return cls(slices, None, owned=True, device=device)
         shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
         return cls([layout.shard_slice(shard, b) for b in layout.buckets], shard, owned=True, device=device)
 
+    def ensure(self, index: Optional[int] = None, written: int = 0) -> None:
+        """Bucket ``index``'s slice (every slice: None) has its memory back after :meth:`release`, zeroed but for its
+        first ``written`` elements (the caller is about to write them: a bucket's gradients, staged)."""
+        for i in range(len(self.slices)) if index is None else (index,):
+            if not self._live[i]:
+                grad = self.slices[i]
+                grad.untyped_storage().resize_(grad.numel() * grad.element_size())
+                grad[written:].zero_()
+                self._live[i] = True
+
+    def release(self) -> None:
+        """The gradients were stepped or dropped: per bucket, their memory goes until the bucket's next gradient
+        (as FSDP2 makes its gradients in backward: 4 bytes a parameter less from the step to the middle of the next
+        backward)."""
+        if self._per_bucket:
+            for i, grad in enumerate(self.slices):
+                grad.untyped_storage().resize_(0)
+                self._live[i] = False
+            self._share = None
+
     def bucket_sq(self, index: int) -> torch.Tensor:
         """Sum of squares of bucket ``index``'s slice (this rank's part)."""
+        self.ensure(index)
         grad = self.slices[index].float()
         return torch.dot(grad, grad) if grad.numel() else grad.new_zeros(())
 
@@ -110,6 +138,7 @@ class ReducedGrads:
 
     def sq(self) -> torch.Tensor:
         """Sum of squares (this rank's part), computed now."""
+        self.ensure()
         if self.contiguous is not None:
             grad = self.contiguous.float()
             return torch.dot(grad, grad) if grad.numel() else grad.new_zeros(())
@@ -138,17 +167,19 @@ class ReducedGrads:
         return self.sq()
 
     def scale(self, factor: float) -> None:
+        self.ensure()
         if self.contiguous is not None:
             self.contiguous.mul_(factor)
-        else:
-            for grad in self.slices:
-                grad.mul_(factor)
+        elif self.slices:
+            torch._foreach_mul_(self.slices, factor)
 
     def nbytes(self) -> int:
         """Bytes held apart from the full gradient buffer."""
-        if not self._owned or self.contiguous is None:
+        if not self._owned:
             return 0
-        return self.contiguous.numel() * self.contiguous.element_size()
+        if self.contiguous is not None:
+            return self.contiguous.numel() * self.contiguous.element_size()
+        return sum(grad.untyped_storage().nbytes() for grad in self.slices)  # (0 for a released bucket)
 
 
 class _InFlight(NamedTuple):
@@ -175,15 +206,17 @@ class GradStorage(ABC):
     in_params = False
 
     def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, allocate: Allocate,
-                 backward: Backward, reduce: Reduce, wire: torch.dtype = torch.float32) -> None:
+                 backward: Backward, reduce: Reduce, wire: torch.dtype = torch.float32, per_bucket: bool = False) -> None:
         self.layout, self.device, self.backward, self._reduce, self._wire = layout, device, backward, reduce, wire
+        #: a separate reduced tensor per bucket, with memory from its first gradient to the step (ReducedGrads.release)
+        self.per_bucket = per_bucket
         self.reduced = self._reduced_grads(dtype)
         #: told each bucket once its reduction landed (the master store's home then copies it to host memory)
         self.landed: Callable[[Bucket], None] = lambda bucket: None
         self._reset()
 
     def _reduced_grads(self, dtype: torch.dtype) -> ReducedGrads:
-        return ReducedGrads.separate(self.layout, self.device)
+        return ReducedGrads.separate(self.layout, self.device, self.per_bucket)
 
     def _reset(self) -> None:
         """A new backward of the engine: nothing seen, nothing launched."""
@@ -225,6 +258,7 @@ class GradStorage(ABC):
     def _launch(self, bucket: Bucket) -> None:
         """Hand ``bucket`` to the stage's collective (in the wire dtype), its result landing in fp32."""
         source = self.comm_input(bucket)
+        self.reduced.ensure(bucket.index)
         output = self.reduced.slices[bucket.index]
         if self._wire == output.dtype:
             work, full = self._reduce(source, output)
@@ -365,9 +399,9 @@ class StagedGrads(GradStorage):
     """Per-bucket fp32 staging at the boundary; ``param.grad`` full-size only between boundaries (stage 2)."""
 
     def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, allocate: Allocate,
-                 backward: Backward, reduce: Reduce, wire: torch.dtype = torch.float32) -> None:
+                 backward: Backward, reduce: Reduce, wire: torch.dtype = torch.float32, per_bucket: bool = False) -> None:
         self._staging: dict[int, torch.Tensor] = {}
-        super().__init__(layout, dtype, device, allocate, backward, reduce, wire)
+        super().__init__(layout, dtype, device, allocate, backward, reduce, wire, per_bucket)
 
     def keep(self, index: int, param: torch.Tensor, boundary: bool) -> None:
         if boundary:  # between boundaries the gradient accumulates in `param.grad`, where autograd put it
@@ -386,7 +420,9 @@ class StagedGrads(GradStorage):
     def comm_input(self, bucket: Bucket) -> torch.Tensor:
         if self.layout.num_shards == 1:
             # one shard (stage 0, or one process): the reduction's output is the whole bucket, in fp32, so the
-            # gradients are staged straight into it and reduced in place (no second full-size fp32 buffer)
+            # gradients are staged straight into it and reduced in place (no second full-size fp32 buffer); `take`
+            # writes every parameter's slice (its gradient, or zeros) before the bucket is reduced
+            self.reduced.ensure(bucket.index, written=bucket.numel)
             return self.reduced.slices[bucket.index]
         staging = self._staging.get(bucket.index)
         if staging is None:
