@@ -279,10 +279,10 @@ class FlatStrategy(Strategy):
         ends the step writes every piece again (then the all-gather the rest).  The step peak is then masters,
         optimizer state, gradients and the optimizer's temporaries, without that copy (docs/benchmarks.md, 1.2B
         width on the CPU)."""
-        home = self.store.home
-        # one shard only (stage 0, or one process): this rank's masters are every value, so a step that raises
-        # still leaves the model whole (the other ranks' slices would need an all-gather the failure never reaches)
-        if not (home.publishes_everything and not home.in_model and self.side.param_flat.numel()
+        # masters in memory apart from the model (every step publishes them all), and one shard only (stage 0, or one
+        # process): this rank's masters are every value, so a step that raises still leaves the model whole (the other
+        # ranks' slices would need an all-gather the failure never reaches)
+        if not (self._offload is None and not self.store.home.in_model and self.side.param_flat.numel()
                 and self.layout.num_shards == 1):
             yield
             return

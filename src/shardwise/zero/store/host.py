@@ -6,7 +6,8 @@ device).  The step waits for those copies, then steps the inner optimizer sub-gr
 pieces of at most ``sub_group_size`` elements, :func:`~.plan.whole_sub_groups`, as DeepSpeed's), each scaled
 just before its step (by the fused kernel itself, as GradScaler's ``grad_scale``); torch's Adam and AdamW use their
 fused CPU kernel (:func:`fused_on_host`; 4-8x their for-loop and foreach kernels on this machine's CPU, ``python -m
-benchmarks.offload_adam``) unless built asking for another.  Each sub-group's updated masters go up in the compute dtype while the next one steps.
+benchmarks.offload_adam``) unless built asking for another.  Each sub-group's updated masters go up in the compute
+dtype while the next one steps.
 
 ``offload_optimizer.ratio`` below 1 is DeepSpeed's partial offload: of ``n`` sub-groups the first
 ``int((1 - ratio) * n)`` stay on the device (a :class:`~.store.Resident` home of their own), stepped there first.

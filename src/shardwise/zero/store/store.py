@@ -168,9 +168,6 @@ class Home(ABC):
 
     #: whether the masters are the model's own storage (nothing to publish, no copy held apart)
     in_model = False
-    #: whether each step ends by publishing every trainable piece into the model (so the model's copy of them can be
-    #: freed while the optimizer steps)
-    publishes_everything = False
 
     def __init__(self, side: ModelSide, copies: Optional[DeviceCopies] = None) -> None:
         self.side = side
@@ -347,8 +344,6 @@ class NormShare(NamedTuple):
 
 class Resident(Home):
     """Masters in memory: the model's own storage (``in_model``) or separate fp32 copies; state in the optimizer."""
-
-    publishes_everything = True
 
     def __init__(self, side: ModelSide, in_model: bool) -> None:
         super().__init__(side)
