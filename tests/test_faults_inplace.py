@@ -123,18 +123,87 @@ def _outside_forward_persistent_write() -> None:
     engine.destroy()
 
 
+def _masters(engine: Any) -> dict[str, torch.Tensor]:
+    full = engine.strategy.full_master_weights()  # collective
+    return {name: full[id(param)] for name, param in engine.module.named_parameters() if id(param) in full}
+
+
+def _flat_bf16_write_reaches_the_master(stage: int) -> None:
+    """Stages 0-2 in bf16: a write that moves the parameter's version counter (here a torch in-place method in a
+    forward) reaches this rank's fp32 masters exactly; before, the next step's publish overwrote it."""
+    engine = _engine(stage, threshold=0, bf16=True)
+    before = _masters(engine)
+
+    def fill(module: nn.Module, args: Any) -> None:
+        with torch.no_grad():
+            module.weight.fill_(0.25)
+
+    handle = engine.module.fc1.register_forward_pre_hook(fill)
+    engine.optimizer.inner.param_groups[0]["lr"] = 0.0  # the step changes nothing: only the write shows
+    _train(engine, 1)
+    handle.remove()
+    after = _masters(engine)
+    assert torch.equal(after["fc1.weight"], torch.full((16, 8), 0.25)), "the write missed the master"
+    assert torch.equal(after["head.weight"], before["head.weight"]), "an unwritten master was rounded"
+    assert torch.equal(engine.module.fc1.weight.float(), torch.full((16, 8), 0.25))
+    engine.destroy()
+
+
+def _load_state_dict_after_initialize(stage: int) -> None:
+    """``model.load_state_dict`` on the engine's module between steps (bf16): the next step starts from the loaded
+    values at every stage (stages 0-2 lost them to the masters before); nothing else is rounded."""
+    engine = _engine(stage, threshold=10, bf16=True)
+    _train(engine, 1)
+    before = _masters(engine)
+    gen = torch.Generator().manual_seed(5)
+    loaded = {"head.weight": torch.randn(4, 16, generator=gen), "head.bias": torch.randn(4, generator=gen)}
+    if stage == 3:
+        shardwise.zero.load_state_dict(engine.module, loaded, strict=False)
+    else:
+        engine.module.load_state_dict(loaded, strict=False)
+    engine.optimizer.inner.param_groups[0]["lr"] = 0.0
+    _train(engine, 1)
+    after = _masters(engine)
+    want = {n: v if stage == 3 else v.to(torch.bfloat16).float() for n, v in loaded.items()}  # (stage 3 loads fp32)
+    for name, value in want.items():
+        assert torch.equal(after[name], value), f"{name}: the load missed the master"
+    for name in ("fc1.bias", "fc2.bias"):  # (the forward clamps `fc1.weight` and scales `fc2.weight` itself)
+        assert torch.equal(after[name], before[name]), f"{name}: an unloaded master changed"
+    engine.destroy()
+
+
+def _outside_forward_data_write() -> None:
+    """Stage 3: a write through ``.data`` of a persistent parameter between steps reaches its shard and master."""
+    engine = _engine(3, threshold=10)
+    engine.module.counter.data.fill_(7.0)  # no torch in-place method on the parameter: only the `.data` read shows
+    assert torch.equal(_masters(engine)["counter"], torch.full((2,), 7.0)), "the write missed the master"
+    _train(engine, 1)
+    assert torch.equal(engine.module.counter.detach().float(), torch.full((2,), 8.0)), engine.module.counter
+    assert torch.equal(_masters(engine)["counter"], torch.full((2,), 8.0))
+    engine.destroy()
+
+
 @distributed_test(world_size=2, timeout=120)
 def test_inplace_writes_in_a_stage3_forward_persist() -> None:
-    cases = [{"case": "ddp", "stage": s} for s in (0, 3)] + [{"case": "bf16"}, {"case": "outside"}]
+    cases = [{"case": "ddp", "stage": s} for s in (0, 3)] + [{"case": "bf16"}, {"case": "outside"},
+                                                             {"case": "outside-data"}]
+    cases += [{"case": "flat-bf16", "stage": s} for s in (0, 1, 2)] + [{"case": "load", "stage": s} for s in range(4)]
     run_subtests(_case, cases)
     if dist.get_rank() == 0:
         record_row("misuse", "in-place writes to parameters inside a ZeRO-3 forward (`w.clamp_`, `w.data.mul_`)",
                    "3", "persist: each rank keeps its slice in its shard and fp32 master (1e-6 of DDP)", None)
+        record_row("misuse", "bf16: `model.load_state_dict(...)` between steps, or `w.fill_` under `no_grad` in a "
+                   "forward", "0 / 1 / 2 / 3", "persist: the masters of what changed take the values written, "
+                   "every other master keeps its exact fp32 value", None)
+        record_row("misuse", "a write through `.data` to a parameter ZeRO-3 keeps gathered, between steps", "3",
+                   "persists: its shard and fp32 master take it before the next step or master read", None)
 
 
 def _case(case: str, stage: int = 3) -> None:
     {"ddp": lambda: _persists_like_ddp(stage), "bf16": _bf16_write_reaches_the_master,
-     "outside": _outside_forward_persistent_write}[case]()
+     "outside": _outside_forward_persistent_write, "outside-data": _outside_forward_data_write,
+     "flat-bf16": lambda: _flat_bf16_write_reaches_the_master(stage),
+     "load": lambda: _load_state_dict_after_initialize(stage)}[case]()
 
 
 def _rank_dependent() -> dict[str, Any]:

@@ -99,11 +99,12 @@ def test_stage3_bf16_shards_are_the_fp32_masters() -> None:
         assert torch.equal(after[name], written[name]), name
     assert torch.equal(_gathered(model)["second.weight"].float(), _rounded(loaded))
 
-    # GatheredParameters(modifier_rank=0): every master of the unit takes the bf16 values written
+    # GatheredParameters(modifier_rank=0): the parameter written takes the bf16 values written, the one beside it in
+    # the unit keeps its exact masters (rounded before: silently lost precision)
     with shardwise.zero.GatheredParameters([model.second.weight, model.second.bias], modifier_rank=0):
         with torch.no_grad():
             model.second.bias.add_(1.0)
     modified = _masters(engine, model)
-    assert torch.equal(modified["second.weight"], _rounded(loaded))
+    assert torch.equal(modified["second.weight"], loaded) and not torch.equal(loaded, _rounded(loaded))
     assert torch.equal(modified["second.bias"], _rounded(_rounded(after["second.bias"]) + 1.0))
     engine.destroy()

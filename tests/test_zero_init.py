@@ -227,8 +227,37 @@ def test_gathered_parameters_and_external_parameters() -> None:
             assert model.weight.sum() is not None
         engine.destroy()
 
+    def cast_then_modify_case() -> None:
+        # built under zero.Init, cast to bf16, then modified on rank 0 before initialize: the masters start from the
+        # value written (they started from the fp32 values kept at the cast before: the write was lost) and, for
+        # everything not written, from the exact fp32 values (the write rounded nothing else)
+        torch.manual_seed(0)
+        ref = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        torch.manual_seed(0)
+        with shardwise.zero.Init():
+            model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        model.to(torch.bfloat16)
+        with shardwise.zero.GatheredParameters([model[0].weight, model[0].bias], modifier_rank=0):
+            if rank == 0:
+                with torch.no_grad():
+                    model[0].weight[:2].fill_(0.25)
+        engine = shardwise.initialize(model, adamw(model.parameters()), {**STAGE3, "bf16": {"enabled": True}})
+        masters = engine.strategy.full_master_weights()
+        want = {name: p.detach().clone() for name, p in ref.named_parameters()}
+        want["0.weight"][:2] = 0.25
+        rows = slice(2, None)  # the rows of `0.weight` not written keep their exact values too
+        for name, param in model.named_parameters():
+            got = masters[id(param)]
+            if name == "0.weight":
+                assert torch.equal(got[:2], want[name][:2]), "the write missed the masters"
+                assert torch.equal(got[rows], want[name][rows]), "the rows not written were rounded"
+            else:
+                assert torch.equal(got, want[name]), name
+        engine.destroy()
+
     cases: list[tuple[str, Any]] = [("read_modify", read_modify_case), ("external", lambda: external_case(False)),
-                                    ("registered", lambda: external_case(True)), ("others", other_stages_case)]
+                                    ("registered", lambda: external_case(True)), ("others", other_stages_case),
+                                    ("cast_then_modify", cast_then_modify_case)]
     run_subtests(lambda name: dict(cases)[name](), [{"name": n} for n, _ in cases])
 
 

@@ -88,6 +88,8 @@ class FlatStrategy(Strategy):
         #: parameters another model-parallel rank counts in the norm, and their reduced gradients (per layout)
         self._elsewhere: frozenset[str] = frozenset()
         self._uncounted: list[torch.Tensor] = []
+        #: each parameter's version counter when its masters last agreed with it (:meth:`take_written`)
+        self._versions: dict[int, int] = {}
 
     def _num_shards(self) -> int:
         return self.comm.world_size
@@ -125,6 +127,7 @@ class FlatStrategy(Strategy):
         self._hooks.extend(hooks)
         remove_with(self.grads, hooks)
         self._unused = []
+        self._note_versions()
 
     def _build_store(self, params: list[nn.Parameter], initial: dict[int, torch.Tensor]) -> None:
         """The master store for this layout: the home chosen as at initialize, the frozen entries carried over.  The
@@ -256,6 +259,7 @@ class FlatStrategy(Strategy):
 
     def step(self, inner: Any, factor: float, sums: torch.Tensor, release: bool) -> None:
         self.settle()
+        self.take_written()
         self.grads.reduced.ensure()  # the keys' `.grad` are views of it
         apart = self.store.home.grads_apart  # the optimizer reads host copies: the store scales those
         if factor != 1.0 and not apart:
@@ -294,6 +298,34 @@ class FlatStrategy(Strategy):
             self.store.publish()  # the masters as the step left them, not freed memory
             raise
         self.side.restore_values()  # (already done by the publish: nothing then)
+
+    def take_written(self) -> None:
+        """Parameters a script wrote in place since the masters last agreed with them (``model.load_state_dict``,
+        ``nn.init``, a write under ``torch.no_grad()``, in a forward too: their version counters moved) give this
+        rank's masters of them, kept ones too, the values written, as plain torch would step from them.  A write
+        through ``param.data`` moves no counter and is not seen (docs/zero.md).  fp32 masters that are the
+        parameters' own storage took every write already."""
+        if self.inner is None or self.store.home.in_model:
+            return
+        with torch._C.DisableTorchFunctionSubclass():  # (a counter read is not a use: no wait for a bucket in flight)
+            written = [p for p in self._order if p._version != self._versions.get(id(p), p._version)]
+        for param in written:
+            piece = self.store.by_param.get(id(param))
+            master = self.store.master_or_kept(piece) if piece is not None else None
+            if master is None:
+                continue
+            values = self.side.values(piece)
+            # only where the values changed (a clamp that clamped nothing moves the counter too): the others' fp32
+            # masters keep their exact values, a copy would round them
+            if not torch.equal(values, master.to(param.dtype).to(values)):
+                self.store.take(piece, values)
+        if written:
+            self._note_versions()
+
+    def _note_versions(self) -> None:
+        """The parameters and their masters agree now (the step's and a load's own writes move no counter)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            self._versions = {id(p): p._version for p in self._order}
 
     def sync_params_from_master(self) -> None:
         self.settle()
@@ -339,6 +371,7 @@ class FlatStrategy(Strategy):
         if self.inner is None:
             return
         self.settle()
+        self.take_written()
         carried = export_state(self.layout, self.store, self.inner.state, self.comm, self.gather_flat,
                                self.side.whole, self.device)
         self.close()
@@ -363,8 +396,11 @@ class FlatStrategy(Strategy):
         if self.inner is None:
             yield []
             return
+        self.take_written()
         with self.store.shards(self.inner.state, loading, wanted) as shards:
             yield shards
+        if loading:
+            self._note_versions()  # what the load wrote into parameters, its masters hold too
 
     def memory_breakdown(self) -> dict[str, int]:
         params = {id(p): p for p in self.module.parameters()}
@@ -376,6 +412,7 @@ class FlatStrategy(Strategy):
         self.settle()
         if self.inner is None:
             return {}
+        self.take_written()
         layout = self.layout
         if self.precision.dtype == torch.float32:  # the parameters hold the masters' exact values once published
             self.store.publish()

@@ -403,8 +403,13 @@ class Gatherer:
         return contextlib.nullcontext()  # inside `GatheredParameters`: its `modifier_rank` decides
 
     def on_gathered_data_access(self, unit: Unit) -> None:
-        """``param.data`` of a gathered unit was taken inside a call: hold it for the call, it may be written."""
+        """``param.data`` of a gathered unit was taken: inside a call, hold it for the call, it may be written; outside,
+        a persistent unit no block holds may be written too, and is looked at when a pass ends or the engine next reads
+        its masters (:meth:`take_written`).  (A unit ``GatheredParameters`` holds: its ``modifier_rank`` decides.)"""
         if not (self._stack or self._in_backward()):
+            if unit.persistent and unit.holders == 0 and unit not in self._written:
+                unit.settle()
+                self._written[unit] = checksum(unit.full)
             return
         if self.needs(unit):
             self.on_data_access(unit)  # held for the running call like any read (and a prefetch finishes first)
@@ -429,6 +434,12 @@ class Gatherer:
             self.values.on_written(unit)
             # No collective: the step check compares this note, so different writes on different ranks fail it.
             unit.comm.record("in-place write", unit.numel, unit.full.dtype, f"{unit.label}, values {after:x}")
+
+    def take_written(self) -> None:
+        """Outside a pass: what was written through ``param.data`` of a persistent unit since reaches its shard and
+        masters (the step, a checkpoint and the full masters read them)."""
+        if self._written and not (self._stack or self._in_backward()):
+            self._write_back(list(self._written))
 
     def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:  # (`zero.load_state_dict`)
         self.values.on_values_loaded(unit, values, loaded)
@@ -638,7 +649,7 @@ class GatheredParameters:
         try:
             if self.modifier_rank is not None and exc_type is None:
                 for unit in self.units:
-                    unit.scatter_from_full(src=self.modifier_rank)
+                    unit.take_full(src=self.modifier_rank)
                     unit.owner.on_params_modified(unit)
             elif self.modifier_rank is None:
                 # Read-only: undo local writes so the full values keep matching the shards.

@@ -212,7 +212,8 @@ class Init:
             unit.free()
 
     def on_params_modified(self, unit: Unit) -> None:
-        """Nothing else holds copies of a ``zero.Init`` unit's values."""
+        """Only the shard (and its fp32 ``pristine`` copy) hold a ``zero.Init`` unit's values."""
+        unit.scatter_from_full()
 
     def on_values_loaded(self, unit: Unit, values: torch.Tensor, loaded: set[int]) -> None:
         """Nothing else holds copies of a ``zero.Init`` unit's values (its fp32 ``pristine`` followed)."""

@@ -60,7 +60,8 @@ class UnitOwner(Protocol):
         """Drop one hold on ``unit`` (taken with ``unit.acquire()``), freeing it when nothing holds it."""
 
     def on_params_modified(self, unit: "Unit") -> None:
-        """New full values were written into ``unit`` and scattered to its shards."""
+        """New full values, the same on every rank, were written into ``unit``: its shard (and what copies it)
+        follows, where they changed."""
 
     def on_values_loaded(self, unit: "Unit", values: torch.Tensor, loaded: set[int]) -> None:
         """``unit``'s shard takes the fp32 ``values`` (this rank's slice) for the parameters ``loaded`` (next)."""
@@ -402,11 +403,21 @@ class Unit:
         self.shard_released()  # freed after use: a shard kept in a file drops its host copy
 
     def scatter_from_full(self, src: Optional[int] = None) -> None:
-        """After the full values changed: optionally take ``src``'s values (collective), update the shard."""
-        self._expect_gathered("scatter its full values")
+        """After the full values changed: optionally take ``src``'s values (collective), update the shard, and the fp32
+        ``pristine`` copy where its values changed (the others keep their exact values for the masters)."""
         if src is not None:
-            self.comm.broadcast(self.full, src=src, label=self.label)
-        self.shard.copy_(self.local(self.full))
+            self.take_full(src)
+        self._expect_gathered("scatter its full values")
+        fresh = self.local(self.full)
+        if self.pristine is not None:
+            changed = fresh != self.shard.to(fresh.dtype)
+            self.pristine[changed] = fresh[changed].to(self.pristine.dtype)
+        self.shard.copy_(fresh)
+
+    def take_full(self, src: int) -> None:
+        """The full values become rank ``src``'s (collective); the shard is the owner's to update."""
+        self._expect_gathered("broadcast its full values")
+        self.comm.broadcast(self.full, src=src, label=self.label)
 
     def load_shard(self, values: torch.Tensor) -> None:
         """This rank's slice becomes ``values`` (fp32, cast; a wide one took them from its owner); a gathered copy

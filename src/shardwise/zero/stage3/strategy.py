@@ -278,6 +278,7 @@ class Stage3(Strategy):
                           torch.tensor(flags, dtype=torch.float32, device=self._grad_device)])
 
     def step(self, inner: Any, factor: float, sums: torch.Tensor, release: bool) -> None:
+        self.gatherer.take_written()
         used = {key for key, count in zip(self._keys, sums.tolist()) if count > 0}
         store = self.store
         # scale, leave the pieces no rank had a gradient for alone, step, publish into the shards
@@ -326,6 +327,7 @@ class Stage3(Strategy):
                 "optimizer_state": self.store.state_bytes(state)}
 
     def full_master_weights(self) -> dict[int, torch.Tensor]:
+        self.gatherer.take_written()
         result: dict[int, torch.Tensor] = {}
         for unit in self.units:
             # a copy even in fp32: `fill` writes into it, and the shard itself must not change (nor, kept in a
@@ -346,6 +348,7 @@ class Stage3(Strategy):
         if self.inner is None:
             yield []
             return
+        self.gatherer.take_written()
         with self.store.shards(self.inner.state, loading, wanted) as shards:
             yield shards
         if not loading:
@@ -604,9 +607,8 @@ class UnitSide:
         self._waiting = waiting
 
     def on_params_modified(self, unit: Unit) -> None:
-        """New values were scattered into ``unit``'s shard: masters (kept ones too) follow."""
-        for piece in self.by_unit.get(unit, ()):
-            self.store.take(piece, _local(piece, unit.shard))
+        """``GatheredParameters(modifier_rank=...)`` wrote ``unit``'s full values: as a write in a forward."""
+        self.on_written(unit)
 
     def on_written(self, unit: Unit) -> None:
         """A forward wrote ``unit``'s gathered values in place: this rank's slice becomes its shard and masters
