@@ -311,8 +311,7 @@ class FlatStrategy(Strategy):
             written = [p for p in self._order if p._version != self._versions.get(id(p), p._version)]
         for param in written:
             piece = self.store.by_param.get(id(param))
-            master = self.store.master_or_kept(piece) if piece is not None else None
-            if master is None:
+            if piece is None or (master := self.store.master_or_kept(piece)) is None:
                 continue
             values = self.side.values(piece)
             # only where the values changed (a clamp that clamped nothing moves the counter too): the others' fp32
