@@ -406,8 +406,9 @@ class Unit:
         """After the full values changed: optionally take ``src``'s values (collective), update the shard, and the fp32
         ``pristine`` copy where its values changed (the others keep their exact values for the masters)."""
         if src is not None:
-            self.take_full(src)
-        self._expect_gathered("scatter its full values")
+            self.take_full(src)  # (which checks the unit is gathered)
+        else:
+            self._expect_gathered("scatter its full values")
         fresh = self.local(self.full)
         if self.pristine is not None:
             changed = fresh != self.shard.to(fresh.dtype)
